@@ -1,0 +1,386 @@
+//! Content-addressed chunks.
+//!
+//! A chunk's id is the blake3 hash of its plaintext. It is stored as one zstd frame under
+//! `chunks/<first 2 hex>/<64 hex>`, so identical bytes are stored once however many images,
+//! snapshots or checkpoints contain them, and a chunk can be checked against its own name.
+//!
+//! Reading a chunk:
+//! 1. the local disk cache, if configured (plaintext files, LRU by bytes); the bytes are hashed
+//!    and a mismatching cache file is dropped and refetched;
+//! 2. otherwise a fetch from the store, **single-flight**: concurrent readers of one chunk share
+//!    one request. The frame is decompressed with its declared size bounded by
+//!    `max_chunk_size` (a hostile frame cannot make us allocate more), hashed, and only then
+//!    handed out and cached. A mismatch is [`Error::Corrupt`] naming the chunk: never wrong bytes.
+//!
+//! Writing a chunk hashes it, skips it when the store already has it (a HEAD, or this process saw
+//! it already), and otherwise compresses and PUTs it. Batches run with bounded concurrency;
+//! compression and hashing run on the blocking pool.
+
+mod cache;
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use futures::{StreamExt, TryStreamExt};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+pub use cache::ChunkCache;
+
+use crate::error::{Error, Result};
+use crate::url::Store;
+
+/// The blake3 hash of a chunk's plaintext.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkId(pub [u8; 32]);
+
+impl ChunkId {
+    /// The id of `data`.
+    pub fn of(data: &[u8]) -> ChunkId {
+        ChunkId(*blake3::hash(data).as_bytes())
+    }
+
+    /// 64 lowercase hex digits.
+    pub fn to_hex(&self) -> String {
+        blake3::Hash::from_bytes(self.0).to_hex().to_string()
+    }
+
+    /// Parses 64 hex digits.
+    pub fn from_hex(s: &str) -> Result<ChunkId> {
+        blake3::Hash::from_hex(s)
+            .map(|h| ChunkId(*h.as_bytes()))
+            .map_err(|e| Error::Format {
+                what: "chunk id",
+                reason: format!("{s:?}: {e}"),
+            })
+    }
+
+    /// The object key of this chunk, relative to the chunk store's root.
+    pub fn key(&self) -> String {
+        let hex = self.to_hex();
+        format!("chunks/{}/{}", &hex[..2], hex)
+    }
+}
+
+impl fmt::Display for ChunkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for ChunkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ChunkId({})", &self.to_hex()[..16])
+    }
+}
+
+impl Serialize for ChunkId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for ChunkId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        ChunkId::from_hex(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// How a [`ChunkStore`] fetches, caches and compresses.
+#[derive(Debug, Clone)]
+pub struct ChunkStoreConfig {
+    /// Chunks fetched or uploaded at once by a batch call.
+    pub concurrency: usize,
+    /// Local cache directory; `None` for no cache.
+    pub cache_dir: Option<PathBuf>,
+    /// Bytes the cache may hold before it evicts the least recently used chunks.
+    pub cache_capacity: u64,
+    /// zstd level for new chunks.
+    pub zstd_level: i32,
+    /// Largest plaintext chunk accepted when decoding (bounds what a hostile frame can allocate).
+    pub max_chunk_size: usize,
+}
+
+impl Default for ChunkStoreConfig {
+    fn default() -> Self {
+        ChunkStoreConfig {
+            concurrency: 16,
+            cache_dir: None,
+            cache_capacity: 4 << 30,
+            zstd_level: 3,
+            max_chunk_size: 64 << 20,
+        }
+    }
+}
+
+type SharedFetch = Shared<BoxFuture<'static, Result<Bytes, Arc<Error>>>>;
+
+/// Content-addressed chunks in a store. Cheap to clone.
+#[derive(Clone)]
+pub struct ChunkStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Store,
+    cfg: ChunkStoreConfig,
+    cache: Option<ChunkCache>,
+    fetching: Mutex<HashMap<ChunkId, SharedFetch>>,
+    /// Chunks this process has seen in the store (uploaded or checked).
+    present: Mutex<HashSet<ChunkId>>,
+    stats: Mutex<ChunkStats>,
+}
+
+/// What a chunk store did, for tests and reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChunkStats {
+    /// Chunks read from the store (after single-flight merging).
+    pub fetched: u64,
+    /// Compressed bytes read from the store.
+    pub fetched_bytes: u64,
+    /// Reads served from the local cache.
+    pub cache_hits: u64,
+    /// Chunks uploaded.
+    pub uploaded: u64,
+    /// Compressed bytes uploaded.
+    pub uploaded_bytes: u64,
+    /// Puts skipped because the store already had the chunk.
+    pub deduplicated: u64,
+}
+
+impl fmt::Debug for ChunkStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChunkStore")
+            .field("store", &self.inner.store)
+            .field("cfg", &self.inner.cfg)
+            .finish()
+    }
+}
+
+impl ChunkStore {
+    /// Chunks under `store` (keys `chunks/..`), with an optional local cache.
+    pub fn new(store: Store, cfg: ChunkStoreConfig) -> Result<ChunkStore> {
+        let cache = match &cfg.cache_dir {
+            Some(dir) => Some(ChunkCache::open(dir, cfg.cache_capacity)?),
+            None => None,
+        };
+        Ok(ChunkStore {
+            inner: Arc::new(Inner {
+                store,
+                cfg,
+                cache,
+                fetching: Mutex::new(HashMap::new()),
+                present: Mutex::new(HashSet::new()),
+                stats: Mutex::new(ChunkStats::default()),
+            }),
+        })
+    }
+
+    /// The store the chunks live in.
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    /// The local cache, if any.
+    pub fn cache(&self) -> Option<&ChunkCache> {
+        self.inner.cache.as_ref()
+    }
+
+    /// Counters since this chunk store was created.
+    pub fn stats(&self) -> ChunkStats {
+        *self.inner.stats.lock()
+    }
+
+    /// Whether the store holds `id`.
+    pub async fn contains(&self, id: &ChunkId) -> Result<bool> {
+        if self.inner.present.lock().contains(id) {
+            return Ok(true);
+        }
+        let found = self.inner.store.exists(&id.key()).await?;
+        if found {
+            self.inner.present.lock().insert(*id);
+        }
+        Ok(found)
+    }
+
+    /// The ids among `ids` that the store does not hold, in their order.
+    pub async fn missing(&self, ids: &[ChunkId]) -> Result<Vec<ChunkId>> {
+        let found: Vec<bool> = futures::stream::iter(ids)
+            .map(|id| self.contains(id))
+            .buffered(self.inner.cfg.concurrency.max(1))
+            .try_collect()
+            .await?;
+        Ok(ids.iter().zip(found).filter(|(_, f)| !f).map(|(id, _)| *id).collect())
+    }
+
+    /// Stores `data` unless the store already has it; returns its id.
+    pub async fn put(&self, data: Bytes) -> Result<ChunkId> {
+        let level = self.inner.cfg.zstd_level;
+        let (id, data) = tokio::task::spawn_blocking(move || (ChunkId::of(&data), data))
+            .await
+            .map_err(|e| Error::task("chunk hash", e))?;
+        if self.contains(&id).await? {
+            self.inner.stats.lock().deduplicated += 1;
+            return Ok(id);
+        }
+        let frame = tokio::task::spawn_blocking(move || zstd::bulk::compress(&data, level))
+            .await
+            .map_err(|e| Error::task("chunk compress", e))?
+            .map_err(|e| Error::io("compress chunk", id.key(), e))?;
+        let n = frame.len() as u64;
+        self.inner.store.put(&id.key(), Bytes::from(frame)).await?;
+        self.inner.present.lock().insert(id);
+        let mut stats = self.inner.stats.lock();
+        stats.uploaded += 1;
+        stats.uploaded_bytes += n;
+        Ok(id)
+    }
+
+    /// Stores many chunks with bounded concurrency; ids in input order.
+    pub async fn put_many(&self, chunks: Vec<Bytes>) -> Result<Vec<ChunkId>> {
+        futures::stream::iter(chunks)
+            .map(|c| self.put(c))
+            .buffered(self.inner.cfg.concurrency.max(1))
+            .try_collect()
+            .await
+    }
+
+    /// The verified plaintext of `id`.
+    pub async fn get(&self, id: &ChunkId) -> Result<Bytes> {
+        if let Some(cache) = &self.inner.cache
+            && let Some(bytes) = cache.get(id).await?
+        {
+            self.inner.stats.lock().cache_hits += 1;
+            return Ok(bytes);
+        }
+        let fetch = {
+            let mut fetching = self.inner.fetching.lock();
+            fetching
+                .entry(*id)
+                .or_insert_with(|| self.spawn_fetch(*id))
+                .clone()
+        };
+        fetch.await.map_err(Error::Shared)
+    }
+
+    /// Many chunks with bounded concurrency, in input order.
+    pub async fn get_many(&self, ids: &[ChunkId]) -> Result<Vec<Bytes>> {
+        futures::stream::iter(ids)
+            .map(|id| self.get(id))
+            .buffered(self.inner.cfg.concurrency.max(1))
+            .try_collect()
+            .await
+    }
+
+    /// Starts the one fetch of `id` that every concurrent reader waits on. It runs as its own task
+    /// so it completes (and leaves the single-flight map) even if its first reader goes away.
+    fn spawn_fetch(&self, id: ChunkId) -> SharedFetch {
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let res = this.fetch(id).await;
+            this.inner.fetching.lock().remove(&id);
+            res
+        });
+        async move {
+            match task.await {
+                Ok(res) => res.map_err(Arc::new),
+                Err(e) => Err(Arc::new(Error::task("chunk fetch", e))),
+            }
+        }
+        .boxed()
+        .shared()
+    }
+
+    async fn fetch(&self, id: ChunkId) -> Result<Bytes> {
+        let frame = self.inner.store.get(&id.key()).await?;
+        {
+            let mut stats = self.inner.stats.lock();
+            stats.fetched += 1;
+            stats.fetched_bytes += frame.len() as u64;
+        }
+        let max = self.inner.cfg.max_chunk_size;
+        let plain = tokio::task::spawn_blocking(move || decode_frame(&id, &frame, max))
+            .await
+            .map_err(|e| Error::task("chunk decode", e))??;
+        self.inner.present.lock().insert(id);
+        if let Some(cache) = &self.inner.cache {
+            // A cache that cannot be written is a slower read next time, not a failed read.
+            if let Err(e) = cache.insert(&id, &plain).await {
+                tracing::warn!(chunk = %id, error = %e, "could not cache chunk");
+            }
+        }
+        Ok(plain)
+    }
+}
+
+/// Decompresses one stored frame and checks it against its id.
+pub fn decode_frame(id: &ChunkId, frame: &[u8], max_chunk_size: usize) -> Result<Bytes> {
+    let corrupt = |reason: String| Error::Corrupt {
+        id: id.to_hex(),
+        reason,
+    };
+    let declared = match zstd::zstd_safe::get_frame_content_size(frame) {
+        Ok(Some(n)) => n,
+        Ok(None) => return Err(corrupt("zstd frame does not declare its size".into())),
+        Err(_) => return Err(corrupt("not a zstd frame".into())),
+    };
+    if declared > max_chunk_size as u64 {
+        return Err(corrupt(format!(
+            "frame declares {declared} bytes, more than the {max_chunk_size}-byte limit"
+        )));
+    }
+    let plain = zstd::bulk::decompress(frame, declared as usize)
+        .map_err(|e| corrupt(format!("zstd: {e}")))?;
+    if plain.len() as u64 != declared {
+        return Err(corrupt(format!(
+            "frame declares {declared} bytes but holds {}",
+            plain.len()
+        )));
+    }
+    let got = ChunkId::of(&plain);
+    if got != *id {
+        return Err(corrupt(format!("content hashes to {got}")));
+    }
+    Ok(Bytes::from(plain))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trip_and_key_layout() {
+        let id = ChunkId::of(b"hello");
+        assert_eq!(ChunkId::from_hex(&id.to_hex()).unwrap(), id);
+        let key = id.key();
+        assert!(key.starts_with(&format!("chunks/{}/", &id.to_hex()[..2])));
+        assert!(ChunkId::from_hex("zz").is_err());
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(serde_json::from_str::<ChunkId>(&json).unwrap(), id);
+    }
+
+    #[test]
+    fn decode_rejects_lies() {
+        let data = vec![7u8; 10_000];
+        let id = ChunkId::of(&data);
+        let frame = zstd::bulk::compress(&data, 3).unwrap();
+        assert_eq!(decode_frame(&id, &frame, 1 << 20).unwrap(), data);
+        // Over the size limit.
+        assert!(decode_frame(&id, &frame, 100).unwrap_err().is_corrupt());
+        // Wrong id.
+        let other = ChunkId::of(b"other");
+        assert!(decode_frame(&other, &frame, 1 << 20).unwrap_err().is_corrupt());
+        // Garbage and truncation.
+        assert!(decode_frame(&id, b"garbage", 1 << 20).unwrap_err().is_corrupt());
+        assert!(decode_frame(&id, &frame[..frame.len() / 2], 1 << 20).unwrap_err().is_corrupt());
+        // A frame whose header claims a huge size is refused before allocating.
+        let mut huge = zstd::bulk::compress(&[0u8; 16], 3).unwrap();
+        huge.truncate(4);
+        assert!(decode_frame(&id, &huge, 1 << 20).is_err());
+    }
+}

@@ -1,0 +1,271 @@
+//! The local chunk cache: plaintext chunk files in a directory, evicted least-recently-used
+//! first when their total size passes the capacity.
+//!
+//! Files are named by chunk id (`<dir>/<2 hex>/<64 hex>`) and written to a temporary name then
+//! renamed, so a crash leaves either a whole chunk or none. On open the directory is scanned
+//! (oldest modification first) to rebuild the LRU order; on every hit the content is re-hashed, so
+//! a cache file damaged on disk is dropped and refetched rather than returned.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+use super::ChunkId;
+use crate::error::{Error, Result};
+
+/// A bounded on-disk cache of verified chunk plaintext. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ChunkCache {
+    inner: Arc<CacheInner>,
+}
+
+#[derive(Debug)]
+struct CacheInner {
+    dir: PathBuf,
+    capacity: u64,
+    lru: Mutex<Lru>,
+    tmp_counter: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Lru {
+    /// id → (last-use tick, size)
+    entries: HashMap<ChunkId, (u64, u64)>,
+    /// last-use tick → id
+    order: BTreeMap<u64, ChunkId>,
+    bytes: u64,
+    tick: u64,
+}
+
+impl Lru {
+    fn touch(&mut self, id: ChunkId, size: u64) {
+        self.tick += 1;
+        if let Some((old, old_size)) = self.entries.insert(id, (self.tick, size)) {
+            self.order.remove(&old);
+            self.bytes -= old_size;
+        }
+        self.order.insert(self.tick, id);
+        self.bytes += size;
+    }
+
+    fn remove(&mut self, id: &ChunkId) {
+        if let Some((tick, size)) = self.entries.remove(id) {
+            self.order.remove(&tick);
+            self.bytes -= size;
+        }
+    }
+
+    /// Pops least recently used entries until `bytes <= capacity`.
+    fn evict(&mut self, capacity: u64) -> Vec<ChunkId> {
+        let mut out = Vec::new();
+        while self.bytes > capacity {
+            let Some((_, id)) = self.order.pop_first() else { break };
+            if let Some((_, size)) = self.entries.remove(&id) {
+                self.bytes -= size;
+            }
+            out.push(id);
+        }
+        out
+    }
+}
+
+impl ChunkCache {
+    /// Opens (creating if needed) a cache in `dir` holding at most `capacity` bytes.
+    pub fn open(dir: &Path, capacity: u64) -> Result<ChunkCache> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create cache directory", dir, e))?;
+        let mut found = Vec::new();
+        for fan in std::fs::read_dir(dir).map_err(|e| Error::io("read cache directory", dir, e))? {
+            let fan = fan.map_err(|e| Error::io("read cache directory", dir, e))?;
+            if !fan.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let Ok(files) = std::fs::read_dir(fan.path()) else { continue };
+            for f in files.flatten() {
+                let name = f.file_name();
+                let name = name.to_string_lossy();
+                let Ok(meta) = f.metadata() else { continue };
+                match ChunkId::from_hex(&name) {
+                    Ok(id) if meta.is_file() => {
+                        let mtime = meta.modified().ok();
+                        found.push((mtime, id, meta.len()));
+                    }
+                    // Leftover temporary files from a crash.
+                    _ if name.starts_with(".tmp") => {
+                        let _ = std::fs::remove_file(f.path());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        found.sort_by_key(|(mtime, _, _)| *mtime);
+        let mut lru = Lru::default();
+        for (_, id, size) in found {
+            lru.touch(id, size);
+        }
+        let cache = ChunkCache {
+            inner: Arc::new(CacheInner {
+                dir: dir.to_path_buf(),
+                capacity,
+                lru: Mutex::new(lru),
+                tmp_counter: AtomicU64::new(0),
+            }),
+        };
+        let evicted = cache.inner.lru.lock().evict(capacity);
+        cache.remove_files(&evicted);
+        Ok(cache)
+    }
+
+    /// The file that holds `id` (whether or not it is cached).
+    pub fn path_of(&self, id: &ChunkId) -> PathBuf {
+        let hex = id.to_hex();
+        self.inner.dir.join(&hex[..2]).join(hex)
+    }
+
+    /// The cached file of `id`, if cached, marking it used: for hard-linking chunk files.
+    pub fn file(&self, id: &ChunkId) -> Option<PathBuf> {
+        let mut lru = self.inner.lru.lock();
+        let size = lru.entries.get(id)?.1;
+        lru.touch(*id, size);
+        Some(self.path_of(id))
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.inner.lru.lock().bytes
+    }
+
+    /// The capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.inner.capacity
+    }
+
+    /// Whether `id` is cached.
+    pub fn contains(&self, id: &ChunkId) -> bool {
+        self.inner.lru.lock().entries.contains_key(id)
+    }
+
+    /// The verified plaintext of `id`, if cached. A cache file that no longer matches its id is
+    /// removed and reported as a miss.
+    pub async fn get(&self, id: &ChunkId) -> Result<Option<Bytes>> {
+        if self.file(id).is_none() {
+            return Ok(None);
+        }
+        let path = self.path_of(id);
+        let id = *id;
+        let read = tokio::task::spawn_blocking(move || {
+            let data = std::fs::read(&path)?;
+            Ok::<_, std::io::Error>((ChunkId::of(&data) == id).then_some(data))
+        })
+        .await
+        .map_err(|e| Error::task("cache read", e))?;
+        match read {
+            Ok(Some(data)) => Ok(Some(Bytes::from(data))),
+            Ok(None) => {
+                tracing::warn!(chunk = %id, "cached chunk does not match its id; dropping it");
+                self.remove(&id);
+                Ok(None)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.inner.lru.lock().remove(&id);
+                Ok(None)
+            }
+            Err(e) => Err(Error::io("read cached chunk", self.path_of(&id), e)),
+        }
+    }
+
+    /// Caches verified plaintext, evicting least recently used chunks beyond the capacity.
+    pub async fn insert(&self, id: &ChunkId, data: &Bytes) -> Result<()> {
+        if data.len() as u64 > self.inner.capacity {
+            return Ok(());
+        }
+        let path = self.path_of(id);
+        let tmp = path.with_file_name(format!(
+            ".tmp-{}-{}",
+            std::process::id(),
+            self.inner.tmp_counter.fetch_add(1, Ordering::Relaxed)
+        ));
+        let data = data.clone();
+        let len = data.len() as u64;
+        tokio::task::spawn_blocking(move || {
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| Error::io("create cache directory", parent, e))?;
+            }
+            std::fs::write(&tmp, &data).map_err(|e| Error::io("write cached chunk", &tmp, e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                Error::io("rename cached chunk", &path, e)
+            })
+        })
+        .await
+        .map_err(|e| Error::task("cache write", e))??;
+        let evicted = {
+            let mut lru = self.inner.lru.lock();
+            lru.touch(*id, len);
+            lru.evict(self.inner.capacity)
+        };
+        self.remove_files(&evicted);
+        Ok(())
+    }
+
+    /// Drops `id` from the cache.
+    pub fn remove(&self, id: &ChunkId) {
+        self.inner.lru.lock().remove(id);
+        self.remove_files(&[*id]);
+    }
+
+    fn remove_files(&self, ids: &[ChunkId]) {
+        for id in ids {
+            let path = self.path_of(id);
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "could not evict cached chunk");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn evicts_least_recently_used_by_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = ChunkCache::open(dir.path(), 250).unwrap();
+        let chunks: Vec<Bytes> = (0..3u8).map(|i| Bytes::from(vec![i; 100])).collect();
+        let ids: Vec<ChunkId> = chunks.iter().map(|c| ChunkId::of(c)).collect();
+        cache.insert(&ids[0], &chunks[0]).await.unwrap();
+        cache.insert(&ids[1], &chunks[1]).await.unwrap();
+        // Use chunk 0 so chunk 1 is the least recently used.
+        assert_eq!(cache.get(&ids[0]).await.unwrap().unwrap(), chunks[0]);
+        cache.insert(&ids[2], &chunks[2]).await.unwrap();
+        assert!(cache.bytes() <= 250);
+        assert!(cache.contains(&ids[0]));
+        assert!(!cache.contains(&ids[1]));
+        assert!(!cache.path_of(&ids[1]).exists());
+        assert!(cache.contains(&ids[2]));
+
+        // Reopening rebuilds the index from the directory.
+        drop(cache);
+        let cache = ChunkCache::open(dir.path(), 250).unwrap();
+        assert_eq!(cache.bytes(), 200);
+        assert_eq!(cache.get(&ids[2]).await.unwrap().unwrap(), chunks[2]);
+    }
+
+    #[tokio::test]
+    async fn a_damaged_cache_file_is_a_miss() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = ChunkCache::open(dir.path(), 1 << 20).unwrap();
+        let data = Bytes::from_static(b"precious bytes");
+        let id = ChunkId::of(&data);
+        cache.insert(&id, &data).await.unwrap();
+        std::fs::write(cache.path_of(&id), b"precious bytez").unwrap();
+        assert!(cache.get(&id).await.unwrap().is_none());
+        assert!(!cache.contains(&id));
+    }
+}

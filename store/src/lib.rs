@@ -1,0 +1,31 @@
+//! hotstart-store: the storage substrate every other hotstart crate reads and writes through.
+//!
+//! - [`StoreUrl`] / [`Store`]: a URL (`/path`, `file://`, `memory://`, `s3://bucket/prefix`, and
+//!   `gs://` / `az://` behind features) opened as an `object_store` backend with its prefix applied.
+//! - [`StripedReader`] / [`StripedWriter`]: one object read as many parallel ranged GETs, or
+//!   written as a parallel multipart upload, under one process-wide [`ByteBudget`].
+//! - [`ChunkStore`]: content-addressed, zstd-compressed chunks, verified on every read, with a
+//!   bounded local disk cache and single-flight fetches.
+//! - [`Tree`]: the manifest of a file tree (images and environment snapshots are trees).
+//! - [`uring`]: local files written and read through io_uring with O_DIRECT.
+//! - [`wrap`]: `ObjectStore` wrappers for tests and benchmarks: throttled, fault-injecting,
+//!   counting.
+
+pub mod budget;
+pub mod chunk;
+pub mod error;
+pub mod striped;
+pub mod tree;
+pub mod uring;
+pub mod url;
+pub mod wrap;
+
+pub use budget::ByteBudget;
+pub use chunk::{ChunkCache, ChunkId, ChunkStore, ChunkStoreConfig};
+pub use error::{Error, Result};
+pub use striped::{StripeConfig, StripedReader, StripedWriter};
+pub use tree::{Entry, EntryKind, Tree};
+pub use url::{ObjectInfo, Store, StoreUrl};
+
+/// Re-exported so that users of this crate name the same `object_store` version.
+pub use object_store;

@@ -1,0 +1,609 @@
+//! `Tree`: the manifest of a file tree whose file contents live in a [`ChunkStore`].
+//!
+//! Images and environment snapshots are trees. A tree lists every entry below a root (the root
+//! itself excluded) sorted by path, so a parent always comes before its children and a hard link
+//! after the file it links to. Each entry has a kind (directory, file with its chunk list, symlink
+//! with its target, hard link to an earlier file), permission bits, owner and mtime.
+//!
+//! **Encoding** (versioned, compact): the 6 bytes `HSTREE`, a little-endian `u16` format version,
+//! then one zstd frame holding the JSON of the tree. Decoding bounds the decompressed size and
+//! validates every path before anything can use it.
+//!
+//! **Safety when materialising.** An entry path must be relative, with no empty, `.` or `..`
+//! component and no NUL. Every ancestor directory is checked on disk before an entry is created
+//! under it: an ancestor that is a symlink (say the tree made `lib -> /etc` and then lists
+//! `lib/passwd`) is refused with [`Error::UnsafePath`] naming the entry, and files are created with
+//! `O_NOFOLLOW | O_EXCL`, so nothing is ever written outside the destination.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+
+use crate::chunk::{ChunkId, ChunkStore};
+use crate::error::{Error, Result};
+
+/// The format version written by this build.
+pub const TREE_FORMAT_VERSION: u16 = 1;
+const MAGIC: &[u8; 6] = b"HSTREE";
+/// Largest decoded manifest accepted (bounds what a hostile manifest can allocate).
+const MAX_DECODED_BYTES: usize = 512 << 20;
+/// Default chunk size for files: 1 MiB.
+pub const DEFAULT_CHUNK_SIZE: usize = 1 << 20;
+
+/// The manifest of a file tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tree {
+    /// Entries sorted by path.
+    #[serde(rename = "e")]
+    pub entries: Vec<Entry>,
+}
+
+/// One file, directory, symlink or hard link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Relative path, `/`-separated.
+    #[serde(rename = "p")]
+    pub path: String,
+    #[serde(rename = "k")]
+    pub kind: EntryKind,
+    /// Permission bits (`mode & 0o7777`).
+    #[serde(rename = "m")]
+    pub mode: u32,
+    #[serde(rename = "u", default)]
+    pub uid: u32,
+    #[serde(rename = "g", default)]
+    pub gid: u32,
+    /// Modification time in nanoseconds since the Unix epoch.
+    #[serde(rename = "t", default)]
+    pub mtime_ns: i64,
+}
+
+/// What an entry is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "t")]
+pub enum EntryKind {
+    #[serde(rename = "d")]
+    Dir,
+    #[serde(rename = "f")]
+    File {
+        #[serde(rename = "s")]
+        size: u64,
+        /// Chunks in file order; every chunk but the last is `chunk_size` long.
+        #[serde(rename = "c")]
+        chunks: Vec<ChunkRef>,
+    },
+    #[serde(rename = "l")]
+    Symlink {
+        #[serde(rename = "to")]
+        target: String,
+    },
+    /// A hard link to an earlier file entry of the same tree.
+    #[serde(rename = "h")]
+    Hardlink {
+        #[serde(rename = "to")]
+        target: String,
+    },
+}
+
+/// One chunk of a file: its id and plaintext length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkRef {
+    #[serde(rename = "i")]
+    pub id: ChunkId,
+    #[serde(rename = "n")]
+    pub len: u32,
+}
+
+/// Checks that `path` is a safe relative entry path.
+pub fn check_entry_path(path: &str) -> Result<()> {
+    let unsafe_path = |reason: &str| Error::UnsafePath {
+        entry: path.to_string(),
+        reason: reason.to_string(),
+    };
+    if path.is_empty() {
+        return Err(unsafe_path("empty path"));
+    }
+    if path.starts_with('/') {
+        return Err(unsafe_path("absolute path"));
+    }
+    if path.contains('\0') {
+        return Err(unsafe_path("NUL in path"));
+    }
+    for c in path.split('/') {
+        match c {
+            "" => return Err(unsafe_path("empty path component")),
+            "." | ".." => return Err(unsafe_path("'.' or '..' component escapes the root")),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+impl Tree {
+    /// Files, directories, symlinks and hard links, in that order of counts.
+    pub fn file_count(&self) -> usize {
+        self.entries
+            .iter()
+            .filter(|e| matches!(e.kind, EntryKind::File { .. }))
+            .count()
+    }
+
+    /// Sum of file sizes (hard links counted once).
+    pub fn total_bytes(&self) -> u64 {
+        self.entries
+            .iter()
+            .map(|e| match &e.kind {
+                EntryKind::File { size, .. } => *size,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Every chunk id the tree refers to, first use order, without repeats.
+    pub fn chunk_ids(&self) -> Vec<ChunkId> {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for e in &self.entries {
+            if let EntryKind::File { chunks, .. } = &e.kind {
+                for c in chunks {
+                    if seen.insert(c.id) {
+                        out.push(c.id);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Validates paths, order, hard-link targets and chunk lengths.
+    pub fn validate(&self) -> Result<()> {
+        let mut files: HashMap<&str, ()> = HashMap::new();
+        let mut prev: Option<&str> = None;
+        for e in &self.entries {
+            check_entry_path(&e.path)?;
+            if let Some(p) = prev
+                && p >= e.path.as_str()
+            {
+                return Err(Error::UnsafePath {
+                    entry: e.path.clone(),
+                    reason: format!("out of order or repeated after {p:?}"),
+                });
+            }
+            prev = Some(&e.path);
+            match &e.kind {
+                EntryKind::File { size, chunks } => {
+                    let sum: u64 = chunks.iter().map(|c| c.len as u64).sum();
+                    if sum != *size {
+                        return Err(Error::Format {
+                            what: "tree",
+                            reason: format!("{}: chunks hold {sum} bytes, size says {size}", e.path),
+                        });
+                    }
+                    files.insert(&e.path, ());
+                }
+                EntryKind::Hardlink { target } => {
+                    if !files.contains_key(target.as_str()) {
+                        return Err(Error::UnsafePath {
+                            entry: e.path.clone(),
+                            reason: format!("hard link to {target:?}, which is not an earlier file"),
+                        });
+                    }
+                }
+                EntryKind::Symlink { target } => {
+                    if target.is_empty() || target.contains('\0') {
+                        return Err(Error::UnsafePath {
+                            entry: e.path.clone(),
+                            reason: "empty symlink target or NUL in it".into(),
+                        });
+                    }
+                }
+                EntryKind::Dir => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Encodes the tree: magic, version, zstd-compressed JSON.
+    pub fn encode(&self) -> Result<Bytes> {
+        let json = serde_json::to_vec(self).map_err(|e| Error::Format {
+            what: "tree",
+            reason: e.to_string(),
+        })?;
+        let body = zstd::bulk::compress(&json, 6).map_err(|e| Error::io("compress tree", "", e))?;
+        let mut out = Vec::with_capacity(8 + body.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&TREE_FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&body);
+        Ok(Bytes::from(out))
+    }
+
+    /// Decodes and validates an encoded tree.
+    pub fn decode(data: &[u8]) -> Result<Tree> {
+        let bad = |reason: String| Error::Format { what: "tree", reason };
+        if data.len() < 8 || &data[..6] != MAGIC {
+            return Err(bad("not a hotstart tree (bad magic)".into()));
+        }
+        let version = u16::from_le_bytes([data[6], data[7]]);
+        if version != TREE_FORMAT_VERSION {
+            return Err(bad(format!(
+                "format version {version}; this build reads version {TREE_FORMAT_VERSION}"
+            )));
+        }
+        let mut json = Vec::new();
+        zstd::stream::read::Decoder::new(&data[8..])
+            .map_err(|e| bad(format!("zstd: {e}")))?
+            .take(MAX_DECODED_BYTES as u64 + 1)
+            .read_to_end(&mut json)
+            .map_err(|e| bad(format!("zstd: {e}")))?;
+        if json.len() > MAX_DECODED_BYTES {
+            return Err(bad(format!("decodes to more than {MAX_DECODED_BYTES} bytes")));
+        }
+        let tree: Tree = serde_json::from_slice(&json).map_err(|e| bad(e.to_string()))?;
+        tree.validate()?;
+        Ok(tree)
+    }
+
+    /// Builds a tree from the directory `root`, storing file contents as chunks of `chunk_size`.
+    /// Sockets, FIFOs and device nodes are skipped with a warning.
+    pub async fn build(root: &Path, chunks: &ChunkStore, chunk_size: usize) -> Result<Tree> {
+        let root = root.to_path_buf();
+        let walked = tokio::task::spawn_blocking(move || walk(&root))
+            .await
+            .map_err(|e| Error::task("tree walk", e))??;
+        let mut entries = Vec::with_capacity(walked.len());
+        // Files are chunked a few at a time; each file's chunks upload with the store's concurrency.
+        let built: Vec<Entry> = futures::stream::iter(walked)
+            .map(|w| async move {
+                match w.file {
+                    Some(abs) => {
+                        let (size, refs) = chunk_file(&abs, chunks, chunk_size.max(1)).await?;
+                        Ok::<_, Error>(Entry {
+                            kind: EntryKind::File { size, chunks: refs },
+                            ..w.entry
+                        })
+                    }
+                    None => Ok(w.entry),
+                }
+            })
+            .buffered(4)
+            .try_collect()
+            .await?;
+        entries.extend(built);
+        let tree = Tree { entries };
+        tree.validate()?;
+        Ok(tree)
+    }
+
+    /// Creates every entry under `dest` (created if missing), fetching file contents from
+    /// `chunks`. Refuses, before writing anything, a tree with an unsafe path.
+    pub async fn materialize(&self, dest: &Path, chunks: &ChunkStore) -> Result<()> {
+        self.validate()?;
+        std::fs::create_dir_all(dest).map_err(|e| Error::io("create directory", dest, e))?;
+        let dest = dest.to_path_buf();
+        // Directories, symlinks and hard links are cheap and ordered; files are fetched in
+        // parallel once their parent directories exist.
+        let mut files = Vec::new();
+        for e in &self.entries {
+            let abs = safe_join(&dest, &e.path)?;
+            match &e.kind {
+                EntryKind::Dir => std::fs::create_dir(&abs)
+                    .or_else(|err| {
+                        let is_dir = std::fs::symlink_metadata(&abs).is_ok_and(|m| m.is_dir());
+                        if err.kind() == std::io::ErrorKind::AlreadyExists && is_dir {
+                            Ok(())
+                        } else {
+                            Err(err)
+                        }
+                    })
+                    .map_err(|err| Error::io("create directory", &abs, err))?,
+                EntryKind::Symlink { target } => std::os::unix::fs::symlink(target, &abs)
+                    .map_err(|err| Error::io("create symlink", &abs, err))?,
+                EntryKind::Hardlink { target } => {
+                    // The target is an earlier file entry; it is linked once files are written.
+                    files.push((e, abs, Some(safe_join(&dest, target)?)));
+                }
+                EntryKind::File { .. } => files.push((e, abs, None)),
+            }
+        }
+        let (links, plain): (Vec<_>, Vec<_>) = files.into_iter().partition(|(_, _, t)| t.is_some());
+        futures::stream::iter(plain)
+            .map(|(e, abs, _)| write_file(e, abs, chunks))
+            .buffer_unordered(4)
+            .try_collect::<()>()
+            .await?;
+        for (_, abs, target) in links {
+            let target = target.expect("partitioned on Some");
+            std::fs::hard_link(&target, &abs).map_err(|err| Error::io("create hard link", &abs, err))?;
+        }
+        // Metadata last, deepest first, so creating children does not disturb directory mtimes.
+        for e in self.entries.iter().rev() {
+            let abs = dest.join(&e.path);
+            match e.kind {
+                EntryKind::Symlink { .. } => set_mtime(&abs, e.mtime_ns, true)?,
+                EntryKind::Hardlink { .. } => {}
+                _ => {
+                    std::fs::set_permissions(&abs, std::fs::Permissions::from_mode(e.mode & 0o7777))
+                        .map_err(|err| Error::io("set mode", &abs, err))?;
+                    set_mtime(&abs, e.mtime_ns, false)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `dest/rel`, after checking `rel` and that no existing ancestor under `dest` is a symlink or
+/// anything but a directory.
+fn safe_join(dest: &Path, rel: &str) -> Result<PathBuf> {
+    check_entry_path(rel)?;
+    let mut cur = dest.to_path_buf();
+    let comps: Vec<&str> = rel.split('/').collect();
+    for (i, c) in comps.iter().enumerate() {
+        cur.push(c);
+        if i + 1 == comps.len() {
+            break;
+        }
+        match std::fs::symlink_metadata(&cur) {
+            Ok(m) if m.file_type().is_symlink() => {
+                return Err(Error::UnsafePath {
+                    entry: rel.to_string(),
+                    reason: format!("would write through the symlink {}", cur.display()),
+                });
+            }
+            Ok(m) if !m.is_dir() => {
+                return Err(Error::UnsafePath {
+                    entry: rel.to_string(),
+                    reason: format!("parent {} is not a directory", cur.display()),
+                });
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir(&cur).map_err(|e| Error::io("create directory", &cur, e))?;
+            }
+            Err(e) => return Err(Error::io("stat", &cur, e)),
+        }
+    }
+    Ok(cur)
+}
+
+async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore) -> Result<()> {
+    let EntryKind::File { size, chunks: refs } = &e.kind else {
+        return Ok(());
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(&abs)
+        .map_err(|err| Error::io("create file", &abs, err))?;
+    let ids: Vec<ChunkId> = refs.iter().map(|c| c.id).collect();
+    let mut written = 0u64;
+    // Fetch ahead while writing in order.
+    let mut stream = futures::stream::iter(ids.iter())
+        .map(|id| chunks.get(id))
+        .buffered(8);
+    let mut i = 0;
+    while let Some(data) = stream.next().await {
+        let data = data?;
+        if data.len() as u64 != refs[i].len as u64 {
+            return Err(Error::Corrupt {
+                id: refs[i].id.to_hex(),
+                reason: format!("{} bytes, the tree says {}", data.len(), refs[i].len),
+            });
+        }
+        std::io::Write::write_all(&mut file, &data).map_err(|err| Error::io("write file", &abs, err))?;
+        written += data.len() as u64;
+        i += 1;
+    }
+    if written != *size {
+        return Err(Error::Format {
+            what: "tree",
+            reason: format!("{}: wrote {written} bytes, expected {size}", e.path),
+        });
+    }
+    Ok(())
+}
+
+fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| Error::UnsafePath {
+        entry: path.display().to_string(),
+        reason: "NUL in path".into(),
+    })?;
+    let ts = libc::timespec {
+        tv_sec: mtime_ns.div_euclid(1_000_000_000),
+        tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
+    };
+    let times = [ts, ts];
+    let flags = if nofollow { libc::AT_SYMLINK_NOFOLLOW } else { 0 };
+    // SAFETY: `c` is a valid NUL-terminated path and `times` points to two initialised timespecs
+    // that outlive the call.
+    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), flags) };
+    if rc != 0 {
+        return Err(Error::io("set mtime", path, std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+struct Walked {
+    entry: Entry,
+    /// For regular files: the absolute path whose content is still to be chunked.
+    file: Option<PathBuf>,
+    /// (device, inode) of a regular file with more than one link.
+    inode: Option<(u64, u64)>,
+}
+
+fn walk(root: &Path) -> Result<Vec<Walked>> {
+    let mut out = Vec::new();
+    let mut stack = vec![(root.to_path_buf(), String::new())];
+    while let Some((dir, rel)) = stack.pop() {
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .map_err(|e| Error::io("read directory", &dir, e))?
+            .map(|d| d.map(|d| d.file_name()))
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| Error::io("read directory", &dir, e))?;
+        names.sort();
+        for name in names {
+            let Some(name) = name.to_str() else {
+                return Err(Error::UnsafePath {
+                    entry: format!("{rel}/{}", name.to_string_lossy()),
+                    reason: "file name is not UTF-8".into(),
+                });
+            };
+            let abs = dir.join(name);
+            let path = if rel.is_empty() { name.to_string() } else { format!("{rel}/{name}") };
+            let m = std::fs::symlink_metadata(&abs).map_err(|e| Error::io("stat", &abs, e))?;
+            let ft = m.file_type();
+            let mut entry = Entry {
+                path: path.clone(),
+                kind: EntryKind::Dir,
+                mode: m.mode() & 0o7777,
+                uid: m.uid(),
+                gid: m.gid(),
+                mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+            };
+            let mut file = None;
+            let mut inode = None;
+            if ft.is_dir() {
+                stack.push((abs.clone(), path.clone()));
+            } else if ft.is_symlink() {
+                let target = std::fs::read_link(&abs).map_err(|e| Error::io("read symlink", &abs, e))?;
+                let target = target.to_str().ok_or_else(|| Error::UnsafePath {
+                    entry: path.clone(),
+                    reason: "symlink target is not UTF-8".into(),
+                })?;
+                entry.kind = EntryKind::Symlink {
+                    target: target.to_string(),
+                };
+            } else if ft.is_file() {
+                if m.nlink() > 1 {
+                    inode = Some((m.dev(), m.ino()));
+                }
+                entry.kind = EntryKind::File {
+                    size: 0,
+                    chunks: Vec::new(),
+                };
+                file = Some(abs);
+            } else {
+                tracing::warn!(path = %abs.display(), "skipping a socket, FIFO or device node");
+                continue;
+            }
+            out.push(Walked { entry, file, inode });
+        }
+    }
+    // Sorted by path, parents come before children; the first path of a multiply-linked inode
+    // holds the content and later paths become hard links to it.
+    out.sort_by(|a, b| a.entry.path.cmp(&b.entry.path));
+    let mut first_of: HashMap<(u64, u64), String> = HashMap::new();
+    for w in &mut out {
+        let Some(inode) = w.inode else { continue };
+        match first_of.get(&inode) {
+            Some(first) => {
+                w.entry.kind = EntryKind::Hardlink { target: first.clone() };
+                w.file = None;
+            }
+            None => {
+                first_of.insert(inode, w.entry.path.clone());
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn chunk_file(path: &Path, chunks: &ChunkStore, chunk_size: usize) -> Result<(u64, Vec<ChunkRef>)> {
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut refs = Vec::new();
+    let mut size = 0u64;
+    loop {
+        // Read a batch of chunks, then upload them in parallel.
+        let mut batch = Vec::new();
+        for _ in 0..8 {
+            let mut buf = vec![0u8; chunk_size];
+            let n = read_full(&mut file, &mut buf).map_err(|e| Error::io("read", path, e))?;
+            if n == 0 {
+                break;
+            }
+            buf.truncate(n);
+            batch.push(Bytes::from(buf));
+            if n < chunk_size {
+                break;
+            }
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let last_short = batch.last().is_some_and(|b| b.len() < chunk_size);
+        let lens: Vec<u32> = batch.iter().map(|b| b.len() as u32).collect();
+        let ids = chunks.put_many(batch).await?;
+        for (id, len) in ids.into_iter().zip(lens) {
+            size += len as u64;
+            refs.push(ChunkRef { id, len });
+        }
+        if last_short {
+            break;
+        }
+    }
+    Ok((size, refs))
+}
+
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_paths_that_escape_are_refused() {
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a//b", "a/./b", "a\0b"] {
+            let err = check_entry_path(bad).unwrap_err();
+            assert!(matches!(err, Error::UnsafePath { .. }), "{bad:?}: {err}");
+        }
+        check_entry_path("a/b/c.txt").unwrap();
+    }
+
+    #[test]
+    fn decode_rejects_garbage_and_future_versions() {
+        assert!(Tree::decode(b"").is_err());
+        assert!(Tree::decode(b"HSTREE\x01\x00garbage").is_err());
+        let tree = Tree { entries: vec![] };
+        let mut enc = tree.encode().unwrap().to_vec();
+        assert_eq!(Tree::decode(&enc).unwrap(), tree);
+        enc[6] = 9;
+        let err = Tree::decode(&enc).unwrap_err().to_string();
+        assert!(err.contains("version 9"), "{err}");
+    }
+
+    #[test]
+    fn decode_refuses_a_hostile_manifest() {
+        let tree = Tree {
+            entries: vec![Entry {
+                path: "../../etc/cron.d/x".into(),
+                kind: EntryKind::Dir,
+                mode: 0o755,
+                uid: 0,
+                gid: 0,
+                mtime_ns: 0,
+            }],
+        };
+        let enc = tree.encode().unwrap();
+        assert!(matches!(Tree::decode(&enc), Err(Error::UnsafePath { .. })));
+    }
+}

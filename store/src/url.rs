@@ -1,0 +1,388 @@
+//! Store URLs and the [`Store`] handle.
+//!
+//! A [`StoreUrl`] names where objects live; [`Store`] is that backend opened, with the URL's
+//! prefix applied, so keys used through it are relative (`job/step-3/rank-0.manifest.json`).
+//!
+//! | URL | backend |
+//! |---|---|
+//! | `/abs/path`, `rel/path`, `file:///abs/path` | a local directory (created if missing): the embedded default |
+//! | `memory://` | an in-process map, for unit tests |
+//! | `s3://bucket[/prefix]` | S3 or any S3-compatible server; endpoint, region, credentials and `AWS_ALLOW_HTTP` from the standard `AWS_*` variables |
+//! | `gs://bucket[/prefix]` | Google Cloud Storage (feature `gcp`), `GOOGLE_*` variables |
+//! | `az://container[/prefix]` | Azure Blob Storage (feature `azure`), `AZURE_*` variables |
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::prefix::PrefixStore;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+use crate::error::{Error, Result};
+
+/// A parsed store URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// A local directory.
+    Local { root: std::path::PathBuf },
+    /// The in-process memory store.
+    Memory { prefix: String },
+    /// An S3-compatible bucket.
+    S3 { bucket: String, prefix: String },
+    /// A Google Cloud Storage bucket.
+    Gcs { bucket: String, prefix: String },
+    /// An Azure Blob Storage container.
+    Azure { container: String, prefix: String },
+}
+
+impl StoreUrl {
+    /// Parses a store URL; the error names the URL and says what is wrong with it.
+    pub fn parse(url: &str) -> Result<StoreUrl> {
+        let bad = |reason: &str| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: reason.to_string(),
+        };
+        if url.is_empty() {
+            return Err(bad("empty; give a directory, file://, memory:// or s3:// URL"));
+        }
+        let Some((scheme, rest)) = url.split_once("://") else {
+            // A plain path: the embedded default.
+            return Ok(StoreUrl::Local { root: url.into() });
+        };
+        let (bucket, prefix) = match rest.split_once('/') {
+            Some((b, p)) => (b, p.trim_matches('/')),
+            None => (rest, ""),
+        };
+        if prefix.split('/').any(|c| c == "." || c == "..") {
+            return Err(bad("the prefix may not contain '.' or '..' components"));
+        }
+        let need_bucket = |what: &str| -> Result<String> {
+            if bucket.is_empty() {
+                return Err(bad(&format!("missing {what} name after {scheme}://")));
+            }
+            Ok(bucket.to_string())
+        };
+        match scheme {
+            "file" => {
+                if !rest.starts_with('/') {
+                    return Err(bad("file:// URLs take an absolute path (file:///data/store)"));
+                }
+                Ok(StoreUrl::Local { root: rest.into() })
+            }
+            "memory" => Ok(StoreUrl::Memory {
+                prefix: rest.trim_matches('/').to_string(),
+            }),
+            "s3" | "s3a" => Ok(StoreUrl::S3 {
+                bucket: need_bucket("bucket")?,
+                prefix: prefix.to_string(),
+            }),
+            "gs" => Ok(StoreUrl::Gcs {
+                bucket: need_bucket("bucket")?,
+                prefix: prefix.to_string(),
+            }),
+            "az" | "azure" => Ok(StoreUrl::Azure {
+                container: need_bucket("container")?,
+                prefix: prefix.to_string(),
+            }),
+            other => Err(bad(&format!(
+                "unknown scheme {other:?}; expected a path, file://, memory://, s3://, gs:// or az://"
+            ))),
+        }
+    }
+
+    /// Opens the backend this URL names, configured from the environment.
+    pub fn open(&self) -> Result<Store> {
+        self.open_with(&[])
+    }
+
+    /// Opens the backend with explicit options that override the environment: object_store
+    /// configuration keys such as `aws_endpoint`, `aws_allow_http`, `aws_access_key_id`.
+    pub fn open_with(&self, options: &[(String, String)]) -> Result<Store> {
+        let label = self.to_string();
+        let (inner, prefix): (Arc<dyn ObjectStore>, &str) = match self {
+            StoreUrl::Local { root } => {
+                std::fs::create_dir_all(root).map_err(|e| Error::io("create store directory", root, e))?;
+                let fs = object_store::local::LocalFileSystem::new_with_prefix(root)
+                    .map_err(|e| Error::InvalidUrl {
+                        url: label.clone(),
+                        reason: e.to_string(),
+                    })?
+                    .with_automatic_cleanup(true);
+                (Arc::new(fs), "")
+            }
+            StoreUrl::Memory { prefix } => (Arc::new(object_store::memory::InMemory::new()), prefix),
+            StoreUrl::S3 { bucket, prefix } => (open_s3(&label, bucket, options)?, prefix),
+            StoreUrl::Gcs { bucket, prefix } => (open_gcs(&label, bucket)?, prefix),
+            StoreUrl::Azure { container, prefix } => (open_azure(&label, container)?, prefix),
+        };
+        let inner: Arc<dyn ObjectStore> = if prefix.is_empty() {
+            inner
+        } else {
+            Arc::new(PrefixStore::new(inner, prefix))
+        };
+        Ok(Store { inner, label: label.into() })
+    }
+}
+
+impl fmt::Display for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let join = |f: &mut fmt::Formatter<'_>, scheme: &str, b: &str, p: &str| {
+            if p.is_empty() {
+                write!(f, "{scheme}://{b}")
+            } else {
+                write!(f, "{scheme}://{b}/{p}")
+            }
+        };
+        match self {
+            StoreUrl::Local { root } => write!(f, "{}", root.display()),
+            StoreUrl::Memory { prefix } => write!(f, "memory://{prefix}"),
+            StoreUrl::S3 { bucket, prefix } => join(f, "s3", bucket, prefix),
+            StoreUrl::Gcs { bucket, prefix } => join(f, "gs", bucket, prefix),
+            StoreUrl::Azure { container, prefix } => join(f, "az", container, prefix),
+        }
+    }
+}
+
+#[cfg(feature = "aws")]
+fn open_s3(url: &str, bucket: &str, options: &[(String, String)]) -> Result<Arc<dyn ObjectStore>> {
+    use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+    let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    for (key, value) in options {
+        let key: AmazonS3ConfigKey = key.to_ascii_lowercase().parse().map_err(|e| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: format!("option {key:?}: {e}"),
+        })?;
+        builder = builder.with_config(key, value);
+    }
+    let s3 = builder
+        .build()
+        .map_err(|e| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
+    Ok(Arc::new(s3))
+}
+
+#[cfg(not(feature = "aws"))]
+fn open_s3(url: &str, _bucket: &str, _options: &[(String, String)]) -> Result<Arc<dyn ObjectStore>> {
+    Err(not_built(url, "aws"))
+}
+
+#[cfg(feature = "gcp")]
+fn open_gcs(url: &str, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    let gcs = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+        .with_bucket_name(bucket)
+        .build()
+        .map_err(|e| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
+    Ok(Arc::new(gcs))
+}
+
+#[cfg(not(feature = "gcp"))]
+fn open_gcs(url: &str, _bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    Err(not_built(url, "gcp"))
+}
+
+#[cfg(feature = "azure")]
+fn open_azure(url: &str, container: &str) -> Result<Arc<dyn ObjectStore>> {
+    let az = object_store::azure::MicrosoftAzureBuilder::from_env()
+        .with_container_name(container)
+        .build()
+        .map_err(|e| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
+    Ok(Arc::new(az))
+}
+
+#[cfg(not(feature = "azure"))]
+fn open_azure(url: &str, _container: &str) -> Result<Arc<dyn ObjectStore>> {
+    Err(not_built(url, "azure"))
+}
+
+#[allow(dead_code)]
+fn not_built(url: &str, feature: &str) -> Error {
+    Error::InvalidUrl {
+        url: url.to_string(),
+        reason: format!("this build of hotstart has no {feature} support (cargo feature `{feature}`)"),
+    }
+}
+
+/// One object as listed: its key relative to the store's prefix, and its size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub key: String,
+    pub size: u64,
+}
+
+/// An opened store: an `ObjectStore` with the URL's prefix applied, cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    label: Arc<str>,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store").field("url", &self.label).finish()
+    }
+}
+
+impl Store {
+    /// Parses and opens a store URL, configured from the environment.
+    pub fn open(url: &str) -> Result<Store> {
+        StoreUrl::parse(url)?.open()
+    }
+
+    /// Parses and opens a store URL with options that override the environment
+    /// (see [`StoreUrl::open_with`]).
+    pub fn open_with(url: &str, options: &[(String, String)]) -> Result<Store> {
+        StoreUrl::parse(url)?.open_with(options)
+    }
+
+    /// Wraps an existing `ObjectStore` (for example one of the [`crate::wrap`] wrappers).
+    pub fn from_object_store(inner: Arc<dyn ObjectStore>, label: impl Into<String>) -> Store {
+        Store {
+            inner,
+            label: label.into().into(),
+        }
+    }
+
+    /// The same store seen through a wrapper built from the inner `ObjectStore`.
+    pub fn wrap(&self, f: impl FnOnce(Arc<dyn ObjectStore>) -> Arc<dyn ObjectStore>) -> Store {
+        Store {
+            inner: f(self.inner.clone()),
+            label: self.label.clone(),
+        }
+    }
+
+    /// The backend, with the prefix applied.
+    pub fn object_store(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
+    }
+
+    /// The URL (or label) this store was opened from.
+    pub fn url(&self) -> &str {
+        &self.label
+    }
+
+    /// Converts a relative key into an object path, refusing empty, `.` and `..` components.
+    pub fn path(key: &str) -> Result<ObjectPath> {
+        ObjectPath::parse(key).map_err(|e| Error::Format {
+            what: "object key",
+            reason: format!("{key:?}: {e}"),
+        })
+    }
+
+    /// Writes a whole object in one request; it becomes visible atomically.
+    pub async fn put(&self, key: &str, data: Bytes) -> Result<()> {
+        let path = Self::path(key)?;
+        self.inner
+            .put(&path, PutPayload::from_bytes(data))
+            .await
+            .map_err(|e| Error::store(key, e))?;
+        Ok(())
+    }
+
+    /// Reads a whole object in one request.
+    pub async fn get(&self, key: &str) -> Result<Bytes> {
+        let path = Self::path(key)?;
+        let res = self.inner.get(&path).await.map_err(|e| Error::store(key, e))?;
+        res.bytes().await.map_err(|e| Error::store(key, e))
+    }
+
+    /// The size of an object.
+    pub async fn size(&self, key: &str) -> Result<u64> {
+        let path = Self::path(key)?;
+        let meta = self.inner.head(&path).await.map_err(|e| Error::store(key, e))?;
+        Ok(meta.size)
+    }
+
+    /// Whether an object exists.
+    pub async fn exists(&self, key: &str) -> Result<bool> {
+        match self.size(key).await {
+            Ok(_) => Ok(true),
+            Err(Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Deletes an object; deleting one that does not exist is not an error.
+    pub async fn delete(&self, key: &str) -> Result<()> {
+        let path = Self::path(key)?;
+        match self.inner.delete(&path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(Error::store(key, e)),
+        }
+    }
+
+    /// Every object under `prefix` (recursively), sorted by key.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let prefix_path = if prefix.trim_matches('/').is_empty() {
+            None
+        } else {
+            Some(Self::path(prefix.trim_matches('/'))?)
+        };
+        let mut out: Vec<ObjectInfo> = self
+            .inner
+            .list(prefix_path.as_ref())
+            .map_ok(|m| ObjectInfo {
+                key: m.location.to_string(),
+                size: m.size,
+            })
+            .try_collect()
+            .await
+            .map_err(|e| Error::store(prefix, e))?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_scheme() {
+        assert_eq!(
+            StoreUrl::parse("/data/store").unwrap(),
+            StoreUrl::Local { root: "/data/store".into() }
+        );
+        assert_eq!(
+            StoreUrl::parse("file:///data/store").unwrap(),
+            StoreUrl::Local { root: "/data/store".into() }
+        );
+        assert_eq!(
+            StoreUrl::parse("s3://bucket/a/b/").unwrap(),
+            StoreUrl::S3 {
+                bucket: "bucket".into(),
+                prefix: "a/b".into()
+            }
+        );
+        assert_eq!(
+            StoreUrl::parse("memory://").unwrap(),
+            StoreUrl::Memory { prefix: String::new() }
+        );
+        assert_eq!(StoreUrl::parse("s3://b/p").unwrap().to_string(), "s3://b/p");
+    }
+
+    #[test]
+    fn bad_urls_name_the_url_and_the_problem() {
+        for (url, needle) in [
+            ("", "empty"),
+            ("ftp://host/x", "unknown scheme"),
+            ("s3://", "missing bucket"),
+            ("s3:///prefix", "missing bucket"),
+            ("file://relative", "absolute path"),
+            ("s3://b/a/../c", "'..'"),
+        ] {
+            let err = StoreUrl::parse(url).unwrap_err().to_string();
+            assert!(err.contains(&format!("{url:?}")), "{err}");
+            assert!(err.contains(needle), "{url}: {err}");
+        }
+    }
+}
