@@ -7,6 +7,7 @@
 //! - [`ChunkStore`]: content-addressed, zstd-compressed chunks, verified on every read, with a
 //!   bounded local disk cache and single-flight fetches.
 //! - [`Tree`]: the manifest of a file tree (images and environment snapshots are trees).
+//! - [`transfer`]: whole files copied between local disk and a store, striped both ways.
 //! - [`uring`]: local files written and read through io_uring with O_DIRECT.
 //! - [`wrap`]: `ObjectStore` wrappers for tests and benchmarks: throttled, fault-injecting,
 //!   counting.
@@ -15,6 +16,7 @@ pub mod budget;
 pub mod chunk;
 pub mod error;
 pub mod striped;
+pub mod transfer;
 pub mod tree;
 pub mod uring;
 pub mod url;

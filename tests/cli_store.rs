@@ -1,0 +1,99 @@
+//! End-to-end: the `hotstart` binary copying files to and from real stores.
+
+use std::path::Path;
+use std::process::Command;
+
+use hotstart_testkit::SeaweedFs;
+
+fn hotstart() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_hotstart"))
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run hotstart");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Upload, list, download; the downloaded bytes equal the source.
+fn round_trip(base_url: &str, env: &[(String, String)], work: &Path) {
+    let src = work.join("model.bin");
+    let data = pattern((20 << 20) + 12_345, 42);
+    std::fs::write(&src, &data).unwrap();
+    let url = format!("{base_url}/runs/model.bin");
+    let with_env = |c: &mut Command| {
+        for (k, v) in env {
+            c.env(k, v);
+        }
+    };
+    let mut up = hotstart();
+    up.args(["store", "cp", "--stripe-size", "5242880"]).arg(&src).arg(&url);
+    with_env(&mut up);
+    run_ok(&mut up);
+
+    let mut ls = hotstart();
+    ls.args(["store", "ls", &format!("{base_url}/runs/")]);
+    with_env(&mut ls);
+    let listing = run_ok(&mut ls);
+    assert!(listing.contains("model.bin"), "{listing}");
+    assert!(listing.contains(&data.len().to_string()), "{listing}");
+
+    let dst = work.join("back.bin");
+    let mut down = hotstart();
+    down.args(["store", "cp", &url]).arg(&dst);
+    with_env(&mut down);
+    run_ok(&mut down);
+    assert!(std::fs::read(&dst).unwrap() == data, "downloaded bytes differ");
+    // No temporary files left beside the destination.
+    let names: Vec<_> = std::fs::read_dir(work).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names.len(), 2 + usize::from(work.join("store").exists()), "{names:?}");
+}
+
+#[test]
+fn copies_through_a_local_directory_store() {
+    let work = tempfile::tempdir().unwrap();
+    let store = work.path().join("store");
+    round_trip(&format!("file://{}", store.display()), &[], work.path());
+    assert!(store.join("runs/model.bin").is_file(), "a plain file in the store directory");
+}
+
+#[test]
+fn copies_through_seaweedfs() {
+    let Some(weed) = SeaweedFs::shared() else { return };
+    let bucket = weed.fresh_bucket("cli");
+    let work = tempfile::tempdir().unwrap();
+    round_trip(&bucket, &weed.env(), work.path());
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let out = hotstart().args(["store", "ls", "ftp://x/y"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("\"ftp://x/y\"") && err.contains("unknown scheme"), "{err}");
+
+    let work = tempfile::tempdir().unwrap();
+    let url = format!("file://{}/store/missing.bin", work.path().display());
+    let out = hotstart().args(["store", "cp", &url]).arg(work.path().join("x")).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not found"), "{err}");
+    assert!(!work.path().join("x").exists());
+}
