@@ -79,14 +79,19 @@ fn progress_bar(total: Option<u64>) -> ProgressBar {
         None => ProgressBar::no_length(),
     };
     bar.set_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar
 }
 
 fn file_name(path: &str) -> &str {
-    path.trim_end_matches('/').rsplit('/').next().unwrap_or(path)
+    path.trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or(path)
 }
 
 async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
@@ -95,11 +100,18 @@ async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
         (false, true) => {
             let mut obj = ObjectUrl::parse(dst)?;
             if obj.key.is_empty() || dst.ends_with('/') {
-                obj.key = format!("{}{}", obj.key, file_name(src)).trim_start_matches('/').to_string();
+                obj.key = format!("{}{}", obj.key, file_name(src))
+                    .trim_start_matches('/')
+                    .to_string();
             }
-            let len = std::fs::metadata(src).with_context(|| format!("cannot read {src}"))?.len();
+            let len = std::fs::metadata(src)
+                .with_context(|| format!("cannot read {src}"))?
+                .len();
             let bar = progress_bar(Some(len));
-            let n = upload_file(Path::new(src), &obj.store, &obj.key, cfg, &|n| bar.set_position(n)).await?;
+            let n = upload_file(Path::new(src), &obj.store, &obj.key, cfg, &|n| {
+                bar.set_position(n)
+            })
+            .await?;
             bar.finish_and_clear();
             n
         }
@@ -113,12 +125,17 @@ async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
                 target.push(file_name(&obj.key));
             }
             let bar = progress_bar(None);
-            let n = download_file(&obj.store, &obj.key, &target, cfg, &|n| bar.set_position(n)).await?;
+            let n =
+                download_file(&obj.store, &obj.key, &target, cfg, &|n| bar.set_position(n)).await?;
             bar.finish_and_clear();
             n
         }
-        (true, true) => bail!("copy between two stores is not supported; copy through a local file"),
-        (false, false) => bail!("neither {src} nor {dst} is a store URL; use cp(1) for local copies"),
+        (true, true) => {
+            bail!("copy between two stores is not supported; copy through a local file")
+        }
+        (false, false) => {
+            bail!("neither {src} nor {dst} is a store URL; use cp(1) for local copies")
+        }
     };
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
@@ -129,16 +146,20 @@ async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
 }
 
 async fn ls(url: &str) -> anyhow::Result<()> {
-    let (store, prefix) = if is_url(url) {
+    let (store, prefix, base) = if is_url(url) {
         let obj = ObjectUrl::parse(url)?;
-        (obj.store, obj.key)
+        (obj.store, obj.key, obj.base)
     } else {
-        (hotstart_store::Store::open(url)?, String::new())
+        (
+            hotstart_store::Store::open(url)?,
+            String::new(),
+            format!("{}/", url.trim_end_matches('/')),
+        )
     };
     let objects = store.list(&prefix).await?;
     let mut total = 0u64;
     for o in &objects {
-        println!("{:>14}  {}", o.size, o.key);
+        println!("{:>14}  {base}{}", o.size, o.key);
         total += o.size;
     }
     eprintln!("{} objects, {total} bytes", objects.len());

@@ -44,7 +44,9 @@ fn round_trip(base_url: &str, env: &[(String, String)], work: &Path) {
         }
     };
     let mut up = hotstart();
-    up.args(["store", "cp", "--stripe-size", "5242880"]).arg(&src).arg(&url);
+    up.args(["store", "cp", "--stripe-size", "5242880"])
+        .arg(&src)
+        .arg(&url);
     with_env(&mut up);
     run_ok(&mut up);
 
@@ -60,10 +62,20 @@ fn round_trip(base_url: &str, env: &[(String, String)], work: &Path) {
     down.args(["store", "cp", &url]).arg(&dst);
     with_env(&mut down);
     run_ok(&mut down);
-    assert!(std::fs::read(&dst).unwrap() == data, "downloaded bytes differ");
+    assert!(
+        std::fs::read(&dst).unwrap() == data,
+        "downloaded bytes differ"
+    );
     // No temporary files left beside the destination.
-    let names: Vec<_> = std::fs::read_dir(work).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(names.len(), 2 + usize::from(work.join("store").exists()), "{names:?}");
+    let names: Vec<_> = std::fs::read_dir(work)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        names.len(),
+        2 + usize::from(work.join("store").exists()),
+        "{names:?}"
+    );
 }
 
 #[test]
@@ -71,12 +83,17 @@ fn copies_through_a_local_directory_store() {
     let work = tempfile::tempdir().unwrap();
     let store = work.path().join("store");
     round_trip(&format!("file://{}", store.display()), &[], work.path());
-    assert!(store.join("runs/model.bin").is_file(), "a plain file in the store directory");
+    assert!(
+        store.join("runs/model.bin").is_file(),
+        "a plain file in the store directory"
+    );
 }
 
 #[test]
 fn copies_through_seaweedfs() {
-    let Some(weed) = SeaweedFs::shared() else { return };
+    let Some(weed) = SeaweedFs::shared() else {
+        return;
+    };
     let bucket = weed.fresh_bucket("cli");
     let work = tempfile::tempdir().unwrap();
     round_trip(&bucket, &weed.env(), work.path());
@@ -84,14 +101,24 @@ fn copies_through_seaweedfs() {
 
 #[test]
 fn bad_input_gets_a_clear_error() {
-    let out = hotstart().args(["store", "ls", "ftp://x/y"]).output().unwrap();
+    let out = hotstart()
+        .args(["store", "ls", "ftp://x/y"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("\"ftp://x/y\"") && err.contains("unknown scheme"), "{err}");
+    assert!(
+        err.contains("\"ftp://x/y\"") && err.contains("unknown scheme"),
+        "{err}"
+    );
 
     let work = tempfile::tempdir().unwrap();
     let url = format!("file://{}/store/missing.bin", work.path().display());
-    let out = hotstart().args(["store", "cp", &url]).arg(work.path().join("x")).output().unwrap();
+    let out = hotstart()
+        .args(["store", "cp", &url])
+        .arg(work.path().join("x"))
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not found"), "{err}");

@@ -1,1 +1,96 @@
-fn main() {}
+//! `hotstart-bench`: benchmarks that run hotstart and the tool a user would pick instead, in the
+//! same run on the same data, and print the ratio.
+//!
+//! ```text
+//! cargo run --profile bench -p hotstart-benches -- store            # every store benchmark
+//! cargo run --profile bench -p hotstart-benches -- store --only uring
+//! ```
+//!
+//! Each benchmark repeats its measurements (`--runs`, default 3) and reports medians.
+
+mod report;
+mod store_striped;
+mod store_uring;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hotstart-bench",
+    about = "hotstart benchmarks against the alternatives"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Storage substrate: striped object I/O and io_uring local files.
+    Store(StoreArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StoreArgs {
+    /// Run only one part.
+    #[arg(long, value_enum)]
+    only: Option<StorePart>,
+    /// Object size in MiB for the striped benchmarks.
+    #[arg(long, default_value_t = 1024)]
+    object_mib: usize,
+    /// Stripe size in MiB for striped reads and writes.
+    #[arg(long, default_value_t = 8)]
+    stripe_mib: usize,
+    /// Stripes in flight per reader or writer.
+    #[arg(long, default_value_t = 16)]
+    in_flight: usize,
+    /// File size in MiB for the uring benchmark.
+    #[arg(long, default_value_t = 2048)]
+    file_mib: usize,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Directory on the disk to measure (uring vs fio).
+    #[arg(long, default_value = "/var/tmp")]
+    dir: std::path::PathBuf,
+    /// Write the results as Markdown to this file too.
+    #[arg(long)]
+    markdown: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StorePart {
+    /// StripedReader/StripedWriter vs one GET/PUT on loopback SeaweedFS and a local directory.
+    Striped,
+    /// The same over an emulated remote link.
+    Remote,
+    /// io_uring files vs fio.
+    Uring,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Store(args) => {
+            let mut report = report::Report::new("hotstart store benchmarks");
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let want = |p: StorePart| args.only.is_none_or(|o| o == p);
+            if want(StorePart::Striped) {
+                runtime.block_on(store_striped::loopback(&args, &mut report))?;
+            }
+            if want(StorePart::Remote) {
+                runtime.block_on(store_striped::remote(&args, &mut report))?;
+            }
+            if want(StorePart::Uring) {
+                store_uring::run(&args, &mut report)?;
+            }
+            report.print();
+            if let Some(path) = &args.markdown {
+                std::fs::write(path, report.markdown())?;
+            }
+        }
+    }
+    Ok(())
+}

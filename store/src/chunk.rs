@@ -215,7 +215,12 @@ impl ChunkStore {
             .buffered(self.inner.cfg.concurrency.max(1))
             .try_collect()
             .await?;
-        Ok(ids.iter().zip(found).filter(|(_, f)| !f).map(|(id, _)| *id).collect())
+        Ok(ids
+            .iter()
+            .zip(found)
+            .filter(|(_, f)| !f)
+            .map(|(id, _)| *id)
+            .collect())
     }
 
     /// Stores `data` unless the store already has it; returns its id.
@@ -374,10 +379,22 @@ mod tests {
         assert!(decode_frame(&id, &frame, 100).unwrap_err().is_corrupt());
         // Wrong id.
         let other = ChunkId::of(b"other");
-        assert!(decode_frame(&other, &frame, 1 << 20).unwrap_err().is_corrupt());
+        assert!(
+            decode_frame(&other, &frame, 1 << 20)
+                .unwrap_err()
+                .is_corrupt()
+        );
         // Garbage and truncation.
-        assert!(decode_frame(&id, b"garbage", 1 << 20).unwrap_err().is_corrupt());
-        assert!(decode_frame(&id, &frame[..frame.len() / 2], 1 << 20).unwrap_err().is_corrupt());
+        assert!(
+            decode_frame(&id, b"garbage", 1 << 20)
+                .unwrap_err()
+                .is_corrupt()
+        );
+        assert!(
+            decode_frame(&id, &frame[..frame.len() / 2], 1 << 20)
+                .unwrap_err()
+                .is_corrupt()
+        );
         // A frame whose header claims a huge size is refused before allocating.
         let mut huge = zstd::bulk::compress(&[0u8; 16], 3).unwrap();
         huge.truncate(4);

@@ -102,7 +102,12 @@ impl StripedReader {
     }
 
     /// Opens `key` whose size is already known (from a listing or a manifest), saving a request.
-    pub fn with_size(store: &Store, key: &str, size: u64, cfg: StripeConfig) -> Result<StripedReader> {
+    pub fn with_size(
+        store: &Store,
+        key: &str,
+        size: u64,
+        cfg: StripeConfig,
+    ) -> Result<StripedReader> {
         Ok(StripedReader {
             store: store.clone(),
             key: key.to_string(),
@@ -207,6 +212,8 @@ impl StripedReader {
             // while the caller is busy.
             .then(move |r| {
                 let this = this.clone();
+                // Yields the stripe's task handle, awaited in order by `buffered` below.
+                #[allow(clippy::async_yields_async)]
                 async move {
                     let permit = this.permit(&r).await;
                     AbortOnDrop(tokio::spawn(this.fetch(r, permit)))
@@ -236,17 +243,55 @@ impl StripedReader {
         Ok(Bytes::from(buf))
     }
 
+    /// One ranged GET whose body is copied straight into `out` as it arrives (no intermediate
+    /// buffer), checking that exactly `out.len()` bytes come back.
+    async fn fetch_into(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let range = offset..offset + out.len() as u64;
+        if range.is_empty() {
+            return Ok(());
+        }
+        let _permit = self.permit(&range).await;
+        let opts = GetOptions {
+            if_match: self.e_tag.clone(),
+            range: Some(range.clone().into()),
+            ..Default::default()
+        };
+        let res = self
+            .store
+            .object_store()
+            .get_opts(&self.path, opts)
+            .await
+            .map_err(|e| Error::store(&self.key, e))?;
+        let mut body = res.into_stream();
+        let mut got = 0usize;
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| Error::store(&self.key, e))?;
+            let end = got + piece.len();
+            if end > out.len() {
+                got = end;
+                break;
+            }
+            out[got..end].copy_from_slice(&piece);
+            got = end;
+        }
+        if got != out.len() {
+            return Err(Error::Truncated {
+                key: self.key.clone(),
+                start: range.start,
+                end: range.end,
+                got: got as u64,
+            });
+        }
+        Ok(())
+    }
+
     /// Fills `buf` with the bytes at `offset`, each stripe landing straight in its slice.
     pub async fn read_into(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let range = offset..offset.saturating_add(buf.len() as u64);
         self.check_range(&range)?;
         let stripe = self.cfg.effective_stripe();
         stream::iter(buf.chunks_mut(stripe).zip(self.stripes(range)))
-            .map(|(slice, r)| async move {
-                let bytes = self.fetch_one(r).await?;
-                slice.copy_from_slice(&bytes);
-                Ok::<_, Error>(())
-            })
+            .map(|(slice, r)| self.fetch_into(r.start, slice))
             .buffer_unordered(self.cfg.in_flight())
             .try_collect::<()>()
             .await
@@ -260,11 +305,16 @@ struct AbortOnDrop<T>(tokio::task::JoinHandle<Result<T>>);
 impl<T> Future for AbortOnDrop<T> {
     type Output = Result<T>;
 
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<T>> {
-        std::pin::Pin::new(&mut self.0).poll(cx).map(|joined| match joined {
-            Ok(res) => res,
-            Err(e) => Err(Error::task("stripe read", e)),
-        })
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<T>> {
+        std::pin::Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|joined| match joined {
+                Ok(res) => res,
+                Err(e) => Err(Error::task("stripe read", e)),
+            })
     }
 }
 
@@ -370,6 +420,24 @@ impl StripedWriter {
         Ok(())
     }
 
+    /// Appends owned bytes: whole stripes are sent without copying when no part is half full.
+    pub async fn write_bytes(&mut self, mut data: Bytes) -> Result<()> {
+        self.check_open()?;
+        let stripe = self.cfg.effective_stripe();
+        while self.part.is_empty() && data.len() >= stripe {
+            let part = data.split_to(stripe);
+            if self.part_permit.is_none() {
+                self.part_permit = Some(self.cfg.budget.acquire(stripe).await);
+            }
+            self.written += stripe as u64;
+            if let Err(e) = self.send_part(part).await {
+                self.fail().await;
+                return Err(e);
+            }
+        }
+        self.write(&data).await
+    }
+
     async fn send_part(&mut self, part: Bytes) -> Result<()> {
         if self.upload.is_none() {
             let upload = self
@@ -450,7 +518,10 @@ impl StripedWriter {
         }
         while self.join_one().await? {}
         let upload = self.upload.as_mut().expect("checked above");
-        upload.complete().await.map_err(|e| Error::store(&self.key, e))?;
+        upload
+            .complete()
+            .await
+            .map_err(|e| Error::store(&self.key, e))?;
         self.upload = None;
         Ok(())
     }

@@ -19,6 +19,8 @@ use crate::url::{Store, StoreUrl};
 pub struct ObjectUrl {
     pub store: Store,
     pub key: String,
+    /// The URL of the store root, ending in `/`: `base + key` names the object.
+    pub base: String,
 }
 
 /// Whether `s` is a URL (has a scheme) rather than a local path.
@@ -41,7 +43,9 @@ impl ObjectUrl {
                 let key = root.to_string_lossy().trim_start_matches('/').to_string();
                 (StoreUrl::Local { root: "/".into() }, key)
             }
-            StoreUrl::Memory { .. } => return Err(bad("memory:// stores live only inside one process")),
+            StoreUrl::Memory { .. } => {
+                return Err(bad("memory:// stores live only inside one process"));
+            }
             StoreUrl::S3 { bucket, prefix } => (
                 StoreUrl::S3 {
                     bucket,
@@ -64,9 +68,14 @@ impl ObjectUrl {
                 prefix,
             ),
         };
+        let base = match &root {
+            StoreUrl::Local { .. } => "file:///".to_string(),
+            other => format!("{other}/"),
+        };
         Ok(ObjectUrl {
             store: root.open()?,
             key,
+            base,
         })
     }
 }
@@ -120,7 +129,7 @@ pub async fn upload_file(
                 return Err(Error::io("read", src, e));
             }
         };
-        writer.write(&buf).await?;
+        writer.write_bytes(bytes::Bytes::from(buf)).await?;
         progress(writer.written());
     }
     reader.await.map_err(|e| Error::task("file read", e))?;
@@ -144,7 +153,8 @@ pub async fn download_file(
     let writer = tokio::task::spawn_blocking(move || -> Result<()> {
         let mut file = file;
         while let Some(bytes) = rx.blocking_recv() {
-            file.write_all(&bytes).map_err(|e| Error::io("write", &tmp_w, e))?;
+            file.write_all(&bytes)
+                .map_err(|e| Error::io("write", &tmp_w, e))?;
         }
         file.sync_data().map_err(|e| Error::io("sync", &tmp_w, e))
     });
@@ -177,6 +187,9 @@ pub async fn download_file(
 }
 
 fn temp_beside(dst: &Path) -> PathBuf {
-    let name = dst.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = dst
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     dst.with_file_name(format!(".{name}.hotstart-{}.tmp", std::process::id()))
 }

@@ -183,7 +183,10 @@ impl Tree {
                     if sum != *size {
                         return Err(Error::Format {
                             what: "tree",
-                            reason: format!("{}: chunks hold {sum} bytes, size says {size}", e.path),
+                            reason: format!(
+                                "{}: chunks hold {sum} bytes, size says {size}",
+                                e.path
+                            ),
                         });
                     }
                     files.insert(&e.path, ());
@@ -192,7 +195,9 @@ impl Tree {
                     if !files.contains_key(target.as_str()) {
                         return Err(Error::UnsafePath {
                             entry: e.path.clone(),
-                            reason: format!("hard link to {target:?}, which is not an earlier file"),
+                            reason: format!(
+                                "hard link to {target:?}, which is not an earlier file"
+                            ),
                         });
                     }
                 }
@@ -226,7 +231,10 @@ impl Tree {
 
     /// Decodes and validates an encoded tree.
     pub fn decode(data: &[u8]) -> Result<Tree> {
-        let bad = |reason: String| Error::Format { what: "tree", reason };
+        let bad = |reason: String| Error::Format {
+            what: "tree",
+            reason,
+        };
         if data.len() < 8 || &data[..6] != MAGIC {
             return Err(bad("not a hotstart tree (bad magic)".into()));
         }
@@ -243,7 +251,9 @@ impl Tree {
             .read_to_end(&mut json)
             .map_err(|e| bad(format!("zstd: {e}")))?;
         if json.len() > MAX_DECODED_BYTES {
-            return Err(bad(format!("decodes to more than {MAX_DECODED_BYTES} bytes")));
+            return Err(bad(format!(
+                "decodes to more than {MAX_DECODED_BYTES} bytes"
+            )));
         }
         let tree: Tree = serde_json::from_slice(&json).map_err(|e| bad(e.to_string()))?;
         tree.validate()?;
@@ -320,7 +330,8 @@ impl Tree {
             .await?;
         for (_, abs, target) in links {
             let target = target.expect("partitioned on Some");
-            std::fs::hard_link(&target, &abs).map_err(|err| Error::io("create hard link", &abs, err))?;
+            std::fs::hard_link(&target, &abs)
+                .map_err(|err| Error::io("create hard link", &abs, err))?;
         }
         // Metadata last, deepest first, so creating children does not disturb directory mtimes.
         for e in self.entries.iter().rev() {
@@ -329,8 +340,11 @@ impl Tree {
                 EntryKind::Symlink { .. } => set_mtime(&abs, e.mtime_ns, true)?,
                 EntryKind::Hardlink { .. } => {}
                 _ => {
-                    std::fs::set_permissions(&abs, std::fs::Permissions::from_mode(e.mode & 0o7777))
-                        .map_err(|err| Error::io("set mode", &abs, err))?;
+                    std::fs::set_permissions(
+                        &abs,
+                        std::fs::Permissions::from_mode(e.mode & 0o7777),
+                    )
+                    .map_err(|err| Error::io("set mode", &abs, err))?;
                     set_mtime(&abs, e.mtime_ns, false)?;
                 }
             }
@@ -399,7 +413,8 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore) -> Result<()> 
                 reason: format!("{} bytes, the tree says {}", data.len(), refs[i].len),
             });
         }
-        std::io::Write::write_all(&mut file, &data).map_err(|err| Error::io("write file", &abs, err))?;
+        std::io::Write::write_all(&mut file, &data)
+            .map_err(|err| Error::io("write file", &abs, err))?;
         written += data.len() as u64;
         i += 1;
     }
@@ -422,12 +437,20 @@ fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
         tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
     };
     let times = [ts, ts];
-    let flags = if nofollow { libc::AT_SYMLINK_NOFOLLOW } else { 0 };
+    let flags = if nofollow {
+        libc::AT_SYMLINK_NOFOLLOW
+    } else {
+        0
+    };
     // SAFETY: `c` is a valid NUL-terminated path and `times` points to two initialised timespecs
     // that outlive the call.
     let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), flags) };
     if rc != 0 {
-        return Err(Error::io("set mtime", path, std::io::Error::last_os_error()));
+        return Err(Error::io(
+            "set mtime",
+            path,
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(())
 }
@@ -458,7 +481,11 @@ fn walk(root: &Path) -> Result<Vec<Walked>> {
                 });
             };
             let abs = dir.join(name);
-            let path = if rel.is_empty() { name.to_string() } else { format!("{rel}/{name}") };
+            let path = if rel.is_empty() {
+                name.to_string()
+            } else {
+                format!("{rel}/{name}")
+            };
             let m = std::fs::symlink_metadata(&abs).map_err(|e| Error::io("stat", &abs, e))?;
             let ft = m.file_type();
             let mut entry = Entry {
@@ -474,7 +501,8 @@ fn walk(root: &Path) -> Result<Vec<Walked>> {
             if ft.is_dir() {
                 stack.push((abs.clone(), path.clone()));
             } else if ft.is_symlink() {
-                let target = std::fs::read_link(&abs).map_err(|e| Error::io("read symlink", &abs, e))?;
+                let target =
+                    std::fs::read_link(&abs).map_err(|e| Error::io("read symlink", &abs, e))?;
                 let target = target.to_str().ok_or_else(|| Error::UnsafePath {
                     entry: path.clone(),
                     reason: "symlink target is not UTF-8".into(),
@@ -506,7 +534,9 @@ fn walk(root: &Path) -> Result<Vec<Walked>> {
         let Some(inode) = w.inode else { continue };
         match first_of.get(&inode) {
             Some(first) => {
-                w.entry.kind = EntryKind::Hardlink { target: first.clone() };
+                w.entry.kind = EntryKind::Hardlink {
+                    target: first.clone(),
+                };
                 w.file = None;
             }
             None => {
@@ -517,7 +547,11 @@ fn walk(root: &Path) -> Result<Vec<Walked>> {
     Ok(out)
 }
 
-async fn chunk_file(path: &Path, chunks: &ChunkStore, chunk_size: usize) -> Result<(u64, Vec<ChunkRef>)> {
+async fn chunk_file(
+    path: &Path,
+    chunks: &ChunkStore,
+    chunk_size: usize,
+) -> Result<(u64, Vec<ChunkRef>)> {
     let mut file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
     let mut refs = Vec::new();
     let mut size = 0u64;
@@ -572,7 +606,15 @@ mod tests {
 
     #[test]
     fn entry_paths_that_escape_are_refused() {
-        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a//b", "a/./b", "a\0b"] {
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../../x",
+            "a//b",
+            "a/./b",
+            "a\0b",
+        ] {
             let err = check_entry_path(bad).unwrap_err();
             assert!(matches!(err, Error::UnsafePath { .. }), "{bad:?}: {err}");
         }

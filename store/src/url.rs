@@ -45,7 +45,9 @@ impl StoreUrl {
             reason: reason.to_string(),
         };
         if url.is_empty() {
-            return Err(bad("empty; give a directory, file://, memory:// or s3:// URL"));
+            return Err(bad(
+                "empty; give a directory, file://, memory:// or s3:// URL",
+            ));
         }
         let Some((scheme, rest)) = url.split_once("://") else {
             // A plain path: the embedded default.
@@ -67,7 +69,9 @@ impl StoreUrl {
         match scheme {
             "file" => {
                 if !rest.starts_with('/') {
-                    return Err(bad("file:// URLs take an absolute path (file:///data/store)"));
+                    return Err(bad(
+                        "file:// URLs take an absolute path (file:///data/store)",
+                    ));
                 }
                 Ok(StoreUrl::Local { root: rest.into() })
             }
@@ -103,7 +107,8 @@ impl StoreUrl {
         let label = self.to_string();
         let (inner, prefix): (Arc<dyn ObjectStore>, &str) = match self {
             StoreUrl::Local { root } => {
-                std::fs::create_dir_all(root).map_err(|e| Error::io("create store directory", root, e))?;
+                std::fs::create_dir_all(root)
+                    .map_err(|e| Error::io("create store directory", root, e))?;
                 let fs = object_store::local::LocalFileSystem::new_with_prefix(root)
                     .map_err(|e| Error::InvalidUrl {
                         url: label.clone(),
@@ -112,7 +117,9 @@ impl StoreUrl {
                     .with_automatic_cleanup(true);
                 (Arc::new(fs), "")
             }
-            StoreUrl::Memory { prefix } => (Arc::new(object_store::memory::InMemory::new()), prefix),
+            StoreUrl::Memory { prefix } => {
+                (Arc::new(object_store::memory::InMemory::new()), prefix)
+            }
             StoreUrl::S3 { bucket, prefix } => (open_s3(&label, bucket, options)?, prefix),
             StoreUrl::Gcs { bucket, prefix } => (open_gcs(&label, bucket)?, prefix),
             StoreUrl::Azure { container, prefix } => (open_azure(&label, container)?, prefix),
@@ -122,7 +129,10 @@ impl StoreUrl {
         } else {
             Arc::new(PrefixStore::new(inner, prefix))
         };
-        Ok(Store { inner, label: label.into() })
+        Ok(Store {
+            inner,
+            label: label.into(),
+        })
     }
 }
 
@@ -150,23 +160,28 @@ fn open_s3(url: &str, bucket: &str, options: &[(String, String)]) -> Result<Arc<
     use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
     for (key, value) in options {
-        let key: AmazonS3ConfigKey = key.to_ascii_lowercase().parse().map_err(|e| Error::InvalidUrl {
-            url: url.to_string(),
-            reason: format!("option {key:?}: {e}"),
-        })?;
+        let key: AmazonS3ConfigKey =
+            key.to_ascii_lowercase()
+                .parse()
+                .map_err(|e| Error::InvalidUrl {
+                    url: url.to_string(),
+                    reason: format!("option {key:?}: {e}"),
+                })?;
         builder = builder.with_config(key, value);
     }
-    let s3 = builder
-        .build()
-        .map_err(|e| Error::InvalidUrl {
-            url: url.to_string(),
-            reason: e.to_string(),
-        })?;
+    let s3 = builder.build().map_err(|e| Error::InvalidUrl {
+        url: url.to_string(),
+        reason: e.to_string(),
+    })?;
     Ok(Arc::new(s3))
 }
 
 #[cfg(not(feature = "aws"))]
-fn open_s3(url: &str, _bucket: &str, _options: &[(String, String)]) -> Result<Arc<dyn ObjectStore>> {
+fn open_s3(
+    url: &str,
+    _bucket: &str,
+    _options: &[(String, String)],
+) -> Result<Arc<dyn ObjectStore>> {
     Err(not_built(url, "aws"))
 }
 
@@ -208,7 +223,9 @@ fn open_azure(url: &str, _container: &str) -> Result<Arc<dyn ObjectStore>> {
 fn not_built(url: &str, feature: &str) -> Error {
     Error::InvalidUrl {
         url: url.to_string(),
-        reason: format!("this build of hotstart has no {feature} support (cargo feature `{feature}`)"),
+        reason: format!(
+            "this build of hotstart has no {feature} support (cargo feature `{feature}`)"
+        ),
     }
 }
 
@@ -291,14 +308,22 @@ impl Store {
     /// Reads a whole object in one request.
     pub async fn get(&self, key: &str) -> Result<Bytes> {
         let path = Self::path(key)?;
-        let res = self.inner.get(&path).await.map_err(|e| Error::store(key, e))?;
+        let res = self
+            .inner
+            .get(&path)
+            .await
+            .map_err(|e| Error::store(key, e))?;
         res.bytes().await.map_err(|e| Error::store(key, e))
     }
 
     /// The size of an object.
     pub async fn size(&self, key: &str) -> Result<u64> {
         let path = Self::path(key)?;
-        let meta = self.inner.head(&path).await.map_err(|e| Error::store(key, e))?;
+        let meta = self
+            .inner
+            .head(&path)
+            .await
+            .map_err(|e| Error::store(key, e))?;
         Ok(meta.size)
     }
 
@@ -350,11 +375,15 @@ mod tests {
     fn parses_every_scheme() {
         assert_eq!(
             StoreUrl::parse("/data/store").unwrap(),
-            StoreUrl::Local { root: "/data/store".into() }
+            StoreUrl::Local {
+                root: "/data/store".into()
+            }
         );
         assert_eq!(
             StoreUrl::parse("file:///data/store").unwrap(),
-            StoreUrl::Local { root: "/data/store".into() }
+            StoreUrl::Local {
+                root: "/data/store".into()
+            }
         );
         assert_eq!(
             StoreUrl::parse("s3://bucket/a/b/").unwrap(),
@@ -365,7 +394,9 @@ mod tests {
         );
         assert_eq!(
             StoreUrl::parse("memory://").unwrap(),
-            StoreUrl::Memory { prefix: String::new() }
+            StoreUrl::Memory {
+                prefix: String::new()
+            }
         );
         assert_eq!(StoreUrl::parse("s3://b/p").unwrap().to_string(), "s3://b/p");
     }

@@ -12,7 +12,7 @@
 //!
 //! ```no_run
 //! # use std::sync::Arc;
-//! # use hotstart_store::{Store, wrap::{Faults, Op}};
+//! # use hotstart_store::{Store, wrap::{Faults, Interceptor, Op}};
 //! let store = Store::open("memory://").unwrap();
 //! let faults = Arc::new(Faults::default());
 //! let store = store.wrap(|inner| faults.clone().wrap(inner));
@@ -91,7 +91,12 @@ impl Op {
 pub trait Interceptor: Send + Sync + fmt::Debug + 'static {
     /// Runs before a request of kind `op` carrying `bytes` of payload (0 for reads); an error
     /// fails the request without sending it.
-    fn before(self: Arc<Self>, op: Op, path: &Path, bytes: u64) -> BoxFuture<'static, object_store::Result<()>> {
+    fn before(
+        self: Arc<Self>,
+        op: Op,
+        path: &Path,
+        bytes: u64,
+    ) -> BoxFuture<'static, object_store::Result<()>> {
         let _ = (op, path, bytes);
         async { Ok(()) }.boxed()
     }
@@ -139,7 +144,12 @@ pub(crate) fn injected(what: String) -> object_store::Error {
 
 #[async_trait]
 impl<I: Interceptor> ObjectStore for Intercepted<I> {
-    async fn put_opts(&self, location: &Path, payload: PutPayload, opts: PutOptions) -> object_store::Result<PutResult> {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
         self.hook
             .clone()
             .before(Op::Put, location, payload.content_length() as u64)
@@ -152,7 +162,10 @@ impl<I: Interceptor> ObjectStore for Intercepted<I> {
         location: &Path,
         opts: PutMultipartOptions,
     ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        self.hook.clone().before(Op::MultipartStart, location, 0).await?;
+        self.hook
+            .clone()
+            .before(Op::MultipartStart, location, 0)
+            .await?;
         let upload = self.inner.put_multipart_opts(location, opts).await?;
         Ok(Box::new(InterceptedUpload {
             upload,
@@ -161,7 +174,11 @@ impl<I: Interceptor> ObjectStore for Intercepted<I> {
         }))
     }
 
-    async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
         let op = if options.head { Op::Head } else { Op::Get };
         self.hook.clone().before(op, location, 0).await?;
         let res = self.inner.get_opts(location, options).await?;
@@ -187,7 +204,11 @@ impl<I: Interceptor> ObjectStore for Intercepted<I> {
             .into_stream(),
         };
         Ok(GetResult {
-            payload: GetResultPayload::Stream(self.hook.clone().get_body(location, range.clone(), body)),
+            payload: GetResultPayload::Stream(self.hook.clone().get_body(
+                location,
+                range.clone(),
+                body,
+            )),
             meta,
             range,
             attributes,
@@ -214,7 +235,10 @@ impl<I: Interceptor> ObjectStore for Intercepted<I> {
     }
 
     fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        let before = self.hook.clone().before(Op::List, prefix.unwrap_or(&Path::default()), 0);
+        let before = self
+            .hook
+            .clone()
+            .before(Op::List, prefix.unwrap_or(&Path::default()), 0);
         let listing = self.inner.list(prefix);
         stream::once(async move {
             match before.await {
@@ -234,12 +258,22 @@ impl<I: Interceptor> ObjectStore for Intercepted<I> {
         self.inner.list_with_delimiter(prefix).await
     }
 
-    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> object_store::Result<()> {
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
         self.hook.clone().before(Op::Copy, to, 0).await?;
         self.inner.copy_opts(from, to, options).await
     }
 
-    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> object_store::Result<()> {
+    async fn rename_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: RenameOptions,
+    ) -> object_store::Result<()> {
         self.hook.clone().before(Op::Copy, to, 0).await?;
         self.inner.rename_opts(from, to, options).await
     }
@@ -256,10 +290,10 @@ struct InterceptedUpload<I> {
 impl<I: Interceptor> MultipartUpload for InterceptedUpload<I> {
     fn put_part(&mut self, data: PutPayload) -> UploadPart {
         // The part is numbered now, in call order; the hook runs before it is sent.
-        let before = self
-            .hook
-            .clone()
-            .before(Op::PutPart, &self.path, data.content_length() as u64);
+        let before =
+            self.hook
+                .clone()
+                .before(Op::PutPart, &self.path, data.content_length() as u64);
         let part = self.upload.put_part(data);
         async move {
             before.await?;
@@ -269,12 +303,18 @@ impl<I: Interceptor> MultipartUpload for InterceptedUpload<I> {
     }
 
     async fn complete(&mut self) -> object_store::Result<PutResult> {
-        self.hook.clone().before(Op::MultipartComplete, &self.path, 0).await?;
+        self.hook
+            .clone()
+            .before(Op::MultipartComplete, &self.path, 0)
+            .await?;
         self.upload.complete().await
     }
 
     async fn abort(&mut self) -> object_store::Result<()> {
-        self.hook.clone().before(Op::MultipartAbort, &self.path, 0).await?;
+        self.hook
+            .clone()
+            .before(Op::MultipartAbort, &self.path, 0)
+            .await?;
         self.upload.abort().await
     }
 }

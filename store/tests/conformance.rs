@@ -12,8 +12,8 @@ use futures::TryStreamExt;
 use hotstart_store::chunk::ChunkStats;
 use hotstart_store::wrap::{Counter, Faults, Interceptor, Op, Throttle, ThrottleConfig};
 use hotstart_store::{
-    ByteBudget, ChunkId, ChunkStore, ChunkStoreConfig, Error, StripeConfig, StripedReader, StripedWriter,
-    Store, Tree,
+    ByteBudget, ChunkId, ChunkStore, ChunkStoreConfig, Error, Store, StripeConfig, StripedReader,
+    StripedWriter, Tree,
 };
 use tokio::io::AsyncReadExt;
 
@@ -39,43 +39,91 @@ async fn put_get_round_trip(store: Store) {
         assert_eq!(store.size(&key).await.unwrap(), size as u64);
     }
     // Overwrite replaces the whole object.
-    store.put("rt/obj-0", Bytes::from_static(b"new")).await.unwrap();
-    assert_eq!(store.get("rt/obj-0").await.unwrap(), Bytes::from_static(b"new"));
+    store
+        .put("rt/obj-0", Bytes::from_static(b"new"))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get("rt/obj-0").await.unwrap(),
+        Bytes::from_static(b"new")
+    );
 }
 
 async fn ranges_and_missing_objects(store: Store) {
     let data = pattern(100_000, 7);
     store.put("range/obj", data.clone()).await.unwrap();
-    let reader = StripedReader::open(&store, "range/obj", stripes(4096, 4, 1 << 20)).await.unwrap();
+    let reader = StripedReader::open(&store, "range/obj", stripes(4096, 4, 1 << 20))
+        .await
+        .unwrap();
     assert_eq!(reader.size(), 100_000);
-    for (off, len) in [(0u64, 1usize), (4095, 2), (50_000, 30_000), (99_999, 1), (100_000, 0)] {
+    for (off, len) in [
+        (0u64, 1usize),
+        (4095, 2),
+        (50_000, 30_000),
+        (99_999, 1),
+        (100_000, 0),
+    ] {
         let got = reader.read_at(off, len).await.unwrap();
-        assert_eq!(got, data.slice(off as usize..off as usize + len), "{off}+{len}");
+        assert_eq!(
+            got,
+            data.slice(off as usize..off as usize + len),
+            "{off}+{len}"
+        );
     }
-    assert!(matches!(reader.read_at(99_999, 2).await, Err(Error::OutOfRange { .. })));
+    assert!(matches!(
+        reader.read_at(99_999, 2).await,
+        Err(Error::OutOfRange { .. })
+    ));
     let missing = StripedReader::open(&store, "range/none", StripeConfig::default()).await;
-    assert!(matches!(missing, Err(Error::NotFound { .. })), "{missing:?}");
+    assert!(
+        matches!(missing, Err(Error::NotFound { .. })),
+        "{missing:?}"
+    );
     assert!(store.get("range/none").await.unwrap_err().is_not_found());
     assert!(!store.exists("range/none").await.unwrap());
 }
 
 async fn list_and_delete(store: Store) {
     for key in ["ls/a/1", "ls/a/2", "ls/b/c/3", "other/4"] {
-        store.put(key, Bytes::from(key.as_bytes().to_vec())).await.unwrap();
+        store
+            .put(key, Bytes::from(key.as_bytes().to_vec()))
+            .await
+            .unwrap();
     }
-    let keys: Vec<String> = store.list("ls").await.unwrap().into_iter().map(|o| o.key).collect();
+    let keys: Vec<String> = store
+        .list("ls")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect();
     assert_eq!(keys, ["ls/a/1", "ls/a/2", "ls/b/c/3"]);
-    let sizes: Vec<u64> = store.list("ls/a").await.unwrap().into_iter().map(|o| o.size).collect();
+    let sizes: Vec<u64> = store
+        .list("ls/a")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.size)
+        .collect();
     assert_eq!(sizes, [6, 6]);
     store.delete("ls/a/1").await.unwrap();
     store.delete("ls/a/1").await.unwrap(); // deleting twice is fine
-    let keys: Vec<String> = store.list("ls").await.unwrap().into_iter().map(|o| o.key).collect();
+    let keys: Vec<String> = store
+        .list("ls")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect();
     assert_eq!(keys, ["ls/a/2", "ls/b/c/3"]);
 }
 
 async fn striped_write_then_read(store: Store) {
     let cfg = stripes(PART, 4, 64 << 20);
-    for (i, size) in [0, 1, PART - 1, PART, PART + 1, PART * 3 + PART / 2].into_iter().enumerate() {
+    for (i, size) in [0, 1, PART - 1, PART, PART + 1, PART * 3 + PART / 2]
+        .into_iter()
+        .enumerate()
+    {
         let key = format!("striped/{i}");
         let data = pattern(size, 100 + i as u64);
         let mut w = StripedWriter::new(&store, &key, cfg.clone()).unwrap();
@@ -87,11 +135,17 @@ async fn striped_write_then_read(store: Store) {
         // A plain GET sees exactly what was written.
         assert_eq!(store.get(&key).await.unwrap(), data, "size {size}");
 
-        let r = StripedReader::open(&store, &key, stripes(1 << 20, 8, 4 << 20)).await.unwrap();
+        let r = StripedReader::open(&store, &key, stripes(1 << 20, 8, 4 << 20))
+            .await
+            .unwrap();
         let streamed: Vec<Bytes> = r.stream(0..size as u64).try_collect().await.unwrap();
         assert_eq!(Bytes::from(streamed.concat()), data);
         let mut via_async_read = Vec::new();
-        r.clone().into_async_read().read_to_end(&mut via_async_read).await.unwrap();
+        r.clone()
+            .into_async_read()
+            .read_to_end(&mut via_async_read)
+            .await
+            .unwrap();
         assert_eq!(via_async_read, data);
         let mut buf = vec![0u8; size];
         r.read_into(0, &mut buf).await.unwrap();
@@ -114,7 +168,9 @@ async fn striped_reads_hold_the_budget(store: Store) {
             let store = store.clone();
             let cfg = cfg.clone();
             tokio::spawn(async move {
-                let r = StripedReader::open(&store, "budget/obj", cfg).await.unwrap();
+                let r = StripedReader::open(&store, "budget/obj", cfg)
+                    .await
+                    .unwrap();
                 let parts: Vec<Bytes> = r.stream(0..r.size()).try_collect().await.unwrap();
                 parts.concat()
             })
@@ -123,8 +179,17 @@ async fn striped_reads_hold_the_budget(store: Store) {
     for r in readers {
         assert_eq!(r.await.unwrap(), data);
     }
-    assert!(budget.peak() <= budget.capacity(), "{} > {}", budget.peak(), budget.capacity());
-    assert!(budget.peak() >= 128 << 10, "stripes ran in parallel: peak {}", budget.peak());
+    assert!(
+        budget.peak() <= budget.capacity(),
+        "{} > {}",
+        budget.peak(),
+        budget.capacity()
+    );
+    assert!(
+        budget.peak() >= 128 << 10,
+        "stripes ran in parallel: peak {}",
+        budget.peak()
+    );
     assert_eq!(budget.in_use(), 0);
 }
 
@@ -167,7 +232,10 @@ async fn aborted_or_failed_uploads_leave_nothing(store: Store) {
     let mut w = StripedWriter::new(&faulty, "abort/small", cfg).unwrap();
     w.write(b"tiny").await.unwrap();
     w.finish().await.unwrap();
-    assert_eq!(store.get("abort/small").await.unwrap(), Bytes::from_static(b"tiny"));
+    assert_eq!(
+        store.get("abort/small").await.unwrap(),
+        Bytes::from_static(b"tiny")
+    );
 }
 
 async fn truncated_and_corrupt_responses_are_errors(store: Store) {
@@ -175,11 +243,17 @@ async fn truncated_and_corrupt_responses_are_errors(store: Store) {
     store.put("trunc/obj", data.clone()).await.unwrap();
     let faults = Arc::new(Faults::default());
     let faulty = store.wrap(|inner| faults.clone().wrap(inner));
-    let r = StripedReader::open(&faulty, "trunc/obj", stripes(256 << 10, 4, 4 << 20)).await.unwrap();
+    let r = StripedReader::open(&faulty, "trunc/obj", stripes(256 << 10, 4, 4 << 20))
+        .await
+        .unwrap();
     faults.truncate_gets(1);
     let err = r.read_at(0, 1 << 20).await.unwrap_err();
     assert!(matches!(err, Error::Truncated { .. }), "{err}");
-    let err = r.stream(0..1 << 20).try_collect::<Vec<_>>().await.unwrap_err();
+    let err = r
+        .stream(0..1 << 20)
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Truncated { .. }), "{err}");
 
     // Corrupted chunk bytes are detected, never handed out.
@@ -197,7 +271,9 @@ async fn chunks_dedup_verify_and_single_flight(store: Store) {
     let counter = Arc::new(Counter::default());
     let counted = store.wrap(|inner| counter.clone().wrap(inner));
     let chunks = ChunkStore::new(counted, ChunkStoreConfig::default()).unwrap();
-    let data: Vec<Bytes> = (0..20).map(|i| pattern(10_000 + i * 997, i as u64)).collect();
+    let data: Vec<Bytes> = (0..20)
+        .map(|i| pattern(10_000 + i * 997, i as u64))
+        .collect();
     let ids = chunks.put_many(data.clone()).await.unwrap();
     assert_eq!(ids, data.iter().map(|d| ChunkId::of(d)).collect::<Vec<_>>());
     assert_eq!(chunks.stats().uploaded, 20);
@@ -277,7 +353,10 @@ async fn tree_round_trip(store: Store) {
     sample_dir(src.path());
     let chunks = ChunkStore::new(store.clone(), ChunkStoreConfig::default()).unwrap();
     let tree = Tree::build(src.path(), &chunks, 64 << 10).await.unwrap();
-    store.put("trees/sample", tree.encode().unwrap()).await.unwrap();
+    store
+        .put("trees/sample", tree.encode().unwrap())
+        .await
+        .unwrap();
 
     let decoded = Tree::decode(&store.get("trees/sample").await.unwrap()).unwrap();
     assert_eq!(decoded, tree);

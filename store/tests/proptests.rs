@@ -7,7 +7,9 @@ use std::os::unix::fs::PermissionsExt;
 
 use bytes::Bytes;
 use futures::TryStreamExt;
-use hotstart_store::{ByteBudget, ChunkStore, ChunkStoreConfig, StripeConfig, StripedReader, Store, Tree};
+use hotstart_store::{
+    ByteBudget, ChunkStore, ChunkStoreConfig, Store, StripeConfig, StripedReader, Tree,
+};
 use proptest::prelude::*;
 
 use common::{assert_trees_equal, pattern};
@@ -68,9 +70,17 @@ fn name() -> impl Strategy<Value = String> {
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
-    let file = (prop::collection::vec(name(), 1..4), any::<u64>(), 0usize..40_000, prop::sample::select(vec![0o644u32, 0o600, 0o755, 0o444]));
+    let file = (
+        prop::collection::vec(name(), 1..4),
+        any::<u64>(),
+        0usize..40_000,
+        prop::sample::select(vec![0o644u32, 0o600, 0o755, 0o444]),
+    );
     let link = (prop::collection::vec(name(), 1..3), "[a-z./]{1,12}");
-    (prop::collection::vec(file, 0..12), prop::collection::vec(link, 0..3))
+    (
+        prop::collection::vec(file, 0..12),
+        prop::collection::vec(link, 0..3),
+    )
         .prop_map(|(files, links)| Spec { files, links })
 }
 
@@ -79,7 +89,10 @@ fn spec() -> impl Strategy<Value = Spec> {
 fn create(root: &std::path::Path, spec: &Spec) {
     for (parts, seed, size, mode) in &spec.files {
         let p = root.join(parts.join("/"));
-        if std::fs::create_dir_all(p.parent().unwrap()).is_err() || p.exists() || p.symlink_metadata().is_ok() {
+        if std::fs::create_dir_all(p.parent().unwrap()).is_err()
+            || p.exists()
+            || p.symlink_metadata().is_ok()
+        {
             continue;
         }
         std::fs::write(&p, pattern(*size, *seed)).unwrap();

@@ -18,7 +18,8 @@
 //! Lifetimes and cleanup: [`SeaweedFs::shared`] starts one server per test process, on first
 //! use, and kills it and removes its directory when the process exits; if the process is
 //! SIGKILLed the kernel kills the server (`PR_SET_PDEATHSIG`) and the next start sweeps the
-//! orphaned directory. [`SeaweedFs::start`] gives a private server, stopped on drop.
+//! orphaned directory. [`SeaweedFs::start`] gives a private server, stopped on drop, and
+//! [`SeaweedFs::start_in_netns`] one behind the emulated remote link of `benches/netem.sh`.
 //!
 //! Only std, libc and tempfile are used: the helpers speak plain HTTP/1.1 over `TcpStream`
 //! (unsigned requests, which SeaweedFS accepts when it has no identities configured).

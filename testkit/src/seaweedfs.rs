@@ -48,7 +48,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const VOLUME_SIZE_LIMIT_MB: u32 = 64;
 /// Upper bound on volumes. Each bucket is a collection that grows 7 volumes on first write;
 /// a fixed bound (not `-volume.max=0`, "free disk / volume size") keeps many test buckets
-/// working on a small disk. Volumes are sparse files, so the bound costs nothing.
+/// working on a small disk. Volumes are not preallocated (files grow as written), so the
+/// bound costs nothing.
 const MAX_VOLUMES: u32 = 10_000;
 /// Temp dir name prefix; the owner's pid follows it.
 const DIR_PREFIX: &str = "hotstart-weed-";

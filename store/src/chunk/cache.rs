@@ -63,7 +63,9 @@ impl Lru {
     fn evict(&mut self, capacity: u64) -> Vec<ChunkId> {
         let mut out = Vec::new();
         while self.bytes > capacity {
-            let Some((_, id)) = self.order.pop_first() else { break };
+            let Some((_, id)) = self.order.pop_first() else {
+                break;
+            };
             if let Some((_, size)) = self.entries.remove(&id) {
                 self.bytes -= size;
             }
@@ -83,7 +85,9 @@ impl ChunkCache {
             if !fan.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
-            let Ok(files) = std::fs::read_dir(fan.path()) else { continue };
+            let Ok(files) = std::fs::read_dir(fan.path()) else {
+                continue;
+            };
             for f in files.flatten() {
                 let name = f.file_name();
                 let name = name.to_string_lossy();
@@ -192,7 +196,8 @@ impl ChunkCache {
         let len = data.len() as u64;
         tokio::task::spawn_blocking(move || {
             if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| Error::io("create cache directory", parent, e))?;
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| Error::io("create cache directory", parent, e))?;
             }
             std::fs::write(&tmp, &data).map_err(|e| Error::io("write cached chunk", &tmp, e))?;
             std::fs::rename(&tmp, &path).map_err(|e| {

@@ -50,7 +50,12 @@ impl Counter {
 }
 
 impl Interceptor for Counter {
-    fn before(self: Arc<Self>, op: Op, _path: &Path, bytes: u64) -> BoxFuture<'static, object_store::Result<()>> {
+    fn before(
+        self: Arc<Self>,
+        op: Op,
+        _path: &Path,
+        bytes: u64,
+    ) -> BoxFuture<'static, object_store::Result<()>> {
         self.requests[op.index()].fetch_add(1, Ordering::Relaxed);
         self.bytes[op.index()].fetch_add(bytes, Ordering::Relaxed);
         async { Ok(()) }.boxed()

@@ -63,7 +63,12 @@ impl Faults {
 }
 
 impl Interceptor for Faults {
-    fn before(self: Arc<Self>, op: Op, path: &Path, _bytes: u64) -> BoxFuture<'static, object_store::Result<()>> {
+    fn before(
+        self: Arc<Self>,
+        op: Op,
+        path: &Path,
+        _bytes: u64,
+    ) -> BoxFuture<'static, object_store::Result<()>> {
         let fail = {
             let mut s = self.state.lock();
             match s.fail.get(&op).copied() {
@@ -78,7 +83,9 @@ impl Interceptor for Faults {
         let path = path.to_string();
         async move {
             match fail {
-                Some(n) => Err(injected(format!("injected failure of {op:?} call {n} on {path}"))),
+                Some(n) => Err(injected(format!(
+                    "injected failure of {op:?} call {n} on {path}"
+                ))),
                 None => Ok(()),
             }
         }

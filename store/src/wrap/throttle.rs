@@ -79,7 +79,12 @@ impl Pacer {
 }
 
 impl Interceptor for Throttle {
-    fn before(self: Arc<Self>, _op: Op, _path: &Path, bytes: u64) -> BoxFuture<'static, object_store::Result<()>> {
+    fn before(
+        self: Arc<Self>,
+        _op: Op,
+        _path: &Path,
+        bytes: u64,
+    ) -> BoxFuture<'static, object_store::Result<()>> {
         async move {
             tokio::time::sleep(self.cfg.latency).await;
             if bytes > 0 {

@@ -33,14 +33,26 @@ pub fn s3_store(test: &str) -> Option<Store> {
         .into_iter()
         .map(|(k, v)| (k.to_ascii_lowercase(), v))
         .collect();
-    Some(Store::open_with(&format!("{bucket}/conformance"), &options).expect("open SeaweedFS store"))
+    Some(
+        Store::open_with(&format!("{bucket}/conformance"), &options).expect("open SeaweedFS store"),
+    )
 }
 
 fn set_mtime(path: &Path, secs: i64) {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    let ts = libc::timespec { tv_sec: secs, tv_nsec: 123_456_789 };
+    let ts = libc::timespec {
+        tv_sec: secs,
+        tv_nsec: 123_456_789,
+    };
     // SAFETY: valid NUL-terminated path and two initialised timespecs.
-    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), [ts, ts].as_ptr(), libc::AT_SYMLINK_NOFOLLOW) };
+    let rc = unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            [ts, ts].as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
     assert_eq!(rc, 0, "utimensat {}", path.display());
 }
 
@@ -66,21 +78,48 @@ pub fn sample_dir(root: &Path) {
     std::os::unix::fs::symlink("/nonexistent/absolute", root.join("dangling")).unwrap();
     std::fs::hard_link(root.join("data/big"), root.join("bin/hard-big")).unwrap();
     std::fs::set_permissions(root.join("deep/a"), std::fs::Permissions::from_mode(0o750)).unwrap();
-    for (i, rel) in ["one", "data/big", "bin/link-to-big", "deep/a/b", "empty-dir"].iter().enumerate() {
+    for (i, rel) in [
+        "one",
+        "data/big",
+        "bin/link-to-big",
+        "deep/a/b",
+        "empty-dir",
+    ]
+    .iter()
+    .enumerate()
+    {
         set_mtime(&root.join(rel), 1_600_000_000 + i as i64 * 1000);
     }
 }
 
 #[derive(Debug, PartialEq, Eq)]
 enum Node {
-    Dir { mode: u32 },
-    File { mode: u32, mtime: (i64, i64), data: Vec<u8>, link_group: Option<String> },
-    Symlink { target: String, mtime: (i64, i64) },
+    Dir {
+        mode: u32,
+    },
+    File {
+        mode: u32,
+        mtime: (i64, i64),
+        data: Vec<u8>,
+        link_group: Option<String>,
+    },
+    Symlink {
+        target: String,
+        mtime: (i64, i64),
+    },
 }
 
 fn snapshot(root: &Path) -> BTreeMap<String, Node> {
-    fn go(root: &Path, dir: &Path, out: &mut BTreeMap<String, Node>, inodes: &mut HashMap<u64, String>) {
-        let mut names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    fn go(
+        root: &Path,
+        dir: &Path,
+        out: &mut BTreeMap<String, Node>,
+        inodes: &mut HashMap<u64, String>,
+    ) {
+        let mut names: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         names.sort();
         for name in names {
             let p = dir.join(&name);
@@ -88,14 +127,20 @@ fn snapshot(root: &Path) -> BTreeMap<String, Node> {
             let m = std::fs::symlink_metadata(&p).unwrap();
             let node = if m.file_type().is_symlink() {
                 Node::Symlink {
-                    target: std::fs::read_link(&p).unwrap().to_string_lossy().into_owned(),
+                    target: std::fs::read_link(&p)
+                        .unwrap()
+                        .to_string_lossy()
+                        .into_owned(),
                     mtime: (m.mtime(), m.mtime_nsec()),
                 }
             } else if m.is_dir() {
                 go(root, &p, out, inodes);
-                Node::Dir { mode: m.mode() & 0o7777 }
+                Node::Dir {
+                    mode: m.mode() & 0o7777,
+                }
             } else {
-                let link_group = (m.nlink() > 1).then(|| inodes.entry(m.ino()).or_insert(rel.clone()).clone());
+                let link_group =
+                    (m.nlink() > 1).then(|| inodes.entry(m.ino()).or_insert(rel.clone()).clone());
                 Node::File {
                     mode: m.mode() & 0o7777,
                     mtime: (m.mtime(), m.mtime_nsec()),

@@ -1,0 +1,231 @@
+//! Striped object I/O against one plain GET/PUT of the same object.
+//!
+//! The alternative a user would pick is the store client's ordinary call: one `PUT` of the whole
+//! object and one `GET` streaming it back (what `aws s3api put-object`/`get-object` or
+//! `object_store::put`/`get` do). Both sides move the same bytes from and into memory, in the same
+//! run, against the same server, so the ratio is what striping buys:
+//!
+//! - **loopback**: SeaweedFS on 127.0.0.1 and a local directory store. Here the link is not the
+//!   limit, so striping should cost nothing (target ratio ≥ 0.95).
+//! - **remote**: SeaweedFS behind an emulated link, 10 ms RTT and 100 MB/s per TCP connection
+//!   (benches/netem.sh: network namespaces, a per-connection HTB cap and a packet delay).
+//!   One connection is capped, many are not: targets ≥ 6× for reads, ≥ 4× for writes. Where the
+//!   namespaces cannot be set up, the same link is emulated in-process with the throttled store
+//!   wrapper, and the report says so.
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use hotstart_store::wrap::{Interceptor, Throttle, ThrottleConfig};
+use hotstart_store::{Store, StripeConfig, StripedReader, StripedWriter};
+use hotstart_testkit::SeaweedFs;
+
+use crate::StoreArgs;
+use crate::report::{Report, Row, median, rate};
+
+/// The four timings of one backend: single PUT, striped write, single GET, striped read.
+struct Timings {
+    put: Vec<Duration>,
+    striped_write: Vec<Duration>,
+    get: Vec<Duration>,
+    striped_read: Vec<Duration>,
+}
+
+fn payload(mib: usize) -> Bytes {
+    let mut x: u64 = 0x243F_6A88_85A3_08D3;
+    let mut v = Vec::with_capacity(mib << 20);
+    while v.len() < mib << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    Bytes::from(v)
+}
+
+async fn measure(store: &Store, data: &Bytes, args: &StoreArgs) -> anyhow::Result<Timings> {
+    let runs = args.runs;
+    let cfg = StripeConfig {
+        stripe_size: args.stripe_mib << 20,
+        max_in_flight: args.in_flight,
+        ..StripeConfig::default()
+    };
+    let mut t = Timings {
+        put: vec![],
+        striped_write: vec![],
+        get: vec![],
+        striped_read: vec![],
+    };
+    let len = data.len();
+    for run in 0..runs {
+        let key = format!("bench/single-{run}");
+        let start = Instant::now();
+        store.put(&key, data.clone()).await?;
+        t.put.push(start.elapsed());
+
+        let start = Instant::now();
+        let got = store.get(&key).await?;
+        t.get.push(start.elapsed());
+        anyhow::ensure!(got.len() == len, "single GET returned {} bytes", got.len());
+        drop(got);
+
+        let key = format!("bench/striped-{run}");
+        let start = Instant::now();
+        let mut w = StripedWriter::new(store, &key, cfg.clone())?;
+        w.write_bytes(data.clone()).await?;
+        w.finish().await?;
+        t.striped_write.push(start.elapsed());
+
+        let start = Instant::now();
+        let r = StripedReader::open(store, &key, cfg.clone()).await?;
+        let got = r.read_at(0, len).await?;
+        t.striped_read.push(start.elapsed());
+        anyhow::ensure!(got == *data, "striped read returned different bytes");
+        store.delete(&key).await?;
+        store.delete(&format!("bench/single-{run}")).await?;
+    }
+    Ok(t)
+}
+
+fn add_rows(
+    report: &mut Report,
+    label: &str,
+    bytes: u64,
+    t: Timings,
+    read_target: Option<f64>,
+    write_target: Option<f64>,
+) {
+    report.add(Row {
+        what: format!("read, {label}"),
+        ours: rate(bytes, median(t.striped_read)),
+        peer: "single GET".into(),
+        theirs: rate(bytes, median(t.get)),
+        target: read_target,
+    });
+    report.add(Row {
+        what: format!("write, {label}"),
+        ours: rate(bytes, median(t.striped_write)),
+        peer: "single PUT".into(),
+        theirs: rate(bytes, median(t.put)),
+        target: write_target,
+    });
+}
+
+fn s3_store(weed: &SeaweedFs, bucket: &str) -> anyhow::Result<Store> {
+    let url = weed.fresh_bucket(bucket);
+    let opts: Vec<(String, String)> = weed
+        .env()
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect();
+    Ok(Store::open_with(&url, &opts)?)
+}
+
+/// Loopback SeaweedFS and a local directory: striping must not cost anything.
+pub async fn loopback(args: &StoreArgs, report: &mut Report) -> anyhow::Result<()> {
+    let data = payload(args.object_mib);
+    let bytes = data.len() as u64;
+    let label = format!("{} MiB", args.object_mib);
+
+    eprintln!(
+        "striped vs single request, SeaweedFS on loopback ({label}, {} runs)",
+        args.runs
+    );
+    let weed =
+        SeaweedFs::start().context("start SeaweedFS (run scripts/setup.sh to install weed)")?;
+    let store = s3_store(&weed, "bench-loopback")?;
+    let t = measure(&store, &data, args).await?;
+    add_rows(
+        report,
+        &format!("{label}, SeaweedFS loopback"),
+        bytes,
+        t,
+        Some(0.95),
+        Some(0.95),
+    );
+    drop(weed);
+
+    eprintln!("striped vs single request, local directory store ({label})");
+    let dir = tempfile::tempdir_in(&args.dir)?;
+    let store = Store::open(&dir.path().display().to_string())?;
+    let t = measure(&store, &data, args).await?;
+    add_rows(
+        report,
+        &format!("{label}, local directory"),
+        bytes,
+        t,
+        None,
+        None,
+    );
+    Ok(())
+}
+
+const NETNS: &str = "hs-remote";
+
+fn netem(action: &str) -> anyhow::Result<()> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("netem.sh");
+    let status = Command::new("bash").arg(&script).arg(action).status()?;
+    anyhow::ensure!(status.success(), "{} {action} failed", script.display());
+    Ok(())
+}
+
+fn netem_ip() -> anyhow::Result<Ipv4Addr> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("netem.sh");
+    let out = Command::new("bash").arg(&script).arg("ip").output()?;
+    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+}
+
+/// SeaweedFS behind an emulated remote link: striping must multiply throughput.
+pub async fn remote(args: &StoreArgs, report: &mut Report) -> anyhow::Result<()> {
+    let data = payload(args.object_mib);
+    let bytes = data.len() as u64;
+    let label = format!("{} MiB", args.object_mib);
+    eprintln!("striped vs single request over an emulated remote link ({label})");
+
+    let namespaced = netem("up").and_then(|()| {
+        let ip = netem_ip()?;
+        Ok(SeaweedFs::start_in_netns(NETNS, ip)?)
+    });
+    let t = match namespaced {
+        Ok(weed) => {
+            report.note(
+                "remote link: network namespaces (benches/netem.sh), 10 ms RTT, 100 MB/s per TCP \
+                 connection (HTB class per connection), SeaweedFS in the remote namespace",
+            );
+            let store = s3_store(&weed, "bench-remote")?;
+            let t = measure(&store, &data, args).await;
+            drop(weed);
+            netem("down")?;
+            t?
+        }
+        Err(e) => {
+            let _ = netem("down");
+            report.note(format!(
+                "remote link: in-process throttled store wrapper (10 ms per request, 100 MB/s per \
+                 request) over loopback SeaweedFS, because the network namespaces could not be set up: {e:#}"
+            ));
+            let weed = SeaweedFs::start()?;
+            let throttle = Arc::new(Throttle::new(ThrottleConfig {
+                latency: Duration::from_millis(10),
+                per_request_bytes_per_sec: Some(100_000_000),
+                total_bytes_per_sec: None,
+            }));
+            let store = s3_store(&weed, "bench-remote")?.wrap(|inner| throttle.wrap(inner));
+            measure(&store, &data, args).await?
+        }
+    };
+    add_rows(
+        report,
+        &format!("{label}, remote link"),
+        bytes,
+        t,
+        Some(6.0),
+        Some(4.0),
+    );
+    Ok(())
+}

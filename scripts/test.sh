@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The project's test command (the README's and CI's): setup, format check, clippy, tests.
+#
+# Tests run with `cargo test` (not nextest) so that every test binary starts one SeaweedFS
+# server and shares it among its tests. HOTSTART_WEED points at the venv's `weed`. With CI set
+# (non-empty, not "false"/"0"), tests that need a real part refuse to skip and fail instead.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+section() { printf '\n==== %s ====\n' "$*"; }
+
+section "setup"
+bash scripts/setup.sh
+
+export HOTSTART_WEED="$ROOT/.venv/bin/weed"
+export HOTSTART_ROOT="$ROOT"
+export CI="${CI:-}"
+export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
+
+section "cargo fmt --check"
+cargo fmt --all -- --check
+
+section "cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+section "cargo test"
+cargo test --workspace
+
+section "all checks passed"
