@@ -3,22 +3,10 @@
 use std::path::Path;
 use std::process::Command;
 
-use hotstart_testkit::SeaweedFs;
+use hotstart_testkit::{SeaweedFs, pattern};
 
 fn hotstart() -> Command {
     Command::new(env!("CARGO_BIN_EXE_hotstart"))
-}
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn run_ok(cmd: &mut Command) -> String {

@@ -37,15 +37,7 @@ struct Timings {
 }
 
 fn payload(mib: usize) -> Bytes {
-    let mut x: u64 = 0x243F_6A88_85A3_08D3;
-    let mut v = Vec::with_capacity(mib << 20);
-    while v.len() < mib << 20 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    Bytes::from(v)
+    Bytes::from(hotstart_testkit::pattern(mib << 20, 7))
 }
 
 async fn measure(store: &Store, data: &Bytes, args: &StoreArgs) -> anyhow::Result<Timings> {

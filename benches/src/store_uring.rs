@@ -103,7 +103,7 @@ pub fn run(args: &StoreArgs, report: &mut Report) -> anyhow::Result<()> {
         args.runs
     );
 
-    let source = pattern(len.min(MAX_SOURCE));
+    let source = hotstart_testkit::pattern(len.min(MAX_SOURCE), 1);
     let huge_before = anon_huge_bytes();
     let mut read_buf = AlignedBuf::zeroed(len);
     // Touch every page now, so that no run pays the page faults.
@@ -485,18 +485,4 @@ fn drop_page_cache() -> io::Result<()> {
 
 fn remove(path: &Path) -> anyhow::Result<()> {
     fs::remove_file(path).with_context(|| format!("remove {}", path.display()))
-}
-
-/// Deterministic, incompressible bytes (xorshift64).
-fn pattern(len: usize) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
 }

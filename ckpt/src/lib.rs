@@ -1,7 +1,33 @@
-//! hotstart-ckpt: the GPU→host asynchronous checkpoint engine.
+//! hotstart-ckpt: the asynchronous checkpoint engine.
 //!
-//! This crate will own the checkpoint format (one safetensors file and one manifest per step and
-//! rank), the engine that stages tensors into a reusable pool and persists them in the background
-//! to the local disk tier and the object store tier, verified loads that fall back tier by tier,
-//! and the sidecar daemon (`hotstart serve`) with its shared-memory tier and peer replication.
-//! Everything it reads and writes goes through `hotstart-store`.
+//! A training process hands [`Tensor`]s (owned bytes, or borrowed host memory) and [`Extras`]
+//! to [`Engine::save`], which copies them into a reusable, page-aligned staging buffer over
+//! several threads and returns a [`SaveHandle`] at once. [`SaveHandle::wait_staged`] is the only
+//! wait training needs; persistence to the local disk tier (io_uring, `O_DIRECT`) and the object
+//! store tier (striped multipart uploads) continues in the background, checksummed per chunk,
+//! with the manifest written last as the commit. [`Engine::load`] reads the newest complete step
+//! back, verifying every chunk and falling back from disk to store chunk by chunk.
+//!
+//! The on-storage format (one safetensors file and one JSON manifest per step and rank) is in
+//! [`format`] and `docs/FORMAT.md`.
+//!
+//! Modules: [`tensor`] (what is saved), [`format`] (names, header, manifest, parsers),
+//! `staging` (the buffer pool, parallel copies and hashes), [`tier`] (disk and store),
+//! `engine` (save, retention), `load` (verified reads), [`handle`] (save progress).
+
+pub mod error;
+pub mod format;
+pub mod handle;
+pub mod tensor;
+pub mod tier;
+
+mod engine;
+mod load;
+mod staging;
+
+pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, WhenFull};
+pub use error::{Error, Result};
+pub use handle::{Phase, SaveHandle, SaveStatus};
+pub use load::{Destination, Loaded, StepSel};
+pub use tensor::{Dtype, Extras, LoadedTensor, Tensor};
+pub use tier::TierKind;

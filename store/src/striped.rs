@@ -15,8 +15,11 @@
 //!
 //! **Writing.** Bytes are cut into `stripe_size` parts; each part takes its budget when its buffer
 //! is started and gives it back when its upload completes. Up to `max_in_flight` parts upload at
-//! once. An object smaller than one stripe is one plain PUT. `finish` completes the multipart
-//! upload, which makes the object visible atomically; an error or `abort` aborts it so nothing is
+//! once; how many actually do is found by hill climbing on measured throughput (see `limiter`),
+//! so a server on the same few cores is not flooded while a per-connection-capped remote store
+//! gets every connection it rewards. An object smaller than one stripe is one plain PUT.
+//! `finish` completes the multipart upload, which makes the object visible atomically; an error
+//! or `abort` aborts it so nothing is
 //! visible (S3 keeps no parts; a local directory removes its staging file).
 
 use std::io;
@@ -26,9 +29,13 @@ use bytes::{Bytes, BytesMut};
 use futures::stream::{self, BoxStream};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
-use object_store::{GetOptions, MultipartUpload, ObjectStoreExt, PutPayload};
+use object_store::{GetOptions, GetResultPayload, MultipartUpload, ObjectStoreExt, PutPayload};
 use tokio::io::AsyncRead;
 use tokio::task::JoinSet;
+
+mod limiter;
+use limiter::PartLimiter;
+use std::time::Instant;
 
 use crate::budget::{BudgetPermit, ByteBudget};
 use crate::error::{Error, Result};
@@ -262,6 +269,20 @@ impl StripedReader {
             .get_opts(&self.path, opts)
             .await
             .map_err(|e| Error::store(&self.key, e))?;
+        if matches!(res.payload, GetResultPayload::File(..)) {
+            // A local file: one positioned read beats the 8 KiB pieces of its stream form.
+            let bytes = res.bytes().await.map_err(|e| Error::store(&self.key, e))?;
+            if bytes.len() != out.len() {
+                return Err(Error::Truncated {
+                    key: self.key.clone(),
+                    start: range.start,
+                    end: range.end,
+                    got: bytes.len() as u64,
+                });
+            }
+            out.copy_from_slice(&bytes);
+            return Ok(());
+        }
         let mut body = res.into_stream();
         let mut got = 0usize;
         while let Some(piece) = body.next().await {
@@ -336,8 +357,10 @@ pub struct StripedWriter {
     part: BytesMut,
     part_permit: Option<BudgetPermit>,
     upload: Option<Box<dyn MultipartUpload>>,
-    /// Part uploads, each a task so they progress while the writer waits for budget.
-    in_flight: JoinSet<Result<()>>,
+    /// Part uploads, each a task so they progress while the writer waits for budget; each
+    /// returns its size and when it finished.
+    in_flight: JoinSet<Result<(u64, Instant)>>,
+    limiter: PartLimiter,
     written: u64,
     state: WriterState,
 }
@@ -363,6 +386,7 @@ impl std::fmt::Debug for StripedWriter {
 impl StripedWriter {
     /// A writer for `key`; nothing is sent until a stripe fills or [`StripedWriter::finish`].
     pub fn new(store: &Store, key: &str, cfg: StripeConfig) -> Result<StripedWriter> {
+        let cfg_in_flight = cfg.in_flight();
         Ok(StripedWriter {
             store: store.clone(),
             key: key.to_string(),
@@ -372,6 +396,7 @@ impl StripedWriter {
             part_permit: None,
             upload: None,
             in_flight: JoinSet::new(),
+            limiter: PartLimiter::new(cfg_in_flight),
             written: 0,
             state: WriterState::Open,
         })
@@ -448,18 +473,31 @@ impl StripedWriter {
                 .map_err(|e| Error::store(&self.key, e))?;
             self.upload = Some(upload);
         }
-        while self.in_flight.len() >= self.cfg.in_flight() {
+        while let Some(done) = self.in_flight.try_join_next() {
+            self.part_done(done)?;
+        }
+        while self.in_flight.len() >= self.limiter.limit() {
             self.join_one().await?;
         }
         let permit = self.part_permit.take();
         let upload = self.upload.as_mut().expect("created above");
+        let len = part.len() as u64;
         let fut = upload.put_part(PutPayload::from_bytes(part));
         let key = self.key.clone();
         self.in_flight.spawn(async move {
             let res = fut.await.map_err(|e| Error::store(key, e));
             drop(permit);
-            res
+            res.map(|()| (len, Instant::now()))
         });
+        Ok(())
+    }
+
+    fn part_done(
+        &mut self,
+        joined: Result<Result<(u64, Instant)>, tokio::task::JoinError>,
+    ) -> Result<()> {
+        let (len, at) = joined.map_err(|e| Error::task("part upload", e))??;
+        self.limiter.completed(len, at);
         Ok(())
     }
 
@@ -467,8 +505,7 @@ impl StripedWriter {
     async fn join_one(&mut self) -> Result<bool> {
         match self.in_flight.join_next().await {
             None => Ok(false),
-            Some(Ok(res)) => res.map(|()| true),
-            Some(Err(e)) => Err(Error::task("part upload", e)),
+            Some(joined) => self.part_done(joined).map(|()| true),
         }
     }
 

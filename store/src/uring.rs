@@ -368,19 +368,7 @@ mod testutil {
 
     use super::{UringConfig, is_memory_fs};
 
-    /// Deterministic bytes from a xorshift64 generator.
-    pub(super) fn pattern(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let mut out = Vec::with_capacity(len + 8);
-        while out.len() < len {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            out.extend_from_slice(&x.to_le_bytes());
-        }
-        out.truncate(len);
-        out
-    }
+    pub(super) use hotstart_testkit::pattern;
 
     /// A temp dir on the real disk (not tmpfs), so that O_DIRECT is exercised.
     pub(super) fn disk_dir() -> tempfile::TempDir {

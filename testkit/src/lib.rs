@@ -24,11 +24,13 @@
 //! Only std, libc and tempfile are used: the helpers speak plain HTTP/1.1 over `TcpStream`
 //! (unsigned requests, which SeaweedFS accepts when it has no identities configured).
 
+mod data;
 mod http;
 mod locate;
 mod seaweedfs;
 mod spawn;
 
+pub use data::pattern;
 pub use http::Response;
 pub use locate::{find_weed, workspace_root};
 pub use seaweedfs::SeaweedFs;

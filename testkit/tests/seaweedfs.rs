@@ -11,11 +11,6 @@ use std::time::{Duration, Instant};
 use hotstart_testkit::SeaweedFs;
 
 /// Bytes that differ at every offset, so a shifted or truncated body cannot compare equal.
-fn pattern(len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3])
-        .collect()
-}
 
 #[test]
 fn unsigned_put_then_get_returns_the_same_bytes() {
@@ -27,7 +22,7 @@ fn unsigned_put_then_get_returns_the_same_bytes() {
     s3.create_bucket(bucket)
         .expect("creating an existing bucket again succeeds");
 
-    let data = pattern(3 << 20);
+    let data = hotstart_testkit::pattern(3 << 20, 3);
     let put = s3
         .request("PUT", &format!("/{bucket}/dir/object.bin"), &[], &data)
         .expect("PUT");

@@ -9,18 +9,9 @@ use bytes::Bytes;
 use hotstart_store::Store;
 use hotstart_testkit::SeaweedFs;
 
-/// Deterministic pseudo-random bytes (xorshift64*), distinct per seed.
+/// Deterministic incompressible bytes (see `hotstart_testkit::pattern`).
 pub fn pattern(len: usize, seed: u64) -> Bytes {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-    }
-    out.truncate(len);
-    Bytes::from(out)
+    Bytes::from(hotstart_testkit::pattern(len, seed))
 }
 
 /// A store on a fresh bucket of the shared SeaweedFS server, or `None` (with a printed reason)

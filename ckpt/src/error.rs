@@ -1,0 +1,161 @@
+//! The one error type of `hotstart-ckpt`.
+//!
+//! Variants carry the step, rank, tier, key or path they concern, so a line read in a log says
+//! where to look. Persistence failures happen on a background thread and may be read by several
+//! waiters, so they are shared as [`Error::Persist`] around an `Arc`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::TierKind;
+
+/// Everything that can go wrong in the checkpoint engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A configuration that cannot be used.
+    #[error("invalid checkpoint configuration: {reason}")]
+    Config { reason: String },
+
+    /// A tensor whose description does not fit its bytes.
+    #[error("invalid tensor {name:?}: {reason}")]
+    Tensor { name: String, reason: String },
+
+    /// Tensors or extras handed to `save` that cannot be written.
+    #[error("invalid input for step {step}: {reason}")]
+    Input { step: u64, reason: String },
+
+    /// A manifest or safetensors header that cannot be decoded or is inconsistent.
+    #[error("invalid {what} {location}: {reason}")]
+    Format {
+        what: &'static str,
+        location: String,
+        reason: String,
+    },
+
+    /// No copy of a chunk in any tier matches its checksum.
+    #[error(
+        "step {step} rank {rank}: chunk {chunk} is corrupt or missing in every tier ({reason})"
+    )]
+    Corrupt {
+        step: u64,
+        rank: u32,
+        chunk: usize,
+        reason: String,
+    },
+
+    /// No complete checkpoint to load (or not the asked step).
+    #[error("no complete checkpoint{} for rank {rank} of job {job:?}", step.map(|s| format!(" at step {s}")).unwrap_or_default())]
+    NotFound {
+        job: String,
+        step: Option<u64>,
+        rank: u32,
+    },
+
+    /// Local file-system I/O.
+    #[error("{op} {path}: {source}", path = path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The storage substrate (object store or io_uring files).
+    #[error("{what} {key}: {source}")]
+    Store {
+        what: &'static str,
+        key: String,
+        #[source]
+        source: Box<hotstart_store::Error>,
+    },
+
+    /// A tier that failed to persist a step (shared by every waiter of the save).
+    #[error("step {step} rank {rank} was not persisted to the {tier} tier: {source}")]
+    Persist {
+        tier: TierKind,
+        step: u64,
+        rank: u32,
+        #[source]
+        source: Arc<Error>,
+    },
+
+    /// A save dropped because `max_inflight` checkpoints were in flight and the policy is `skip`.
+    #[error("step {step} was skipped: {inflight} checkpoints already in flight")]
+    Skipped { step: u64, inflight: usize },
+
+    /// A caller buffer that does not fit the tensor loaded into it.
+    #[error("step {step}: destination for tensor {name:?}: {reason}")]
+    Destination {
+        step: u64,
+        name: String,
+        reason: String,
+    },
+
+    /// A background thread that panicked or could not be started.
+    #[error("{what} failed: {message}")]
+    Task { what: &'static str, message: String },
+}
+
+impl Error {
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn store(
+        what: &'static str,
+        key: impl Into<String>,
+        source: hotstart_store::Error,
+    ) -> Self {
+        Error::Store {
+            what,
+            key: key.into(),
+            source: Box::new(source),
+        }
+    }
+
+    pub(crate) fn format(
+        what: &'static str,
+        location: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::Format {
+            what,
+            location: location.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The error behind any [`Error::Persist`] wrapping.
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Persist { source, .. } => source.root(),
+            other => other,
+        }
+    }
+
+    /// True for store errors that may succeed when retried.
+    pub fn is_transient(&self) -> bool {
+        match self.root() {
+            Error::Store { source, .. } => source.is_transient(),
+            _ => false,
+        }
+    }
+
+    /// True when the thing asked for does not exist (a missing object, file or step).
+    pub fn is_not_found(&self) -> bool {
+        match self.root() {
+            Error::Store { source, .. } => source.is_not_found(),
+            Error::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            Error::NotFound { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

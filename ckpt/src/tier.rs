@@ -1,0 +1,91 @@
+//! Storage tiers: where a staged checkpoint is persisted and where a load reads it back.
+//!
+//! One trait, [`Tier`], with one implementation per medium: [`disk::DiskTier`] (a local
+//! directory written through io_uring, `O_DIRECT` where possible) and [`store::StoreTier`] (any
+//! `hotstart-store` backend: a directory, `memory://`, S3; wrappers such as `Faults` or
+//! `Throttle` compose underneath). The engine only speaks the trait, so tests and new media
+//! (peer memory, the sidecar's shared memory) plug in the same way.
+//!
+//! A tier stores objects under keys of the form `<job>/step-<N>/rank-<R>.<ext>` (see
+//! [`crate::format`]). Every write is atomic on its own (rename on disk, a single PUT or a
+//! completed multipart upload in a store); the engine orders them so the manifest, the commit,
+//! is always written after the data it describes and removed before it.
+//!
+//! The trait is blocking: the store tier drives its async client on the engine's runtime. Calls
+//! come from the engine's background threads, never from an async context.
+
+pub mod disk;
+pub mod store;
+
+use std::fmt;
+use std::sync::Arc;
+
+use hotstart_store::uring::AlignedBuf;
+
+use crate::error::Result;
+
+/// Which tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TierKind {
+    /// The local disk directory.
+    Disk,
+    /// The object store.
+    Store,
+}
+
+impl fmt::Display for TierKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TierKind::Disk => "disk",
+            TierKind::Store => "store",
+        })
+    }
+}
+
+/// A staged file: the first `len` bytes of a shared, page-aligned buffer.
+#[derive(Clone)]
+pub struct Staged {
+    pub(crate) buf: Arc<AlignedBuf>,
+    pub(crate) len: usize,
+}
+
+impl AsRef<[u8]> for Staged {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// Reads ranges of one object, keeping whatever per-reader state the medium needs (a ring).
+pub trait TierReader: Send {
+    /// Fills `buf` with the object's bytes at `offset`.
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+/// One place checkpoints are kept.
+pub trait Tier: Send + Sync {
+    /// Which tier this is.
+    fn kind(&self) -> TierKind;
+
+    /// Writes a safetensors file atomically (all or nothing under `key`).
+    fn put_file(&self, key: &str, data: &Staged) -> Result<()>;
+
+    /// Writes a manifest atomically.
+    fn put_manifest(&self, key: &str, json: Vec<u8>) -> Result<()>;
+
+    /// A manifest's bytes, `None` when it does not exist; errors on one larger than
+    /// [`crate::format::MAX_MANIFEST_LEN`].
+    fn get_manifest(&self, key: &str) -> Result<Option<Vec<u8>>>;
+
+    /// Whether an object exists.
+    fn exists(&self, key: &str) -> Result<bool>;
+
+    /// Steps that have a `step-<N>` directory (or prefix) under `job`, in any state.
+    fn list_steps(&self, job: &str) -> Result<Vec<u64>>;
+
+    /// Removes one rank's objects of one step: manifest first, so a torn removal never leaves a
+    /// commit without its data; leftovers of interrupted writes too.
+    fn remove_rank(&self, job: &str, step: u64, rank: u32) -> Result<()>;
+
+    /// A reader of `key`, which must be `len` bytes long.
+    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>>;
+}

@@ -1,0 +1,177 @@
+//! The local disk tier: `<root>/<job>/step-<N>/rank-<R>.*`, written through io_uring.
+//!
+//! The safetensors file goes through [`AtomicFileWriter`] (temporary name, `O_DIRECT` writes of
+//! `block_size` with `queue_depth` in flight, `fdatasync`, rename, directory fsync), then the
+//! manifest the same way; so after a crash the final names show whole files or nothing, and a
+//! manifest is never on disk without its data. Reads use one [`UringReader`] per reader; chunk
+//! slices of a page-aligned buffer at chunk-aligned offsets go from disk straight into the
+//! destination.
+
+use std::fs;
+use std::io;
+use std::path::PathBuf;
+
+use hotstart_store::uring::{AtomicFileWriter, UringConfig, UringReader, write_file_atomic};
+
+use super::{Staged, Tier, TierKind, TierReader};
+use crate::error::{Error, Result};
+use crate::format::{self, MAX_MANIFEST_LEN};
+
+/// A local directory holding checkpoints.
+#[derive(Debug, Clone)]
+pub struct DiskTier {
+    root: PathBuf,
+    uring: UringConfig,
+}
+
+impl DiskTier {
+    /// A tier rooted at `root` (created when first written).
+    pub fn new(root: impl Into<PathBuf>, uring: UringConfig) -> DiskTier {
+        DiskTier {
+            root: root.into(),
+            uring,
+        }
+    }
+
+    fn path(&self, key: &str) -> PathBuf {
+        self.root.join(key)
+    }
+
+    fn make_parent(&self, path: &std::path::Path) -> Result<()> {
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+        }
+        Ok(())
+    }
+}
+
+fn store_err(what: &'static str, path: &std::path::Path, e: hotstart_store::Error) -> Error {
+    Error::store(what, path.display().to_string(), e)
+}
+
+impl Tier for DiskTier {
+    fn kind(&self) -> TierKind {
+        TierKind::Disk
+    }
+
+    fn put_file(&self, key: &str, data: &Staged) -> Result<()> {
+        let path = self.path(key);
+        self.make_parent(&path)?;
+        let mut w = AtomicFileWriter::create(&path, &self.uring)
+            .map_err(|e| store_err("create", &path, e))?;
+        w.reserve(data.len as u64)
+            .map_err(|e| store_err("reserve", &path, e))?;
+        w.write(data.as_ref())
+            .map_err(|e| store_err("write", &path, e))?;
+        w.commit().map_err(|e| store_err("commit", &path, e))?;
+        Ok(())
+    }
+
+    fn put_manifest(&self, key: &str, json: Vec<u8>) -> Result<()> {
+        let path = self.path(key);
+        self.make_parent(&path)?;
+        write_file_atomic(&path, &json, &self.uring)
+            .map_err(|e| store_err("write manifest", &path, e))?;
+        Ok(())
+    }
+
+    fn get_manifest(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let path = self.path(key);
+        let meta = match fs::metadata(&path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io("stat", &path, e)),
+        };
+        if meta.len() > MAX_MANIFEST_LEN {
+            return Err(Error::format(
+                "manifest",
+                path.display().to_string(),
+                format!("{} bytes exceeds {MAX_MANIFEST_LEN}", meta.len()),
+            ));
+        }
+        match fs::read(&path) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io("read", &path, e)),
+        }
+    }
+
+    fn exists(&self, key: &str) -> Result<bool> {
+        let path = self.path(key);
+        path.try_exists().map_err(|e| Error::io("stat", &path, e))
+    }
+
+    fn list_steps(&self, job: &str) -> Result<Vec<u64>> {
+        let dir = self.path(job);
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io("list", &dir, e)),
+        };
+        let mut steps = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| Error::io("list", &dir, e))?;
+            if let Some(step) = entry.file_name().to_str().and_then(format::parse_step_dir) {
+                steps.push(step);
+            }
+        }
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    fn remove_rank(&self, job: &str, step: u64, rank: u32) -> Result<()> {
+        let dir = self.path(&format::step_prefix(job, step));
+        let manifest = self.path(&format::manifest_key(job, step, rank));
+        let data = self.path(&format::data_key(job, step, rank));
+        for path in [&manifest, &data] {
+            match fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("remove", path, e)),
+            }
+        }
+        // Temporary files of writes that never committed (a process killed mid-write).
+        let tmp_prefixes = [
+            format!(".rank-{rank}.safetensors.tmp-"),
+            format!(".rank-{rank}.manifest.json.tmp-"),
+        ];
+        if let Ok(entries) = fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                if tmp_prefixes.iter().any(|p| name.starts_with(p.as_str())) {
+                    let _ = fs::remove_file(entry.path());
+                }
+            }
+        }
+        // Succeeds only once every rank's files are gone.
+        let _ = fs::remove_dir(&dir);
+        Ok(())
+    }
+
+    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
+        let path = self.path(key);
+        let r = UringReader::open(&path, &self.uring).map_err(|e| store_err("open", &path, e))?;
+        if r.len() != len {
+            return Err(Error::format(
+                "safetensors file",
+                path.display().to_string(),
+                format!("{} bytes on disk, manifest says {len}", r.len()),
+            ));
+        }
+        Ok(Box::new(DiskReader { r, path }))
+    }
+}
+
+struct DiskReader {
+    r: UringReader,
+    path: PathBuf,
+}
+
+impl TierReader for DiskReader {
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.r
+            .read_at(offset, buf)
+            .map_err(|e| store_err("read", &self.path, e))
+    }
+}

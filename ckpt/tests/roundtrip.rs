@@ -1,0 +1,192 @@
+//! Round trips through every tier configuration and every store backend: the same tests run on
+//! the disk tier alone, on a store alone (memory, local directory, SeaweedFS S3) and on both.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use hotstart_ckpt::{Destination, Dtype, EngineConfig, StepSel, Tensor, TierKind};
+use hotstart_store::Store;
+
+/// Saves two steps, checks status, loads both back bit-exact, checks the files with the
+/// `safetensors` crate (when a directory holds them), and checks `latest_complete_step`.
+fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
+    let tiers: Vec<TierKind> = [
+        (TierKind::Disk, cfg.disk_dir.is_some()),
+        (TierKind::Store, cfg.store.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(k, on)| on.then_some(k))
+    .collect();
+    let engine = engine(cfg);
+    assert_eq!(engine.latest_complete_step().unwrap(), None);
+    let set1 = sample_tensors(1, 700 << 10);
+    let set2 = sample_tensors(2, 1 << 20);
+    let h1 = engine.save(10, to_tensors(&set1), extras(1)).unwrap();
+    h1.wait_staged().unwrap();
+    for t in &tiers {
+        h1.wait_persisted(*t).unwrap();
+    }
+    let h2 = engine.save(20, to_tensors(&set2), extras(2)).unwrap();
+    h2.wait().unwrap();
+    let st = h2.status();
+    for t in &tiers {
+        assert!(matches!(st.tier(*t), hotstart_ckpt::Phase::Done));
+        assert_eq!(engine.complete_steps(*t).unwrap(), vec![10, 20]);
+    }
+    assert_eq!(engine.latest_complete_step().unwrap(), Some(20));
+
+    let latest = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_eq!(latest.step, 20);
+    assert_loaded(&latest, &set2, &extras(2));
+    assert_eq!(latest.metadata["step"], "20");
+    assert_eq!(latest.metadata["rank"], "0");
+    assert_eq!(latest.metadata["world_size"], "1");
+    let first = engine.load(StepSel::Step(10), Destination::Owned).unwrap();
+    assert_loaded(&first, &set1, &extras(1));
+    assert!(first.chunk_sources.iter().all(|k| *k == tiers[0]));
+
+    // Into caller buffers.
+    let mut big = vec![0u8; set2.last().unwrap().3.len()];
+    let mut scalar = vec![0u8; 4];
+    let mut bufs = std::collections::HashMap::new();
+    bufs.insert("big".to_string(), &mut big[..]);
+    bufs.insert("scalar".to_string(), &mut scalar[..]);
+    let l = engine
+        .load(StepSel::Step(20), Destination::Buffers(bufs))
+        .unwrap();
+    assert_eq!(l.tensors.len(), set2.len() - 2);
+    assert_eq!(big, set2.last().unwrap().3);
+    assert_eq!(scalar, set2.iter().find(|t| t.0 == "scalar").unwrap().3);
+
+    if let Some(dir) = files_at {
+        let path = dir.join("job-a/step-20/rank-0.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.len(), set2.len());
+        for (n, d, s, b) in &set2 {
+            let v = st.tensor(n).unwrap();
+            assert_eq!(v.dtype().to_string(), d.to_string(), "{n}");
+            let shape: Vec<u64> = v.shape().iter().map(|&x| x as u64).collect();
+            assert_eq!(&shape, s);
+            assert_eq!(v.data(), &b[..], "{n}");
+        }
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let meta = meta.metadata().clone().unwrap();
+        assert_eq!(meta["step"], "20");
+        assert_eq!(meta["rank"], "0");
+        assert_eq!(meta["world_size"], "1");
+        assert!(dir.join("job-a/step-20/rank-0.manifest.json").exists());
+    }
+}
+
+#[test]
+fn disk_tier_only() {
+    let dir = tempfile::tempdir().unwrap();
+    conformance(config("job-a").disk(dir.path()), Some(dir.path()));
+}
+
+#[test]
+fn memory_store_only() {
+    conformance(
+        config("job-a").store(Store::open("memory://").unwrap()),
+        None,
+    );
+}
+
+#[test]
+fn local_dir_store_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().to_str().unwrap()).unwrap();
+    conformance(config("job-a").store(store), Some(dir.path()));
+}
+
+#[test]
+fn seaweedfs_store_only() {
+    let Some(store) = s3_store("ckpt_seaweed_only") else {
+        return;
+    };
+    conformance(config("job-a").store(store), None);
+}
+
+#[test]
+fn disk_and_seaweedfs() {
+    let Some(store) = s3_store("ckpt_disk_and_seaweed") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    conformance(
+        config("job-a").disk(dir.path()).store(store),
+        Some(dir.path()),
+    );
+}
+
+#[test]
+fn disk_and_memory_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open("memory://").unwrap();
+    conformance(
+        config("job-a").disk(dir.path()).store(store),
+        Some(dir.path()),
+    );
+}
+
+#[test]
+fn borrowed_tensors_and_staging_reuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config("job-b").disk(dir.path());
+    cfg.keep = 2;
+    let engine = engine(cfg);
+    let mut params = pattern(3 << 20, 9);
+    for step in 1..=4u64 {
+        // SAFETY: `params` outlives the save and is not touched until wait_staged returns.
+        let t = unsafe {
+            Tensor::from_raw(
+                "w",
+                Dtype::F32,
+                vec![(3 << 20) / 4],
+                params.as_ptr(),
+                params.len(),
+            )
+        }
+        .unwrap();
+        let h = engine.save(step, vec![t], Default::default()).unwrap();
+        h.wait_staged().unwrap();
+        let expect = params.clone();
+        params.iter_mut().for_each(|b| *b = b.wrapping_add(1)); // the optimizer step
+        h.wait().unwrap();
+        let l = engine
+            .load(StepSel::Step(step), Destination::Owned)
+            .unwrap();
+        assert!(l.tensors[0].data[..] == expect[..], "step {step}");
+    }
+    // Retention kept the newest two.
+    engine.wait_idle();
+    assert_eq!(engine.complete_steps(TierKind::Disk).unwrap(), vec![3, 4]);
+    assert!(!dir.path().join("job-b/step-1").exists());
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let engine = engine(config("job-c").store(Store::open("memory://").unwrap()));
+    let t = || Tensor::new("x", Dtype::U8, vec![1], vec![1u8]).unwrap();
+    assert!(engine.save(1, vec![t(), t()], Default::default()).is_err());
+    assert!(Tensor::new("y", Dtype::F32, vec![2], vec![0u8; 7]).is_err());
+    assert!(Tensor::new("__metadata__", Dtype::U8, vec![1], vec![0u8]).is_ok());
+    let meta = Tensor::new("__metadata__", Dtype::U8, vec![1], vec![0u8]).unwrap();
+    assert!(engine.save(1, vec![meta], Default::default()).is_err());
+    assert!(
+        hotstart_ckpt::Engine::new(
+            EngineConfig::new("../x", 0, 1).store(Store::open("memory://").unwrap())
+        )
+        .is_err()
+    );
+    assert!(
+        hotstart_ckpt::Engine::new(
+            EngineConfig::new("ok", 2, 2).store(Store::open("memory://").unwrap())
+        )
+        .is_err()
+    );
+    assert!(hotstart_ckpt::Engine::new(EngineConfig::new("ok", 0, 1)).is_err());
+}
