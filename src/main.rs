@@ -1,5 +1,7 @@
 //! The `hotstart` binary: argument parsing that turns into the library crates' config structs.
 
+mod ckpt_cmd;
+mod mount_cmd;
 mod store_cmd;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +27,11 @@ enum Command {
     /// Copy and list objects with striped, parallel transfers.
     #[command(subcommand)]
     Store(store_cmd::StoreCommand),
+    /// List, show, verify and garbage-collect checkpoints in a store or disk-tier directory.
+    #[command(subcommand)]
+    Ckpt(ckpt_cmd::CkptCommand),
+    /// Mount a store as a directory: striped parallel reads and writes of plain objects.
+    Mount(mount_cmd::MountArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -49,6 +56,8 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Store(cmd) => store_cmd::run(cmd).await,
+            Command::Ckpt(cmd) => ckpt_cmd::run(cmd).await,
+            Command::Mount(args) => mount_cmd::run(args).await,
         }
     });
     match result {

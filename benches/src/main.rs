@@ -4,10 +4,12 @@
 //! ```text
 //! cargo run --profile bench -p hotstart-benches -- store            # every store benchmark
 //! cargo run --profile bench -p hotstart-benches -- store --only uring
+//! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
 //! ```
 //!
 //! Each benchmark repeats its measurements (`--runs`, default 3) and reports medians.
 
+mod ckpt;
 mod report;
 mod store_striped;
 mod store_uring;
@@ -28,6 +30,8 @@ struct Cli {
 enum Command {
     /// Storage substrate: striped object I/O and io_uring local files.
     Store(StoreArgs),
+    /// Checkpoint engine: training stall, durable persist and cold load.
+    Ckpt(ckpt::CkptArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -91,6 +95,7 @@ fn main() -> anyhow::Result<()> {
                 std::fs::write(path, report.markdown())?;
             }
         }
+        Command::Ckpt(args) => ckpt::run(&args)?,
     }
     Ok(())
 }

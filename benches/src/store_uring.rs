@@ -57,7 +57,7 @@ const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 
 /// Where a tool's I/O buffers live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Memory {
+pub(crate) enum Memory {
     /// 4 KiB pages (fio's default `--mem=malloc`).
     Plain,
     /// Huge pages (fio's `--mem=shmhuge`).
@@ -307,7 +307,7 @@ fn check_content(buf: &[u8], source: &[u8]) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, Clone, Copy)]
-enum Dir {
+pub(crate) enum Dir {
     Write,
     Read,
 }
@@ -329,14 +329,14 @@ fn fio_memory_flag(memory: Memory) -> &'static str {
 }
 
 /// The `fio` binary and the huge page size of this system.
-struct Fio {
-    version: String,
+pub(crate) struct Fio {
+    pub(crate) version: String,
     /// Bytes per huge page (`Hugepagesize` in /proc/meminfo).
     huge_page: u64,
 }
 
 impl Fio {
-    fn find() -> anyhow::Result<Fio> {
+    pub(crate) fn find() -> anyhow::Result<Fio> {
         let out = match Command::new("fio").arg("--version").output() {
             Ok(out) if out.status.success() => out,
             Ok(out) => bail!(
@@ -362,7 +362,13 @@ impl Fio {
     }
 
     /// Runs one fio job on `path`; returns `io_bytes / runtime` as a duration for `mib` MiB.
-    fn run(&self, path: &Path, mib: usize, dir: Dir, memory: Memory) -> anyhow::Result<Duration> {
+    pub(crate) fn run(
+        &self,
+        path: &Path,
+        mib: usize,
+        dir: Dir,
+        memory: Memory,
+    ) -> anyhow::Result<Duration> {
         let mut cmd = Command::new("fio");
         cmd.arg("--name=hotstart-bench")
             .arg(format!("--filename={}", path.display()))
@@ -477,7 +483,7 @@ fn proc_field(file: &str, key: &str) -> Option<u64> {
 }
 
 /// Flushes dirty pages and empties the page cache (needs root).
-fn drop_page_cache() -> io::Result<()> {
+pub(crate) fn drop_page_cache() -> io::Result<()> {
     // SAFETY: sync(2) takes no arguments and touches no memory of this process.
     unsafe { libc::sync() };
     fs::write("/proc/sys/vm/drop_caches", "3")

@@ -13,11 +13,13 @@
 //!
 //! Modules: [`tensor`] (what is saved), [`format`] (names, header, manifest, parsers),
 //! `staging` (the buffer pool, parallel copies and hashes), [`tier`] (disk and store),
-//! `engine` (save, retention), `load` (verified reads), [`handle`] (save progress).
+//! `engine` (save, retention), `load` (verified reads), [`handle`] (save progress), [`inspect`]
+//! (offline listing, verification and retention: the `hotstart ckpt` commands).
 
 pub mod error;
 pub mod format;
 pub mod handle;
+pub mod inspect;
 pub mod tensor;
 pub mod tier;
 
@@ -28,6 +30,7 @@ mod staging;
 pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, WhenFull};
 pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
+pub use inspect::Checkpoints;
 pub use load::{Destination, Loaded, StepSel};
 pub use tensor::{Dtype, Extras, LoadedTensor, Tensor};
 pub use tier::TierKind;

@@ -82,6 +82,11 @@ pub trait Tier: Send + Sync {
     /// Steps that have a `step-<N>` directory (or prefix) under `job`, in any state.
     fn list_steps(&self, job: &str) -> Result<Vec<u64>>;
 
+    /// Every object under `prefix` (a key prefix ending in `/`, or empty for all), recursively:
+    /// `(key, size)` with keys relative to the tier's root, sorted. On disk this includes the
+    /// hidden temporary files of writes in progress or interrupted.
+    fn list_objects(&self, prefix: &str) -> Result<Vec<(String, u64)>>;
+
     /// Removes one rank's objects of one step: manifest first, so a torn removal never leaves a
     /// commit without its data; leftovers of interrupted writes too.
     fn remove_rank(&self, job: &str, step: u64, rank: u32) -> Result<()>;

@@ -17,6 +17,10 @@
 //!   `IORING_OP_WRITE` of block `i` at file offset `i * block_size`, and the next free buffer is
 //!   taken. When no buffer is free the writer reaps completions, so up to `queue_depth` writes are
 //!   in flight while the caller keeps copying.
+//! * **No copy from aligned memory.** [`AtomicFileWriter::write_aligned`] skips the pool for a
+//!   caller buffer that starts on a 4096-byte boundary: `block_size` writes go to the kernel
+//!   straight from the caller's memory, `queue_depth` in flight, and the call returns only once
+//!   they are all complete (see `writer/inplace.rs`).
 //! * **Completions.** A short write is resubmitted for its remainder; a negative result becomes an
 //!   error naming the path (and the writer refuses further use); a finished buffer returns to the
 //!   pool. Buffers are never freed while the kernel may still touch them: commit, abort and drop

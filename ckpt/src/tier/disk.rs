@@ -1,7 +1,8 @@
 //! The local disk tier: `<root>/<job>/step-<N>/rank-<R>.*`, written through io_uring.
 //!
-//! The safetensors file goes through [`AtomicFileWriter`] (temporary name, `O_DIRECT` writes of
-//! `block_size` with `queue_depth` in flight, `fdatasync`, rename, directory fsync), then the
+//! The safetensors file goes through [`AtomicFileWriter::write_aligned`] (temporary name,
+//! `O_DIRECT` writes of `block_size` with `queue_depth` in flight issued straight from the
+//! page-aligned staging buffer, with no copy; `fdatasync`, rename, directory fsync), then the
 //! manifest the same way; so after a crash the final names show whole files or nothing, and a
 //! manifest is never on disk without its data. Reads use one [`UringReader`] per reader; chunk
 //! slices of a page-aligned buffer at chunk-aligned offsets go from disk straight into the
@@ -61,7 +62,8 @@ impl Tier for DiskTier {
             .map_err(|e| store_err("create", &path, e))?;
         w.reserve(data.len as u64)
             .map_err(|e| store_err("reserve", &path, e))?;
-        w.write(data.as_ref())
+        // Straight from the page-aligned staging buffer: no copy into the writer's pool.
+        w.write_aligned(data.as_ref())
             .map_err(|e| store_err("write", &path, e))?;
         w.commit().map_err(|e| store_err("commit", &path, e))?;
         Ok(())
@@ -117,6 +119,43 @@ impl Tier for DiskTier {
         }
         steps.sort_unstable();
         Ok(steps)
+    }
+
+    fn list_objects(&self, prefix: &str) -> Result<Vec<(String, u64)>> {
+        let mut out = Vec::new();
+        let start = self.path(prefix.trim_end_matches('/'));
+        let mut dirs = vec![(start, prefix.trim_end_matches('/').to_string())];
+        while let Some((dir, key)) = dirs.pop() {
+            let entries = match fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io("list", &dir, e)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(|e| Error::io("list", &dir, e))?;
+                let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+                    continue;
+                };
+                let child = if key.is_empty() {
+                    name
+                } else {
+                    format!("{key}/{name}")
+                };
+                let meta = match entry.metadata() {
+                    Ok(m) => m,
+                    // Removed since the directory was read.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(Error::io("stat", entry.path(), e)),
+                };
+                if meta.is_dir() {
+                    dirs.push((entry.path(), child));
+                } else if meta.is_file() {
+                    out.push((child, meta.len()));
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
     }
 
     fn remove_rank(&self, job: &str, step: u64, rank: u32) -> Result<()> {

@@ -175,6 +175,13 @@ impl Tier for StoreTier {
         Ok(steps)
     }
 
+    fn list_objects(&self, prefix: &str) -> Result<Vec<(String, u64)>> {
+        let objects = self
+            .rt
+            .block_on(self.retry("list", prefix, || self.store.list(prefix)))?;
+        Ok(objects.into_iter().map(|o| (o.key, o.size)).collect())
+    }
+
     fn remove_rank(&self, job: &str, step: u64, rank: u32) -> Result<()> {
         for key in [
             format::manifest_key(job, step, rank),

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use io_uring::{opcode, types};
 use tracing::{debug, error, instrument};
 
+mod inplace;
+
 use super::buf::Pool;
 use super::{ALIGN, Completion, DirectMode, Ring, UringConfig, open_maybe_direct};
 use crate::error::{Error, Result};
@@ -110,6 +112,8 @@ pub struct AtomicFileWriter {
     /// Grow the allocation ahead of the writes (in direct mode only).
     prealloc: bool,
     state: WriterState,
+    /// Bytes written by [`write_aligned`](Self::write_aligned) straight from the caller's memory.
+    in_place: u64,
     /// Test hook: report the next completed direct write as refused with `EINVAL`.
     #[cfg(test)]
     inject_einval: bool,
@@ -170,6 +174,7 @@ impl AtomicFileWriter {
             prealloc_to: 0,
             prealloc: direct,
             state: WriterState::Open,
+            in_place: 0,
             #[cfg(test)]
             inject_einval: false,
         })
@@ -389,42 +394,37 @@ impl AtomicFileWriter {
     }
 
     fn complete_write(&mut self, idx: usize, res: i32) -> Result<()> {
-        #[cfg(test)]
-        let res = if self.inject_einval && self.slots[idx].direct {
+        let res = self.maybe_inject(self.slots[idx].direct, res);
+        let finished = settle_write(
+            &mut self.mode,
+            &self.file,
+            &self.path,
+            &self.tmp_path,
+            &mut self.slots[idx],
+            res,
+        )?;
+        if finished {
+            self.free.push(idx);
+            Ok(())
+        } else {
+            self.push_write(idx)
+        }
+    }
+
+    /// Test hook: turns the result of the next direct write into `EINVAL` when asked to.
+    #[cfg(test)]
+    fn maybe_inject(&mut self, direct: bool, res: i32) -> i32 {
+        if self.inject_einval && direct {
             self.inject_einval = false;
             -libc::EINVAL
         } else {
             res
-        };
-        let slot = &mut self.slots[idx];
-        let completion = self
-            .mode
-            .complete(&self.file, &self.path, "write", res, &mut slot.direct)
-            .map_err(|e| Error::io("turn off O_DIRECT for", &self.tmp_path, e))?;
-        match completion {
-            Completion::Transferred(n) => {
-                slot.done += n;
-                if slot.done < slot.len {
-                    return self.push_write(idx);
-                }
-                self.free.push(idx);
-                Ok(())
-            }
-            Completion::Resubmit => self.push_write(idx),
-            Completion::Failed(e) => Err(Error::io("write", &self.path, e)),
-            Completion::Nothing => Err(Error::io(
-                "write",
-                &self.path,
-                io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    format!(
-                        "wrote 0 of {} bytes at offset {}",
-                        slot.len - slot.done,
-                        slot.offset + slot.done as u64
-                    ),
-                ),
-            )),
         }
+    }
+
+    #[cfg(not(test))]
+    fn maybe_inject(&mut self, _direct: bool, res: i32) -> i32 {
+        res
     }
 
     /// In direct mode, grows the file ahead of a write of `start..end`. Not for the first block:
@@ -454,6 +454,42 @@ impl AtomicFileWriter {
             error!(path = %self.path.display(), error = %e, "cannot wait for io_uring writes; leaking their buffers");
             std::mem::forget(std::mem::replace(&mut self.pool, Pool::new(0, 0)));
         }
+    }
+}
+
+/// Applies the completion `res` of a write to `slot` of a file in `mode`: `Ok(true)` once all
+/// of the slot's bytes are written, `Ok(false)` when the rest must be submitted again (a short
+/// or interrupted write, or a direct write refused and now buffered).
+fn settle_write(
+    mode: &mut DirectMode,
+    file: &File,
+    path: &Path,
+    tmp_path: &Path,
+    slot: &mut WriteSlot,
+    res: i32,
+) -> Result<bool> {
+    let completion = mode
+        .complete(file, path, "write", res, &mut slot.direct)
+        .map_err(|e| Error::io("turn off O_DIRECT for", tmp_path, e))?;
+    match completion {
+        Completion::Transferred(n) => {
+            slot.done += n;
+            Ok(slot.done >= slot.len)
+        }
+        Completion::Resubmit => Ok(false),
+        Completion::Failed(e) => Err(Error::io("write", path, e)),
+        Completion::Nothing => Err(Error::io(
+            "write",
+            path,
+            io::Error::new(
+                io::ErrorKind::WriteZero,
+                format!(
+                    "wrote 0 of {} bytes at offset {}",
+                    slot.len - slot.done,
+                    slot.offset + slot.done as u64
+                ),
+            ),
+        )),
     }
 }
 

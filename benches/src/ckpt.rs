@@ -1,0 +1,295 @@
+//! The checkpoint engine against the floors and the tools a user would pick instead, same run,
+//! same state (`--gib` GiB in `--tensors` host tensors), medians of `--runs`:
+//!
+//! * **Training stall**: `save()` → `wait_staged()`, against a parallel memcpy of the same bytes
+//!   into pre-faulted memory over as many threads as the engine copies with (target: at most
+//!   1.2× its time, i.e. a rate ratio ≥ 0.83), and against the time Python
+//!   `safetensors.numpy.save_file` and `numpy.savez` block their caller for the same state
+//!   (target: ≥ 3× shorter). Python runs in `.venv/bin/python`, builds arrays of the same sizes
+//!   and times only the save call.
+//! * **Durable persist**: `save()` → `wait_persisted(Disk)` (staging, checksums, `O_DIRECT`
+//!   writes, `fdatasync`, rename, manifest), against `fio` sequential `O_DIRECT` write of the
+//!   same size on the same disk (target ≥ 0.85).
+//! * **Cold load**: page cache dropped, `load(Latest)` (parallel reads, every chunk verified)
+//!   against `fio` sequential read (target ≥ 0.9) and `safetensors.numpy.load_file` of the same
+//!   file (the checkpoint is a valid safetensors file; target: no slower).
+//!
+//! Needs root (to drop the page cache), `fio`, and numpy and safetensors in `.venv`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use bytes::Bytes;
+use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, StepSel, Tensor, TierKind};
+use hotstart_store::uring::AlignedBuf;
+
+use crate::report::{Report, Row, median, rate};
+use crate::store_uring::{Dir, Fio, Memory, drop_page_cache};
+
+const MIB: usize = 1 << 20;
+
+#[derive(Debug, clap::Args)]
+pub struct CkptArgs {
+    /// GiB of host tensors per checkpoint.
+    #[arg(long, default_value_t = 4.0)]
+    gib: f64,
+    /// Number of tensors the state is split into.
+    #[arg(long, default_value_t = 64)]
+    tensors: usize,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Directory on the disk to measure.
+    #[arg(long, default_value = "/var/tmp")]
+    dir: PathBuf,
+    /// Python with numpy and safetensors.
+    #[arg(long, default_value = ".venv/bin/python")]
+    python: PathBuf,
+    /// Write the results as Markdown to this file too.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+}
+
+/// Python peers: build the same state, time only the call, print `name seconds` lines.
+const PY_SAVE: &str = r#"
+import sys, time, numpy as np
+from safetensors.numpy import save_file
+n, size, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rng = np.random.default_rng(7)
+state = {f"layer.{i}": np.frombuffer(rng.bytes(size), dtype=np.uint8).copy() for i in range(n)}
+t = time.perf_counter(); save_file(state, out + "/st.safetensors"); print("safetensors_save", time.perf_counter() - t)
+t = time.perf_counter(); np.savez(out + "/np.npz", **state); print("numpy_save", time.perf_counter() - t)
+"#;
+
+const PY_LOAD: &str = r#"
+import sys, time
+from safetensors.numpy import load_file
+t = time.perf_counter(); d = load_file(sys.argv[1]); print("safetensors_load", time.perf_counter() - t)
+assert sum(a.nbytes for a in d.values()) > 0
+"#;
+
+pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
+    ensure!(
+        args.gib > 0.0 && args.tensors > 0 && args.runs > 0,
+        "bad sizes"
+    );
+    let per = ((args.gib * (1u64 << 30) as f64) as usize / args.tensors).next_multiple_of(4096);
+    let total = per * args.tensors;
+    let mib = total / MIB;
+    let label = format!(
+        "{:.1} GiB in {} tensors",
+        total as f64 / (1u64 << 30) as f64,
+        args.tensors
+    );
+    let fio = Fio::find()?;
+    let mut report = Report::new(&format!("hotstart ckpt benchmarks ({label})"));
+    let work = tempfile::Builder::new()
+        .prefix("hotstart-ckpt-bench-")
+        .tempdir_in(&args.dir)
+        .with_context(|| format!("temp dir in {}", args.dir.display()))?;
+
+    eprintln!("ckpt: preparing {label}");
+    let sources: Vec<Bytes> = (0..args.tensors)
+        .map(|i| Bytes::from(hotstart_testkit::pattern(per, i as u64)))
+        .collect();
+    let state: Vec<Tensor> = sources
+        .iter()
+        .enumerate()
+        .map(|(i, b)| Tensor::new(format!("layer.{i}"), Dtype::U8, vec![per as u64], b.clone()))
+        .collect::<Result<_, _>>()?;
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get().min(8));
+    let ckpt_dir = work.path().join("disk");
+    let mut cfg = EngineConfig::new("bench", 0, 1).disk(&ckpt_dir);
+    cfg.keep = 1;
+    cfg.max_inflight = 1;
+    cfg.threads = threads;
+    let engine = Engine::new(cfg.clone())?;
+
+    let mut stall = Vec::new();
+    let mut persist = Vec::new();
+    let mut memcpy = Vec::new();
+    let mut dst = AlignedBuf::zeroed(total);
+    dst.fill(1); // pre-fault
+    for run in 0..args.runs {
+        eprintln!("ckpt: run {run}: save");
+        let t = Instant::now();
+        let h = engine.save(run as u64, state.clone(), Default::default())?;
+        h.wait_staged()?;
+        stall.push(t.elapsed());
+        h.wait_persisted(TierKind::Disk)?;
+        persist.push(t.elapsed());
+        h.wait()?;
+        memcpy.push(parallel_memcpy(&mut dst, &sources, threads));
+    }
+    engine.wait_idle();
+    let last = (args.runs - 1) as u64;
+
+    eprintln!("ckpt: python peers");
+    let mut py_st = Vec::new();
+    let mut py_np = Vec::new();
+    let py_dir = work.path().join("py");
+    std::fs::create_dir_all(&py_dir)?;
+    for _ in 0..args.runs {
+        let out = python(
+            &args.python,
+            &[PY_SAVE, &args.tensors.to_string(), &per.to_string()],
+            &[&py_dir],
+        )?;
+        py_st.push(seconds(&out, "safetensors_save")?);
+        py_np.push(seconds(&out, "numpy_save")?);
+        std::fs::remove_dir_all(&py_dir)?;
+        std::fs::create_dir_all(&py_dir)?;
+    }
+
+    eprintln!("ckpt: cold loads");
+    let file = ckpt_dir.join(format!("bench/step-{last}/rank-0.safetensors"));
+    let loader = Engine::new(cfg)?;
+    let mut load = Vec::new();
+    let mut fio_read = Vec::new();
+    let mut py_load = Vec::new();
+    for _ in 0..args.runs {
+        drop_page_cache().context("drop the page cache (needs root)")?;
+        let t = Instant::now();
+        let loaded = loader.load(StepSel::Latest, Destination::Owned)?;
+        load.push(t.elapsed());
+        ensure!(loaded.tensors.len() == state.len(), "loaded tensor count");
+        for (a, b) in loaded.tensors.iter().zip(&sources) {
+            ensure!(a.data[..] == b[..], "loaded bytes differ in {}", a.name);
+        }
+        drop(loaded);
+        drop_page_cache()?;
+        fio_read.push(fio.run(&file, mib, Dir::Read, Memory::Plain)?);
+        drop_page_cache()?;
+        let out = python(&args.python, &[PY_LOAD], &[&file])?;
+        py_load.push(seconds(&out, "safetensors_load")?);
+    }
+
+    eprintln!("ckpt: fio write");
+    let mut fio_write = Vec::new();
+    let fio_path = work.path().join("fio.dat");
+    for _ in 0..args.runs {
+        fio_write.push(fio.run(&fio_path, mib, Dir::Write, Memory::Plain)?);
+        std::fs::remove_file(&fio_path)?;
+    }
+
+    let bytes = total as u64;
+    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| Row {
+        what: format!("{what}, {label}"),
+        ours: rate(bytes, median(ours.to_vec())),
+        peer: peer.into(),
+        theirs: rate(bytes, median(theirs.to_vec())),
+        target,
+    };
+    let stall_target = (1.0f64 / 1.2 * 100.0).floor() / 100.0;
+    report.add(row(
+        "stall save→wait_staged",
+        &stall,
+        &format!("parallel memcpy ({threads} threads, pre-faulted)"),
+        &memcpy,
+        Some(stall_target),
+    ));
+    report.add(row(
+        "stall save→wait_staged",
+        &stall,
+        "safetensors.numpy.save_file",
+        &py_st,
+        Some(3.0),
+    ));
+    report.add(row(
+        "stall save→wait_staged",
+        &stall,
+        "numpy.savez",
+        &py_np,
+        Some(3.0),
+    ));
+    report.add(row(
+        "persist save→wait_persisted(disk)",
+        &persist,
+        "fio write O_DIRECT + fsync",
+        &fio_write,
+        Some(0.85),
+    ));
+    report.add(row(
+        "cold load (verified)",
+        &load,
+        "fio read O_DIRECT",
+        &fio_read,
+        Some(0.9),
+    ));
+    report.add(row(
+        "cold load (verified)",
+        &load,
+        "safetensors.numpy.load_file",
+        &py_load,
+        Some(1.0),
+    ));
+    report.note(format!(
+        "medians of {} runs; stall {:?}, persist {:?}, load {:?}, memcpy {:?}; fio {} (io_uring, 1 MiB, depth 32); stall target ≤ 1.2× memcpy is a rate ratio ≥ {stall_target}",
+        args.runs,
+        median(stall),
+        median(persist),
+        median(load),
+        median(memcpy),
+        fio.version
+    ));
+    report.note("torch is not installed here: torch.save/torch.load and torch.distributed.checkpoint were not measured");
+    report.print();
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, report.markdown())?;
+    }
+    Ok(())
+}
+
+/// Copies every tensor into `dst` over `threads` threads; the time it took.
+fn parallel_memcpy(dst: &mut [u8], state: &[Bytes], threads: usize) -> Duration {
+    let mut pieces: Vec<(&mut [u8], &[u8])> = Vec::new();
+    let mut rest = dst;
+    for t in state {
+        let (head, tail) = rest.split_at_mut(t.len());
+        pieces.push((head, t));
+        rest = tail;
+    }
+    let per = pieces.len().div_ceil(threads.max(1));
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for group in pieces.chunks_mut(per.max(1)) {
+            s.spawn(move || {
+                for (d, src) in group.iter_mut() {
+                    d.copy_from_slice(src);
+                }
+            });
+        }
+    });
+    t.elapsed()
+}
+
+/// Runs `python -c script args...`; its stdout.
+fn python(py: &Path, script_and_args: &[&str], paths: &[&Path]) -> anyhow::Result<String> {
+    let mut cmd = Command::new(py);
+    cmd.arg("-c").args(script_and_args).args(paths);
+    let out = cmd
+        .output()
+        .with_context(|| format!("run {} (needs numpy and safetensors)", py.display()))?;
+    if !out.status.success() {
+        bail!(
+            "python failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The seconds on the `name <seconds>` line of `out`.
+fn seconds(out: &str, name: &str) -> anyhow::Result<Duration> {
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .with_context(|| format!("no {name} in python's output: {out}"))?;
+    let s: f64 = line
+        .trim()
+        .parse()
+        .with_context(|| format!("parse {line:?}"))?;
+    Ok(Duration::from_secs_f64(s))
+}

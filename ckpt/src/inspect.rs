@@ -1,0 +1,578 @@
+//! Offline inspection of a checkpoint location: list steps, show a rank's index, verify every
+//! chunk, and apply retention, without an [`Engine`](crate::Engine) (the `hotstart ckpt`
+//! commands are thin wrappers around [`Checkpoints`]).
+//!
+//! **Opening.** A location is a store URL (`s3://`, `file://`, `memory://`, ...: the store tier)
+//! or a plain directory (the disk tier, read through io_uring). Both hold the same layout.
+//!
+//! **Listing.** One recursive listing of the location is grouped by `<job>/step-<N>/`; each file
+//! name gives its rank (`rank-<R>.safetensors`, `rank-<R>.manifest.json`, and on disk the hidden
+//! `.rank-<R>.*.tmp-*` files of unfinished writes). A step is *complete* when a valid manifest
+//! names the world size and every rank `0..world_size` has a valid manifest for this job, step
+//! and rank, with that world size, and a data file of the length its manifest records.
+//!
+//! **Verifying.** For each rank with a manifest the data file is read chunk by chunk (chunks
+//! spread over threads, one reader per thread) and every chunk's blake3 compared with the
+//! manifest's; the safetensors header is parsed and must list the manifest's tensors. Every
+//! problem is collected, naming step, rank and chunk, rather than stopping at the first.
+//!
+//! **Retention** ([`Checkpoints::gc`]) is the engine's rule applied to every rank at once: keep
+//! the newest `keep` complete steps, remove older complete steps and incomplete steps older than
+//! the newest complete one, leave newer incomplete steps alone (they may still be persisting).
+//! Run it when no engine of the job is writing older steps.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use hotstart_store::uring::{AlignedBuf, UringConfig};
+use hotstart_store::{StoreUrl, StripeConfig};
+
+use crate::error::{Error, Result};
+use crate::format::{self, Manifest};
+use crate::tier::Tier;
+use crate::tier::disk::DiskTier;
+use crate::tier::store::{Runtime, StoreTier};
+
+/// Most absent ranks listed for one step.
+const MAX_LISTED_RANKS: u32 = 1 << 16;
+
+/// A checkpoint location opened for inspection.
+pub struct Checkpoints {
+    tier: Box<dyn Tier>,
+    location: String,
+    threads: usize,
+}
+
+impl fmt::Debug for Checkpoints {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Checkpoints")
+            .field("location", &self.location)
+            .field("tier", &self.tier.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The state of one rank's manifest.
+#[derive(Debug, Clone)]
+pub enum ManifestState {
+    Missing,
+    /// Present but unusable: why.
+    Invalid(String),
+    Valid(Box<Manifest>),
+}
+
+/// One rank of one step as found in the listing.
+#[derive(Debug, Clone)]
+pub struct RankInfo {
+    pub rank: u32,
+    /// Size of the data file, `None` when absent.
+    pub data_len: Option<u64>,
+    pub manifest: ManifestState,
+}
+
+/// One step of a job.
+#[derive(Debug, Clone)]
+pub struct StepInfo {
+    pub job: String,
+    pub step: u64,
+    /// From the first valid manifest.
+    pub world_size: Option<u32>,
+    /// Ranks seen in the listing or expected by the world size, ascending.
+    pub ranks: Vec<RankInfo>,
+    /// Bytes of every object of the step (temporary files included).
+    pub bytes: u64,
+    pub complete: bool,
+}
+
+impl StepInfo {
+    /// Ranks whose manifest is valid and whose data file has the recorded length.
+    pub fn committed_ranks(&self) -> usize {
+        self.ranks.iter().filter(|r| rank_committed(r)).count()
+    }
+
+    /// Why the step is incomplete, or `None` when it is complete.
+    pub fn incomplete_reason(&self) -> Option<String> {
+        if self.complete {
+            return None;
+        }
+        let Some(ws) = self.world_size else {
+            return Some("no valid manifest".into());
+        };
+        let bad: Vec<String> = self
+            .ranks
+            .iter()
+            .filter(|r| r.rank < ws && !rank_committed(r))
+            .map(|r| match (&r.manifest, r.data_len) {
+                (ManifestState::Missing, _) => format!("rank {} has no manifest", r.rank),
+                (ManifestState::Invalid(why), _) => format!("rank {}: {why}", r.rank),
+                (ManifestState::Valid(_), None) => format!("rank {} has no data file", r.rank),
+                (ManifestState::Valid(_), Some(_)) => {
+                    format!("rank {}: data file length differs", r.rank)
+                }
+            })
+            .collect();
+        Some(bad.join("; "))
+    }
+}
+
+fn rank_committed(r: &RankInfo) -> bool {
+    match &r.manifest {
+        ManifestState::Valid(m) => r.data_len == Some(m.file_len),
+        _ => false,
+    }
+}
+
+/// Something wrong found by [`Checkpoints::verify`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub step: u64,
+    pub rank: u32,
+    /// The chunk, when the problem is one chunk's.
+    pub chunk: Option<usize>,
+    pub reason: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "step {} rank {}", self.step, self.rank)?;
+        if let Some(c) = self.chunk {
+            write!(f, " chunk {c}")?;
+        }
+        write!(f, ": {}", self.reason)
+    }
+}
+
+/// What [`Checkpoints::verify`] checked and found.
+#[derive(Debug, Clone, Default)]
+pub struct VerifyReport {
+    /// `(step, rank, chunks, bytes)` of every rank verified, bad or not.
+    pub checked: Vec<(u64, u32, usize, u64)>,
+    /// Steps skipped because they are incomplete (only when no step was asked for).
+    pub skipped_incomplete: Vec<u64>,
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    /// True when nothing is wrong.
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// What [`Checkpoints::gc`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Steps removed, ascending.
+    pub removed: Vec<u64>,
+    /// Complete steps kept, ascending.
+    pub kept: Vec<u64>,
+}
+
+impl Checkpoints {
+    /// Opens `location`: a store URL (with `://`) or a local directory (the disk tier).
+    pub fn open(location: &str) -> Result<Checkpoints> {
+        let tier: Box<dyn Tier> = if location.contains("://") {
+            let store = StoreUrl::parse(location)
+                .and_then(|u| u.open())
+                .map_err(|e| Error::store("open", location, e))?;
+            let rt = Arc::new(Runtime::new()?);
+            Box::new(StoreTier::new(
+                store,
+                rt,
+                StripeConfig::default(),
+                4,
+                Duration::from_millis(100),
+            ))
+        } else {
+            let root = PathBuf::from(location);
+            if !root.is_dir() {
+                return Err(Error::io(
+                    "open checkpoint directory",
+                    root,
+                    std::io::Error::from(std::io::ErrorKind::NotFound),
+                ));
+            }
+            Box::new(DiskTier::new(root, UringConfig::default()))
+        };
+        Ok(Checkpoints {
+            tier,
+            location: location.to_string(),
+            threads: std::thread::available_parallelism().map_or(4, |n| n.get().min(8)),
+        })
+    }
+
+    /// The location as given.
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    /// Every job with at least one step directory, sorted.
+    pub fn jobs(&self) -> Result<Vec<String>> {
+        let objects = self.tier.list_objects("")?;
+        let jobs: BTreeSet<String> = objects
+            .iter()
+            .filter_map(|(k, _)| split_key(k).map(|(job, _, _)| job.to_string()))
+            .collect();
+        Ok(jobs.into_iter().collect())
+    }
+
+    /// Every step of `job`, ascending, with its ranks and completeness.
+    pub fn steps(&self, job: &str) -> Result<Vec<StepInfo>> {
+        format::check_job(job)?;
+        let objects = self.tier.list_objects(&format!("{job}/"))?;
+        let mut by_step: BTreeMap<u64, (BTreeMap<u32, Option<u64>>, u64)> = BTreeMap::new();
+        for (key, size) in &objects {
+            let Some((j, step, file)) = split_key(key) else {
+                continue;
+            };
+            if j != job {
+                continue;
+            }
+            let entry = by_step.entry(step).or_default();
+            entry.1 += size;
+            if let Some((rank, is_data)) = parse_rank_file(file) {
+                let data = entry.0.entry(rank).or_default();
+                if is_data {
+                    *data = Some(*size);
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(by_step.len());
+        for (step, (ranks, bytes)) in by_step {
+            let mut infos: BTreeMap<u32, RankInfo> = BTreeMap::new();
+            for (rank, data_len) in ranks {
+                let manifest = self.manifest_state(job, step, rank);
+                infos.insert(
+                    rank,
+                    RankInfo {
+                        rank,
+                        data_len,
+                        manifest,
+                    },
+                );
+            }
+            let world_size = infos.values().find_map(|i| match &i.manifest {
+                ManifestState::Valid(m) => Some(m.world_size),
+                _ => None,
+            });
+            // Ranks the world size expects that left no file at all (a hostile world size
+            // cannot make this list huge).
+            for rank in 0..world_size.unwrap_or(0).min(MAX_LISTED_RANKS) {
+                infos.entry(rank).or_insert_with(|| RankInfo {
+                    rank,
+                    data_len: None,
+                    manifest: ManifestState::Missing,
+                });
+            }
+            let complete = world_size.is_some_and(|ws| {
+                (0..ws).all(|r| {
+                    infos.get(&r).is_some_and(|i| {
+                        rank_committed(i)
+                            && matches!(&i.manifest, ManifestState::Valid(m) if m.world_size == ws)
+                    })
+                })
+            });
+            out.push(StepInfo {
+                job: job.to_string(),
+                step,
+                world_size,
+                ranks: infos.into_values().collect(),
+                bytes,
+                complete,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The newest complete step of `job`.
+    pub fn latest_complete(&self, job: &str) -> Result<Option<u64>> {
+        Ok(self
+            .steps(job)?
+            .iter()
+            .rev()
+            .find(|s| s.complete)
+            .map(|s| s.step))
+    }
+
+    /// The valid manifest of one rank of one step.
+    pub fn manifest(&self, job: &str, step: u64, rank: u32) -> Result<Manifest> {
+        format::check_job(job)?;
+        match self.manifest_state(job, step, rank) {
+            ManifestState::Valid(m) => Ok(*m),
+            ManifestState::Missing => Err(Error::NotFound {
+                job: job.to_string(),
+                step: Some(step),
+                rank,
+            }),
+            ManifestState::Invalid(reason) => Err(Error::format(
+                "manifest",
+                format::manifest_key(job, step, rank),
+                reason,
+            )),
+        }
+    }
+
+    fn manifest_state(&self, job: &str, step: u64, rank: u32) -> ManifestState {
+        let key = format::manifest_key(job, step, rank);
+        let bytes = match self.tier.get_manifest(&key) {
+            Ok(Some(b)) => b,
+            Ok(None) => return ManifestState::Missing,
+            Err(e) => return ManifestState::Invalid(e.to_string()),
+        };
+        match Manifest::parse(&bytes, &key) {
+            Ok(m) if m.job != job || m.step != step || m.rank != rank => {
+                ManifestState::Invalid(format!(
+                    "written for job {:?} step {} rank {}",
+                    m.job, m.step, m.rank
+                ))
+            }
+            Ok(m) => ManifestState::Valid(Box::new(m)),
+            Err(e) => ManifestState::Invalid(e.to_string()),
+        }
+    }
+
+    /// Re-hashes every chunk of every rank of `step` (or of every complete step when `None`);
+    /// see the module docs. Errors only when the location cannot be listed or `step` does not
+    /// exist; what is wrong with the checkpoints is in the report.
+    pub fn verify(&self, job: &str, step: Option<u64>) -> Result<VerifyReport> {
+        let steps = self.steps(job)?;
+        let mut report = VerifyReport::default();
+        let selected: Vec<&StepInfo> = match step {
+            Some(s) => {
+                let Some(info) = steps.iter().find(|i| i.step == s) else {
+                    return Err(Error::NotFound {
+                        job: job.to_string(),
+                        step: Some(s),
+                        rank: 0,
+                    });
+                };
+                vec![info]
+            }
+            None => {
+                report.skipped_incomplete = steps
+                    .iter()
+                    .filter(|s| !s.complete)
+                    .map(|s| s.step)
+                    .collect();
+                steps.iter().filter(|s| s.complete).collect()
+            }
+        };
+        for info in selected {
+            if let (Some(ws), Some(reason)) = (info.world_size, info.incomplete_reason()) {
+                report.problems.push(Problem {
+                    step: info.step,
+                    rank: 0,
+                    chunk: None,
+                    reason: format!("incomplete step of world size {ws}: {reason}"),
+                });
+            }
+            for r in &info.ranks {
+                match &r.manifest {
+                    ManifestState::Valid(m) => {
+                        report
+                            .checked
+                            .push((info.step, r.rank, m.chunks.len(), m.file_len));
+                        report.problems.extend(self.verify_rank(job, m));
+                    }
+                    ManifestState::Invalid(why) => report.problems.push(Problem {
+                        step: info.step,
+                        rank: r.rank,
+                        chunk: None,
+                        reason: why.clone(),
+                    }),
+                    ManifestState::Missing if info.world_size.is_none() => {
+                        report.problems.push(Problem {
+                            step: info.step,
+                            rank: r.rank,
+                            chunk: None,
+                            reason: "no manifest".into(),
+                        })
+                    }
+                    // Already reported as an incomplete step.
+                    ManifestState::Missing => {}
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Every problem with one rank's data file.
+    fn verify_rank(&self, job: &str, m: &Manifest) -> Vec<Problem> {
+        let problem = |chunk: Option<usize>, reason: String| Problem {
+            step: m.step,
+            rank: m.rank,
+            chunk,
+            reason,
+        };
+        let key = format::data_key(job, m.step, m.rank);
+        let hashes = m.chunk_hashes();
+        let chunk_size = m.chunk_size as usize;
+        let problems = Mutex::new(Vec::new());
+        let push = |p: Problem| {
+            problems
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(p)
+        };
+        // The header, then the chunks.
+        match self.check_header(&key, m) {
+            Ok(()) => {}
+            Err(e) => push(problem(None, e.to_string())),
+        }
+        let cursor = AtomicUsize::new(0);
+        let workers = self.threads.clamp(1, 8).min(hashes.len().max(1));
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| {
+                    let mut reader = match self.tier.reader(&key, m.file_len) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            // Every worker fails alike; report it once.
+                            if cursor.swap(hashes.len(), Ordering::Relaxed) < hashes.len() {
+                                push(problem(None, e.to_string()));
+                            }
+                            return;
+                        }
+                    };
+                    let mut buf = AlignedBuf::zeroed(chunk_size);
+                    loop {
+                        let i = cursor.fetch_add(1, Ordering::Relaxed);
+                        if i >= hashes.len() {
+                            return;
+                        }
+                        let range = m.chunk_range(i);
+                        let slice = &mut buf[..(range.end - range.start) as usize];
+                        match reader.read_at(range.start, slice) {
+                            Ok(()) => {
+                                let got = blake3::hash(slice);
+                                if got != hashes[i] {
+                                    push(problem(
+                                        Some(i),
+                                        format!(
+                                            "checksum mismatch in bytes {}..{} (manifest {}, file {})",
+                                            range.start,
+                                            range.end,
+                                            hashes[i].to_hex(),
+                                            got.to_hex()
+                                        ),
+                                    ));
+                                }
+                            }
+                            Err(e) => push(problem(Some(i), e.to_string())),
+                        }
+                    }
+                });
+            }
+        });
+        let mut problems = problems
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        problems.sort_by_key(|p| p.chunk);
+        problems
+    }
+
+    /// Parses the file's safetensors header and compares its index with the manifest's.
+    fn check_header(&self, key: &str, m: &Manifest) -> Result<()> {
+        let mut reader = self.tier.reader(key, m.file_len)?;
+        let mut first8 = [0u8; 8];
+        let n = first8.len().min(m.file_len as usize);
+        reader.read_at(0, &mut first8[..n])?;
+        let prefix_len = format::header_prefix_len(&first8[..n], m.file_len, key)?;
+        let mut prefix = vec![0u8; prefix_len as usize];
+        reader.read_at(0, &mut prefix)?;
+        let header = format::parse_header(&prefix, m.file_len, key)?;
+        let mut listed: Vec<_> = header.tensors.iter().collect();
+        let mut expected: Vec<_> = m.tensors.iter().collect();
+        listed.sort_by(|a, b| a.name.cmp(&b.name));
+        expected.sort_by(|a, b| a.name.cmp(&b.name));
+        if header.data_offset != m.data_offset || listed != expected {
+            return Err(Error::format(
+                "safetensors header",
+                key,
+                "tensor index differs from the manifest's",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Applies retention to `job` on every rank; see the module docs. `keep` must be at least 1.
+    pub fn gc(&self, job: &str, keep: usize) -> Result<GcReport> {
+        if keep == 0 {
+            return Err(Error::Config {
+                reason: "gc needs --keep of at least 1".into(),
+            });
+        }
+        let steps = self.steps(job)?;
+        let complete: Vec<u64> = steps
+            .iter()
+            .filter(|s| s.complete)
+            .map(|s| s.step)
+            .collect();
+        let Some(&newest) = complete.last() else {
+            return Ok(GcReport::default());
+        };
+        let kept: Vec<u64> = complete[complete.len().saturating_sub(keep)..].to_vec();
+        let mut report = GcReport {
+            removed: Vec::new(),
+            kept: kept.clone(),
+        };
+        for info in &steps {
+            let old_complete = info.complete && !kept.contains(&info.step);
+            let torn = !info.complete && info.step < newest;
+            if !(old_complete || torn) {
+                continue;
+            }
+            for r in &info.ranks {
+                self.tier.remove_rank(job, info.step, r.rank)?;
+            }
+            report.removed.push(info.step);
+        }
+        Ok(report)
+    }
+}
+
+/// Splits `<job>/step-<N>/<file>` into its parts.
+fn split_key(key: &str) -> Option<(&str, u64, &str)> {
+    let (dir, file) = key.rsplit_once('/')?;
+    let (job, step_dir) = dir.rsplit_once('/')?;
+    Some((job, format::parse_step_dir(step_dir)?, file))
+}
+
+/// The rank of a file in a step directory, and whether it is the (committed) data file:
+/// `rank-<R>.safetensors`, `rank-<R>.manifest.json`, or the hidden `.rank-<R>.*.tmp-*` files.
+fn parse_rank_file(name: &str) -> Option<(u32, bool)> {
+    let rest = name.strip_prefix(".rank-").or(name.strip_prefix("rank-"))?;
+    let (digits, ext) = rest.split_once('.')?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let rank = digits.parse().ok()?;
+    Some((rank, !name.starts_with('.') && ext == "safetensors"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_rank_files_parse() {
+        assert_eq!(
+            split_key("a/b/step-12/rank-3.safetensors"),
+            Some(("a/b", 12, "rank-3.safetensors"))
+        );
+        assert_eq!(split_key("step-1/x"), None);
+        assert_eq!(split_key("job/notstep/x"), None);
+        assert_eq!(parse_rank_file("rank-3.safetensors"), Some((3, true)));
+        assert_eq!(parse_rank_file("rank-3.manifest.json"), Some((3, false)));
+        assert_eq!(
+            parse_rank_file(".rank-7.safetensors.tmp-12-0"),
+            Some((7, false))
+        );
+        assert_eq!(parse_rank_file("rank-.safetensors"), None);
+        assert_eq!(parse_rank_file("other"), None);
+    }
+}

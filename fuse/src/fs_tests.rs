@@ -1,0 +1,210 @@
+//! Unit tests of [`StripedFs`] on a memory store: no FUSE involved.
+
+use super::*;
+use crate::inode::ROOT;
+
+fn fs_with(cfg: FsConfig) -> StripedFs {
+    StripedFs::new(Store::open("memory://").unwrap(), cfg)
+}
+
+fn small() -> FsConfig {
+    FsConfig {
+        stripe_size: 64 << 10,
+        max_in_flight: 4,
+        initial_read_ahead: 16 << 10,
+        max_read_ahead: 128 << 10,
+        memory_budget: 4 << 20,
+        ..FsConfig::default()
+    }
+}
+
+async fn write_file(fs: &StripedFs, parent: u64, name: &str, data: &[u8]) -> u64 {
+    let (attr, fh) = fs.create(parent, name, libc::O_WRONLY).await.unwrap();
+    for (i, chunk) in data.chunks(10_000).enumerate() {
+        fs.write(fh, (i * 10_000) as u64, chunk).await.unwrap();
+    }
+    fs.flush(fh).await.unwrap();
+    fs.release(fh).await.unwrap();
+    attr.ino
+}
+
+async fn read_file(fs: &StripedFs, ino: u64) -> Vec<u8> {
+    let fh = fs.open(ino, libc::O_RDONLY).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let b = fs.read(fh, out.len() as u64, 7_000).await.unwrap();
+        if b.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&b);
+    }
+    fs.release(fh).await.unwrap();
+    out
+}
+
+fn data(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i % 251) as u8 ^ (i / 4096) as u8)
+        .collect()
+}
+
+#[tokio::test]
+async fn write_then_read_back_and_list() {
+    let fs = fs_with(small());
+    let d = fs.mkdir(ROOT, "dir").await.unwrap();
+    for (name, len) in [
+        ("empty", 0),
+        ("one", 1),
+        ("big", 300_001),
+        ("stripe", 64 << 10),
+    ] {
+        let body = data(len);
+        let ino = write_file(&fs, d.ino, name, &body).await;
+        assert_eq!(fs.getattr(ino).await.unwrap().size, len as u64);
+        assert_eq!(read_file(&fs, ino).await, body, "{name}");
+        let key = format!("dir/{name}");
+        assert_eq!(
+            fs.store().get(&key).await.unwrap(),
+            body,
+            "{name} in the store"
+        );
+    }
+    let names: Vec<_> = fs
+        .readdir(d.ino)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, ["big", "empty", "one", "stripe"]);
+    let root: Vec<_> = fs.readdir(ROOT).await.unwrap();
+    assert_eq!(root.len(), 1);
+    assert_eq!(
+        (root[0].name.as_str(), root[0].kind),
+        ("dir", FileKind::Dir)
+    );
+    assert_eq!(fs.budget().in_use(), 0);
+}
+
+#[tokio::test]
+async fn objects_from_other_writers_appear() {
+    let fs = fs_with(FsConfig {
+        stat_ttl: std::time::Duration::ZERO,
+        ..small()
+    });
+    fs.store()
+        .put("a/b/c", Bytes::from_static(b"hello"))
+        .await
+        .unwrap();
+    let a = fs.lookup(ROOT, "a").await.unwrap();
+    assert_eq!(a.kind, FileKind::Dir);
+    let b = fs.lookup(a.ino, "b").await.unwrap();
+    let c = fs.lookup(b.ino, "c").await.unwrap();
+    assert_eq!((c.kind, c.size), (FileKind::File, 5));
+    fs.store()
+        .put("a/b/c", Bytes::from_static(b"hello world"))
+        .await
+        .unwrap();
+    assert_eq!(fs.getattr(c.ino).await.unwrap().size, 11);
+    fs.store().delete("a/b/c").await.unwrap();
+    assert_eq!(fs.getattr(c.ino).await.unwrap_err().errno(), libc::ENOENT);
+}
+
+#[tokio::test]
+async fn overwrite_needs_o_trunc() {
+    let fs = fs_with(small());
+    let ino = write_file(&fs, ROOT, "f", b"old").await;
+    let err = fs.open(ino, libc::O_WRONLY).await.unwrap_err();
+    assert_eq!(err.errno(), libc::EPERM, "{err}");
+    let fh = fs.open(ino, libc::O_WRONLY | libc::O_TRUNC).await.unwrap();
+    // Readers see the old version until the new one commits.
+    assert_eq!(fs.store().get("f").await.unwrap(), &b"old"[..]);
+    fs.write(fh, 0, b"new!").await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(read_file(&fs, ino).await, b"new!");
+    // An empty file may be opened for writing without O_TRUNC (nothing is lost).
+    let e = write_file(&fs, ROOT, "e", b"").await;
+    let fh = fs.open(e, libc::O_WRONLY).await.unwrap();
+    fs.write(fh, 0, b"x").await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(read_file(&fs, e).await, b"x");
+}
+
+#[tokio::test]
+async fn seeking_writer_spills_and_commits_exact_bytes() {
+    let fs = fs_with(small());
+    let (attr, fh) = fs.create(ROOT, "z", libc::O_WRONLY).await.unwrap();
+    let body = data(200_000);
+    fs.write(fh, 0, &[0u8; 30]).await.unwrap();
+    fs.write(fh, 30, &body[30..50_000]).await.unwrap();
+    fs.write(fh, 0, &body[..30]).await.unwrap(); // seek back within the first stripe: spill
+    fs.write(fh, 50_000, &body[50_000..]).await.unwrap();
+    assert_eq!(
+        &fs.read(fh, 0, 100).await.unwrap()[..],
+        &body[..100],
+        "read back while open"
+    );
+    assert_eq!(fs.getattr(attr.ino).await.unwrap().size, 200_000);
+    assert!(fs.store().get("z").await.is_err(), "invisible until close");
+    fs.flush(fh).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(fs.store().get("z").await.unwrap(), body);
+}
+
+#[tokio::test]
+async fn seek_back_after_streaming_is_refused_and_nothing_is_visible() {
+    let fs = fs_with(small());
+    let (_, fh) = fs.create(ROOT, "s", libc::O_WRONLY).await.unwrap();
+    fs.write(fh, 0, &data(200_000)).await.unwrap();
+    let err = fs.write(fh, 0, b"x").await.unwrap_err();
+    assert_eq!(err.errno(), libc::EINVAL, "{err}");
+    assert_eq!(fs.flush(fh).await.unwrap_err().errno(), libc::EIO);
+    let _ = fs.release(fh).await;
+    assert!(fs.store().get("s").await.is_err());
+}
+
+#[tokio::test]
+async fn namespace_errors_are_precise() {
+    let fs = fs_with(small());
+    let d = fs.mkdir(ROOT, "d").await.unwrap();
+    write_file(&fs, d.ino, "f", b"1").await;
+    let errno = |r: FsResult<()>| r.unwrap_err().errno();
+    assert_eq!(errno(fs.rmdir(ROOT, "d").await), libc::ENOTEMPTY);
+    assert_eq!(errno(fs.unlink(ROOT, "d").await), libc::EISDIR);
+    assert_eq!(errno(fs.rmdir(d.ino, "f").await), libc::ENOTDIR);
+    assert_eq!(
+        errno(fs.rename(ROOT, "d", ROOT, "e", false).await),
+        libc::EXDEV
+    );
+    assert_eq!(fs.mkdir(ROOT, "d").await.unwrap_err().errno(), libc::EEXIST);
+    assert_eq!(
+        fs.lookup(d.ino, DIR_MARKER).await.unwrap_err().errno(),
+        libc::ENOENT
+    );
+    fs.rename(d.ino, "f", ROOT, "g", false).await.unwrap();
+    assert_eq!(fs.store().get("g").await.unwrap(), &b"1"[..]);
+    fs.rmdir(ROOT, "d").await.unwrap();
+    assert_eq!(
+        fs.lookup(ROOT, "d").await.unwrap_err().errno(),
+        libc::ENOENT
+    );
+    let g = fs.lookup(ROOT, "g").await.unwrap();
+    assert_eq!(fs.setattr(g.ino, Some(0)).await.unwrap().size, 0);
+    assert_eq!(fs.store().get("g").await.unwrap().len(), 0);
+    let ro = fs_with(FsConfig {
+        read_only: true,
+        ..small()
+    });
+    assert_eq!(ro.mkdir(ROOT, "x").await.unwrap_err().errno(), libc::EROFS);
+}
+
+#[tokio::test]
+async fn close_of_a_duplicate_before_any_write_does_not_commit() {
+    let fs = fs_with(small());
+    let (_, fh) = fs.create(ROOT, "redir", libc::O_WRONLY).await.unwrap();
+    fs.flush(fh).await.unwrap(); // `exec 3>f; close(3)` after dup2: nothing written yet
+    fs.write(fh, 0, b"hi\n").await.unwrap();
+    fs.flush(fh).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(fs.store().get("redir").await.unwrap(), &b"hi\n"[..]);
+}

@@ -1,0 +1,433 @@
+//! The thin `fuser` adapter: each FUSE request becomes one task on a tokio runtime that calls
+//! [`StripedFs`] and replies from there.
+//!
+//! fuser reads requests on its session thread(s) and calls these methods; none of them blocks:
+//! they convert arguments (names must be UTF-8, as object keys are), spawn the operation, and
+//! return, so a slow GET or part upload never holds up other requests. Replies carry the errno
+//! of [`FsError::errno`](crate::FsError::errno); errors other than ENOENT are logged with the
+//! path they concern. Directory listings are taken once at opendir and served by offset from
+//! that snapshot. At `init` the kernel is asked for 1 MiB reads and writes per request, atomic
+//! `O_TRUNC` on open (so "open existing without truncation" can be told apart), and a
+//! `max_background` large enough for many parallel reads.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
+    WriteFlags,
+};
+use parking_lot::Mutex;
+
+use crate::error::FsError;
+use crate::fs::{Attr, DirEntry, FileKind, StripedFs};
+
+/// Bytes per FUSE read or write request asked of the kernel.
+pub const MAX_IO: u32 = 1 << 20;
+
+pub(crate) struct FuseAdapter {
+    fs: Arc<StripedFs>,
+    rt: tokio::runtime::Handle,
+    ttl: Duration,
+    max_background: u16,
+    dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
+    next_dir: AtomicU64,
+}
+
+impl FuseAdapter {
+    pub(crate) fn new(fs: Arc<StripedFs>, rt: tokio::runtime::Handle, max_background: u16) -> Self {
+        FuseAdapter {
+            ttl: fs.config().stat_ttl,
+            fs,
+            rt,
+            max_background,
+            dirs: Arc::new(Mutex::new(HashMap::new())),
+            next_dir: AtomicU64::new(1),
+        }
+    }
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    let (kind, nlink) = match a.kind {
+        FileKind::File => (FileType::RegularFile, 1),
+        FileKind::Dir => (FileType::Directory, 2),
+    };
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: a.mtime,
+        mtime: a.mtime,
+        ctime: a.mtime,
+        crtime: a.mtime,
+        kind,
+        perm: a.perm,
+        nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: 0,
+        blksize: MAX_IO,
+        flags: 0,
+    }
+}
+
+fn errno(op: &'static str, e: &FsError) -> Errno {
+    let code = e.errno();
+    if code == libc::ENOENT {
+        tracing::debug!(op, error = %e);
+    } else {
+        tracing::warn!(op, errno = code, error = %e, "request failed");
+    }
+    Errno::from_i32(code)
+}
+
+/// A name as UTF-8, or EINVAL (object keys are UTF-8).
+fn utf8(name: &OsStr) -> Result<String, Errno> {
+    name.to_str().map(str::to_string).ok_or_else(|| {
+        tracing::warn!(?name, "refusing a name that is not UTF-8");
+        Errno::EINVAL
+    })
+}
+
+macro_rules! name_or_reply {
+    ($name:expr, $reply:ident) => {
+        match utf8($name) {
+            Ok(n) => n,
+            Err(e) => return $reply.error(e),
+        }
+    };
+}
+
+impl Filesystem for FuseAdapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let wanted = InitFlags::FUSE_ATOMIC_O_TRUNC
+            | InitFlags::FUSE_ASYNC_READ
+            | InitFlags::FUSE_BIG_WRITES
+            | InitFlags::FUSE_MAX_PAGES;
+        if let Err(missing) = config.add_capabilities(wanted) {
+            tracing::warn!(?missing, "kernel lacks FUSE capabilities");
+        }
+        let _ = config.set_max_write(MAX_IO);
+        let _ = config.set_max_readahead(MAX_IO);
+        let _ = config.set_max_background(self.max_background);
+        let _ = config.set_congestion_threshold(self.max_background / 4 * 3);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let name = name_or_reply!(name, reply);
+        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        self.rt.spawn(async move {
+            match fs.lookup(parent.0, &name).await {
+                Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
+                Err(e) => reply.error(errno("lookup", &e)),
+            }
+        });
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        self.rt.spawn(async move {
+            match fs.getattr(ino.0).await {
+                Ok(a) => reply.attr(&ttl, &file_attr(&a)),
+                Err(e) => reply.error(errno("getattr", &e)),
+            }
+        });
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        self.rt.spawn(async move {
+            match fs.setattr(ino.0, size).await {
+                Ok(a) => reply.attr(&ttl, &file_attr(&a)),
+                Err(e) => reply.error(errno("setattr", &e)),
+            }
+        });
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = name_or_reply!(name, reply);
+        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        self.rt.spawn(async move {
+            match fs.mkdir(parent.0, &name).await {
+                Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
+                Err(e) => reply.error(errno("mkdir", &e)),
+            }
+        });
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_or_reply!(name, reply);
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.unlink(parent.0, &name).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("unlink", &e)),
+            }
+        });
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_or_reply!(name, reply);
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.rmdir(parent.0, &name).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("rmdir", &e)),
+            }
+        });
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let name = name_or_reply!(name, reply);
+        let newname = name_or_reply!(newname, reply);
+        if flags.contains(RenameFlags::RENAME_EXCHANGE) {
+            tracing::warn!(%name, %newname, "RENAME_EXCHANGE is not supported by object stores");
+            return reply.error(Errno::EINVAL);
+        }
+        let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs
+                .rename(parent.0, &name, newparent.0, &newname, no_replace)
+                .await
+            {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("rename", &e)),
+            }
+        });
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.open(ino.0, flags.0).await {
+                Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+                Err(e) => reply.error(errno("open", &e)),
+            }
+        });
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let name = name_or_reply!(name, reply);
+        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        self.rt.spawn(async move {
+            match fs.create(parent.0, &name, flags).await {
+                Ok((a, fh)) => reply.created(
+                    &ttl,
+                    &file_attr(&a),
+                    Generation(0),
+                    FileHandle(fh),
+                    FopenFlags::empty(),
+                ),
+                Err(e) => reply.error(errno("create", &e)),
+            }
+        });
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.read(fh.0, offset, size as usize).await {
+                Ok(bytes) => reply.data(&bytes),
+                Err(e) => reply.error(errno("read", &e)),
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        // The request buffer is reused by fuser: the bytes are copied once into the task.
+        let (fs, data) = (self.fs.clone(), data.to_vec());
+        self.rt.spawn(async move {
+            match fs.write(fh.0, offset, &data).await {
+                Ok(n) => reply.written(n as u32),
+                Err(e) => reply.error(errno("write", &e)),
+            }
+        });
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.flush(fh.0).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("flush", &e)),
+            }
+        });
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.release(fh.0).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("release", &e)),
+            }
+        });
+    }
+
+    fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.fsync(fh.0).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("fsync", &e)),
+            }
+        });
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let fs = self.fs.clone();
+        let dirs = self.dirs.clone();
+        let fh = self.next_dir.fetch_add(1, Ordering::Relaxed);
+        self.rt.spawn(async move {
+            match fs.readdir(ino.0).await {
+                Ok(entries) => {
+                    dirs.lock().insert(fh, Arc::new(entries));
+                    reply.opened(FileHandle(fh), FopenFlags::empty());
+                }
+                Err(e) => reply.error(errno("opendir", &e)),
+            }
+        });
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(entries) = self.dirs.lock().get(&fh.0).cloned() else {
+            return reply.error(Errno::EBADF);
+        };
+        // Offsets: 1 = ".", 2 = "..", 3.. = entries; each entry carries the offset of the next.
+        let dots = [
+            (ino, FileType::Directory, "."),
+            (ino, FileType::Directory, ".."),
+        ];
+        let listed = entries.iter().map(|e| {
+            let kind = match e.kind {
+                FileKind::File => FileType::RegularFile,
+                FileKind::Dir => FileType::Directory,
+            };
+            (INodeNo(e.ino), kind, e.name.as_str())
+        });
+        for (i, (ino, kind, name)) in dots
+            .into_iter()
+            .chain(listed)
+            .enumerate()
+            .skip(offset as usize)
+        {
+            if reply.add(ino, i as u64 + 1, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.dirs.lock().remove(&fh.0);
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        // Object stores have no fixed capacity: report a large, mostly free filesystem so tools
+        // that check free space proceed.
+        let blocks = 1u64 << 40;
+        reply.statfs(blocks, blocks, blocks, 1 << 32, 1 << 32, 4096, 1024, 4096);
+    }
+}

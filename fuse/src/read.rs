@@ -1,0 +1,393 @@
+//! Reading one open file: sequential detection and a growing read-ahead window.
+//!
+//! A read handle keeps, in offset order, the **segments** it has fetched (bytes already in
+//! memory) and up to two **windows** in flight (each one task streaming [`StripedReader::stream`], so
+//! a window larger than a stripe is fetched as parallel ranged GETs). A read is *sequential* when
+//! it starts where the previous read ended or anywhere inside what is buffered or in flight; the
+//! kernel's own read-ahead can deliver requests slightly out of order, and small seeks back or
+//! forward inside the buffer are served from memory.
+//!
+//! - Sequential: bytes come from the segments, awaiting the oldest window when they run out.
+//!   After each read, windows are started back to back after the buffered range until two are in
+//!   flight; each new window is twice the previous one, from `initial_read_ahead` up to
+//!   `max_read_ahead`. Segments wholly behind the read position are dropped, except the latest,
+//!   which serves short backward seeks.
+//! - Random (anything else): the windows are cancelled, the window size goes back to its
+//!   initial value and the read is one exact ranged GET of the bytes asked for.
+//!
+//! **Memory.** Every window holds a permit of its length from the mount's [`ByteBudget`] from
+//! before its request is sent until its segment is dropped, so the total buffered by all handles
+//! never exceeds the budget. A window is only started when its permit is available at once: a
+//! reader never waits for memory another handle holds, it just reads without read-ahead. A
+//! window's stripes ([`StripedReader::stream`]) are appended to the window's buffer as they
+//! arrive in order, so they are part of the bytes the window already holds; the striped reader
+//! itself therefore runs under a separate, unlimited transport budget.
+//!
+//! Responses are length-checked by the striped reader: a short body is an error (EIO), never
+//! zeros or wrong bytes.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
+use futures::{FutureExt, StreamExt};
+use hotstart_store::budget::BudgetPermit;
+use hotstart_store::{ByteBudget, StripedReader};
+use tokio::task::JoinHandle;
+
+use crate::error::{FsError, FsResult};
+
+/// Read-ahead limits of one handle.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadAhead {
+    pub initial: usize,
+    pub max: usize,
+}
+
+struct Segment {
+    start: u64,
+    data: Bytes,
+    _permit: Option<BudgetPermit>,
+}
+
+impl Segment {
+    fn end(&self) -> u64 {
+        self.start + self.data.len() as u64
+    }
+}
+
+struct Window {
+    range: Range<u64>,
+    task: JoinHandle<hotstart_store::Result<Bytes>>,
+    permit: Option<BudgetPermit>,
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The read state of one open file.
+pub struct ReadHandle {
+    path: String,
+    reader: StripedReader,
+    size: u64,
+    budget: ByteBudget,
+    limits: ReadAhead,
+    segments: VecDeque<Segment>,
+    windows: VecDeque<Window>,
+    window: usize,
+    last_end: u64,
+}
+
+/// Windows in flight per handle.
+const WINDOWS_AHEAD: usize = 2;
+
+impl ReadHandle {
+    pub fn new(
+        path: String,
+        reader: StripedReader,
+        budget: ByteBudget,
+        limits: ReadAhead,
+    ) -> ReadHandle {
+        let initial = limits.initial.max(4096);
+        ReadHandle {
+            path,
+            size: reader.size(),
+            reader,
+            budget,
+            limits: ReadAhead {
+                initial,
+                max: limits.max.max(initial),
+            },
+            segments: VecDeque::new(),
+            windows: VecDeque::new(),
+            window: initial,
+            last_end: 0,
+        }
+    }
+
+    /// Bytes buffered or in flight (for tests of the budget).
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        self.segments.iter().map(|s| s.data.len()).sum::<usize>()
+            + self
+                .windows
+                .iter()
+                .map(|w| w.permit.as_ref().map_or(0, |p| p.bytes()))
+                .sum::<usize>()
+    }
+
+    fn buffered_span(&self) -> Option<Range<u64>> {
+        let start = self.segments.front().map(|s| s.start);
+        let start = start.or_else(|| self.windows.front().map(|w| w.range.start))?;
+        let end = self
+            .windows
+            .back()
+            .map(|w| w.range.end)
+            .or_else(|| self.segments.back().map(|s| s.end()))?;
+        Some(start..end)
+    }
+
+    fn is_sequential(&self, offset: u64) -> bool {
+        offset == self.last_end || self.buffered_span().is_some_and(|r| r.contains(&offset))
+    }
+
+    /// Up to `len` bytes at `offset` (fewer only at the end of the file).
+    pub async fn read(&mut self, offset: u64, len: usize) -> FsResult<Bytes> {
+        if offset >= self.size || len == 0 {
+            return Ok(Bytes::new());
+        }
+        let len = (len as u64).min(self.size - offset) as usize;
+        let res = if self.is_sequential(offset) {
+            self.read_sequential(offset, len).await
+        } else {
+            self.read_random(offset, len).await
+        };
+        match res {
+            Ok(bytes) => {
+                self.last_end = offset + bytes.len() as u64;
+                Ok(bytes)
+            }
+            Err(e) => {
+                // Nothing half-fetched is trusted after an error.
+                self.segments.clear();
+                self.windows.clear();
+                self.window = self.limits.initial;
+                Err(e)
+            }
+        }
+    }
+
+    async fn read_random(&mut self, offset: u64, len: usize) -> FsResult<Bytes> {
+        self.windows.clear();
+        self.segments.clear();
+        self.window = self.limits.initial;
+        let _permit = self.budget.acquire(len).await;
+        // One ranged GET when `len` fits a stripe (it does for FUSE's 1 MiB requests).
+        let mut stripes = self.reader.stream(offset..offset + len as u64);
+        let mut out = BytesMut::with_capacity(len);
+        while let Some(stripe) = stripes.next().await {
+            out.extend_from_slice(&stripe.map_err(|e| FsError::store(&self.path, e))?);
+        }
+        Ok(out.freeze())
+    }
+
+    async fn read_sequential(&mut self, offset: u64, len: usize) -> FsResult<Bytes> {
+        let end = offset + len as u64;
+        let mut out: Option<BytesMut> = None;
+        let mut single: Option<Bytes> = None;
+        let mut pos = offset;
+        while pos < end {
+            if let Some(seg) = self
+                .segments
+                .iter()
+                .find(|s| s.start <= pos && pos < s.end())
+            {
+                let from = (pos - seg.start) as usize;
+                let to = (end.min(seg.end()) - seg.start) as usize;
+                let piece = seg.data.slice(from..to);
+                pos += piece.len() as u64;
+                // The common case, a read inside one segment, is a zero-copy slice.
+                if out.is_none() && single.is_none() && pos == end {
+                    single = Some(piece);
+                } else {
+                    let buf = out.get_or_insert_with(|| BytesMut::with_capacity(len));
+                    if let Some(first) = single.take() {
+                        buf.extend_from_slice(&first);
+                    }
+                    buf.extend_from_slice(&piece);
+                }
+                continue;
+            }
+            // Not buffered: the oldest window must cover it, or windows are useless.
+            if self
+                .windows
+                .front()
+                .is_some_and(|w| !w.range.contains(&pos))
+            {
+                self.windows.clear();
+            }
+            if self.windows.is_empty() {
+                self.start_window(pos, true).await;
+            }
+            let Some(w) = self.windows.pop_front() else {
+                return Err(FsError::Invalid {
+                    path: self.path.clone(),
+                    reason: "read-ahead window could not start".into(),
+                });
+            };
+            self.land(w).await?;
+        }
+        self.trim(end);
+        self.fill_ahead().await;
+        Ok(single.unwrap_or_else(|| out.map(BytesMut::freeze).unwrap_or_default()))
+    }
+
+    /// Awaits a window and keeps its bytes as a segment.
+    async fn land(&mut self, mut w: Window) -> FsResult<()> {
+        let data = match (&mut w.task).await {
+            Ok(Ok(data)) => data,
+            Ok(Err(e)) => return Err(FsError::store(&self.path, e)),
+            Err(e) => {
+                return Err(FsError::Invalid {
+                    path: self.path.clone(),
+                    reason: format!("read-ahead task failed: {e}"),
+                });
+            }
+        };
+        let start = w.range.start;
+        // The permit moves from the window to the segment: the bytes stay counted.
+        let permit = w.permit.take();
+        drop(w);
+        self.segments.push_back(Segment {
+            start,
+            data,
+            _permit: permit,
+        });
+        Ok(())
+    }
+
+    /// Drops segments wholly behind `pos`, except the newest of them (for short seeks back).
+    fn trim(&mut self, pos: u64) {
+        let behind = self.segments.iter().take_while(|s| s.end() <= pos).count();
+        for _ in 1..behind {
+            self.segments.pop_front();
+        }
+    }
+
+    /// Starts windows after the buffered range until two are in flight.
+    async fn fill_ahead(&mut self) {
+        while self.windows.len() < WINDOWS_AHEAD {
+            let next = self
+                .windows
+                .back()
+                .map(|w| w.range.end)
+                .or_else(|| self.segments.back().map(|s| s.end()))
+                .unwrap_or(self.last_end);
+            if next >= self.size || !self.start_window(next, false).await {
+                return;
+            }
+        }
+    }
+
+    /// Starts one window at `start`; `must` waits for budget (a demand read), otherwise the
+    /// window starts only if its budget is free now. Returns whether a window started.
+    async fn start_window(&mut self, start: u64, must: bool) -> bool {
+        let len = (self.window as u64)
+            .min(self.size - start)
+            .min(self.budget.capacity() as u64) as usize;
+        if len == 0 {
+            return false;
+        }
+        let permit = if must {
+            self.budget.acquire(len).await
+        } else {
+            match self.budget.acquire(len).now_or_never() {
+                Some(p) => p,
+                None => return false,
+            }
+        };
+        let reader = self.reader.clone();
+        let task = tokio::spawn(async move {
+            let mut stripes = reader.stream(start..start + len as u64);
+            let mut buf = BytesMut::with_capacity(len);
+            while let Some(stripe) = stripes.next().await {
+                buf.extend_from_slice(&stripe?);
+            }
+            Ok(buf.freeze())
+        });
+        self.windows.push_back(Window {
+            range: start..start + len as u64,
+            task,
+            permit: Some(permit),
+        });
+        self.window = (self.window * 2).min(self.limits.max);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hotstart_store::{Store, StripeConfig};
+
+    async fn handle(size: usize, budget: &ByteBudget) -> (ReadHandle, Vec<u8>) {
+        let store = Store::open("memory://").unwrap();
+        let data: Vec<u8> = (0..size).map(|i| (i * 7 + i / 251) as u8).collect();
+        store.put("f", Bytes::from(data.clone())).await.unwrap();
+        let cfg = StripeConfig {
+            stripe_size: 64 << 10,
+            max_in_flight: 4,
+            budget: ByteBudget::new(usize::MAX >> 2),
+        };
+        let reader = StripedReader::open(&store, "f", cfg).await.unwrap();
+        let limits = ReadAhead {
+            initial: 16 << 10,
+            max: 256 << 10,
+        };
+        (
+            ReadHandle::new("f".into(), reader, budget.clone(), limits),
+            data,
+        )
+    }
+
+    #[tokio::test]
+    async fn sequential_reads_grow_the_window_and_return_exact_bytes() {
+        let budget = ByteBudget::new(1 << 20);
+        let (mut h, data) = handle(1_000_003, &budget).await;
+        let mut got = Vec::new();
+        let mut off = 0u64;
+        loop {
+            let b = h.read(off, 10_000).await.unwrap();
+            if b.is_empty() {
+                break;
+            }
+            off += b.len() as u64;
+            got.extend_from_slice(&b);
+            assert!(h.held() <= budget.capacity());
+        }
+        assert_eq!(got, data);
+        assert_eq!(h.window, 256 << 10, "the window doubled up to its maximum");
+        assert!(budget.peak() <= budget.capacity());
+    }
+
+    #[tokio::test]
+    async fn small_seeks_and_random_reads_are_exact() {
+        let budget = ByteBudget::new(1 << 20);
+        let (mut h, data) = handle(500_000, &budget).await;
+        for (off, len) in [
+            (0u64, 5000usize),
+            (5000, 5000),
+            (2000, 100),
+            (9000, 30_000),
+            (400_000, 7),
+            (3, 3),
+            (499_990, 100),
+            (600_000, 10),
+        ] {
+            let b = h.read(off, len).await.unwrap();
+            let s = (off as usize).min(data.len());
+            let e = (s + len).min(data.len());
+            assert_eq!(&b[..], &data[s..e], "read {off}+{len}");
+        }
+        drop(h);
+        assert_eq!(budget.in_use(), 0, "every permit is given back");
+    }
+
+    #[tokio::test]
+    async fn no_read_ahead_when_the_budget_is_taken() {
+        let budget = ByteBudget::new(64 << 10);
+        let hog = budget.acquire(60 << 10).await;
+        let (mut h, data) = handle(100_000, &budget).await;
+        let b = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            drop(hog);
+            h.read(0, 1000).await
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        assert_eq!(&b[..], &data[..1000]);
+    }
+}

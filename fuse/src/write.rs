@@ -1,0 +1,323 @@
+//! Writing one new file: memory head, then a parallel multipart stream or a local spill file.
+//!
+//! A write handle starts in **Head**: bytes are kept in memory (holding their budget) until they
+//! fill one stripe. While writes stay sequential (each starts where the last ended) the head
+//! becomes a [`StripedWriter`] once it is full, and every later write streams into it: parts of
+//! `stripe_size` upload in parallel while the application keeps writing. The first write that is
+//! **not** sequential while the file is still in Head (a zip writer seeking back to patch a
+//! header, `torch.save`) moves the head into a local **Spill** file instead; from then on writes
+//! land anywhere in that file and the whole file is uploaded, striped, at commit. A write that
+//! seeks back after streaming has begun cannot be honoured (the parts are already sent): it is
+//! refused with EINVAL, the upload is aborted and the handle is poisoned, so nothing torn ever
+//! becomes visible. A forward gap while streaming is filled with zeros, as a sparse file reads.
+//!
+//! **Commit** (at flush, fsync or release) makes the object visible atomically: a head is one PUT,
+//! a stream completes its multipart upload, a spill file is uploaded as a multipart stream. Any
+//! store error aborts the upload and poisons the handle: the caller gets EIO and the previous
+//! version of the object (if any) is untouched. A handle whose file was unlinked while open aborts
+//! instead of committing.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+
+use bytes::{Bytes, BytesMut};
+use hotstart_store::budget::BudgetPermit;
+use hotstart_store::{Store, StripeConfig, StripedWriter};
+
+use crate::error::{FsError, FsResult};
+use crate::inode::Writing;
+
+enum Sink {
+    Head(BytesMut, Option<BudgetPermit>),
+    Stream(Box<StripedWriter>),
+    Spill(File),
+    Committed,
+    Poisoned,
+}
+
+/// The write state of one file open for writing.
+pub struct WriteHandle {
+    store: Store,
+    key: String,
+    cfg: StripeConfig,
+    spill_dir: Option<PathBuf>,
+    sink: Sink,
+    len: u64,
+    shared: Writing,
+}
+
+impl WriteHandle {
+    pub fn new(
+        store: Store,
+        key: String,
+        cfg: StripeConfig,
+        spill_dir: Option<PathBuf>,
+        shared: Writing,
+    ) -> WriteHandle {
+        WriteHandle {
+            store,
+            key,
+            cfg,
+            spill_dir,
+            sink: Sink::Head(BytesMut::new(), None),
+            len: 0,
+            shared,
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The state shared with the inode while the file is being written.
+    pub fn shared(&self) -> &Writing {
+        &self.shared
+    }
+
+    pub fn is_committed(&self) -> bool {
+        matches!(self.sink, Sink::Committed)
+    }
+
+    fn set_len(&mut self, len: u64) {
+        self.len = len;
+        self.shared.len.store(len, Ordering::Relaxed);
+    }
+
+    fn spill_err(&self, source: std::io::Error) -> FsError {
+        FsError::Spill {
+            path: self.key.clone(),
+            source,
+        }
+    }
+
+    async fn poison(&mut self, e: FsError) -> FsError {
+        tracing::warn!(path = %self.key, error = %e, "write failed; upload aborted, nothing visible");
+        if let Sink::Stream(w) = std::mem::replace(&mut self.sink, Sink::Poisoned) {
+            let _ = w.abort().await;
+        }
+        e
+    }
+
+    /// Writes `data` at `offset`; returns the bytes written (all of them).
+    pub async fn write(&mut self, offset: u64, data: &[u8]) -> FsResult<usize> {
+        match &mut self.sink {
+            // An empty file committed by the close of a duplicate descriptor (`echo hi > f`:
+            // the shell dup2s and closes before writing) is written again and re-committed.
+            Sink::Committed if self.len == 0 => {
+                self.sink = Sink::Head(BytesMut::new(), None);
+                return Box::pin(self.write(offset, data)).await;
+            }
+            Sink::Committed | Sink::Poisoned => {
+                return Err(FsError::Poisoned {
+                    path: self.key.clone(),
+                });
+            }
+            Sink::Head(buf, permit) if offset == self.len => {
+                if permit.is_none() {
+                    *permit = Some(self.cfg.budget.acquire(self.cfg.stripe_size).await);
+                }
+                buf.extend_from_slice(data);
+                let full = buf.len() >= self.cfg.effective_stripe();
+                self.set_len(offset + data.len() as u64);
+                if full {
+                    self.start_stream().await?;
+                }
+            }
+            Sink::Head(..) => {
+                self.spill()?;
+                return Box::pin(self.write(offset, data)).await;
+            }
+            Sink::Stream(w) if offset >= self.len => {
+                let mut res = Ok(());
+                let mut gap = offset - self.len;
+                while gap > 0 && res.is_ok() {
+                    let n = gap.min(1 << 20) as usize;
+                    res = w.write(&vec![0u8; n]).await;
+                    gap -= n as u64;
+                }
+                if res.is_ok() {
+                    res = w.write(data).await;
+                }
+                if let Err(e) = res {
+                    return Err(self.poison(FsError::store(&self.key, e)).await);
+                }
+                self.set_len(offset + data.len() as u64);
+            }
+            Sink::Stream(_) => {
+                let e = FsError::Invalid {
+                    path: self.key.clone(),
+                    reason: format!(
+                        "write at offset {offset} after {} bytes were already streamed to the \
+                         store; seeking back is only possible within the first stripe",
+                        self.len
+                    ),
+                };
+                return Err(self.poison(e).await);
+            }
+            Sink::Spill(f) => {
+                if let Err(e) = f.write_all_at(data, offset) {
+                    let e = self.spill_err(e);
+                    return Err(self.poison(e).await);
+                }
+                self.set_len(self.len.max(offset + data.len() as u64));
+            }
+        }
+        Ok(data.len())
+    }
+
+    async fn start_stream(&mut self) -> FsResult<()> {
+        let Sink::Head(buf, permit) = std::mem::replace(&mut self.sink, Sink::Poisoned) else {
+            return Ok(());
+        };
+        drop(permit);
+        let mut w = match StripedWriter::new(&self.store, &self.key, self.cfg.clone()) {
+            Ok(w) => w,
+            Err(e) => return Err(self.poison(FsError::store(&self.key, e)).await),
+        };
+        if let Err(e) = w.write_bytes(buf.freeze()).await {
+            let _ = w.abort().await;
+            return Err(self.poison(FsError::store(&self.key, e)).await);
+        }
+        self.sink = Sink::Stream(Box::new(w));
+        Ok(())
+    }
+
+    /// Moves the in-memory head into a fresh spill file.
+    fn spill(&mut self) -> FsResult<()> {
+        let file = match &self.spill_dir {
+            Some(dir) => tempfile::tempfile_in(dir),
+            None => tempfile::tempfile(),
+        }
+        .map_err(|e| self.spill_err(e))?;
+        if let Sink::Head(buf, _) = &self.sink {
+            file.write_all_at(buf, 0).map_err(|e| self.spill_err(e))?;
+        }
+        tracing::debug!(path = %self.key, bytes = self.len, "out-of-order write: spilling to a local file");
+        self.sink = Sink::Spill(file);
+        Ok(())
+    }
+
+    /// Bytes written so far, readable back through this handle (head and spill only).
+    pub fn read(&self, offset: u64, len: usize) -> FsResult<Bytes> {
+        let end = (offset + len as u64).min(self.len);
+        if offset >= end {
+            return Ok(Bytes::new());
+        }
+        match &self.sink {
+            Sink::Head(buf, _) => Ok(Bytes::copy_from_slice(&buf[offset as usize..end as usize])),
+            Sink::Spill(f) => {
+                let mut out = vec![0u8; (end - offset) as usize];
+                f.read_exact_at(&mut out, offset)
+                    .map_err(|e| self.spill_err(e))?;
+                Ok(Bytes::from(out))
+            }
+            _ => Err(FsError::Refused {
+                path: self.key.clone(),
+                reason: "reading back a file while it is streamed to the store",
+            }),
+        }
+    }
+
+    /// Changes the length (ftruncate): shrinking is possible before streaming, growing always.
+    pub async fn truncate(&mut self, size: u64) -> FsResult<()> {
+        if size == self.len {
+            return Ok(());
+        }
+        match &mut self.sink {
+            Sink::Head(buf, _) if size < self.len => buf.truncate(size as usize),
+            Sink::Head(..) | Sink::Stream(_) if size > self.len => {
+                let pad = vec![0u8; (size - self.len) as usize];
+                let at = self.len;
+                self.write(at, &pad).await?;
+            }
+            Sink::Spill(f) => f.set_len(size).map_err(|e| FsError::Spill {
+                path: self.key.clone(),
+                source: e,
+            })?,
+            _ => {
+                return Err(FsError::Refused {
+                    path: self.key.clone(),
+                    reason: "shrinking a file after its bytes were streamed to the store",
+                });
+            }
+        }
+        self.set_len(size);
+        Ok(())
+    }
+
+    /// Makes the object visible (once); later calls return at once.
+    pub async fn commit(&mut self) -> FsResult<u64> {
+        if self.shared.cancelled.load(Ordering::Relaxed) {
+            if let Sink::Stream(w) = std::mem::replace(&mut self.sink, Sink::Committed) {
+                let _ = w.abort().await;
+            }
+            self.sink = Sink::Committed;
+            return Ok(self.len);
+        }
+        let res: FsResult<()> = match std::mem::replace(&mut self.sink, Sink::Poisoned) {
+            Sink::Committed => {
+                self.sink = Sink::Committed;
+                return Ok(self.len);
+            }
+            Sink::Poisoned => Err(FsError::Poisoned {
+                path: self.key.clone(),
+            }),
+            Sink::Head(buf, _permit) => self
+                .store
+                .put(&self.key, buf.freeze())
+                .await
+                .map_err(|e| FsError::store(&self.key, e)),
+            Sink::Stream(w) => w
+                .finish()
+                .await
+                .map(|_| ())
+                .map_err(|e| FsError::store(&self.key, e)),
+            Sink::Spill(f) => {
+                let (store, key, cfg) = (self.store.clone(), self.key.clone(), self.cfg.clone());
+                upload_spill(store, key, cfg, self.len, f)
+                    .await
+                    .map_err(|e| FsError::store(&self.key, e))
+            }
+        };
+        match res {
+            Ok(()) => {
+                self.sink = Sink::Committed;
+                Ok(self.len)
+            }
+            Err(e) => Err(self.poison(e).await),
+        }
+    }
+}
+
+/// Uploads a spill file's first `len` bytes as one striped (multipart) object.
+async fn upload_spill(
+    store: Store,
+    key: String,
+    cfg: StripeConfig,
+    len: u64,
+    f: File,
+) -> hotstart_store::Result<()> {
+    let mut w = StripedWriter::new(&store, &key, cfg.clone())?;
+    let stripe = cfg.effective_stripe();
+    let mut off = 0u64;
+    while off < len {
+        let n = (len - off).min(stripe as u64) as usize;
+        let mut buf = vec![0u8; n];
+        if let Err(e) = f.read_exact_at(&mut buf, off) {
+            let _ = w.abort().await;
+            return Err(hotstart_store::Error::Io {
+                op: "read spill file",
+                path: PathBuf::from(&key),
+                source: e,
+            });
+        }
+        if let Err(e) = w.write_bytes(Bytes::from(buf)).await {
+            let _ = w.abort().await;
+            return Err(e);
+        }
+        off += n as u64;
+    }
+    w.finish().await.map(|_| ())
+}

@@ -1,0 +1,295 @@
+//! Real FUSE mounts: a local-directory store and a SeaweedFS store, written and read with plain
+//! std::fs calls through the mount, checked byte for byte through the mount and in the store.
+//!
+//! Every mount is held by a [`Mounted`] guard whose drop unmounts (lazily if busy), so a failing
+//! assertion never leaves a mount behind. The runtime serving requests drops after the mount.
+
+use std::io::{ErrorKind, Write};
+use std::path::Path;
+use std::process::Command;
+
+use hotstart_fuse::{FsConfig, MountConfig, MountHandle};
+use hotstart_store::Store;
+use hotstart_testkit::SeaweedFs;
+
+/// A mount plus the runtime serving it; dropping unmounts first, then stops the runtime.
+struct Mounted {
+    handle: Option<MountHandle>,
+    _dir: tempfile::TempDir,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Mounted {
+    fn new(store: Store, fs: FsConfig) -> Mounted {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = MountConfig {
+            fs,
+            ..MountConfig::default()
+        };
+        let handle = hotstart_fuse::mount(store, dir.path(), cfg, rt.handle().clone())
+            .expect("mount (needs /dev/fuse, fusermount3 and root)");
+        Mounted {
+            handle: Some(handle),
+            _dir: dir,
+            rt: Some(rt),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.handle.as_ref().unwrap().mountpoint()
+    }
+
+    fn store(&self) -> Store {
+        self.handle.as_ref().unwrap().fs().store().clone()
+    }
+
+    fn get(&self, key: &str) -> Vec<u8> {
+        let store = self.store();
+        let key = key.to_string();
+        self.rt
+            .as_ref()
+            .unwrap()
+            .block_on(async move { store.get(&key).await.unwrap().to_vec() })
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            let mp = h.mountpoint().to_path_buf();
+            if let Err(e) = h.unmount() {
+                eprintln!("unmount {}: {e}", mp.display());
+            }
+        }
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    hotstart_testkit::pattern(len, seed)
+}
+
+fn config(stripe: usize) -> FsConfig {
+    FsConfig {
+        stripe_size: stripe,
+        max_read_ahead: 8 << 20,
+        memory_budget: 64 << 20,
+        ..FsConfig::default()
+    }
+}
+
+/// Files of many sizes written through the mount equal what reads back through the mount and
+/// what the store holds.
+fn sizes_round_trip(m: &Mounted, stripe: usize) {
+    let sizes = [0, 1, stripe - 1, stripe, stripe + 1, 40 << 20];
+    std::fs::create_dir(m.path().join("sizes")).unwrap();
+    for (i, &len) in sizes.iter().enumerate() {
+        let data = pattern(len, i as u64);
+        let p = m.path().join(format!("sizes/f{i}"));
+        if i % 2 == 0 {
+            std::fs::write(&p, &data).unwrap();
+        } else {
+            let mut f = std::fs::File::create(&p).unwrap();
+            for chunk in data.chunks(100_000) {
+                f.write_all(chunk).unwrap();
+            }
+            f.sync_all().unwrap();
+        }
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().len(),
+            len as u64,
+            "size of f{i}"
+        );
+        assert!(
+            std::fs::read(&p).unwrap() == data,
+            "f{i} ({len} B) through the mount"
+        );
+        assert!(
+            m.get(&format!("sizes/f{i}")) == data,
+            "f{i} ({len} B) in the store"
+        );
+    }
+    let mut names: Vec<String> = std::fs::read_dir(m.path().join("sizes"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["f0", "f1", "f2", "f3", "f4", "f5"]);
+}
+
+fn namespace_and_refusals(m: &Mounted) {
+    let root = m.path();
+    std::fs::create_dir_all(root.join("a/b")).unwrap();
+    std::fs::write(root.join("a/b/x"), b"x").unwrap();
+    std::fs::rename(root.join("a/b/x"), root.join("a/y")).unwrap();
+    assert_eq!(std::fs::read(root.join("a/y")).unwrap(), b"x");
+    assert_eq!(m.get("a/y"), b"x");
+    std::fs::remove_dir(root.join("a/b")).unwrap();
+    let err = std::fs::remove_dir(root.join("a")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTEMPTY), "{err}");
+    // Overwriting in place (no O_TRUNC) is refused; with O_TRUNC it replaces the object.
+    let err = std::fs::OpenOptions::new()
+        .write(true)
+        .open(root.join("a/y"))
+        .unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    std::fs::write(root.join("a/y"), b"replaced").unwrap();
+    assert_eq!(m.get("a/y"), b"replaced");
+    std::fs::remove_file(root.join("a/y")).unwrap();
+    assert_eq!(
+        std::fs::metadata(root.join("a/y")).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    // Objects written by other tools appear.
+    let store = m.store();
+    m.rt.as_ref()
+        .unwrap()
+        .block_on(store.put("outside/obj", bytes::Bytes::from_static(b"hi")))
+        .unwrap();
+    assert_eq!(std::fs::read(root.join("outside/obj")).unwrap(), b"hi");
+}
+
+fn python_zipfile(m: &Mounted) {
+    let zip = m.path().join("archive.zip");
+    let member = m.path().join("member.bin");
+    std::fs::write(&member, pattern(300_000, 9)).unwrap();
+    let script = r#"
+import sys, zipfile
+zf = zipfile.ZipFile(sys.argv[1], "w", compression=zipfile.ZIP_DEFLATED)
+zf.writestr("a.txt", "hello " * 1000)
+zf.write(sys.argv[2], "member.bin")
+with zf.open("streamed.bin", "w") as f:
+    for i in range(10):
+        f.write(bytes([i]) * 10000)
+zf.close()
+zf = zipfile.ZipFile(sys.argv[1])
+assert zf.testzip() is None
+assert zf.read("a.txt") == b"hello " * 1000
+assert zf.read("member.bin") == open(sys.argv[2], "rb").read()
+assert zf.read("streamed.bin") == b"".join(bytes([i]) * 10000 for i in range(10))
+print("zip ok")
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(&zip)
+        .arg(&member)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "python zipfile through the mount: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(m.get("archive.zip"), std::fs::read(&zip).unwrap());
+}
+
+#[test]
+fn local_directory_store() {
+    let store_dir = tempfile::tempdir().unwrap();
+    let store = Store::open(store_dir.path().to_str().unwrap()).unwrap();
+    let stripe = 1 << 20;
+    let m = Mounted::new(store, config(stripe));
+    sizes_round_trip(&m, stripe);
+    namespace_and_refusals(&m);
+    python_zipfile(&m);
+    let budget = m.handle.as_ref().unwrap().fs().budget();
+    assert!(budget.peak() <= budget.capacity());
+    // The store directory holds plain files: any tool reads them.
+    assert_eq!(
+        std::fs::read(store_dir.path().join("sizes/f5")).unwrap(),
+        pattern(40 << 20, 5)
+    );
+}
+
+#[test]
+fn seaweedfs_store() {
+    let Some(weed) = SeaweedFs::shared() else {
+        return;
+    };
+    let bucket = weed.fresh_bucket("fuse-mount");
+    let options: Vec<(String, String)> = weed
+        .env()
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect();
+    let store = Store::open_with(&format!("{bucket}/m"), &options).unwrap();
+    let stripe = 5 << 20;
+    let m = Mounted::new(store, config(stripe));
+    sizes_round_trip(&m, stripe);
+    namespace_and_refusals(&m);
+    python_zipfile(&m);
+}
+
+/// Run as a child process by `stale_mount_after_a_crash_is_cleared` (through the test binary):
+/// mounts, signals readiness, then waits to be SIGKILLed.
+#[test]
+fn crash_helper() {
+    let Ok(spec) = std::env::var("HOTSTART_CRASH_HELPER") else {
+        return;
+    };
+    let mut parts = spec.split('|');
+    let (Some(store), Some(mp), Some(ready)) = (parts.next(), parts.next(), parts.next()) else {
+        panic!("bad HOTSTART_CRASH_HELPER {spec:?}");
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = Store::open(store).unwrap();
+    let handle = hotstart_fuse::mount(
+        store,
+        Path::new(mp),
+        MountConfig::default(),
+        rt.handle().clone(),
+    )
+    .unwrap();
+    std::fs::write(ready, b"").unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(60));
+    drop(handle);
+}
+
+#[test]
+fn stale_mount_after_a_crash_is_cleared() {
+    if std::env::var("HOTSTART_CRASH_HELPER").is_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = tempfile::tempdir().unwrap();
+    let ready_dir = tempfile::tempdir().unwrap();
+    let ready = ready_dir.path().join("ready");
+    let spec = format!(
+        "{}|{}|{}",
+        store_dir.path().display(),
+        dir.path().display(),
+        ready.display()
+    );
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "crash_helper", "--nocapture"])
+        .env("HOTSTART_CRASH_HELPER", spec)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !ready.exists() {
+        assert!(std::time::Instant::now() < deadline, "helper did not mount");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let err = std::fs::metadata(dir.path()).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "{err}");
+    let store = Store::open(store_dir.path().to_str().unwrap()).unwrap();
+    let m = Mounted::new(store, config(1 << 20));
+    std::fs::write(m.path().join("after"), b"ok").unwrap();
+    assert_eq!(m.get("after"), b"ok");
+    drop(m);
+    // Whatever this test leaves at the directory is detached before the tempdir goes.
+    let _ = Command::new("fusermount3")
+        .arg("-uz")
+        .arg(dir.path())
+        .output();
+}

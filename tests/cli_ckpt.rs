@@ -1,0 +1,206 @@
+//! End-to-end: `hotstart ckpt ls|show|verify|gc` run as the real binary against checkpoints
+//! written by the engine, in a local disk-tier directory and in a `file://` store.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use bytes::Bytes;
+use hotstart_ckpt::{Dtype, Engine, EngineConfig, Tensor};
+use hotstart_store::Store;
+use hotstart_testkit::pattern;
+
+const CHUNK: usize = 64 << 10;
+
+fn hotstart(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hotstart"))
+        .args(args)
+        .output()
+        .expect("run hotstart")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = hotstart(args);
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Three tensors: 300 KiB of F32 (several chunks), a BF16 matrix and an empty I64.
+fn tensors(step: u64, rank: u32) -> Vec<Tensor> {
+    let seed = step * 10 + rank as u64;
+    vec![
+        Tensor::new(
+            "model.w",
+            Dtype::F32,
+            vec![300, 256],
+            Bytes::from(pattern(300 * 256 * 4, seed)),
+        )
+        .unwrap(),
+        Tensor::new(
+            "model.b",
+            Dtype::BF16,
+            vec![3, 4],
+            Bytes::from(pattern(24, seed + 1)),
+        )
+        .unwrap(),
+        Tensor::new("empty", Dtype::I64, vec![0], Bytes::new()).unwrap(),
+    ]
+}
+
+fn engine(rank: u32, cfg: impl Fn(EngineConfig) -> EngineConfig) -> Engine {
+    let mut c = cfg(EngineConfig::new("run-1", rank, 2));
+    c.keep = 0;
+    c.chunk_size = CHUNK;
+    Engine::new(c).unwrap()
+}
+
+/// Saves `steps` on both ranks and `torn` on rank 0 only.
+fn write(cfg: impl Fn(EngineConfig) -> EngineConfig, steps: &[u64], torn: &[u64]) {
+    let (r0, r1) = (engine(0, &cfg), engine(1, &cfg));
+    for &s in steps {
+        r0.save(s, tensors(s, 0), Default::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+        r1.save(s, tensors(s, 1), Default::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    for &s in torn {
+        r0.save(s, tensors(s, 0), Default::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+}
+
+fn step_bytes(root: &Path, step: u64) -> u64 {
+    std::fs::read_dir(root.join(format!("run-1/step-{step}")))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+fn line_of(out: &str, step: u64) -> &str {
+    out.lines()
+        .find(|l| l.split_whitespace().nth(1) == Some(&step.to_string()))
+        .unwrap_or_else(|| panic!("no line for step {step} in\n{out}"))
+}
+
+#[test]
+fn ls_show_verify_gc_on_a_disk_tier() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let root = dir.path();
+    write(|c| c.disk(root), &[10, 20, 30], &[15, 40]);
+    let at = root.to_str().unwrap();
+
+    // ls: every step, its ranks, bytes and state.
+    let ls = ok(&["ckpt", "ls", at, "--job", "run-1"]);
+    for s in [10, 20, 30] {
+        let line = line_of(&ls, s);
+        assert!(line.contains("run-1") && line.contains(" 2/2 "), "{line}");
+        assert!(line.contains(&step_bytes(root, s).to_string()), "{line}");
+        assert!(line.ends_with("complete"), "{line}");
+    }
+    for s in [15, 40] {
+        let line = line_of(&ls, s);
+        assert!(line.contains(" 1/2 "), "{line}");
+        assert!(
+            line.contains("incomplete (rank 1 has no manifest)"),
+            "{line}"
+        );
+    }
+    // Without --job: every job.
+    let all = ok(&["ckpt", "ls", at]);
+    assert_eq!(all.lines().filter(|l| l.starts_with("run-1 ")).count(), 5);
+
+    // show: the tensor index.
+    let show = ok(&[
+        "ckpt", "show", at, "--job", "run-1", "--step", "20", "--rank", "1",
+    ]);
+    assert!(
+        show.contains("job run-1 step 20 rank 1 of 2: 3 tensors"),
+        "{show}"
+    );
+    let row = |name: &str| {
+        show.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in\n{show}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(row("model.w"), "model.w F32 [300, 256] 307200");
+    assert_eq!(row("model.b"), "model.b BF16 [3, 4] 24");
+    assert_eq!(row("empty"), "empty I64 [0] 0");
+    // Default: the newest complete step, rank 0.
+    assert!(ok(&["ckpt", "show", at, "--job", "run-1"]).contains("step 30 rank 0 of 2"));
+
+    // verify: every complete step passes...
+    let verify = ok(&["ckpt", "verify", at, "--job", "run-1"]);
+    for s in [10, 20, 30] {
+        for r in [0, 1] {
+            assert!(
+                verify.contains(&format!("checked step {s} rank {r}: ")),
+                "{verify}"
+            );
+        }
+    }
+    assert!(verify.contains("ok: 6 rank file(s) verified"), "{verify}");
+    // ... until a byte in chunk 2 of step 20 rank 1 is flipped.
+    let file = root.join("run-1/step-20/rank-1.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[2 * CHUNK + 123] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    for args in [
+        vec!["ckpt", "verify", at, "--job", "run-1"],
+        vec!["ckpt", "verify", at, "--job", "run-1", "--step", "20"],
+    ] {
+        let out = hotstart(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "verify passed a flipped byte");
+        assert!(
+            stderr.contains("step 20 rank 1 chunk 2: checksum mismatch"),
+            "{stderr}"
+        );
+        assert_eq!(stderr.matches("BAD ").count(), 1, "{stderr}");
+    }
+    assert!(ok(&["ckpt", "verify", at, "--job", "run-1", "--step", "30"]).contains("ok: 2"));
+
+    // gc --keep 2: the newest two complete steps stay, older ones and the older torn step go,
+    // the newer torn step (maybe still persisting) stays.
+    let gc = ok(&["ckpt", "gc", at, "--job", "run-1", "--keep", "2"]);
+    assert!(
+        gc.contains("removed step 10") && gc.contains("removed step 15"),
+        "{gc}"
+    );
+    assert!(gc.contains("kept 2 complete step(s): [20, 30]"), "{gc}");
+    let mut left: Vec<String> = std::fs::read_dir(root.join("run-1"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["step-20", "step-30", "step-40"]);
+    let data = std::fs::read(root.join("run-1/step-30/rank-0.safetensors")).unwrap();
+    assert!(data.len() > 300 * 256 * 4, "kept steps keep their data");
+}
+
+#[test]
+fn ls_and_verify_a_store_url() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let url = format!("file://{}", dir.path().display());
+    let store = Store::open(&url).unwrap();
+    write(|c| c.store(store.clone()), &[7], &[]);
+    let ls = ok(&["ckpt", "ls", &url]);
+    assert!(line_of(&ls, 7).ends_with("complete"), "{ls}");
+    let verify = ok(&["ckpt", "verify", &url, "--job", "run-1", "--step", "7"]);
+    assert!(verify.contains("ok: 2 rank file(s) verified"), "{verify}");
+    let out = hotstart(&["ckpt", "show", &url, "--job", "run-1", "--step", "8"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("step 8"));
+}
