@@ -110,12 +110,7 @@ fn add_rows(
 
 fn s3_store(weed: &SeaweedFs, bucket: &str) -> anyhow::Result<Store> {
     let url = weed.fresh_bucket(bucket);
-    let opts: Vec<(String, String)> = weed
-        .env()
-        .into_iter()
-        .map(|(k, v)| (k.to_ascii_lowercase(), v))
-        .collect();
-    Ok(Store::open_with(&url, &opts)?)
+    Ok(Store::open_with(&url, &weed.client_options())?)
 }
 
 /// Loopback SeaweedFS and a local directory: striping must not cost anything.

@@ -378,6 +378,15 @@ impl SeaweedFs {
         .collect()
     }
 
+    /// The same settings as [`SeaweedFs::env`] as object_store configuration keys
+    /// (`aws_endpoint_url`, ...), for `hotstart_store::Store::open_with`.
+    pub fn client_options(&self) -> Vec<(String, String)> {
+        self.env()
+            .into_iter()
+            .map(|(k, v)| (k.to_ascii_lowercase(), v))
+            .collect()
+    }
+
     /// One unsigned HTTP request to the S3 endpoint, e.g. `request("GET", "/bucket/key", &[],
     /// &[])`, for checking objects independently of the client under test. The path must be
     /// URL-encoded already.

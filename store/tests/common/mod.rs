@@ -19,13 +19,9 @@ pub fn pattern(len: usize, seed: u64) -> Bytes {
 pub fn s3_store(test: &str) -> Option<Store> {
     let weed = SeaweedFs::shared()?;
     let bucket = weed.fresh_bucket(&test.replace('_', "-"));
-    let options: Vec<(String, String)> = weed
-        .env()
-        .into_iter()
-        .map(|(k, v)| (k.to_ascii_lowercase(), v))
-        .collect();
     Some(
-        Store::open_with(&format!("{bucket}/conformance"), &options).expect("open SeaweedFS store"),
+        Store::open_with(&format!("{bucket}/conformance"), &weed.client_options())
+            .expect("open SeaweedFS store"),
     )
 }
 
