@@ -26,7 +26,7 @@ use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, StepSel, Tensor, T
 use hotstart_store::uring::AlignedBuf;
 
 use crate::report::{Report, Row, median, rate};
-use crate::store_uring::{Dir, Fio, Memory, drop_page_cache};
+use crate::store_uring::{Dir, Fio, HugePages, Memory, drop_page_cache};
 
 const MIB: usize = 1 << 20;
 
@@ -143,6 +143,15 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         std::fs::create_dir_all(&py_dir)?;
     }
 
+    // Like for like: our staging and read buffers are on huge pages, so fio gets them too when
+    // they can be reserved.
+    let huge = HugePages::reserve(fio.huge_pages_needed()).ok();
+    let (fio_mem, fio_mode) = if huge.is_some() {
+        (Memory::Huge, "--mem=shmhuge")
+    } else {
+        (Memory::Plain, "--mem=malloc")
+    };
+
     eprintln!("ckpt: cold loads");
     let file = ckpt_dir.join(format!("bench/step-{last}/rank-0.safetensors"));
     let loader = Engine::new(cfg)?;
@@ -160,7 +169,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         }
         drop(loaded);
         drop_page_cache()?;
-        fio_read.push(fio.run(&file, mib, Dir::Read, Memory::Plain)?);
+        fio_read.push(fio.run(&file, mib, Dir::Read, fio_mem)?);
         drop_page_cache()?;
         let out = python(&args.python, &[PY_LOAD], &[&file])?;
         py_load.push(seconds(&out, "safetensors_load")?);
@@ -170,7 +179,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
     let mut fio_write = Vec::new();
     let fio_path = work.path().join("fio.dat");
     for _ in 0..args.runs {
-        fio_write.push(fio.run(&fio_path, mib, Dir::Write, Memory::Plain)?);
+        fio_write.push(fio.run(&fio_path, mib, Dir::Write, fio_mem)?);
         std::fs::remove_file(&fio_path)?;
     }
 
@@ -207,14 +216,14 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
     report.add(row(
         "persist save→wait_persisted(disk)",
         &persist,
-        "fio write O_DIRECT + fsync",
+        &format!("fio write O_DIRECT + fsync {fio_mode}"),
         &fio_write,
         Some(0.85),
     ));
     report.add(row(
         "cold load (verified)",
         &load,
-        "fio read O_DIRECT",
+        &format!("fio read O_DIRECT {fio_mode}"),
         &fio_read,
         Some(0.9),
     ));
@@ -234,6 +243,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         median(memcpy),
         fio.version
     ));
+    drop(huge);
     report.note("torch is not installed here: torch.save/torch.load and torch.distributed.checkpoint were not measured");
     report.print();
     if let Some(path) = &args.markdown {

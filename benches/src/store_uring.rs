@@ -357,7 +357,7 @@ impl Fio {
 
     /// Huge pages fio's `--mem=shmhuge` needs: its `bs x iodepth` buffers (plus a page of slack,
     /// rounded up to huge pages), and a margin.
-    fn huge_pages_needed(&self) -> u64 {
+    pub(crate) fn huge_pages_needed(&self) -> u64 {
         ((QUEUE_DEPTH * BLOCK_SIZE) as u64 + 4096).div_ceil(self.huge_page) + 4
     }
 
@@ -424,13 +424,13 @@ impl Fio {
 }
 
 /// Huge pages reserved in `/proc/sys/vm/nr_hugepages`; the old count is put back on drop.
-struct HugePages {
+pub(crate) struct HugePages {
     original: u64,
     pages: u64,
 }
 
 impl HugePages {
-    fn reserve(pages: u64) -> anyhow::Result<HugePages> {
+    pub(crate) fn reserve(pages: u64) -> anyhow::Result<HugePages> {
         let original = read_nr_hugepages()?;
         fs::write(NR_HUGEPAGES, (original + pages).to_string())
             .with_context(|| format!("write {NR_HUGEPAGES} (needs root)"))?;
