@@ -4,7 +4,8 @@
 //! buffer from the bounded pool (blocking or skipping when `max_inflight` saves are in flight),
 //! and starts one background thread for the save, then returns its [`SaveHandle`]. That thread:
 //!
-//! 1. *stages*: copies the header and every tensor into the buffer over `copy_threads` threads,
+//! 1. *stages*: copies the header and every tensor into the buffer, host tensors over
+//!    `threads` threads while the GPU copies device tensors on its own stream (`crate::cuda`),
 //!    drops the caller's tensors, and marks the handle staged (the caller may now mutate them);
 //! 2. hashes every `chunk_size` chunk of the image with blake3, over the same threads;
 //! 3. *persists* to every configured tier in parallel, one thread per tier: the data file, then
@@ -32,11 +33,12 @@ use hotstart_store::uring::UringConfig;
 use hotstart_store::{Store, StripeConfig};
 use tracing::{info, instrument, warn};
 
+use crate::cuda::{self, Gpu};
 use crate::error::{Error, Result};
 use crate::format::{self, Layout, Manifest};
 use crate::handle::{Phase, SaveHandle, Shared};
-use crate::staging::{self, Pool};
-use crate::tensor::{Extras, Tensor};
+use crate::staging::{self, Pool, Slot};
+use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::disk::DiskTier;
 use crate::tier::store::{Runtime, StoreTier};
 use crate::tier::{Staged, Tier, TierKind};
@@ -134,6 +136,8 @@ pub(crate) struct Inner {
     skipped: AtomicU64,
     persisting: Mutex<BTreeSet<u64>>,
     gc_lock: Mutex<()>,
+    /// Per-device contexts and copy streams, made on first use.
+    pub(crate) gpu: Gpu,
 }
 
 /// The checkpoint engine of one rank. Blocking API: call it from plain threads, not from inside
@@ -205,6 +209,7 @@ impl Engine {
                 skipped: AtomicU64::new(0),
                 persisting: Mutex::new(BTreeSet::new()),
                 gc_lock: Mutex::new(()),
+                gpu: Gpu::new(),
             }),
             threads: Mutex::new(Vec::new()),
         })
@@ -222,12 +227,17 @@ impl Engine {
 
     /// Starts saving `step`: returns once the staging copy is under way. See the module docs.
     ///
-    /// Errors only on input that cannot be saved (duplicate or reserved names) or when no
-    /// thread can be started; everything later is reported on the handle.
+    /// Errors only on input that cannot be saved (duplicate or reserved names), on device
+    /// tensors that cannot be read ([`Error::Cuda`]: no `cuda` feature, no driver, no such
+    /// device), or when no thread can be started; everything later is reported on the handle.
     #[instrument(skip_all, fields(step, rank = self.inner.rank))]
     pub fn save(&self, step: u64, tensors: Vec<Tensor>, extras: Extras) -> Result<SaveHandle> {
         let inner = &self.inner;
         let layout = Layout::new(&inner.job, step, inner.rank, inner.world_size, &tensors)?;
+        let devices: BTreeSet<usize> = tensors.iter().filter_map(Tensor::device).collect();
+        if !devices.is_empty() {
+            cuda::check_devices(&devices)?;
+        }
         let len = usize::try_from(layout.file_len).map_err(|_| Error::Input {
             step,
             reason: "checkpoint larger than the address space".into(),
@@ -474,18 +484,13 @@ impl SaveJob {
         } = self;
         let len = layout.file_len as usize;
         // 1. Stage.
-        {
-            let Some(buf) = slot.buf_mut() else {
-                shared.fail_pending(Arc::new(Error::Task {
-                    what: "staging",
-                    message: "staging buffer still shared".into(),
-                }));
-                return;
-            };
-            let sources: Vec<&[u8]> = tensors.iter().map(Tensor::bytes).collect();
-            staging::copy_parallel(&mut buf[..len], &layout.header, &sources, inner.threads);
-        }
+        let res = stage(&inner, &mut slot, &layout, &tensors);
         drop(tensors);
+        if let Err(e) = res {
+            tracing::error!(step, error = %e, "checkpoint staging failed");
+            shared.fail_pending(Arc::new(e));
+            return;
+        }
         shared.set_staged(Phase::Done);
         // 2. Checksums.
         let Some(buf) = slot.shared() else { return };
@@ -548,4 +553,38 @@ impl SaveJob {
             }
         }
     }
+}
+
+/// Copies the file image into the slot's buffer: device tensors on the GPU's copy stream (into
+/// pinned memory where the buffer could be registered), host tensors over the engine's threads
+/// at the same time. Returns once every byte is in place.
+fn stage(inner: &Inner, slot: &mut Slot, layout: &Layout, tensors: &[Tensor]) -> Result<()> {
+    let len = layout.file_len as usize;
+    let sources: Vec<Source<'_>> = tensors.iter().map(Tensor::source).collect();
+    let first_device = sources.iter().find_map(|s| match s {
+        Source::Device(d) => Some(d.ordinal),
+        Source::Host(_) => None,
+    });
+    if let (Some(ordinal), Some((ptr, buf_len))) = (first_device, slot.region())
+        && !slot.is_pinned()
+    {
+        match inner.gpu.pin(ordinal, ptr, buf_len) {
+            Ok(pin) => slot.set_pin(pin),
+            Err(e) => {
+                warn!(error = %e, "cannot pin the staging buffer; copying to pageable memory")
+            }
+        }
+    }
+    let buf = slot.buf_mut().ok_or_else(|| Error::Task {
+        what: "staging",
+        message: "staging buffer still shared".into(),
+    })?;
+    let (host, device) = staging::split_image(&mut buf[..len], &layout.header, &sources);
+    let pending = if device.is_empty() {
+        None
+    } else {
+        Some(inner.gpu.start_d2h(device)?)
+    };
+    staging::copy_parallel(host, inner.threads);
+    pending.map_or(Ok(()), cuda::PendingCopies::wait)
 }

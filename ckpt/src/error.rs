@@ -92,6 +92,11 @@ pub enum Error {
         reason: String,
     },
 
+    /// A CUDA device tensor or destination that cannot be served: the build lacks the `cuda`
+    /// feature, no CUDA driver is installed, no such device, or a driver call failed.
+    #[error("CUDA: {reason}")]
+    Cuda { reason: String },
+
     /// A background thread that panicked or could not be started.
     #[error("{what} failed: {message}")]
     Task { what: &'static str, message: String },

@@ -8,14 +8,22 @@
 //! with the manifest written last as the commit. [`Engine::load`] reads the newest complete step
 //! back, verifying every chunk and falling back from disk to store chunk by chunk.
 //!
+//! Tensors may also live in CUDA device memory ([`Tensor::from_device`], and
+//! [`Destination::Device`] on load). With the `cuda` feature, device tensors are copied by the
+//! GPU into pinned staging memory on a dedicated stream per device; without it, or on a machine
+//! without a CUDA driver, they are refused with [`Error::Cuda`] and host tensors work as
+//! always (see [`cuda`]).
+//!
 //! The on-storage format (one safetensors file and one JSON manifest per step and rank) is in
 //! [`format`] and `docs/FORMAT.md`.
 //!
 //! Modules: [`tensor`] (what is saved), [`format`] (names, header, manifest, parsers),
-//! `staging` (the buffer pool, parallel copies and hashes), [`tier`] (disk and store),
-//! `engine` (save, retention), `load` (verified reads), [`handle`] (save progress), [`inspect`]
-//! (offline listing, verification and retention: the `hotstart ckpt` commands).
+//! `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path), [`tier`]
+//! (disk and store), `engine` (save, retention), `load` (verified reads), [`handle`] (save
+//! progress), [`inspect`] (offline listing, verification and retention: the `hotstart ckpt`
+//! commands).
 
+pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod handle;
@@ -31,6 +39,6 @@ pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, WhenFull};
 pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
 pub use inspect::Checkpoints;
-pub use load::{Destination, Loaded, StepSel};
+pub use load::{Destination, DeviceBuffer, Loaded, StepSel};
 pub use tensor::{Dtype, Extras, LoadedTensor, Tensor};
 pub use tier::TierKind;

@@ -15,18 +15,23 @@
 //! 4. **Decode.** The verified header is parsed (the same hostile-input parser as everywhere)
 //!    and must list exactly the manifest's tensors; tensors are then handed out as slices of the
 //!    one buffer, or copied into the caller's buffers.
+//! 5. **Device destinations** (feature `cuda`). For [`Destination::Device`] the driver and the
+//!    devices are checked before anything is read; once the file is verified, the buffer is
+//!    registered as pinned memory and each tensor is copied host-to-device on the device's copy
+//!    stream, then the load waits for the copies (see `crate::cuda`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, PoisonError};
 
 use bytes::Bytes;
 use hotstart_store::uring::AlignedBuf;
 use tracing::{instrument, warn};
 
+use crate::cuda;
 use crate::engine::{Engine, Inner};
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
-use crate::tensor::{Extras, LoadedTensor};
+use crate::tensor::{DevicePtr, Extras, LoadedTensor};
 use crate::tier::{Tier, TierKind, TierReader};
 
 /// Which step to load.
@@ -47,6 +52,43 @@ pub enum Destination<'a> {
     /// Copied into these caller buffers (by tensor name; each must have the tensor's exact byte
     /// length). Tensors without a buffer are returned in [`Loaded::tensors`].
     Buffers(HashMap<String, &'a mut [u8]>),
+    /// Copied into these CUDA device buffers (by tensor name; each must have the tensor's exact
+    /// byte length), from pinned host memory. Needs the `cuda` feature and a driver, else the
+    /// load fails with [`Error::Cuda`] before reading anything. Tensors without a buffer are
+    /// returned in [`Loaded::tensors`].
+    Device(HashMap<String, DeviceBuffer>),
+}
+
+/// A CUDA device buffer a load writes a tensor into: device ordinal, device address, length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceBuffer(pub(crate) DevicePtr);
+
+impl DeviceBuffer {
+    /// `len` bytes at device address `ptr` on device `ordinal` (a `CUdeviceptr`).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of device `ordinal` that the device's primary
+    /// context can write (memory allocated by the CUDA runtime, as PyTorch does, qualifies), and
+    /// nothing may read, write or free it from the call to [`Engine::load`] until it returns.
+    /// Work queued on other streams that uses it must be finished or ordered after the load.
+    pub unsafe fn new(ordinal: usize, ptr: u64, len: usize) -> DeviceBuffer {
+        DeviceBuffer(DevicePtr { ordinal, ptr, len })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.0.ordinal
+    }
+
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.0.len == 0
+    }
 }
 
 /// A loaded checkpoint.
@@ -77,6 +119,12 @@ impl Engine {
     #[instrument(skip_all, fields(rank = self.inner.rank, ?which))]
     pub fn load(&self, which: StepSel, dest: Destination<'_>) -> Result<Loaded> {
         let inner = &self.inner;
+        if let Destination::Device(bufs) = &dest {
+            let devices: BTreeSet<usize> = bufs.values().map(DeviceBuffer::ordinal).collect();
+            if !devices.is_empty() {
+                cuda::check_devices(&devices)?;
+            }
+        }
         let step = match which {
             StepSel::Step(s) => s,
             StepSel::Latest => self
@@ -148,11 +196,12 @@ impl Inner {
             .decode_extras()
             .map_err(|r| Error::format("manifest", format!("step {step}"), r))?;
         let data_offset = header.data_offset as usize;
-        let mut buffers = match dest {
-            Destination::Owned => HashMap::new(),
-            Destination::Buffers(b) => b,
+        let (mut buffers, device) = match dest {
+            Destination::Owned => (HashMap::new(), HashMap::new()),
+            Destination::Buffers(b) => (b, HashMap::new()),
+            Destination::Device(d) => (HashMap::new(), d),
         };
-        for name in buffers.keys() {
+        for name in buffers.keys().chain(device.keys()) {
             if !header.tensors.iter().any(|t| &t.name == name) {
                 return Err(Error::Destination {
                     step,
@@ -161,11 +210,38 @@ impl Inner {
                 });
             }
         }
+        let range_of = |t: &format::TensorEntry| {
+            data_offset + t.data_offsets[0] as usize..data_offset + t.data_offsets[1] as usize
+        };
+        if !device.is_empty() {
+            let mut copies = Vec::with_capacity(device.len());
+            for t in &reference.tensors {
+                let Some(out) = device.get(&t.name) else {
+                    continue;
+                };
+                let range = range_of(t);
+                if out.len() != range.len() {
+                    return Err(Error::Destination {
+                        step,
+                        name: t.name.clone(),
+                        reason: format!(
+                            "device buffer of {} bytes for {} bytes",
+                            out.len(),
+                            range.len()
+                        ),
+                    });
+                }
+                copies.push((range, out.0));
+            }
+            self.gpu.h2d(&buf, &copies)?;
+        }
         let all = Bytes::from_owner(AlignedOwner(buf, len));
         let mut tensors = Vec::new();
         for t in reference.tensors {
-            let range =
-                data_offset + t.data_offsets[0] as usize..data_offset + t.data_offsets[1] as usize;
+            let range = range_of(&t);
+            if device.contains_key(&t.name) {
+                continue;
+            }
             if let Some(out) = buffers.get_mut(&t.name) {
                 if out.len() != range.len() {
                     return Err(Error::Destination {

@@ -7,6 +7,11 @@
 //! tensors are how training code hands over parameters without a copy of its own: the engine's
 //! staging copy is the only one, and [`crate::SaveHandle::wait_staged`] says when it is over.
 //!
+//! A tensor may also live in CUDA device memory ([`Tensor::from_device`]: device ordinal, device
+//! address, length). Saving one needs the `cuda` feature and a CUDA driver at run time; without
+//! either, [`Engine::save`](crate::Engine::save) refuses it with [`crate::Error::Cuda`] before
+//! anything is read (see `crate::cuda` for the GPU path).
+//!
 //! Extras are named byte blobs for non-tensor state (optimizer scalars, RNG states, a data-loader
 //! position); they travel in the manifest.
 
@@ -118,19 +123,48 @@ pub fn byte_len(dtype: Dtype, shape: &[u64]) -> Option<u64> {
         .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
 }
 
+/// A range of CUDA device memory: the device's ordinal, a device address (`CUdeviceptr`) and a
+/// length in bytes. Only built by the unsafe constructors that state what the caller promises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DevicePtr {
+    pub(crate) ordinal: usize,
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+}
+
 /// Where a tensor's bytes are.
 #[derive(Clone)]
-pub(crate) enum HostData {
+pub(crate) enum Data {
     Owned(Bytes),
     Raw { ptr: *const u8, len: usize },
+    Device(DevicePtr),
 }
 
 // SAFETY: `Raw` is only built by `Tensor::from_raw`, whose caller promises the memory stays valid
 // for reads and unchanged, from any thread, until the save's staging is over; the engine only
-// reads through the pointer, and only before it reports staging done.
-unsafe impl Send for HostData {}
+// reads through the pointer, and only before it reports staging done. `Device` holds a plain
+// device address, which is not host memory and is only handed to the CUDA driver.
+unsafe impl Send for Data {}
 // SAFETY: as for `Send`: shared access only ever reads.
-unsafe impl Sync for HostData {}
+unsafe impl Sync for Data {}
+
+/// A tensor's bytes as the staging copy sees them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Source<'a> {
+    /// Host bytes, copied by CPU threads.
+    Host(&'a [u8]),
+    /// Device bytes, copied by the GPU's copy engine.
+    Device(DevicePtr),
+}
+
+impl Source<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Source::Host(b) => b.len(),
+            Source::Device(d) => d.len,
+        }
+    }
+}
 
 /// One named tensor to save.
 #[derive(Clone)]
@@ -138,7 +172,7 @@ pub struct Tensor {
     pub(crate) name: String,
     pub(crate) dtype: Dtype,
     pub(crate) shape: Vec<u64>,
-    pub(crate) data: HostData,
+    pub(crate) data: Data,
 }
 
 impl Tensor {
@@ -158,7 +192,7 @@ impl Tensor {
             name,
             dtype,
             shape,
-            data: HostData::Owned(data),
+            data: Data::Owned(data),
         })
     }
 
@@ -184,7 +218,46 @@ impl Tensor {
             name,
             dtype,
             shape,
-            data: HostData::Raw { ptr, len },
+            data: Data::Raw { ptr, len },
+        })
+    }
+
+    /// A tensor in CUDA device memory: `len` bytes at device address `ptr` on device `ordinal`
+    /// (a `CUdeviceptr`, such as `tensor.data_ptr()` of a CUDA tensor in PyTorch).
+    ///
+    /// Saving it needs the `cuda` feature and a CUDA driver; otherwise
+    /// [`Engine::save`](crate::Engine::save) returns [`crate::Error::Cuda`] and never touches
+    /// the address.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of device `ordinal` that the device's primary
+    /// context can read (memory allocated by the CUDA runtime, as PyTorch does, qualifies), and
+    /// its bytes must be the ones to save when [`Engine::save`](crate::Engine::save) is called
+    /// (finish or synchronize the kernels that write them first). They must not be written or
+    /// freed until the save's staging is over: until
+    /// [`SaveHandle::wait_staged`](crate::SaveHandle::wait_staged) returns (with success or an
+    /// error) or the handle is dropped. If `save` returns an error the memory was never read.
+    pub unsafe fn from_device(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        ordinal: usize,
+        ptr: u64,
+        len: usize,
+    ) -> crate::Result<Tensor> {
+        let name = name.into();
+        check_len(&name, dtype, &shape, len)?;
+        if ptr == 0 && len > 0 {
+            return Err(crate::Error::Tensor {
+                name,
+                reason: "null device pointer".into(),
+            });
+        }
+        Ok(Tensor {
+            name,
+            dtype,
+            shape,
+            data: Data::Device(DevicePtr { ordinal, ptr, len }),
         })
     }
 
@@ -206,21 +279,34 @@ impl Tensor {
     /// Size of the data in bytes.
     pub fn byte_len(&self) -> usize {
         match &self.data {
-            HostData::Owned(b) => b.len(),
-            HostData::Raw { len, .. } => *len,
+            Data::Owned(b) => b.len(),
+            Data::Raw { len, .. } => *len,
+            Data::Device(d) => d.len,
         }
     }
 
-    /// The bytes, read through the raw pointer for borrowed tensors.
-    ///
-    /// Only called by the engine while the `from_raw` contract holds.
-    pub(crate) fn bytes(&self) -> &[u8] {
+    /// The CUDA device ordinal for a device tensor, `None` for host memory.
+    pub fn device(&self) -> Option<usize> {
         match &self.data {
-            HostData::Owned(b) => b,
-            HostData::Raw { len: 0, .. } => &[],
-            // SAFETY: the `from_raw` contract: valid for reads of `len` bytes and unchanged until
-            // staging is over, and the engine calls this only during staging.
-            HostData::Raw { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Data::Device(d) => Some(d.ordinal),
+            Data::Owned(_) | Data::Raw { .. } => None,
+        }
+    }
+
+    /// Where the bytes are, read through the raw pointer for borrowed host tensors.
+    ///
+    /// Only called by the engine while the `from_raw` / `from_device` contract holds.
+    pub(crate) fn source(&self) -> Source<'_> {
+        match &self.data {
+            Data::Owned(b) => Source::Host(b),
+            Data::Raw { len: 0, .. } => Source::Host(&[]),
+            Data::Raw { ptr, len } => {
+                // SAFETY: the `from_raw` contract: valid for reads of `len` bytes and unchanged
+                // until staging is over, and the engine calls this only during staging.
+                let bytes = unsafe { std::slice::from_raw_parts(*ptr, *len) };
+                Source::Host(bytes)
+            }
+            Data::Device(d) => Source::Device(*d),
         }
     }
 }
@@ -232,7 +318,14 @@ impl fmt::Debug for Tensor {
             .field("dtype", &self.dtype)
             .field("shape", &self.shape)
             .field("bytes", &self.byte_len())
-            .field("borrowed", &matches!(self.data, HostData::Raw { .. }))
+            .field(
+                "data",
+                &match &self.data {
+                    Data::Owned(_) => "owned".to_string(),
+                    Data::Raw { .. } => "borrowed".to_string(),
+                    Data::Device(d) => format!("cuda:{}", d.ordinal),
+                },
+            )
             .finish()
     }
 }

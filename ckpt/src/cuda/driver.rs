@@ -1,0 +1,398 @@
+//! The GPU path with the `cuda` feature: cudarc's driver API (`result` and `sys`), loaded at run
+//! time. See the parent module for how saves and loads use it.
+//!
+//! Every driver call goes through [`Device::run`], which makes the device's primary context
+//! current (push), runs the calls, restores the caller's context (pop), and turns a panic from
+//! inside cudarc into an [`Error::Cuda`]. Raw handles (contexts, streams, events) live only in
+//! this file.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_int, c_void};
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::{result, sys};
+use tracing::warn;
+
+use super::failed;
+use crate::error::{Error, Result};
+use crate::staging::DeviceCopy;
+use crate::tensor::DevicePtr;
+
+const NO_DRIVER: &str = "no CUDA driver: libcuda.so could not be loaded \
+     (this needs a machine with an NVIDIA GPU and its driver installed)";
+
+/// The device count, or why there is none; checked once per process, before any other call
+/// into cudarc.
+pub(super) fn device_count() -> std::result::Result<usize, String> {
+    static COUNT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    COUNT
+        .get_or_init(|| {
+            catch_unwind(probe).unwrap_or_else(|_| {
+                Err("the CUDA driver library failed while loading (see the panic above)".into())
+            })
+        })
+        .clone()
+}
+
+fn probe() -> std::result::Result<usize, String> {
+    // SAFETY: only tries to `dlopen` the driver library under its usual names (and closes it
+    // again); it calls nothing in it.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(NO_DRIVER.into());
+    }
+    result::init().map_err(|e| format!("the CUDA driver failed to initialise (cuInit): {e}"))?;
+    match result::device::get_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) => Err("the CUDA driver reports no devices".into()),
+        Err(e) => Err(format!("cuDeviceGetCount: {e}")),
+    }
+}
+
+/// One device as the engine uses it: its primary context (retained) and a non-blocking stream
+/// for checkpoint copies only.
+struct Device {
+    ordinal: usize,
+    cu: sys::CUdevice,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+}
+
+// SAFETY: the handles are driver objects, not memory: the driver API may be called with them from
+// any thread (a context is made current on the calling thread by `run` before use), and the
+// struct has no interior state of its own.
+unsafe impl Send for Device {}
+// SAFETY: as for `Send`; shared use only passes the handles to thread-safe driver calls.
+unsafe impl Sync for Device {}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.ordinal)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Pops the context pushed by [`Device::run`], even when the calls in between panic.
+struct PopOnDrop;
+
+impl Drop for PopOnDrop {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: paired with the successful push in `Device::run` on this thread; `popped` is a
+        // valid place for the driver to write the popped handle.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
+impl Device {
+    /// Retains device `ordinal`'s primary context and creates the copy stream.
+    fn open(ordinal: usize) -> Result<Device> {
+        let index = c_int::try_from(ordinal).map_err(|_| Error::Cuda {
+            reason: format!("no CUDA device {ordinal}"),
+        })?;
+        let cu = result::device::get(index).map_err(|e| failed("cuDeviceGet", ordinal, e))?;
+        // SAFETY: `cu` was just returned by `cuDeviceGet`; the retain is released in `drop` (or
+        // below when the stream cannot be created).
+        let ctx = unsafe { result::primary_ctx::retain(cu) }
+            .map_err(|e| failed("cuDevicePrimaryCtxRetain", ordinal, e))?;
+        let mut dev = Device {
+            ordinal,
+            cu,
+            ctx,
+            stream: std::ptr::null_mut(),
+        };
+        let stream = dev.run("cuStreamCreate", || {
+            result::stream::create(result::stream::StreamKind::NonBlocking)
+        });
+        match stream {
+            Ok(s) => dev.stream = s,
+            Err(e) => {
+                drop(dev); // releases the context
+                return Err(e);
+            }
+        }
+        Ok(dev)
+    }
+
+    /// Runs driver calls with this device's primary context current on the calling thread, and
+    /// the caller's own context current again afterwards.
+    fn run<T>(
+        &self,
+        what: &str,
+        calls: impl FnOnce() -> std::result::Result<T, result::DriverError>,
+    ) -> Result<T> {
+        let res = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: `ctx` is this device's primary context, retained for as long as `self`
+            // lives; pushing it only changes this thread's context stack, and `PopOnDrop`
+            // restores it.
+            unsafe { sys::cuCtxPushCurrent_v2(self.ctx) }.result()?;
+            let _pop = PopOnDrop;
+            calls()
+        }));
+        match res {
+            Ok(r) => r.map_err(|e| failed(what, self.ordinal, e)),
+            Err(_) => Err(failed(what, self.ordinal, "panicked inside cudarc")),
+        }
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if !self.stream.is_null() {
+            let stream = self.stream;
+            // SAFETY: the stream was created by `open` in this context, and nothing uses it any
+            // more: every `Pending` and `Pinned` holds an `Arc<Device>`, so none is left.
+            let res = self.run("cuStreamDestroy", || unsafe {
+                result::stream::destroy(stream)
+            });
+            if let Err(e) = res {
+                warn!(error = %e, "cannot destroy the checkpoint copy stream");
+            }
+        }
+        // SAFETY: `cu` came from `cuDeviceGet`, and this releases the retain made in `open`.
+        if let Err(e) = unsafe { result::primary_ctx::release(self.cu) } {
+            warn!(device = self.ordinal, error = %e, "cannot release the primary context");
+        }
+    }
+}
+
+/// The devices an engine has used, opened on first use.
+#[derive(Debug, Default)]
+pub(crate) struct Gpu {
+    devices: Mutex<BTreeMap<usize, Arc<Device>>>,
+}
+
+/// A host memory range registered as pinned (page-locked) memory, unregistered on drop.
+pub(crate) struct Pinned {
+    ptr: usize,
+    len: usize,
+    dev: Arc<Device>,
+}
+
+impl fmt::Debug for Pinned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pinned")
+            .field("len", &self.len)
+            .field("device", &self.dev.ordinal)
+            .finish()
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let ptr = self.ptr as *mut c_void;
+        // SAFETY: `ptr` is the start of a range registered by `Gpu::pin`, whose owner drops this
+        // registration before it frees the memory, and after every copy into it has finished.
+        let res = self.dev.run("cuMemHostUnregister", || unsafe {
+            sys::cuMemHostUnregister(ptr).result()
+        });
+        if let Err(e) = res {
+            warn!(error = %e, bytes = self.len, "cannot unregister pinned staging memory");
+        }
+    }
+}
+
+/// One copy between host memory and device memory.
+struct Transfer {
+    host: *mut u8,
+    dev: DevicePtr,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Direction {
+    DeviceToHost,
+    HostToDevice,
+}
+
+/// Copies issued on the devices' streams, one event recorded after each device's copies. The
+/// host memory they use is borrowed for `'d`; waiting (or dropping, which also waits) ends the
+/// borrow.
+pub(crate) struct PendingCopies<'d> {
+    events: Vec<(Arc<Device>, sys::CUevent)>,
+    _host: PhantomData<&'d mut [u8]>,
+}
+
+impl fmt::Debug for PendingCopies<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingCopies")
+            .field("devices", &self.events.len())
+            .finish()
+    }
+}
+
+impl Gpu {
+    pub(crate) fn new() -> Gpu {
+        Gpu::default()
+    }
+
+    fn device(&self, ordinal: usize) -> Result<Arc<Device>> {
+        super::check_devices(&[ordinal].into())?;
+        let mut devices = self.devices.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(Device::open(ordinal)?);
+        devices.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    /// Registers `len` bytes at `ptr` as pinned memory usable by every context (portable).
+    ///
+    /// The caller keeps the memory alive until the returned registration is dropped.
+    pub(crate) fn pin(&self, ordinal: usize, ptr: *const u8, len: usize) -> Result<Pinned> {
+        let dev = self.device(ordinal)?;
+        let p = ptr as *mut c_void;
+        // SAFETY: the caller owns `len` bytes at `ptr` and keeps them alive while registered (it
+        // drops the `Pinned` first); registering pins the pages and writes nothing.
+        dev.run("cuMemHostRegister", || unsafe {
+            sys::cuMemHostRegister_v2(p, len, sys::CU_MEMHOSTREGISTER_PORTABLE).result()
+        })?;
+        Ok(Pinned {
+            ptr: ptr as usize,
+            len,
+            dev,
+        })
+    }
+
+    /// Starts copying each device range into its host slice; the slices stay borrowed until the
+    /// returned copies are waited for (or dropped).
+    pub(crate) fn start_d2h<'d>(&self, copies: Vec<DeviceCopy<'d>>) -> Result<PendingCopies<'d>> {
+        let copies = copies
+            .into_iter()
+            .map(|(dst, dev)| Transfer {
+                host: dst.as_mut_ptr(),
+                dev,
+            })
+            .collect();
+        self.issue(Direction::DeviceToHost, copies)
+    }
+
+    /// Copies each range of `src` into its device memory, from pinned memory where `src` can be
+    /// registered, and waits for the copies.
+    pub(crate) fn h2d(&self, src: &[u8], copies: &[(Range<usize>, DevicePtr)]) -> Result<()> {
+        let Some((_, first)) = copies.first() else {
+            return Ok(());
+        };
+        let pin = match self.pin(first.ordinal, src.as_ptr(), src.len()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                warn!(error = %e, "cannot pin the load buffer; copying from pageable memory");
+                None
+            }
+        };
+        let raw = copies
+            .iter()
+            .map(|(range, dev)| Transfer {
+                // Only read from: host-to-device copies never write host memory.
+                host: src[range.clone()].as_ptr().cast_mut(),
+                dev: *dev,
+            })
+            .collect();
+        let res = self
+            .issue(Direction::HostToDevice, raw)
+            .and_then(PendingCopies::wait);
+        drop(pin);
+        res
+    }
+
+    /// Issues every copy on its device's stream and records one event per device. On an error
+    /// the copies already issued are waited for before it is returned. The caller ties `'d` to
+    /// the borrow of the host memory (`start_d2h`) or waits at once (`h2d`).
+    fn issue<'d>(&self, dir: Direction, copies: Vec<Transfer>) -> Result<PendingCopies<'d>> {
+        let mut by_device: BTreeMap<usize, Vec<Transfer>> = BTreeMap::new();
+        for c in copies {
+            by_device.entry(c.dev.ordinal).or_default().push(c);
+        }
+        let mut pending = PendingCopies {
+            events: Vec::with_capacity(by_device.len()),
+            _host: PhantomData,
+        };
+        for (ordinal, group) in by_device {
+            let dev = self.device(ordinal)?;
+            let stream = dev.stream;
+            let what = match dir {
+                Direction::DeviceToHost => "cuMemcpyDtoHAsync",
+                Direction::HostToDevice => "cuMemcpyHtoDAsync",
+            };
+            let event = dev.run(what, || {
+                let issued = group.iter().filter(|c| c.dev.len > 0).try_for_each(|c| {
+                    let (host, ptr, len) = (c.host.cast::<c_void>(), c.dev.ptr, c.dev.len);
+                    // SAFETY: `host` is `len` bytes of host memory borrowed for `'d` (a slice
+                    // of the staging or load buffer), writable for device-to-host copies; `ptr`
+                    // is `len` bytes of device memory under the `Tensor::from_device` or
+                    // `DeviceBuffer::new` contract. The memory stays valid until the event
+                    // recorded below has completed: `PendingCopies` waits for it before the
+                    // borrow ends, and the stream is synchronized below on any error.
+                    unsafe {
+                        match dir {
+                            Direction::DeviceToHost => {
+                                sys::cuMemcpyDtoHAsync_v2(host, ptr, len, stream)
+                            }
+                            Direction::HostToDevice => {
+                                sys::cuMemcpyHtoDAsync_v2(ptr, host, len, stream)
+                            }
+                        }
+                    }
+                    .result()
+                });
+                let recorded = issued.and_then(|()| {
+                    let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+                    // SAFETY: `ev` was just created and `stream` is this device's live stream.
+                    match unsafe { result::event::record(ev, stream) } {
+                        Ok(()) => Ok(ev),
+                        Err(e) => {
+                            // SAFETY: `ev` was created above and is not used again.
+                            let _ = unsafe { result::event::destroy(ev) };
+                            Err(e)
+                        }
+                    }
+                });
+                if recorded.is_err() {
+                    // SAFETY: `stream` is live; waiting makes sure no copy issued above still
+                    // uses the host memory after the error is returned.
+                    let _ = unsafe { result::stream::synchronize(stream) };
+                }
+                recorded
+            })?;
+            pending.events.push((dev, event));
+        }
+        Ok(pending)
+    }
+}
+
+impl PendingCopies<'_> {
+    /// Waits for every device's copies; the first error, if any.
+    pub(crate) fn wait(mut self) -> Result<()> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for (dev, ev) in self.events.drain(..) {
+            // SAFETY: `ev` was created and recorded by `issue` and is destroyed only here, once.
+            let res = dev.run("cuEventSynchronize", || unsafe {
+                let waited = result::event::synchronize(ev);
+                let _ = result::event::destroy(ev);
+                waited
+            });
+            if let Err(e) = res
+                && first.is_ok()
+            {
+                first = Err(e);
+            }
+        }
+        first
+    }
+}
+
+impl Drop for PendingCopies<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            warn!(error = %e, "checkpoint copies failed");
+        }
+    }
+}
