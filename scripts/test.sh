@@ -24,7 +24,8 @@ cargo fmt --all -- --check
 
 section "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
-cargo check -p hotstart-ckpt --features cuda --all-targets && cargo clippy -p hotstart-ckpt --features cuda --all-targets -- -D warnings
+# The GPU path builds everywhere (cudarc loads the driver at run time).
+cargo clippy -p hotstart-ckpt --features cuda --all-targets -- -D warnings
 
 section "cargo test"
 cargo test --workspace
