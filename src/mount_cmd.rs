@@ -53,9 +53,19 @@ pub struct MountArgs {
     /// Let other users access the mount (needs user_allow_other in /etc/fuse.conf unless root).
     #[arg(long)]
     allow_other: bool,
-    /// Directory for spill files of writers that seek back (default: the system temp dir).
+    /// Directory for spill files: local copies of files being written, so that writers that seek
+    /// back work (default: the system temp dir; put it on disk, not tmpfs).
     #[arg(long)]
     spill_dir: Option<PathBuf>,
+    /// Local disk all spill files together may use, in MiB; past it a seek back is ENOSPC.
+    #[arg(long, default_value_t = 16384)]
+    max_spill_mib: u64,
+    /// Keep whole stripes read from the store in this directory and serve later reads from it.
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Disk the stripe cache may use, in MiB (least recently used stripes are evicted).
+    #[arg(long, default_value_t = 10240)]
+    cache_mib: u64,
     /// Requests the kernel may keep in flight in the background.
     #[arg(long, default_value_t = 64)]
     max_background: u16,
@@ -86,6 +96,9 @@ impl MountArgs {
                 file_mode: self.file_mode,
                 dir_mode: self.dir_mode,
                 spill_dir: self.spill_dir.clone(),
+                max_spill: self.max_spill_mib << 20,
+                cache_dir: self.cache_dir.clone(),
+                cache_bytes: self.cache_mib << 20,
                 ..defaults
             },
             allow_other: self.allow_other,

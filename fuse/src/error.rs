@@ -5,6 +5,8 @@
 
 use hotstart_store::Error as StoreError;
 
+use crate::spill::SpillError;
+
 /// Everything a filesystem operation can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -63,12 +65,13 @@ pub enum FsError {
         #[source]
         source: hotstart_store::object_store::Error,
     },
-    /// Local spill-file I/O failed.
+    /// A local spill file could not take the bytes (the spill limit is reached, or local I/O
+    /// failed).
     #[error("{path}: spill file: {source}")]
     Spill {
         path: String,
         #[source]
-        source: std::io::Error,
+        source: SpillError,
     },
 }
 
@@ -111,7 +114,8 @@ impl FsError {
             FsError::BadHandle { .. } => libc::EBADF,
             FsError::Poisoned { .. } => libc::EIO,
             FsError::Stale { .. } => libc::ESTALE,
-            FsError::Store { .. } | FsError::Backend { .. } | FsError::Spill { .. } => libc::EIO,
+            FsError::Spill { source, .. } => source.errno(),
+            FsError::Store { .. } | FsError::Backend { .. } => libc::EIO,
         }
     }
 }

@@ -27,9 +27,11 @@ use hotstart_store::object_store::ObjectStoreExt;
 use hotstart_store::{ByteBudget, Store, StripeConfig, StripedReader};
 use parking_lot::Mutex;
 
+use crate::cache::{self, StripeCache};
 use crate::error::{FsError, FsResult};
 use crate::inode::{Inode, InodeTable, ROOT, Writing, join};
-use crate::read::{ReadAhead, ReadHandle};
+use crate::read::{Cached, ReadAhead, ReadHandle};
+use crate::spill::SpillSpace;
 use crate::write::WriteHandle;
 use crate::{DIR_MARKER, FsConfig};
 
@@ -73,6 +75,8 @@ pub struct StripedFs {
     cfg: FsConfig,
     budget: ByteBudget,
     transport: ByteBudget,
+    spill: SpillSpace,
+    cache: Option<StripeCache>,
     inodes: Mutex<InodeTable>,
     handles: Mutex<HashMap<u64, Shared<Handle>>>,
     next_fh: AtomicU64,
@@ -90,11 +94,20 @@ impl std::fmt::Debug for StripedFs {
 impl StripedFs {
     /// A filesystem over `store`.
     pub fn new(store: Store, cfg: FsConfig) -> StripedFs {
+        let cache = cfg.cache_dir.as_ref().and_then(|dir| {
+            StripeCache::open(dir, cfg.cache_bytes)
+                .inspect_err(|e| {
+                    tracing::error!(dir = %dir.display(), error = %e, "stripe cache disabled");
+                })
+                .ok()
+        });
         StripedFs {
+            cache,
             store,
             budget: ByteBudget::new(cfg.memory_budget),
             // Window stripes land in buffers already counted in `budget`; see read.rs.
             transport: ByteBudget::new(usize::MAX >> 2),
+            spill: SpillSpace::new(cfg.spill_dir.clone(), cfg.max_spill),
             cfg,
             inodes: Mutex::new(InodeTable::new()),
             handles: Mutex::new(HashMap::new()),
@@ -110,6 +123,16 @@ impl StripedFs {
     /// The memory budget shared by every handle (its `peak` shows the most ever held).
     pub fn budget(&self) -> &ByteBudget {
         &self.budget
+    }
+
+    /// The local disk limit shared by every spill file (its `peak` shows the most ever held).
+    pub fn spill_space(&self) -> &SpillSpace {
+        &self.spill
+    }
+
+    /// The local stripe cache, when one is configured.
+    pub fn cache(&self) -> Option<&StripeCache> {
+        self.cache.as_ref()
     }
 
     /// The store behind the filesystem.
@@ -536,13 +559,35 @@ impl StripedFs {
             self.store.clone(),
             path.to_string(),
             cfg,
-            self.cfg.spill_dir.clone(),
+            self.spill.clone(),
             shared,
         );
         self.handles
             .lock()
             .insert(fh, Arc::new(tokio::sync::Mutex::new(Handle::Write(w))));
         Ok(fh)
+    }
+
+    /// The cache identity of the version of `path` being opened (a HEAD after the reader pinned
+    /// its ETag: if the object changed in between, the reader's GETs fail with ESTALE).
+    async fn cached_view(&self, c: &StripeCache, path: &str, size: u64) -> FsResult<Cached> {
+        let key = Store::path(path).map_err(|e| FsError::store(path, e))?;
+        let meta = self
+            .store
+            .object_store()
+            .head(&key)
+            .await
+            .map_err(|e| FsError::backend(path, e))?;
+        if meta.size != size {
+            return Err(FsError::Stale { path: path.into() });
+        }
+        let mtime = meta.last_modified.into();
+        Ok(Cached {
+            cache: c.clone(),
+            version: cache::version(path, meta.e_tag.as_deref(), size, mtime),
+            stripe: self.cfg.stripe_size.max(1) as u64,
+            in_flight: self.cfg.max_in_flight,
+        })
     }
 
     /// Opens `ino` with open(2) `flags`; returns the handle.
@@ -560,7 +605,11 @@ impl StripedFs {
                 initial: self.cfg.initial_read_ahead,
                 max: self.cfg.max_read_ahead,
             };
-            let h = ReadHandle::new(node.path, reader, self.budget.clone(), limits);
+            let cached = match &self.cache {
+                Some(c) => Some(self.cached_view(c, &node.path, reader.size()).await?),
+                None => None,
+            };
+            let h = ReadHandle::new(node.path, reader, self.budget.clone(), limits, cached);
             return Ok(self.insert_handle(Handle::Read(h)));
         }
         self.check_writable(&node.path)?;

@@ -1,5 +1,7 @@
 //! Unit tests of [`StripedFs`] on a memory store: no FUSE involved.
 
+use hotstart_store::wrap::{Counter, Interceptor, Op};
+
 use super::*;
 use crate::inode::ROOT;
 
@@ -152,15 +154,74 @@ async fn seeking_writer_spills_and_commits_exact_bytes() {
 }
 
 #[tokio::test]
-async fn seek_back_after_streaming_is_refused_and_nothing_is_visible() {
-    let fs = fs_with(small());
+async fn seek_back_after_three_stripes_restarts_from_the_local_copy() {
+    let counter = Arc::new(Counter::default());
+    let store = Store::open("memory://")
+        .unwrap()
+        .wrap(|inner| counter.clone().wrap(inner));
+    let fs = StripedFs::new(store, small());
+    let stripe = 64 << 10;
+    let mut body = data(3 * stripe + 5_000);
+    let (attr, fh) = fs.create(ROOT, "zip", libc::O_WRONLY).await.unwrap();
+    // A zip writer: a placeholder header, the member streamed past three stripes...
+    fs.write(fh, 0, &[0u8; 30]).await.unwrap();
+    for (i, chunk) in body[30..].chunks(10_000).enumerate() {
+        fs.write(fh, 30 + (i * 10_000) as u64, chunk).await.unwrap();
+    }
+    assert_eq!(
+        counter.get(Op::MultipartStart).requests,
+        1,
+        "the stripes were streamed as a multipart upload"
+    );
+    assert_eq!(
+        &fs.read(fh, 100_000, 50).await.unwrap()[..],
+        &body[100_000..100_050],
+        "a streamed file reads back from its local copy"
+    );
+    // ...then it seeks back to patch the header and appends a directory at the end.
+    fs.write(fh, 0, &body[..30]).await.unwrap();
+    assert_eq!(counter.get(Op::MultipartAbort).requests, 1);
+    let end = body.len() as u64;
+    let tail = data(7_000);
+    fs.write(fh, end, &tail).await.unwrap();
+    body.extend_from_slice(&tail);
+    assert_eq!(fs.getattr(attr.ino).await.unwrap().size, body.len() as u64);
+    assert!(
+        fs.store().get("zip").await.is_err(),
+        "invisible until close"
+    );
+    fs.flush(fh).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(fs.store().get("zip").await.unwrap(), body);
+    assert_eq!(fs.spill_space().used(), 0, "spill files go at close");
+    assert!(fs.spill_space().peak() >= body.len() as u64 - 7_000);
+    assert_eq!(fs.budget().in_use(), 0);
+}
+
+#[tokio::test]
+async fn seek_back_without_a_local_copy_is_enospc_and_nothing_is_visible() {
+    let fs = fs_with(FsConfig {
+        max_spill: 100_000,
+        ..small()
+    });
     let (_, fh) = fs.create(ROOT, "s", libc::O_WRONLY).await.unwrap();
+    // The local copy outgrows the spill limit: it is dropped and the upload goes on.
     fs.write(fh, 0, &data(200_000)).await.unwrap();
+    fs.write(fh, 200_000, &data(1_000)).await.unwrap();
     let err = fs.write(fh, 0, b"x").await.unwrap_err();
-    assert_eq!(err.errno(), libc::EINVAL, "{err}");
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
     assert_eq!(fs.flush(fh).await.unwrap_err().errno(), libc::EIO);
     let _ = fs.release(fh).await;
     assert!(fs.store().get("s").await.is_err());
+    assert_eq!(fs.spill_space().used(), 0);
+    // Within the limit, a file written out of order works; past it, its writes are ENOSPC.
+    let (_, fh) = fs.create(ROOT, "t", libc::O_WRONLY).await.unwrap();
+    fs.write(fh, 10, b"later").await.unwrap();
+    fs.write(fh, 0, b"first").await.unwrap();
+    let err = fs.write(fh, 99_999, b"xx").await.unwrap_err();
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    let _ = fs.release(fh).await;
+    assert!(fs.store().get("t").await.is_err());
 }
 
 #[tokio::test]
@@ -207,4 +268,59 @@ async fn close_of_a_duplicate_before_any_write_does_not_commit() {
     fs.flush(fh).await.unwrap();
     fs.release(fh).await.unwrap();
     assert_eq!(fs.store().get("redir").await.unwrap(), &b"hi\n"[..]);
+}
+
+#[tokio::test]
+async fn second_read_hits_the_stripe_cache_and_a_changed_object_is_not_stale() {
+    let counter = Arc::new(Counter::default());
+    let store = Store::open("memory://")
+        .unwrap()
+        .wrap(|inner| counter.clone().wrap(inner));
+    let dir = tempfile::tempdir().unwrap();
+    let fs = StripedFs::new(
+        store,
+        FsConfig {
+            cache_dir: Some(dir.path().to_path_buf()),
+            cache_bytes: 10 << 20,
+            ..small()
+        },
+    );
+    let body = data(300_001);
+    fs.store()
+        .put("c", Bytes::from(body.clone()))
+        .await
+        .unwrap();
+    let ino = fs.lookup(ROOT, "c").await.unwrap().ino;
+    assert_eq!(read_file(&fs, ino).await, body);
+    assert!(counter.get(Op::Get).requests > 0);
+    counter.reset();
+    assert_eq!(
+        read_file(&fs, ino).await,
+        body,
+        "second read, from the cache"
+    );
+    assert_eq!(
+        counter.get(Op::Get).requests,
+        0,
+        "no GET on the second read"
+    );
+    let cache = fs.cache().unwrap();
+    assert!(cache.hits() >= 5, "{} hits", cache.hits());
+    // A random read inside a cached stripe is served from it as well.
+    let fh = fs.open(ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(
+        &fs.read(fh, 200_000, 100).await.unwrap()[..],
+        &body[200_000..200_100]
+    );
+    fs.release(fh).await.unwrap();
+    assert_eq!(counter.get(Op::Get).requests, 0);
+    // The same key and size with other bytes is another version: read afresh.
+    let changed = data(300_001).iter().map(|b| b ^ 0x5a).collect::<Vec<_>>();
+    fs.store()
+        .put("c", Bytes::from(changed.clone()))
+        .await
+        .unwrap();
+    assert_eq!(read_file(&fs, ino).await, changed);
+    assert!(counter.get(Op::Get).requests > 0);
+    assert!(cache.bytes() <= cache.capacity());
 }

@@ -6,7 +6,9 @@
 //!   [`hotstart_store::Store`]: lookup, getattr, readdir, open, read, write, flush, fsync, release,
 //!   create, mkdir, rmdir, unlink, rename and setattr. It knows nothing of FUSE and is tested
 //!   without mounting anything. Its parts: the inode table (`inode.rs`), the read-ahead of one read
-//!   handle (`read.rs`) and the staged upload of one write handle (`write.rs`).
+//!   handle (`read.rs`), the staged upload of one write handle (`write.rs`) and the local spill
+//!   files with their shared disk limit (`spill.rs`), and the optional local stripe cache
+//!   (`cache.rs`).
 //! - [`mount`] (`fuse.rs` + `mount.rs`): a thin `fuser` adapter that hands every request to a
 //!   tokio runtime and replies from there, plus mounting, unmounting and stale-mount recovery.
 //!
@@ -15,20 +17,24 @@
 //! writes the marker, so directories made through the mount survive being emptied. The marker
 //! name is reserved and never shown. Guarantees and refusals are written in docs/SEMANTICS.md.
 
+mod cache;
 mod error;
 mod fs;
 mod fuse;
 mod inode;
 mod mount;
 mod read;
+mod spill;
 mod write;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use cache::StripeCache;
 pub use error::{FsError, FsResult};
 pub use fs::{Attr, DirEntry, FileKind, StripedFs};
 pub use mount::{MountConfig, MountHandle, clear_stale_mount, mount};
+pub use spill::{SpillError, SpillSpace};
 
 /// The zero-byte object that makes an empty directory exist: `<dir>/.hotstart-dir`.
 pub const DIR_MARKER: &str = ".hotstart-dir";
@@ -59,8 +65,18 @@ pub struct FsConfig {
     pub file_mode: u16,
     /// Permission bits of directories.
     pub dir_mode: u16,
-    /// Where spill files of out-of-order writers go (default: the system temp directory).
+    /// Where spill files go (default: the system temp directory): local copies of files being
+    /// streamed, and files written out of order. It should be on disk, not tmpfs.
     pub spill_dir: Option<PathBuf>,
+    /// Bytes all spill files together may hold. A streamed file whose local copy no longer fits
+    /// drops it (a later seek back is ENOSPC); a file written out of order that no longer fits
+    /// gets ENOSPC.
+    pub max_spill: u64,
+    /// A directory where whole stripes read from the store are kept and served from on later
+    /// reads (none by default).
+    pub cache_dir: Option<PathBuf>,
+    /// Bytes the stripe cache may hold on disk (least recently used evicted first).
+    pub cache_bytes: u64,
 }
 
 impl Default for FsConfig {
@@ -80,6 +96,9 @@ impl Default for FsConfig {
             file_mode: 0o644,
             dir_mode: 0o755,
             spill_dir: None,
+            max_spill: 16 << 30,
+            cache_dir: None,
+            cache_bytes: 10 << 30,
         }
     }
 }

@@ -162,6 +162,11 @@ pub fn mount(
             format!("mount point {} is not a directory", mountpoint.display()),
         ));
     }
+    if let Some(dir) = &cfg.fs.cache_dir {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            io::Error::new(e.kind(), format!("cache directory {}: {e}", dir.display()))
+        })?;
+    }
     let fs = Arc::new(StripedFs::new(store, cfg.fs.clone()));
     let adapter = FuseAdapter::new(fs.clone(), rt, cfg.max_background.max(1));
     let mut options = vec![

@@ -17,11 +17,19 @@
 //!
 //! **Memory.** Every window holds a permit of its length from the mount's [`ByteBudget`] from
 //! before its request is sent until its segment is dropped, so the total buffered by all handles
-//! never exceeds the budget. A window is only started when its permit is available at once: a
-//! reader never waits for memory another handle holds, it just reads without read-ahead. A
+//! never exceeds the budget. A read-ahead window is only started when its permit is available at
+//! once: a reader never waits for memory another handle holds, it just reads without read-ahead.
+//! The one wait is a demand read (the bytes asked for are neither buffered nor in flight), and a
+//! reader drops every segment it holds before it waits, so many readers short of memory at once
+//! cannot each hold a part of the budget while waiting for the rest. A
 //! window's stripes ([`StripedReader::stream`]) are appended to the window's buffer as they
 //! arrive in order, so they are part of the bytes the window already holds; the striped reader
 //! itself therefore runs under a separate, unlimited transport budget.
+//!
+//! **Local cache.** With a stripe cache (`--cache-dir`), windows are widened to whole stripes;
+//! each stripe comes from the cache when it holds it for this object version, otherwise it is one
+//! ranged GET whose bytes are then kept (see `cache.rs`). A random read inside a cached stripe is
+//! served from it too.
 //!
 //! Responses are length-checked by the striped reader: a short body is an error (EIO), never
 //! zeros or wrong bytes.
@@ -30,12 +38,62 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
-use futures::{FutureExt, StreamExt};
+use futures::{FutureExt, StreamExt, stream};
 use hotstart_store::budget::BudgetPermit;
 use hotstart_store::{ByteBudget, StripedReader};
 use tokio::task::JoinHandle;
 
+use crate::cache::StripeCache;
 use crate::error::{FsError, FsResult};
+
+/// A handle's view of the local stripe cache: the object version it reads and how it is cut.
+#[derive(Debug, Clone)]
+pub struct Cached {
+    pub cache: StripeCache,
+    pub version: String,
+    pub stripe: u64,
+    pub in_flight: usize,
+}
+
+impl Cached {
+    /// One whole stripe: from the cache, or one ranged GET whose bytes are then kept.
+    async fn stripe(self, reader: StripedReader, r: Range<u64>) -> hotstart_store::Result<Bytes> {
+        let len = r.end - r.start;
+        if let Some(b) = self.cache.get(&self.version, r.start, len).await {
+            return Ok(b);
+        }
+        // One ranged GET (`r` is at most a stripe); `stream` length-checks it.
+        let mut body = reader.stream(r.clone());
+        let mut buf = BytesMut::with_capacity(len as usize);
+        while let Some(piece) = body.next().await {
+            buf.extend_from_slice(&piece?);
+        }
+        let b = buf.freeze();
+        self.cache.insert(&self.version, r.start, b.clone()).await;
+        Ok(b)
+    }
+
+    /// The bytes of `range` (whole stripes), each stripe from the cache or fetched and kept.
+    async fn fetch(
+        self,
+        reader: StripedReader,
+        range: Range<u64>,
+    ) -> hotstart_store::Result<Bytes> {
+        let s = self.stripe.max(1);
+        let stripes = (range.start..range.end)
+            .step_by(s as usize)
+            .map(move |a| a..(a + s).min(range.end));
+        let fetches: Vec<_> = stripes
+            .map(|r| self.clone().stripe(reader.clone(), r).boxed())
+            .collect();
+        let mut parts = stream::iter(fetches).buffered(self.in_flight.max(1));
+        let mut buf = BytesMut::with_capacity((range.end - range.start) as usize);
+        while let Some(part) = parts.next().await {
+            buf.extend_from_slice(&part?);
+        }
+        Ok(buf.freeze())
+    }
+}
 
 /// Read-ahead limits of one handle.
 #[derive(Debug, Clone, Copy)]
@@ -79,6 +137,7 @@ pub struct ReadHandle {
     windows: VecDeque<Window>,
     window: usize,
     last_end: u64,
+    cache: Option<Cached>,
 }
 
 /// Windows in flight per handle.
@@ -90,6 +149,7 @@ impl ReadHandle {
         reader: StripedReader,
         budget: ByteBudget,
         limits: ReadAhead,
+        cache: Option<Cached>,
     ) -> ReadHandle {
         let initial = limits.initial.max(4096);
         ReadHandle {
@@ -105,6 +165,7 @@ impl ReadHandle {
             windows: VecDeque::new(),
             window: initial,
             last_end: 0,
+            cache,
         }
     }
 
@@ -164,6 +225,16 @@ impl ReadHandle {
         self.windows.clear();
         self.segments.clear();
         self.window = self.limits.initial;
+        if let Some(c) = &self.cache {
+            let a = offset / c.stripe * c.stripe;
+            let e = (a + c.stripe).min(self.size);
+            if offset + len as u64 <= e
+                && let Some(b) = c.cache.get(&c.version, a, e - a).await
+            {
+                let from = (offset - a) as usize;
+                return Ok(b.slice(from..from + len));
+            }
+        }
         let _permit = self.budget.acquire(len).await;
         // One ranged GET when `len` fits a stripe (it does for FUSE's 1 MiB requests).
         let mut stripes = self.reader.stream(offset..offset + len as u64);
@@ -275,29 +346,45 @@ impl ReadHandle {
     /// Starts one window at `start`; `must` waits for budget (a demand read), otherwise the
     /// window starts only if its budget is free now. Returns whether a window started.
     async fn start_window(&mut self, start: u64, must: bool) -> bool {
-        let len = (self.window as u64)
-            .min(self.size - start)
-            .min(self.budget.capacity() as u64) as usize;
+        let cap = self.budget.capacity() as u64;
+        let mut start = start;
+        let mut len = (self.window as u64).min(self.size - start).min(cap) as usize;
         if len == 0 {
             return false;
         }
-        let permit = if must {
-            self.budget.acquire(len).await
-        } else {
-            match self.budget.acquire(len).now_or_never() {
-                Some(p) => p,
-                None => return false,
+        let mut cached = None;
+        if let Some(c) = &self.cache {
+            // Whole stripes, so that each can be kept and served again.
+            let a = start / c.stripe * c.stripe;
+            let e = (start + len as u64).div_ceil(c.stripe) * c.stripe;
+            let e = e.min(self.size);
+            if e - a <= cap {
+                (start, len, cached) = (a, (e - a) as usize, Some(c.clone()));
             }
+        }
+        let permit = match self.budget.acquire(len).now_or_never() {
+            Some(p) => p,
+            None if must => {
+                // Wait holding nothing: every reader that waits for memory has given back what
+                // it held, so the budget always drains to the waiters (no hold-and-wait cycle).
+                self.segments.clear();
+                self.budget.acquire(len).await
+            }
+            None => return false,
         };
         let reader = self.reader.clone();
-        let task = tokio::spawn(async move {
-            let mut stripes = reader.stream(start..start + len as u64);
-            let mut buf = BytesMut::with_capacity(len);
-            while let Some(stripe) = stripes.next().await {
-                buf.extend_from_slice(&stripe?);
-            }
-            Ok(buf.freeze())
-        });
+        let range = start..start + len as u64;
+        let task = match cached {
+            Some(c) => tokio::spawn(c.fetch(reader, range)),
+            None => tokio::spawn(async move {
+                let mut stripes = reader.stream(range);
+                let mut buf = BytesMut::with_capacity(len);
+                while let Some(stripe) = stripes.next().await {
+                    buf.extend_from_slice(&stripe?);
+                }
+                Ok(buf.freeze())
+            }),
+        };
         self.windows.push_back(Window {
             range: start..start + len as u64,
             task,
@@ -328,7 +415,7 @@ mod tests {
             max: 256 << 10,
         };
         (
-            ReadHandle::new("f".into(), reader, budget.clone(), limits),
+            ReadHandle::new("f".into(), reader, budget.clone(), limits, None),
             data,
         )
     }

@@ -3,13 +3,18 @@
 //! A write handle starts in **Head**: bytes are kept in memory (holding their budget) until they
 //! fill one stripe. While writes stay sequential (each starts where the last ended) the head
 //! becomes a [`StripedWriter`] once it is full, and every later write streams into it: parts of
-//! `stripe_size` upload in parallel while the application keeps writing. The first write that is
-//! **not** sequential while the file is still in Head (a zip writer seeking back to patch a
-//! header, `torch.save`) moves the head into a local **Spill** file instead; from then on writes
-//! land anywhere in that file and the whole file is uploaded, striped, at commit. A write that
-//! seeks back after streaming has begun cannot be honoured (the parts are already sent): it is
-//! refused with EINVAL, the upload is aborted and the handle is poisoned, so nothing torn ever
-//! becomes visible. A forward gap while streaming is filled with zeros, as a sparse file reads.
+//! `stripe_size` upload in parallel while the application keeps writing. A forward gap while
+//! streaming is filled with zeros, as a sparse file reads.
+//!
+//! **Seeking back.** Objects cannot be modified in place, so a write before the end (a zip writer
+//! patching a member's header, `torch.save`) moves the file to a local [`SpillFile`]: from then on
+//! writes land anywhere in it, and the whole file is uploaded, striped, at commit. In Head the
+//! spill file is filled from memory. While streaming, every byte sent is also written to a spill
+//! file as it goes (the **tee**: plain positioned writes that stay in the page cache and vanish at
+//! close), so a seek back at any point aborts the multipart upload and carries on from the tee.
+//! The tee draws from the mount's spill limit ([`SpillSpace`]); a file whose tee no longer fits
+//! drops it and keeps streaming, and a later seek back is then refused with ENOSPC. A refused
+//! write aborts the upload and poisons the handle, so nothing torn ever becomes visible.
 //!
 //! **Commit** (at flush, fsync or release) makes the object visible atomically: a head is one PUT,
 //! a stream completes its multipart upload, a spill file is uploaded as a multipart stream. Any
@@ -17,8 +22,6 @@
 //! version of the object (if any) is untouched. A handle whose file was unlinked while open aborts
 //! instead of committing.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
@@ -28,11 +31,13 @@ use hotstart_store::{Store, StripeConfig, StripedWriter};
 
 use crate::error::{FsError, FsResult};
 use crate::inode::Writing;
+use crate::spill::{SpillError, SpillFile, SpillSpace};
 
 enum Sink {
     Head(BytesMut, Option<BudgetPermit>),
-    Stream(Box<StripedWriter>),
-    Spill(File),
+    /// Streaming, with the tee while it fits the spill limit.
+    Stream(Box<StripedWriter>, Option<SpillFile>),
+    Spill(SpillFile),
     Committed,
     Poisoned,
 }
@@ -42,10 +47,12 @@ pub struct WriteHandle {
     store: Store,
     key: String,
     cfg: StripeConfig,
-    spill_dir: Option<PathBuf>,
+    spill: SpillSpace,
     sink: Sink,
     len: u64,
     shared: Writing,
+    /// Why the tee was dropped, reported by a later seek back.
+    tee_lost: Option<SpillError>,
 }
 
 impl WriteHandle {
@@ -53,17 +60,18 @@ impl WriteHandle {
         store: Store,
         key: String,
         cfg: StripeConfig,
-        spill_dir: Option<PathBuf>,
+        spill: SpillSpace,
         shared: Writing,
     ) -> WriteHandle {
         WriteHandle {
             store,
             key,
             cfg,
-            spill_dir,
+            spill,
             sink: Sink::Head(BytesMut::new(), None),
             len: 0,
             shared,
+            tee_lost: None,
         }
     }
 
@@ -85,16 +93,16 @@ impl WriteHandle {
         self.shared.len.store(len, Ordering::Relaxed);
     }
 
-    fn spill_err(&self, source: std::io::Error) -> FsError {
+    fn spill_err(&self, source: impl Into<SpillError>) -> FsError {
         FsError::Spill {
             path: self.key.clone(),
-            source,
+            source: source.into(),
         }
     }
 
     async fn poison(&mut self, e: FsError) -> FsError {
         tracing::warn!(path = %self.key, error = %e, "write failed; upload aborted, nothing visible");
-        if let Sink::Stream(w) = std::mem::replace(&mut self.sink, Sink::Poisoned) {
+        if let Sink::Stream(w, _) = std::mem::replace(&mut self.sink, Sink::Poisoned) {
             let _ = w.abort().await;
         }
         e
@@ -129,7 +137,15 @@ impl WriteHandle {
                 self.spill()?;
                 return Box::pin(self.write(offset, data)).await;
             }
-            Sink::Stream(w) if offset >= self.len => {
+            Sink::Stream(w, tee) if offset >= self.len => {
+                if let Some(t) = tee
+                    && let Err(e) = t.write_at(data, offset)
+                {
+                    tracing::warn!(path = %self.key, error = %e,
+                        "dropping the local copy of a streamed file: a seek back will be refused");
+                    *tee = None;
+                    self.tee_lost = Some(e);
+                }
                 let mut res = Ok(());
                 let mut gap = offset - self.len;
                 while gap > 0 && res.is_ok() {
@@ -145,19 +161,26 @@ impl WriteHandle {
                 }
                 self.set_len(offset + data.len() as u64);
             }
-            Sink::Stream(_) => {
-                let e = FsError::Invalid {
-                    path: self.key.clone(),
-                    reason: format!(
-                        "write at offset {offset} after {} bytes were already streamed to the \
-                         store; seeking back is only possible within the first stripe",
-                        self.len
-                    ),
+            Sink::Stream(_, Some(_)) => {
+                self.restart_in_spill().await;
+                return Box::pin(self.write(offset, data)).await;
+            }
+            Sink::Stream(_, None) => {
+                let e = match self.tee_lost.take() {
+                    Some(source) => self.spill_err(source),
+                    None => FsError::Invalid {
+                        path: self.key.clone(),
+                        reason: format!(
+                            "write at offset {offset} after {} bytes were streamed without a \
+                             local copy",
+                            self.len
+                        ),
+                    },
                 };
                 return Err(self.poison(e).await);
             }
             Sink::Spill(f) => {
-                if let Err(e) = f.write_all_at(data, offset) {
+                if let Err(e) = f.write_at(data, offset) {
                     let e = self.spill_err(e);
                     return Err(self.poison(e).await);
                 }
@@ -172,6 +195,19 @@ impl WriteHandle {
             return Ok(());
         };
         drop(permit);
+        let tee = self
+            .spill
+            .create()
+            .and_then(|mut t| t.write_at(&buf, 0).map(|()| t));
+        let tee = match tee {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(path = %self.key, error = %e,
+                    "streaming without a local copy: a seek back will be refused");
+                self.tee_lost = Some(e);
+                None
+            }
+        };
         let mut w = match StripedWriter::new(&self.store, &self.key, self.cfg.clone()) {
             Ok(w) => w,
             Err(e) => return Err(self.poison(FsError::store(&self.key, e)).await),
@@ -180,26 +216,40 @@ impl WriteHandle {
             let _ = w.abort().await;
             return Err(self.poison(FsError::store(&self.key, e)).await);
         }
-        self.sink = Sink::Stream(Box::new(w));
+        self.sink = Sink::Stream(Box::new(w), tee);
         Ok(())
+    }
+
+    /// A seek back while streaming: aborts the multipart upload (nothing of it was visible) and
+    /// goes on in the tee, which holds every byte written so far.
+    async fn restart_in_spill(&mut self) {
+        let (w, tee) = match std::mem::replace(&mut self.sink, Sink::Poisoned) {
+            Sink::Stream(w, Some(tee)) => (w, tee),
+            other => {
+                self.sink = other;
+                return;
+            }
+        };
+        tracing::debug!(path = %self.key, bytes = self.len,
+            "seek back after streaming: aborting the upload, continuing in the local copy");
+        if let Err(e) = w.abort().await {
+            tracing::debug!(path = %self.key, error = %e, "abort of the streamed upload failed");
+        }
+        self.sink = Sink::Spill(tee);
     }
 
     /// Moves the in-memory head into a fresh spill file.
     fn spill(&mut self) -> FsResult<()> {
-        let file = match &self.spill_dir {
-            Some(dir) => tempfile::tempfile_in(dir),
-            None => tempfile::tempfile(),
-        }
-        .map_err(|e| self.spill_err(e))?;
+        let mut file = self.spill.create().map_err(|e| self.spill_err(e))?;
         if let Sink::Head(buf, _) = &self.sink {
-            file.write_all_at(buf, 0).map_err(|e| self.spill_err(e))?;
+            file.write_at(buf, 0).map_err(|e| self.spill_err(e))?;
         }
         tracing::debug!(path = %self.key, bytes = self.len, "out-of-order write: spilling to a local file");
         self.sink = Sink::Spill(file);
         Ok(())
     }
 
-    /// Bytes written so far, readable back through this handle (head and spill only).
+    /// Bytes written so far, readable back through this handle (from memory or local disk).
     pub fn read(&self, offset: u64, len: usize) -> FsResult<Bytes> {
         let end = (offset + len as u64).min(self.len);
         if offset >= end {
@@ -207,10 +257,9 @@ impl WriteHandle {
         }
         match &self.sink {
             Sink::Head(buf, _) => Ok(Bytes::copy_from_slice(&buf[offset as usize..end as usize])),
-            Sink::Spill(f) => {
+            Sink::Spill(f) | Sink::Stream(_, Some(f)) => {
                 let mut out = vec![0u8; (end - offset) as usize];
-                f.read_exact_at(&mut out, offset)
-                    .map_err(|e| self.spill_err(e))?;
+                f.read_at(&mut out, offset).map_err(|e| self.spill_err(e))?;
                 Ok(Bytes::from(out))
             }
             _ => Err(FsError::Refused {
@@ -220,26 +269,31 @@ impl WriteHandle {
         }
     }
 
-    /// Changes the length (ftruncate): shrinking is possible before streaming, growing always.
+    /// Changes the length (ftruncate). Shrinking a streamed file restarts it in its local copy.
     pub async fn truncate(&mut self, size: u64) -> FsResult<()> {
         if size == self.len {
             return Ok(());
         }
+        if size < self.len && matches!(self.sink, Sink::Stream(_, Some(_))) {
+            self.restart_in_spill().await;
+        }
         match &mut self.sink {
             Sink::Head(buf, _) if size < self.len => buf.truncate(size as usize),
-            Sink::Head(..) | Sink::Stream(_) if size > self.len => {
+            Sink::Head(..) | Sink::Stream(..) if size > self.len => {
                 let pad = vec![0u8; (size - self.len) as usize];
                 let at = self.len;
                 self.write(at, &pad).await?;
             }
-            Sink::Spill(f) => f.set_len(size).map_err(|e| FsError::Spill {
-                path: self.key.clone(),
-                source: e,
-            })?,
+            Sink::Spill(f) => {
+                if let Err(e) = f.set_len(size) {
+                    let e = self.spill_err(e);
+                    return Err(self.poison(e).await);
+                }
+            }
             _ => {
                 return Err(FsError::Refused {
                     path: self.key.clone(),
-                    reason: "shrinking a file after its bytes were streamed to the store",
+                    reason: "shrinking a file after its bytes were streamed without a local copy",
                 });
             }
         }
@@ -250,7 +304,7 @@ impl WriteHandle {
     /// Makes the object visible (once); later calls return at once.
     pub async fn commit(&mut self) -> FsResult<u64> {
         if self.shared.cancelled.load(Ordering::Relaxed) {
-            if let Sink::Stream(w) = std::mem::replace(&mut self.sink, Sink::Committed) {
+            if let Sink::Stream(w, _) = std::mem::replace(&mut self.sink, Sink::Committed) {
                 let _ = w.abort().await;
             }
             self.sink = Sink::Committed;
@@ -269,14 +323,14 @@ impl WriteHandle {
                 .put(&self.key, buf.freeze())
                 .await
                 .map_err(|e| FsError::store(&self.key, e)),
-            Sink::Stream(w) => w
+            Sink::Stream(w, _tee) => w
                 .finish()
                 .await
                 .map(|_| ())
                 .map_err(|e| FsError::store(&self.key, e)),
             Sink::Spill(f) => {
                 let (store, key, cfg) = (self.store.clone(), self.key.clone(), self.cfg.clone());
-                upload_spill(store, key, cfg, self.len, f)
+                upload_spill(store, key, cfg, self.len, &f)
                     .await
                     .map_err(|e| FsError::store(&self.key, e))
             }
@@ -297,7 +351,7 @@ async fn upload_spill(
     key: String,
     cfg: StripeConfig,
     len: u64,
-    f: File,
+    f: &SpillFile,
 ) -> hotstart_store::Result<()> {
     let mut w = StripedWriter::new(&store, &key, cfg.clone())?;
     let stripe = cfg.effective_stripe();
@@ -305,7 +359,7 @@ async fn upload_spill(
     while off < len {
         let n = (len - off).min(stripe as u64) as usize;
         let mut buf = vec![0u8; n];
-        if let Err(e) = f.read_exact_at(&mut buf, off) {
+        if let Err(e) = f.read_at(&mut buf, off) {
             let _ = w.abort().await;
             return Err(hotstart_store::Error::Io {
                 op: "read spill file",
