@@ -269,12 +269,8 @@ fn seaweedfs_store() {
         return;
     };
     let bucket = weed.fresh_bucket("fuse-mount");
-    let options: Vec<(String, String)> = weed
-        .env()
-        .into_iter()
-        .map(|(k, v)| (k.to_ascii_lowercase(), v))
-        .collect();
-    let store = Store::open_with(&format!("{bucket}/m"), &options).unwrap();
+
+    let store = Store::open_with(&format!("{bucket}/m"), &weed.client_options()).unwrap();
     let stripe = 5 << 20;
     let m = Mounted::new(store, config(stripe));
     sizes_round_trip(&m, stripe);

@@ -8,31 +8,17 @@ use hotstart_ckpt::{Dtype, Engine, EngineConfig, Extras, Loaded, Tensor};
 use hotstart_store::Store;
 use hotstart_testkit::SeaweedFs;
 
-/// Deterministic pseudo-random bytes (xorshift64*), distinct per seed.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
+pub use hotstart_testkit::pattern;
 
 /// A store on a fresh bucket of the shared SeaweedFS server, or `None` when it is unavailable
 /// outside CI (the testkit prints why).
 pub fn s3_store(test: &str) -> Option<Store> {
     let weed = SeaweedFs::shared()?;
     let bucket = weed.fresh_bucket(&test.replace('_', "-"));
-    let options: Vec<(String, String)> = weed
-        .env()
-        .into_iter()
-        .map(|(k, v)| (k.to_ascii_lowercase(), v))
-        .collect();
-    Some(Store::open_with(&format!("{bucket}/ckpt"), &options).expect("open SeaweedFS store"))
+    Some(
+        Store::open_with(&format!("{bucket}/ckpt"), &weed.client_options())
+            .expect("open SeaweedFS store"),
+    )
 }
 
 /// A tensor set covering every dtype, a scalar, an empty tensor and one bigger than `chunk`.
