@@ -25,20 +25,6 @@ fn arg(name: &str, default: usize) -> BoxResult<usize> {
     }
 }
 
-/// Deterministic bytes for tensor `seed` (xorshift64*).
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -67,7 +53,7 @@ fn main() -> BoxResult<()> {
     for i in 0..count {
         // SAFETY: a fresh allocation of `per` bytes in the current (primary) context.
         let p = unsafe { result::malloc_sync(per.max(1)) }?;
-        let fill = pattern(chunk.min(per), i as u64 + 1);
+        let fill = hotstart_testkit::pattern(chunk.min(per), i as u64 + 1);
         let mut at = 0;
         while at < per {
             let n = fill.len().min(per - at);
