@@ -1,9 +1,11 @@
 //! Store failures seen through `StripedFs`: a failed upload is EIO at close/fsync with nothing
 //! visible, a truncated response is EIO, never wrong bytes.
 
+mod common;
+
 use std::sync::Arc;
 
-use hotstart_fuse::{FsConfig, StripedFs};
+use hotstart_fuse::StripedFs;
 use hotstart_store::Store;
 use hotstart_store::wrap::{Faults, Interceptor, Op};
 
@@ -13,15 +15,7 @@ fn faulty() -> (StripedFs, Store, Arc<Faults>) {
     let plain = Store::open("memory://").unwrap();
     let faults = Arc::new(Faults::default());
     let store = plain.wrap(|inner| faults.clone().wrap(inner));
-    let cfg = FsConfig {
-        stripe_size: 64 << 10,
-        max_in_flight: 4,
-        initial_read_ahead: 16 << 10,
-        max_read_ahead: 128 << 10,
-        memory_budget: 8 << 20,
-        ..FsConfig::default()
-    };
-    (StripedFs::new(store, cfg), plain, faults)
+    (StripedFs::new(store, common::small_config()), plain, faults)
 }
 
 #[tokio::test]

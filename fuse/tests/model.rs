@@ -2,9 +2,11 @@
 //! read/rename/unlink/mkdir/rmdir/readdir on a memory store, checked against an in-memory model
 //! of the documented semantics (errno for errno, byte for byte).
 
+mod common;
+
 use std::collections::BTreeMap;
 
-use hotstart_fuse::{FileKind, FsConfig, StripedFs};
+use hotstart_fuse::{FileKind, StripedFs};
 use hotstart_store::Store;
 use proptest::prelude::*;
 
@@ -150,17 +152,7 @@ async fn resolve(fs: &StripedFs, dir: &str) -> Result<u64, i32> {
 }
 
 async fn run(ops: Vec<Op>) {
-    let fs = StripedFs::new(
-        Store::open("memory://").unwrap(),
-        FsConfig {
-            stripe_size: 64 << 10,
-            max_in_flight: 4,
-            initial_read_ahead: 16 << 10,
-            max_read_ahead: 128 << 10,
-            memory_budget: 8 << 20,
-            ..FsConfig::default()
-        },
-    );
+    let fs = StripedFs::new(Store::open("memory://").unwrap(), common::small_config());
     let mut m = Model::default();
     for op in ops {
         match op {

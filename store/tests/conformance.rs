@@ -83,6 +83,10 @@ async fn ranges_and_missing_objects(store: Store) {
     assert!(!store.exists("range/none").await.unwrap());
 }
 
+async fn listed(store: &Store, prefix: &str) -> Vec<hotstart_store::ObjectInfo> {
+    store.list(prefix).await.unwrap()
+}
+
 async fn list_and_delete(store: Store) {
     for key in ["ls/a/1", "ls/a/2", "ls/b/c/3", "other/4"] {
         store
@@ -90,28 +94,22 @@ async fn list_and_delete(store: Store) {
             .await
             .unwrap();
     }
-    let keys: Vec<String> = store
-        .list("ls")
+    let keys: Vec<String> = listed(&store, "ls")
         .await
-        .unwrap()
         .into_iter()
         .map(|o| o.key)
         .collect();
     assert_eq!(keys, ["ls/a/1", "ls/a/2", "ls/b/c/3"]);
-    let sizes: Vec<u64> = store
-        .list("ls/a")
+    let sizes: Vec<u64> = listed(&store, "ls/a")
         .await
-        .unwrap()
         .into_iter()
         .map(|o| o.size)
         .collect();
     assert_eq!(sizes, [6, 6]);
     store.delete("ls/a/1").await.unwrap();
     store.delete("ls/a/1").await.unwrap(); // deleting twice is fine
-    let keys: Vec<String> = store
-        .list("ls")
+    let keys: Vec<String> = listed(&store, "ls")
         .await
-        .unwrap()
         .into_iter()
         .map(|o| o.key)
         .collect();
