@@ -15,6 +15,12 @@
 //! EPERM because objects cannot be modified in place); it returns a [`WriteHandle`]. The file's
 //! inode carries a [`Writing`] marker until the handle commits, so stat and readdir show it at
 //! its current length. `flush` and `fsync` commit; `release` commits if nothing has yet.
+//!
+//! **Memory.** Read-ahead buffers and upload parts of every handle draw from one [`ByteBudget`].
+//! The handle table is the budget's [`Reclaim`]: when an acquire cannot be served, it takes back
+//! the read-ahead of read handles that no request holds (a handle is locked for the length of
+//! each request on it), and every unlock announces that its handle may be reclaimed now. See
+//! `read.rs` for why a demand read must not wait for memory that an idle handle holds.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -23,6 +29,7 @@ use std::time::{Instant, SystemTime};
 
 use bytes::Bytes;
 use futures::StreamExt;
+use hotstart_store::budget::Reclaim;
 use hotstart_store::object_store::ObjectStoreExt;
 use hotstart_store::{ByteBudget, Store, StripeConfig, StripedReader};
 use parking_lot::Mutex;
@@ -69,6 +76,58 @@ enum Handle {
 
 type Shared<T> = Arc<tokio::sync::Mutex<T>>;
 
+/// Open handles by number.
+#[derive(Default)]
+struct HandleTable(Mutex<HashMap<u64, Shared<Handle>>>);
+
+impl Reclaim for HandleTable {
+    /// Takes back the read-ahead of read handles that no request is using (their lock is free).
+    fn reclaim(&self, wanted: usize) -> usize {
+        let open: Vec<Shared<Handle>> = self.0.lock().values().cloned().collect();
+        let mut freed = 0;
+        for h in open {
+            if freed >= wanted {
+                break;
+            }
+            if let Ok(mut h) = h.try_lock()
+                && let Handle::Read(r) = &mut *h
+            {
+                freed += r.reclaim();
+            }
+        }
+        if freed > 0 {
+            tracing::debug!(freed, wanted, "took back read-ahead of idle handles");
+        }
+        freed
+    }
+}
+
+/// A handle locked for one request; unlocking tells memory waiters it may be reclaimed now.
+struct Locked {
+    guard: Option<tokio::sync::OwnedMutexGuard<Handle>>,
+    budget: ByteBudget,
+}
+
+impl std::ops::Deref for Locked {
+    type Target = Handle;
+    fn deref(&self) -> &Handle {
+        self.guard.as_deref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for Locked {
+    fn deref_mut(&mut self) -> &mut Handle {
+        self.guard.as_deref_mut().expect("held until drop")
+    }
+}
+
+impl Drop for Locked {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.budget.reclaimable();
+    }
+}
+
 /// The filesystem: an inode table and open handles over one store.
 pub struct StripedFs {
     store: Store,
@@ -78,7 +137,7 @@ pub struct StripedFs {
     spill: SpillSpace,
     cache: Option<StripeCache>,
     inodes: Mutex<InodeTable>,
-    handles: Mutex<HashMap<u64, Shared<Handle>>>,
+    handles: Arc<HandleTable>,
     next_fh: AtomicU64,
 }
 
@@ -86,7 +145,7 @@ impl std::fmt::Debug for StripedFs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StripedFs")
             .field("store", &self.store)
-            .field("open_handles", &self.handles.lock().len())
+            .field("open_handles", &self.handles.0.lock().len())
             .finish()
     }
 }
@@ -101,16 +160,20 @@ impl StripedFs {
                 })
                 .ok()
         });
+        let budget = ByteBudget::new(cfg.memory_budget);
+        let handles = Arc::new(HandleTable::default());
+        let reclaim: Arc<dyn Reclaim> = handles.clone();
+        budget.set_reclaim(Arc::downgrade(&reclaim));
         StripedFs {
             cache,
             store,
-            budget: ByteBudget::new(cfg.memory_budget),
+            budget,
             // Window stripes land in buffers already counted in `budget`; see read.rs.
             transport: ByteBudget::new(usize::MAX >> 2),
             spill: SpillSpace::new(cfg.spill_dir.clone(), cfg.max_spill),
             cfg,
             inodes: Mutex::new(InodeTable::new()),
-            handles: Mutex::new(HashMap::new()),
+            handles,
             next_fh: AtomicU64::new(1),
         }
     }
@@ -520,20 +583,23 @@ impl StripedFs {
     fn insert_handle(&self, h: Handle) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles
+            .0
             .lock()
             .insert(fh, Arc::new(tokio::sync::Mutex::new(h)));
         fh
     }
 
-    fn handle(&self, fh: u64) -> FsResult<Shared<Handle>> {
-        self.handles
-            .lock()
-            .get(&fh)
-            .cloned()
-            .ok_or(FsError::BadHandle {
-                fh,
-                reason: "not open",
-            })
+    /// Locks handle `fh` for one request.
+    async fn lock(&self, fh: u64) -> FsResult<Locked> {
+        let h = self.handles.0.lock().get(&fh).cloned();
+        let h = h.ok_or(FsError::BadHandle {
+            fh,
+            reason: "not open",
+        })?;
+        Ok(Locked {
+            guard: Some(h.lock_owned().await),
+            budget: self.budget.clone(),
+        })
     }
 
     /// Starts a write handle for `path` (inode `ino`), marking the inode as being written.
@@ -563,6 +629,7 @@ impl StripedFs {
             shared,
         );
         self.handles
+            .0
             .lock()
             .insert(fh, Arc::new(tokio::sync::Mutex::new(Handle::Write(w))));
         Ok(fh)
@@ -663,8 +730,7 @@ impl StripedFs {
 
     /// Up to `size` bytes at `offset` (fewer only at the end of the file).
     pub async fn read(&self, fh: u64, offset: u64, size: usize) -> FsResult<Bytes> {
-        let h = self.handle(fh)?;
-        let mut h = h.lock().await;
+        let mut h = self.lock(fh).await?;
         match &mut *h {
             Handle::Read(r) => r.read(offset, size).await,
             Handle::Write(w) => w.read(offset, size),
@@ -673,8 +739,7 @@ impl StripedFs {
 
     /// Writes `data` at `offset` through a write handle.
     pub async fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<usize> {
-        let h = self.handle(fh)?;
-        let mut h = h.lock().await;
+        let mut h = self.lock(fh).await?;
         match &mut *h {
             Handle::Write(w) => {
                 if w.is_committed() {
@@ -722,8 +787,7 @@ impl StripedFs {
     /// An empty file committed this way may still be written through another descriptor of the
     /// same handle (shells `dup2` and close before writing): it is then committed again.
     pub async fn flush(&self, fh: u64) -> FsResult<()> {
-        let h = self.handle(fh)?;
-        let mut h = h.lock().await;
+        let mut h = self.lock(fh).await?;
         match &mut *h {
             Handle::Write(w) => self.commit(fh, w).await,
             Handle::Read(_) => Ok(()),
@@ -733,8 +797,7 @@ impl StripedFs {
     /// fsync(2): the object is visible and durable when this returns. Later writes to the
     /// handle are refused (the object is immutable once committed).
     pub async fn fsync(&self, fh: u64) -> FsResult<()> {
-        let h = self.handle(fh)?;
-        let mut h = h.lock().await;
+        let mut h = self.lock(fh).await?;
         match &mut *h {
             Handle::Write(w) => self.commit(fh, w).await,
             Handle::Read(_) => Ok(()),
@@ -743,10 +806,15 @@ impl StripedFs {
 
     /// The last close: commits if nothing did, and forgets the handle.
     pub async fn release(&self, fh: u64) -> FsResult<()> {
-        let h = self.handles.lock().remove(&fh).ok_or(FsError::BadHandle {
-            fh,
-            reason: "not open",
-        })?;
+        let h = self
+            .handles
+            .0
+            .lock()
+            .remove(&fh)
+            .ok_or(FsError::BadHandle {
+                fh,
+                reason: "not open",
+            })?;
         let mut h = h.lock().await;
         match &mut *h {
             Handle::Write(w) => self.commit(fh, w).await,
@@ -765,8 +833,7 @@ impl StripedFs {
             return Err(FsError::IsDir { path: node.path });
         }
         if let Some(w) = &node.writing {
-            let h = self.handle(w.fh)?;
-            let mut h = h.lock().await;
+            let mut h = self.lock(w.fh).await?;
             if let Handle::Write(w) = &mut *h {
                 w.truncate(size).await?;
             }

@@ -324,3 +324,48 @@ async fn second_read_hits_the_stripe_cache_and_a_changed_object_is_not_stale() {
     assert!(counter.get(Op::Get).requests > 0);
     assert!(cache.bytes() <= cache.capacity());
 }
+
+/// Two handles on one file with memory for one handle's read-ahead: a handle left idle with its
+/// buffers (its reader is being served through the other handle, as readers sharing the
+/// kernel's page cache are) must not stall the other, which once waited for it forever. Then the
+/// first handle, whose buffers were taken back, reads on correctly.
+#[tokio::test]
+async fn an_idle_handles_read_ahead_is_taken_back() {
+    let fs = fs_with(FsConfig {
+        initial_read_ahead: 128 << 10,
+        max_read_ahead: 128 << 10,
+        memory_budget: 256 << 10,
+        ..small()
+    });
+    let body = data(1 << 20);
+    let ino = write_file(&fs, ROOT, "f", &body).await;
+    let a = fs.open(ino, libc::O_RDONLY).await.unwrap();
+    let b = fs.open(ino, libc::O_RDONLY).await.unwrap();
+    assert_eq!(&fs.read(a, 0, 4096).await.unwrap()[..], &body[..4096]);
+    assert_eq!(
+        fs.budget().in_use(),
+        fs.budget().capacity(),
+        "a's window and read-ahead hold the whole budget"
+    );
+    let read_all = async {
+        let mut off = 0;
+        while off < body.len() {
+            let got = fs.read(b, off as u64, 7_000).await.unwrap();
+            assert!(got[..] == body[off..off + got.len()], "b at {off}");
+            off += got.len();
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), read_all)
+        .await
+        .expect("b waited for memory that idle handle a holds");
+    let mut off = 4096;
+    while off < body.len() {
+        let got = fs.read(a, off as u64, 50_000).await.unwrap();
+        assert!(got[..] == body[off..off + got.len()], "a at {off}");
+        off += got.len();
+    }
+    fs.release(a).await.unwrap();
+    fs.release(b).await.unwrap();
+    assert!(fs.budget().peak() <= fs.budget().capacity());
+    assert_eq!(fs.budget().in_use(), 0);
+}

@@ -18,10 +18,15 @@
 //! **Memory.** Every window holds a permit of its length from the mount's [`ByteBudget`] from
 //! before its request is sent until its segment is dropped, so the total buffered by all handles
 //! never exceeds the budget. A read-ahead window is only started when its permit is available at
-//! once: a reader never waits for memory another handle holds, it just reads without read-ahead.
-//! The one wait is a demand read (the bytes asked for are neither buffered nor in flight), and a
-//! reader drops every segment it holds before it waits, so many readers short of memory at once
-//! cannot each hold a part of the budget while waiting for the rest. A
+//! once ([`ByteBudget::try_acquire`]): read-ahead never waits and never pushes out other handles'
+//! buffers. The one wait is a demand read (the bytes asked for are neither buffered nor in
+//! flight). It first tries for a whole window; if that is not free, it gives back all its handle
+//! holds, falls back to the bytes asked for (no read-ahead; the window starts growing again from
+//! its initial size) and waits for those. While it waits, the budget takes back the read-ahead of
+//! handles that no request is using ([`ReadHandle::reclaim`], driven by the filesystem's
+//! handle table): a handle may hold read-ahead for a reader that will never read through it
+//! again (readers of one file share the kernel's page cache, so another handle's request may
+//! serve it), and waiting for it to let go could wait forever. A
 //! window's stripes ([`StripedReader::stream`]) are appended to the window's buffer as they
 //! arrive in order, so they are part of the bytes the window already holds; the striped reader
 //! itself therefore runs under a separate, unlimited transport budget.
@@ -105,7 +110,7 @@ pub struct ReadAhead {
 struct Segment {
     start: u64,
     data: Bytes,
-    _permit: Option<BudgetPermit>,
+    permit: Option<BudgetPermit>,
 }
 
 impl Segment {
@@ -281,7 +286,7 @@ impl ReadHandle {
                 self.windows.clear();
             }
             if self.windows.is_empty() {
-                self.start_window(pos, true).await;
+                self.start_window(pos, Some((end - pos) as usize)).await;
             }
             let Some(w) = self.windows.pop_front() else {
                 return Err(FsError::Invalid {
@@ -315,7 +320,7 @@ impl ReadHandle {
         self.segments.push_back(Segment {
             start,
             data,
-            _permit: permit,
+            permit,
         });
         Ok(())
     }
@@ -337,40 +342,61 @@ impl ReadHandle {
                 .map(|w| w.range.end)
                 .or_else(|| self.segments.back().map(|s| s.end()))
                 .unwrap_or(self.last_end);
-            if next >= self.size || !self.start_window(next, false).await {
+            if next >= self.size || !self.start_window(next, None).await {
                 return;
             }
         }
     }
 
-    /// Starts one window at `start`; `must` waits for budget (a demand read), otherwise the
-    /// window starts only if its budget is free now. Returns whether a window started.
-    async fn start_window(&mut self, start: u64, must: bool) -> bool {
+    /// Gives back everything the handle holds (buffered segments and windows in flight) and
+    /// starts the read-ahead window over from its initial size; returns the bytes freed from the
+    /// budget. Called on a handle no request is using when another needs memory.
+    pub fn reclaim(&mut self) -> usize {
+        let held = |p: &Option<BudgetPermit>| p.as_ref().map_or(0, BudgetPermit::bytes);
+        let freed = self.segments.iter().map(|s| held(&s.permit)).sum::<usize>()
+            + self.windows.iter().map(|w| held(&w.permit)).sum::<usize>();
+        self.segments.clear();
+        self.windows.clear();
+        self.window = self.limits.initial;
+        freed
+    }
+
+    /// `len` bytes from `start`, widened to whole stripes when a stripe cache is in use (unless
+    /// that no longer fits the budget).
+    fn span(&self, start: u64, len: usize) -> (u64, usize, Option<Cached>) {
         let cap = self.budget.capacity() as u64;
-        let mut start = start;
-        let mut len = (self.window as u64).min(self.size - start).min(cap) as usize;
-        if len == 0 {
-            return false;
-        }
-        let mut cached = None;
+        let len = (len as u64).min(self.size - start).min(cap) as usize;
         if let Some(c) = &self.cache {
-            // Whole stripes, so that each can be kept and served again.
             let a = start / c.stripe * c.stripe;
             let e = (start + len as u64).div_ceil(c.stripe) * c.stripe;
             let e = e.min(self.size);
             if e - a <= cap {
-                (start, len, cached) = (a, (e - a) as usize, Some(c.clone()));
+                return (a, (e - a) as usize, Some(c.clone()));
             }
         }
-        let permit = match self.budget.acquire(len).now_or_never() {
-            Some(p) => p,
-            None if must => {
-                // Wait holding nothing: every reader that waits for memory has given back what
-                // it held, so the budget always drains to the waiters (no hold-and-wait cycle).
-                self.segments.clear();
+        (start, len, None)
+    }
+
+    /// Starts one window at `start`. Read-ahead (`demand` is `None`) starts only if its budget is
+    /// free now. A demand read of `demand` bytes takes a whole window if it is free now, else
+    /// gives back what the handle holds and waits for just the bytes asked for. Returns whether
+    /// a window started.
+    async fn start_window(&mut self, at: u64, demand: Option<usize>) -> bool {
+        let (mut start, mut len, mut cached) = self.span(at, self.window);
+        if len == 0 {
+            return false;
+        }
+        let permit = match (self.budget.try_acquire(len), demand) {
+            (Some(p), _) => p,
+            (None, None) => return false,
+            (None, Some(need)) => {
+                // Wait holding nothing, for no more than needed: every handle that waits for
+                // memory has given back what it held, and idle handles' read-ahead is reclaimed
+                // by the budget, so the memory always drains to the waiters.
+                self.reclaim();
+                (start, len, cached) = self.span(at, need.max(self.limits.initial));
                 self.budget.acquire(len).await
             }
-            None => return false,
         };
         let reader = self.reader.clone();
         let range = start..start + len as u64;
