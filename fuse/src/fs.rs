@@ -69,6 +69,14 @@ pub struct DirEntry {
     pub kind: FileKind,
 }
 
+/// Whether a stat result goes to the kernel in an entry reply, which it then references until
+/// it forgets it (see `inode.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ref {
+    Take,
+    No,
+}
+
 enum Handle {
     Read(ReadHandle),
     Write(WriteHandle),
@@ -145,6 +153,7 @@ impl std::fmt::Debug for StripedFs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StripedFs")
             .field("store", &self.store)
+            .field("inodes", &self.inodes.lock().len())
             .field("open_handles", &self.handles.0.lock().len())
             .finish()
     }
@@ -171,8 +180,8 @@ impl StripedFs {
             // Window stripes land in buffers already counted in `budget`; see read.rs.
             transport: ByteBudget::new(usize::MAX >> 2),
             spill: SpillSpace::new(cfg.spill_dir.clone(), cfg.max_spill),
+            inodes: Mutex::new(InodeTable::new(cfg.stat_ttl)),
             cfg,
-            inodes: Mutex::new(InodeTable::new()),
             handles,
             next_fh: AtomicU64::new(1),
         }
@@ -262,13 +271,18 @@ impl StripedFs {
         Ok(path)
     }
 
-    fn cached(&self, path: &str) -> Option<Attr> {
-        let t = self.inodes.lock();
+    /// The table's stat result for `path` while fresh; `Ref::Take` counts a kernel reference.
+    fn cached(&self, path: &str, r: Ref) -> Option<Attr> {
+        let mut t = self.inodes.lock();
         let ino = t.ino_of(path)?;
         let node = t.get(ino)?;
         let fresh =
             ino == ROOT || node.writing.is_some() || node.checked.elapsed() < self.cfg.stat_ttl;
-        fresh.then(|| self.attr(ino, node))
+        let attr = fresh.then(|| self.attr(ino, node))?;
+        if r == Ref::Take {
+            t.looked_up(ino);
+        }
+        Some(attr)
     }
 
     async fn dir_exists(&self, path: &str) -> FsResult<bool> {
@@ -305,7 +319,9 @@ impl StripedFs {
         }
     }
 
-    async fn refresh(&self, path: &str) -> FsResult<Attr> {
+    /// Asks the store about `path` and records the answer; `Ref::Take` counts a kernel reference
+    /// in the same step, so the inode cannot be swept before the kernel holds it.
+    async fn refresh(&self, path: &str, r: Ref) -> FsResult<Attr> {
         let found = self.probe(path).await?;
         let mut t = self.inodes.lock();
         match found {
@@ -314,14 +330,22 @@ impl StripedFs {
                 let node = t
                     .get(ino)
                     .ok_or_else(|| FsError::NotFound { path: path.into() })?;
-                Ok(self.attr(ino, node))
+                let attr = self.attr(ino, node);
+                if r == Ref::Take {
+                    t.looked_up(ino);
+                }
+                Ok(attr)
             }
             None => {
                 if let Some(ino) = t.ino_of(path)
                     && let Some(node) = t.get(ino)
                     && node.writing.is_some()
                 {
-                    return Ok(self.attr(ino, node));
+                    let attr = self.attr(ino, node);
+                    if r == Ref::Take {
+                        t.looked_up(ino);
+                    }
+                    return Ok(attr);
                 }
                 t.remove_path(path);
                 Err(FsError::NotFound { path: path.into() })
@@ -329,23 +353,30 @@ impl StripedFs {
         }
     }
 
-    async fn stat_path(&self, path: &str) -> FsResult<Attr> {
-        match self.cached(path) {
+    async fn stat_path(&self, path: &str, r: Ref) -> FsResult<Attr> {
+        match self.cached(path, r) {
             Some(a) => Ok(a),
-            None => self.refresh(path).await,
+            None => self.refresh(path, r).await,
         }
     }
 
-    /// Resolves `name` in directory `parent`.
+    /// Resolves `name` in directory `parent`. The kernel then holds a reference to the inode
+    /// until it forgets it; so do `create` and `mkdir`.
     pub async fn lookup(&self, parent: u64, name: &str) -> FsResult<Attr> {
         let path = self.child_path(parent, name)?;
-        self.stat_path(&path).await
+        self.stat_path(&path, Ref::Take).await
+    }
+
+    /// The kernel dropped `nlookup` references to `ino` (FUSE `forget`): an inode it no longer
+    /// references is dropped from the table unless it is being written.
+    pub fn forget(&self, ino: u64, nlookup: u64) {
+        self.inodes.lock().forget(ino, nlookup);
     }
 
     /// The attributes of `ino`, from the table while fresh, else from the store.
     pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
         let node = self.node(ino)?;
-        self.stat_path(&node.path).await
+        self.stat_path(&node.path, Ref::No).await
     }
 
     /// Every entry of directory `ino` (without `.` and `..`), sorted by name.
@@ -408,7 +439,7 @@ impl StripedFs {
     pub async fn mkdir(&self, parent: u64, name: &str) -> FsResult<Attr> {
         let path = self.child_path(parent, name)?;
         self.check_writable(&path)?;
-        match self.stat_path(&path).await {
+        match self.stat_path(&path, Ref::No).await {
             Ok(_) => return Err(FsError::Exists { path }),
             Err(FsError::NotFound { .. }) => {}
             Err(e) => return Err(e),
@@ -421,7 +452,9 @@ impl StripedFs {
         let mut t = self.inodes.lock();
         let ino = t.upsert(&path, FileKind::Dir, 0, SystemTime::now());
         let node = t.get(ino).ok_or_else(|| FsError::NotFound { path })?;
-        Ok(self.attr(ino, node))
+        let attr = self.attr(ino, node);
+        t.looked_up(ino);
+        Ok(attr)
     }
 
     /// Keys under directory `path` other than its marker, at most `limit` of them.
@@ -448,7 +481,7 @@ impl StripedFs {
     pub async fn rmdir(&self, parent: u64, name: &str) -> FsResult<()> {
         let path = self.child_path(parent, name)?;
         self.check_writable(&path)?;
-        match self.refresh(&path).await?.kind {
+        match self.refresh(&path, Ref::No).await?.kind {
             FileKind::File => return Err(FsError::NotDir { path }),
             FileKind::Dir => {}
         }
@@ -483,7 +516,7 @@ impl StripedFs {
             self.inodes.lock().remove_path(&path);
             return Ok(());
         }
-        match self.refresh(&path).await?.kind {
+        match self.refresh(&path, Ref::No).await?.kind {
             FileKind::Dir => return Err(FsError::IsDir { path }),
             FileKind::File => {}
         }
@@ -527,11 +560,11 @@ impl StripedFs {
                 reason: "the file is open for writing",
             });
         }
-        let src = self.refresh(&from).await?;
+        let src = self.refresh(&from, Ref::No).await?;
         if from == to {
             return Ok(());
         }
-        let dst = match self.refresh(&to).await {
+        let dst = match self.refresh(&to, Ref::No).await {
             Ok(a) => Some(a.kind),
             Err(FsError::NotFound { .. }) => None,
             Err(e) => return Err(e),
@@ -705,7 +738,7 @@ impl StripedFs {
             e => e,
         })?;
         self.check_writable(&path)?;
-        if flags & libc::O_EXCL != 0 && self.stat_path(&path).await.is_ok() {
+        if flags & libc::O_EXCL != 0 && self.stat_path(&path, Ref::No).await.is_ok() {
             return Err(FsError::Exists { path });
         }
         let ino = {
@@ -717,9 +750,13 @@ impl StripedFs {
                 n.kind = FileKind::File;
                 n.size = 0;
             }
+            // Counted with the upsert, so that no sweep drops the new inode in between.
+            t.looked_up(ino);
             ino
         };
-        let fh = self.start_write(ino, &path)?;
+        let fh = self
+            .start_write(ino, &path)
+            .inspect_err(|_| self.forget(ino, 1))?;
         let attr = {
             let t = self.inodes.lock();
             let node = t.get(ino).ok_or_else(|| FsError::NotFound { path })?;
@@ -845,7 +882,7 @@ impl StripedFs {
             self.inodes
                 .lock()
                 .upsert(&node.path, FileKind::File, 0, SystemTime::now());
-        } else if self.refresh(&node.path).await?.size != size {
+        } else if self.refresh(&node.path, Ref::No).await?.size != size {
             let e = FsError::Refused {
                 path: node.path,
                 reason: "changing the size of a stored object other than to zero",

@@ -369,3 +369,63 @@ async fn an_idle_handles_read_ahead_is_taken_back() {
     assert!(fs.budget().peak() <= fs.budget().capacity());
     assert_eq!(fs.budget().in_use(), 0);
 }
+
+/// Inodes live while the kernel references them: one reference per lookup, create and mkdir,
+/// given back by forget. A forgotten number is ENOENT and its name gets a new number; a file
+/// being written stays known however often it is forgotten; names seen only in listings are
+/// dropped once their stat result is stale, so listing a large store does not grow the table.
+#[tokio::test]
+async fn forgotten_inodes_are_dropped() {
+    let fs = fs_with(FsConfig {
+        stat_ttl: std::time::Duration::ZERO,
+        ..small()
+    });
+    let body = data(1000);
+    let a = write_file(&fs, ROOT, "a", &body).await;
+    assert_eq!(fs.lookup(ROOT, "a").await.unwrap().ino, a);
+    fs.forget(a, 1);
+    assert_eq!(
+        fs.getattr(a).await.unwrap().size,
+        1000,
+        "one reference left"
+    );
+    fs.forget(a, 1);
+    let err = fs.getattr(a).await.unwrap_err();
+    assert_eq!(err.errno(), libc::ENOENT, "{err}");
+    let again = fs.lookup(ROOT, "a").await.unwrap().ino;
+    assert_ne!(again, a, "numbers are not reused");
+    assert_eq!(read_file(&fs, again).await, body);
+
+    let (w, fh) = fs.create(ROOT, "w", libc::O_WRONLY).await.unwrap();
+    fs.write(fh, 0, b"xyz").await.unwrap();
+    fs.forget(w.ino, 1);
+    assert_eq!(
+        fs.getattr(w.ino).await.unwrap().size,
+        3,
+        "known while written"
+    );
+    fs.flush(fh).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(fs.store().get("w").await.unwrap().as_ref(), b"xyz");
+
+    for i in 0..3000 {
+        let key = format!("many/{i:04}");
+        fs.store()
+            .put(&key, Bytes::from_static(b"m"))
+            .await
+            .unwrap();
+    }
+    let many = fs.lookup(ROOT, "many").await.unwrap().ino;
+    for _ in 0..2 {
+        let listed = fs.readdir(many).await.unwrap();
+        assert_eq!(listed.len(), 3000);
+        assert_eq!(listed[1234].name, "1234");
+    }
+    let known = fs.inodes.lock().len();
+    assert!(
+        known <= crate::inode::MIN_SWEEP,
+        "{known} inodes after listing 3000 names"
+    );
+    assert_eq!(fs.getattr(many).await.unwrap().kind, FileKind::Dir);
+    assert_eq!(read_file(&fs, again).await, body, "referenced inodes stay");
+}

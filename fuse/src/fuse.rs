@@ -6,7 +6,8 @@
 //! return, so a slow GET or part upload never holds up other requests. Replies carry the errno
 //! of [`FsError::errno`](crate::FsError::errno); errors other than ENOENT are logged with the
 //! path they concern. Directory listings are taken once at opendir and served by offset from
-//! that snapshot. At `init` the kernel is asked for 1 MiB reads and writes per request, atomic
+//! that snapshot. `forget` (and `batch_forget`, one inode at a time) goes to the inode table at
+//! once (no task), so inodes the kernel has dropped do not pile up. At `init` the kernel is asked for 1 MiB reads and writes per request, atomic
 //! `O_TRUNC` on open (so "open existing without truncation" can be told apart), and a
 //! `max_background` large enough for many parallel reads.
 
@@ -128,6 +129,12 @@ impl Filesystem for FuseAdapter {
                 Err(e) => reply.error(errno("lookup", &e)),
             }
         });
+    }
+
+    // fuser's default `batch_forget` calls this once per inode (its element type is not public,
+    // so it cannot be overridden to take the table's lock once).
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(ino.0, nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
