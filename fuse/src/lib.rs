@@ -2,14 +2,14 @@
 //!
 //! The crate has two halves, kept apart as in mountpoint-s3:
 //!
-//! - [`StripedFs`] (`fs.rs`): the filesystem logic as a plain async type over a
-//!   [`hotstart_store::Store`]: lookup, getattr, readdir, open, read, write, flush, fsync, release,
-//!   create, mkdir, rmdir, unlink, rename and setattr. It knows nothing of FUSE and is tested
-//!   without mounting anything. Its parts: the inode table (`inode.rs`), the read-ahead of one read
-//!   handle (`read.rs`), the staged upload of one write handle (`write.rs`) and the local spill
-//!   files with their shared disk limit (`spill.rs`), and the optional local stripe cache
-//!   (`cache.rs`).
-//! - [`mount`] (`fuse.rs` + `mount.rs`): a thin `fuser` adapter that hands every request to a
+//! - [`StripedFs`] (`fs.rs` for names, `fs/files.rs` for open files): the filesystem logic as a
+//!   plain async type over a [`hotstart_store::Store`]: lookup, forget, getattr, readdir, open,
+//!   read, write, flush, fsync, release, create, mkdir, rmdir, unlink, rename and setattr. It knows
+//!   nothing of FUSE and is tested without mounting anything. Its parts: the inode table
+//!   (`inode.rs`), the read-ahead of one read handle (`read.rs`), the staged upload of one write
+//!   handle (`write.rs`) and the local spill files with their shared disk limit (`spill.rs`), and
+//!   the optional local stripe cache (`cache.rs`).
+//! - [`mount()`] (`fuse.rs` + `mount.rs`): a thin `fuser` adapter that hands every request to a
 //!   tokio runtime and replies from there, plus mounting, unmounting and stale-mount recovery.
 //!
 //! Namespace: every object is a file, `/` in keys makes directories. A directory exists when any
