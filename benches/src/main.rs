@@ -5,11 +5,13 @@
 //! cargo run --profile bench -p hotstart-benches -- store            # every store benchmark
 //! cargo run --profile bench -p hotstart-benches -- store --only uring
 //! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
+//! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
 //! ```
 //!
 //! Each benchmark repeats its measurements (`--runs`, default 3) and reports medians.
 
 mod ckpt;
+mod fuse;
 mod report;
 mod store_striped;
 mod store_uring;
@@ -32,6 +34,8 @@ enum Command {
     Store(StoreArgs),
     /// Checkpoint engine: training stall, durable persist and cold load.
     Ckpt(ckpt::CkptArgs),
+    /// `hotstart mount` against direct striped I/O, weed mount, s3fs and rclone mount.
+    Fuse(fuse::FuseArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -96,6 +100,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Ckpt(args) => ckpt::run(&args)?,
+        Command::Fuse(args) => fuse::run(&args)?,
     }
     Ok(())
 }

@@ -316,6 +316,12 @@ impl SeaweedFs {
         SocketAddr::from((self.ip, self.ports.s3))
     }
 
+    /// The filer, as weed's own clients take it: `IP:PORT.GRPC_PORT` (e.g. for
+    /// `weed mount -filer=...`; S3 bucket `B` is the filer directory `/buckets/B`).
+    pub fn filer_address(&self) -> String {
+        format!("{}:{}.{}", self.ip, self.ports.filer, self.ports.filer_grpc)
+    }
+
     /// The pid of the `weed` process (for fault injection: stop it, kill it).
     pub fn pid(&self) -> u32 {
         self.pid
