@@ -40,12 +40,12 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
-pub(crate) use driver::{Gpu, PendingCopies, Pinned};
+pub(crate) use driver::{Gpu, Pinned};
 
 #[cfg(not(feature = "cuda"))]
 mod absent;
 #[cfg(not(feature = "cuda"))]
-pub(crate) use absent::{Gpu, PendingCopies, Pinned};
+pub(crate) use absent::{Gpu, Pinned};
 
 /// Whether this build has GPU support (the `cuda` feature).
 pub const ENABLED: bool = cfg!(feature = "cuda");

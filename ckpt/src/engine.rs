@@ -4,12 +4,17 @@
 //! buffer from the bounded pool (blocking or skipping when `max_inflight` saves are in flight),
 //! and starts one background thread for the save, then returns its [`SaveHandle`]. That thread:
 //!
-//! 1. *stages*: copies the header and every tensor into the buffer, host tensors over
-//!    `threads` threads while the GPU copies device tensors on its own stream (`crate::cuda`),
-//!    drops the caller's tensors, and marks the handle staged (the caller may now mutate them);
-//! 2. hashes every `chunk_size` chunk of the image with blake3, over the same threads;
-//! 3. *persists* to every configured tier in parallel, one thread per tier: the data file, then
-//!    the manifest (the commit); each tier's outcome is set on the handle as soon as it is known;
+//! 1. starts one thread per tier, which begins writing the file as soon as its first bytes are
+//!    staged (the disk tier in 64 MiB pieces behind the copies; the store tier once the whole
+//!    file is staged, since its uploads are far slower than staging);
+//! 2. *stages*: copies the header and every tensor into the buffer in file order, 8 MiB
+//!    segments over `threads` threads, publishing the filled prefix as it grows, while the GPU
+//!    copies device tensors on its own stream (`crate::cuda`); drops the caller's tensors and
+//!    marks the handle staged (the caller may now mutate them);
+//! 3. hashes every `chunk_size` chunk of the image with blake3 over the same threads (after
+//!    staging, so it never slows the copies the caller waits for), while the tiers write, then
+//!    hands each tier the manifest, which it writes after its data file (the commit); each
+//!    tier's outcome is set on the handle as soon as it is known;
 //! 4. hands the buffer back to the pool, then runs retention on each tier that succeeded.
 //!
 //! A panic anywhere in that thread is caught and reported as a failure on the handle; a failed
@@ -25,7 +30,7 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -41,7 +46,7 @@ use crate::staging::{self, Pool, Slot};
 use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::disk::DiskTier;
 use crate::tier::store::{Runtime, StoreTier};
-use crate::tier::{Staged, Tier, TierKind};
+use crate::tier::{Staging, Tier, TierKind};
 
 /// What `save` does when `max_inflight` checkpoints are already staged or persisting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -482,61 +487,82 @@ impl SaveJob {
             tensors,
             extras,
         } = self;
-        let len = layout.file_len as usize;
-        // 1. Stage.
-        let res = stage(&inner, &mut slot, &layout, &tensors);
-        drop(tensors);
-        if let Err(e) = res {
-            tracing::error!(step, error = %e, "checkpoint staging failed");
-            shared.fail_pending(Arc::new(e));
-            return;
-        }
-        shared.set_staged(Phase::Done);
-        // 2. Checksums.
         let Some(buf) = slot.shared() else { return };
-        let staged = Staged { buf, len };
-        let hashes = staging::hash_chunks(staged.as_ref(), inner.chunk_size, inner.threads);
-        let manifest = Manifest::new(
-            &inner.job,
-            step,
-            inner.rank,
-            inner.world_size,
-            &layout,
-            inner.chunk_size as u64,
-            &hashes,
-            &extras,
-        )
-        .to_json();
-        // 3. Persist, every tier at once.
+        let image = Staging::new(buf, layout.file_len as usize);
         let data_key = format::data_key(&inner.job, step, inner.rank);
         let manifest_key = format::manifest_key(&inner.job, step, inner.rank);
         let persisted: Vec<&dyn Tier> = std::thread::scope(|scope| {
-            let running: Vec<_> = inner
+            // Fails the image if staging stops early, a panic included, so tiers stop waiting.
+            let _abandon = staging::FailUnlessComplete(&image);
+            // 1. Every tier starts at once, writing what is staged while the rest is copied.
+            let (manifests, running): (Vec<_>, Vec<_>) = inner
                 .tiers
                 .iter()
                 .map(|tier| {
-                    let (staged, manifest) = (&staged, manifest.clone());
-                    let (shared, data_key, manifest_key) = (&shared, &data_key, &manifest_key);
-                    scope.spawn(move || {
+                    let (tx, rx) = mpsc::channel::<Vec<u8>>();
+                    let (image, shared) = (&image, &shared);
+                    let (data_key, manifest_key) = (&data_key, &manifest_key);
+                    let persist = scope.spawn(move || {
                         let kind = tier.kind();
-                        let res = tier
-                            .put_file(data_key, staged)
-                            .and_then(|()| tier.put_manifest(manifest_key, manifest));
+                        let res = tier.put_file(data_key, image).and_then(|()| {
+                            // Sent once every chunk is hashed; never sent if the save failed.
+                            let manifest = rx.recv().map_err(|_| Error::Task {
+                                what: "checksums",
+                                message: "no manifest for the staged file".into(),
+                            })?;
+                            tier.put_manifest(manifest_key, manifest)
+                        });
                         match res {
                             Ok(()) => {
-                                info!(step, tier = %kind, bytes = staged.len, "checkpoint persisted");
+                                info!(step, tier = %kind, bytes = image.len(), "checkpoint persisted");
                                 shared.set_tier(kind, Phase::Done);
                                 true
                             }
+                            // Staging's own error is on the handle already.
+                            Err(_) if image.failed() => false,
                             Err(e) => {
                                 tracing::error!(step, tier = %kind, error = %e, "checkpoint not persisted");
                                 shared.set_tier(kind, Phase::Failed(Arc::new(e)));
                                 false
                             }
                         }
-                    })
+                    });
+                    (tx, persist)
                 })
-                .collect();
+                .unzip();
+            // 2. Stage.
+            let res = stage(&inner, &mut slot, &image, &layout, &tensors);
+            drop(tensors);
+            let staged = match res.and_then(|()| image.complete()) {
+                Ok(staged) => staged,
+                Err(e) => {
+                    tracing::error!(step, error = %e, "checkpoint staging failed");
+                    shared.fail_pending(Arc::new(e));
+                    image.fail();
+                    drop(manifests);
+                    running.into_iter().for_each(|t| _ = t.join());
+                    return Vec::new();
+                }
+            };
+            shared.set_staged(Phase::Done);
+            // 3. Checksums, while the tiers write; then the manifest, each tier's commit.
+            let hashes = staging::hash_chunks(staged.as_ref(), inner.chunk_size, inner.threads);
+            drop(staged);
+            let manifest = Manifest::new(
+                &inner.job,
+                step,
+                inner.rank,
+                inner.world_size,
+                &layout,
+                inner.chunk_size as u64,
+                &hashes,
+                &extras,
+            )
+            .to_json();
+            for tx in manifests {
+                // A tier that failed already has hung up.
+                let _ = tx.send(manifest.clone());
+            }
             inner
                 .tiers
                 .iter()
@@ -545,7 +571,7 @@ impl SaveJob {
                 .collect()
         });
         // 4. The bytes are no longer needed: free the staging slot before retention.
-        drop(staged);
+        drop(image);
         drop(slot);
         for tier in persisted {
             if let Err(e) = inner.gc_tier(tier) {
@@ -555,11 +581,16 @@ impl SaveJob {
     }
 }
 
-/// Copies the file image into the slot's buffer: device tensors on the GPU's copy stream (into
-/// pinned memory where the buffer could be registered), host tensors over the engine's threads
-/// at the same time. Returns once every byte is in place.
-fn stage(inner: &Inner, slot: &mut Slot, layout: &Layout, tensors: &[Tensor]) -> Result<()> {
-    let len = layout.file_len as usize;
+/// Fills `image` from `tensors`: device tensors on the GPU's copy stream (into pinned memory
+/// where the buffer could be registered), host tensors over the engine's threads at the same
+/// time. Returns once every byte is in place.
+fn stage(
+    inner: &Inner,
+    slot: &mut Slot,
+    image: &Staging,
+    layout: &Layout,
+    tensors: &[Tensor],
+) -> Result<()> {
     let sources: Vec<Source<'_>> = tensors.iter().map(Tensor::source).collect();
     let first_device = sources.iter().find_map(|s| match s {
         Source::Device(d) => Some(d.ordinal),
@@ -575,16 +606,5 @@ fn stage(inner: &Inner, slot: &mut Slot, layout: &Layout, tensors: &[Tensor]) ->
             }
         }
     }
-    let buf = slot.buf_mut().ok_or_else(|| Error::Task {
-        what: "staging",
-        message: "staging buffer still shared".into(),
-    })?;
-    let (host, device) = staging::split_image(&mut buf[..len], &layout.header, &sources);
-    let pending = if device.is_empty() {
-        None
-    } else {
-        Some(inner.gpu.start_d2h(device)?)
-    };
-    staging::copy_parallel(host, inner.threads);
-    pending.map_or(Ok(()), cuda::PendingCopies::wait)
+    image.fill(&layout.header, &sources, inner.threads, &inner.gpu)
 }

@@ -6,16 +6,22 @@
 //!    job, step and rank is a source; the first one (disk before store) is the reference, and
 //!    another tier is only used for chunks when its manifest lists the same file length, chunk
 //!    size and chunk hashes (the same bytes).
-//! 3. **Read chunks in parallel.** The file is read into one page-aligned buffer. Worker threads
-//!    take chunk indices from a shared cursor; for each chunk they try the sources in order,
-//!    reading the chunk's range straight into its slice of the buffer (io_uring on disk, striped
-//!    ranged GETs from a store) and checking its blake3 against the manifest. A read error or a
-//!    mismatch is logged and the next source tried; when none is left the load fails with
-//!    [`Error::Corrupt`] naming step, rank and chunk.
-//! 4. **Decode.** The verified header is parsed (the same hostile-input parser as everywhere)
-//!    and must list exactly the manifest's tensors; tensors are then handed out as slices of the
-//!    one buffer, or copied into the caller's buffers.
-//! 5. **Device destinations** (feature `cuda`). For [`Destination::Device`] the driver and the
+//! 3. **Check destinations.** Caller and device buffers must name tensors of the manifest and
+//!    have their exact lengths; a mismatch fails the load before anything is read.
+//! 4. **Read chunks in parallel.** Worker threads (four per configured thread, so reads stay in
+//!    flight while others hash) take chunk indices from a shared cursor; for each chunk they try
+//!    the sources in order and check its blake3 against the manifest. A chunk that only holds
+//!    bytes for the loader's own page-aligned buffer (header, tensors returned owned) is read
+//!    straight into its slice of it (io_uring on disk, striped ranged GETs from a store). A
+//!    chunk that covers caller buffers goes through a small per-worker bounce buffer: each
+//!    256 KiB step is hashed, then copied to its destination while still in cache, so those
+//!    bytes are written once, into the caller's memory. A read error or a mismatch is logged
+//!    and the next source tried (the chunk is rewritten whole); when none is left the load
+//!    fails with [`Error::Corrupt`] naming step, rank and chunk.
+//! 5. **Decode.** The verified header is parsed (the same hostile-input parser as everywhere)
+//!    and must list exactly the manifest's tensors; the tensors not loaded into caller or device
+//!    buffers are handed out as slices of the one buffer.
+//! 6. **Device destinations** (feature `cuda`). For [`Destination::Device`] the driver and the
 //!    devices are checked before anything is read; once the file is verified, the buffer is
 //!    registered as pinned memory and each tensor is copied host-to-device on the device's copy
 //!    stream, then the load waits for the copies (see `crate::cuda`).
@@ -169,8 +175,60 @@ impl Inner {
                 "file larger than the address space",
             )
         })?;
+        let data_offset = reference.data_offset as usize;
+        let chunk_size = reference.chunk_size as usize;
+        let (mut buffers, device) = match dest {
+            Destination::Owned => (HashMap::new(), HashMap::new()),
+            Destination::Buffers(b) => (b, HashMap::new()),
+            Destination::Device(d) => (HashMap::new(), d),
+        };
+        // Every destination is checked against the manifest before anything is read.
+        let range_of = |t: &format::TensorEntry| {
+            data_offset + t.data_offsets[0] as usize..data_offset + t.data_offsets[1] as usize
+        };
+        let entry = |name: &String, have: usize, what: &str| {
+            let t = reference
+                .tensors
+                .iter()
+                .find(|t| &t.name == name)
+                .ok_or_else(|| Error::Destination {
+                    step,
+                    name: name.clone(),
+                    reason: "no such tensor in the checkpoint".into(),
+                })?;
+            let want = range_of(t).len();
+            if have != want {
+                return Err(Error::Destination {
+                    step,
+                    name: name.clone(),
+                    reason: format!("{what} of {have} bytes for {want} bytes"),
+                });
+            }
+            Ok(range_of(t))
+        };
+        let mut copies = Vec::with_capacity(device.len());
+        for (name, out) in &device {
+            copies.push((entry(name, out.len(), "device buffer")?, out.0));
+        }
+        // Caller buffers are filled straight from the chunks that cover them.
+        let mut direct: Vec<Vec<(usize, &mut [u8])>> =
+            (0..reference.chunks.len()).map(|_| Vec::new()).collect();
+        for (name, out) in buffers.iter_mut() {
+            let mut at = entry(name, out.len(), "buffer")?.start;
+            let mut rest: &mut [u8] = out;
+            while !rest.is_empty() {
+                let chunk = at / chunk_size;
+                let n = ((chunk + 1) * chunk_size - at).min(rest.len());
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                direct[chunk].push((at - chunk * chunk_size, head));
+                (at, rest) = (at + n, tail);
+            }
+        }
+        for pieces in &mut direct {
+            pieces.sort_unstable_by_key(|(at, _)| *at);
+        }
         let mut buf = AlignedBuf::zeroed(len);
-        let chunk_sources = self.read_chunks(step, &reference, &tiers, &mut buf[..len])?;
+        let chunk_sources = self.read_chunks(step, &reference, &tiers, &mut buf[..len], direct)?;
         let location = format::data_key(&self.job, step, self.rank);
         let header = format::parse_header(&buf[..len], reference.file_len, &location)?;
         // Same entries; the header parser orders zero-size tensors that share an offset by
@@ -195,71 +253,21 @@ impl Inner {
         let extras = reference
             .decode_extras()
             .map_err(|r| Error::format("manifest", format!("step {step}"), r))?;
-        let data_offset = header.data_offset as usize;
-        let (mut buffers, device) = match dest {
-            Destination::Owned => (HashMap::new(), HashMap::new()),
-            Destination::Buffers(b) => (b, HashMap::new()),
-            Destination::Device(d) => (HashMap::new(), d),
-        };
-        for name in buffers.keys().chain(device.keys()) {
-            if !header.tensors.iter().any(|t| &t.name == name) {
-                return Err(Error::Destination {
-                    step,
-                    name: name.clone(),
-                    reason: "no such tensor in the checkpoint".into(),
-                });
-            }
-        }
-        let range_of = |t: &format::TensorEntry| {
-            data_offset + t.data_offsets[0] as usize..data_offset + t.data_offsets[1] as usize
-        };
-        if !device.is_empty() {
-            let mut copies = Vec::with_capacity(device.len());
-            for t in &reference.tensors {
-                let Some(out) = device.get(&t.name) else {
-                    continue;
-                };
-                let range = range_of(t);
-                if out.len() != range.len() {
-                    return Err(Error::Destination {
-                        step,
-                        name: t.name.clone(),
-                        reason: format!(
-                            "device buffer of {} bytes for {} bytes",
-                            out.len(),
-                            range.len()
-                        ),
-                    });
-                }
-                copies.push((range, out.0));
-            }
+        if !copies.is_empty() {
             self.gpu.h2d(&buf, &copies)?;
         }
         let all = Bytes::from_owner(AlignedOwner(buf, len));
-        let mut tensors = Vec::new();
-        for t in reference.tensors {
-            let range = range_of(&t);
-            if device.contains_key(&t.name) {
-                continue;
-            }
-            if let Some(out) = buffers.get_mut(&t.name) {
-                if out.len() != range.len() {
-                    return Err(Error::Destination {
-                        step,
-                        name: t.name,
-                        reason: format!("buffer of {} bytes for {} bytes", out.len(), range.len()),
-                    });
-                }
-                out.copy_from_slice(&all[range]);
-            } else {
-                tensors.push(LoadedTensor {
-                    name: t.name,
-                    dtype: t.dtype,
-                    shape: t.shape,
-                    data: all.slice(range),
-                });
-            }
-        }
+        let tensors = reference
+            .tensors
+            .into_iter()
+            .filter(|t| !device.contains_key(&t.name) && !buffers.contains_key(&t.name))
+            .map(|t| LoadedTensor {
+                data: all.slice(range_of(&t)),
+                name: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+            })
+            .collect();
         Ok(Loaded {
             step,
             rank: self.rank,
@@ -271,49 +279,63 @@ impl Inner {
         })
     }
 
-    /// Fills `buf` with the verified file, chunk by chunk; the tier each chunk came from.
+    /// Fills `buf` with the verified file, chunk by chunk, except the bytes that `direct` sends
+    /// to caller buffers instead (per chunk: offset in the chunk and destination, in order);
+    /// the tier each chunk came from.
     fn read_chunks(
         &self,
         step: u64,
         m: &Manifest,
         tiers: &[&dyn Tier],
         buf: &mut [u8],
+        direct: Vec<Vec<(usize, &mut [u8])>>,
     ) -> Result<Vec<TierKind>> {
         let key = format::data_key(&self.job, step, self.rank);
         let hashes = m.chunk_hashes();
         let chunk_size = m.chunk_size as usize;
         let n = hashes.len();
-        let cursor = Mutex::new(buf.chunks_mut(chunk_size.max(1)).enumerate());
+        let cursor = Mutex::new(buf.chunks_mut(chunk_size.max(1)).zip(direct).enumerate());
         let results: Mutex<Vec<Option<TierKind>>> = Mutex::new(vec![None; n]);
         let failure: Mutex<Option<Error>> = Mutex::new(None);
-        let workers = self.threads.clamp(1, 8).min(n.max(1));
+        // More workers than threads: each one waits for its reads, then hashes; with four per
+        // thread, enough reads stay in flight while the others hash that reading and verifying
+        // overlap instead of taking turns.
+        let workers = (4 * self.threads).clamp(1, 32).min(n.max(1));
         std::thread::scope(|scope| {
             for _ in 0..workers {
                 scope.spawn(|| {
                     let mut readers: Vec<Option<Box<dyn TierReader + '_>>> =
                         tiers.iter().map(|_| None).collect();
+                    let mut bounce = None;
                     loop {
                         if failure.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
                             return;
                         }
                         let next = cursor.lock().unwrap_or_else(PoisonError::into_inner).next();
-                        let Some((i, slice)) = next else { return };
+                        let Some((i, (slice, mut pieces))) = next else { return };
                         let offset = m.chunk_range(i).start;
                         let mut last = String::from("no tier has a valid manifest");
                         let mut got = None;
                         for (t, tier) in tiers.iter().enumerate() {
-                            let res = match &mut readers[t] {
-                                Some(r) => r.read_at(offset, slice),
-                                slot @ None => tier.reader(&key, m.file_len).and_then(|r| {
-                                    slot.insert(r).read_at(offset, slice)
-                                }),
+                            let reader = match &mut readers[t] {
+                                Some(r) => Ok(r),
+                                slot @ None => tier.reader(&key, m.file_len).map(|r| slot.insert(r)),
                             };
+                            let res = reader.and_then(|r| {
+                                if pieces.is_empty() {
+                                    r.read_at(offset, slice).map(|()| blake3::hash(slice))
+                                } else {
+                                    let bounce = bounce
+                                        .get_or_insert_with(|| AlignedBuf::zeroed(BOUNCE));
+                                    scatter_chunk(r.as_mut(), offset, slice, &mut pieces, bounce)
+                                }
+                            });
                             let why = match res {
-                                Ok(()) if blake3::hash(slice) == hashes[i] => {
+                                Ok(hash) if hash == hashes[i] => {
                                     got = Some(tier.kind());
                                     break;
                                 }
-                                Ok(()) => format!("{} tier: checksum mismatch", tier.kind()),
+                                Ok(_) => format!("{} tier: checksum mismatch", tier.kind()),
                                 Err(e) => format!("{} tier: {e}", tier.kind()),
                             };
                             warn!(step, chunk = i, reason = %why, "chunk unusable; trying the next tier");
@@ -357,4 +379,55 @@ impl Inner {
             })
             .collect()
     }
+}
+
+/// Bytes of a chunk read at once into a worker's bounce buffer when parts of the chunk go to
+/// caller buffers.
+const BOUNCE: usize = 8 << 20;
+/// Bytes hashed and then copied out while they are still in the CPU's cache.
+const HASH_STEP: usize = 256 << 10;
+
+/// Reads the chunk at `offset` (as long as `slice`) through `bounce`, hashing it in file order
+/// and copying each byte to its destination: the caller piece that covers it (`pieces`: offset
+/// in the chunk and destination, sorted, disjoint), else `slice`. Each step is hashed, then
+/// copied while it is still in cache, so the bytes cross memory once on their way to the
+/// caller. Returns the chunk's blake3.
+fn scatter_chunk(
+    r: &mut dyn TierReader,
+    offset: u64,
+    slice: &mut [u8],
+    pieces: &mut [(usize, &mut [u8])],
+    bounce: &mut [u8],
+) -> Result<blake3::Hash> {
+    let mut hasher = blake3::Hasher::new();
+    let mut piece = 0;
+    let mut at = 0;
+    while at < slice.len() {
+        let n = bounce.len().min(slice.len() - at);
+        r.read_at(offset + at as u64, &mut bounce[..n])?;
+        for step in bounce[..n].chunks(HASH_STEP) {
+            hasher.update(step);
+            // Copy `step` (chunk bytes `at..at + step.len()`) out, piece by piece.
+            let end = at + step.len();
+            while at < end {
+                while piece < pieces.len() && pieces[piece].0 + pieces[piece].1.len() <= at {
+                    piece += 1;
+                }
+                let src = &step[step.len() - (end - at)..];
+                match pieces.get_mut(piece) {
+                    Some((start, dst)) if *start <= at => {
+                        let k = (*start + dst.len()).min(end) - at;
+                        dst[at - *start..at - *start + k].copy_from_slice(&src[..k]);
+                        at += k;
+                    }
+                    next => {
+                        let to = next.map_or(end, |(start, _)| (*start).min(end));
+                        slice[at..to].copy_from_slice(&src[..to - at]);
+                        at = to;
+                    }
+                }
+            }
+        }
+    }
+    Ok(hasher.finalize())
 }

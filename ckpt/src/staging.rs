@@ -16,22 +16,26 @@
 //! undone before the memory is freed: a [`FreeBuf`] drops its registration before its buffer,
 //! and a slot whose buffer is still shared when it is dropped unregisters at once.
 //!
-//! **Copies.** The file image (header, then every tensor back to back) is split into one
-//! destination slice per tensor ([`split_image`]). Device tensors' slices go to the GPU's copy
-//! engine (`crate::cuda`); host tensors' slices are cut into `threads` equal shares of bytes and
-//! each scoped thread copies its share, so one huge tensor is spread over every thread just like
-//! many small ones.
+//! **Copies.** A save's image ([`Staging`]) is the header, then every tensor back to back. Host
+//! bytes are copied in 8 MiB segments of the image, taken in file order by `threads` scoped
+//! threads, so one huge tensor is spread over every thread just like many small ones; device
+//! tensors' ranges go to the GPU's copy engine (`crate::cuda`) at the same time. The image
+//! publishes its longest filled prefix as segments complete (a segment with device bytes once
+//! the GPU copies are done), and tiers read that prefix while the rest is copied.
 //!
 //! **Checksums.** The staged file is cut into `chunk_size` chunks; threads take chunk indices
 //! from a shared counter and hash them with blake3.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use hotstart_store::uring::AlignedBuf;
 
-use crate::cuda::Pinned;
+use crate::cuda::{Gpu, Pinned};
+use crate::error::{Error, Result};
 use crate::tensor::{DevicePtr, Source};
+use crate::tier::Staged;
 
 /// Staging buffers are sized in multiples of this, so slightly growing saves reuse them.
 const SIZE_STEP: usize = 2 << 20;
@@ -143,17 +147,14 @@ impl Slot {
 
     /// The buffer's address and length, for registering it as pinned memory.
     pub(crate) fn region(&self) -> Option<(*const u8, usize)> {
-        self.buf.as_ref().map(|b| (b.as_ptr(), b.len()))
+        self.buf
+            .as_ref()
+            .map(|b| (b.as_mut_ptr().cast_const(), b.len()))
     }
 
     /// Keeps `pin`, the registration of [`Slot::region`], with the buffer from now on.
     pub(crate) fn set_pin(&mut self, pin: Pinned) {
         self.pin = Some(pin);
-    }
-
-    /// The buffer for writing: only possible while no tier holds a reference.
-    pub(crate) fn buf_mut(&mut self) -> Option<&mut AlignedBuf> {
-        self.buf.as_mut().and_then(Arc::get_mut)
     }
 
     /// A shared reference for the tiers.
@@ -180,75 +181,280 @@ impl Drop for Slot {
     }
 }
 
-/// Host bytes to copy: a destination slice of the staging buffer and its source.
-pub(crate) type HostCopy<'d, 's> = (&'d mut [u8], &'s [u8]);
+/// Staging fills and publishes the image in segments of this many bytes, in order; each copy
+/// thread takes whole segments.
+const SEGMENT: usize = 8 << 20;
+
 /// Device bytes to copy: a destination slice of the staging buffer and the device memory.
 pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);
 
-/// Writes `header` at the start of `dst` and splits the rest into one slice per source, back to
-/// back: host sources become [`HostCopy`]s, device sources [`DeviceCopy`]s.
+/// One save's file image while it is staged: the staging threads fill it segment by segment, in
+/// file order, and the tiers read the prefix filled so far, so the disk tier writes the first
+/// bytes while the last ones are still being copied.
 ///
-/// `dst` must be at least `header.len()` plus the sources' lengths (the layout's file length).
-pub(crate) fn split_image<'d, 's>(
-    dst: &'d mut [u8],
-    header: &[u8],
-    sources: &[Source<'s>],
-) -> (Vec<HostCopy<'d, 's>>, Vec<DeviceCopy<'d>>) {
-    let (head, mut rest) = dst.split_at_mut(header.len());
-    head.copy_from_slice(header);
-    let (mut host, mut device) = (Vec::new(), Vec::new());
-    for src in sources {
-        let (piece, tail) = std::mem::take(&mut rest).split_at_mut(src.len());
-        rest = tail;
-        match *src {
-            Source::Host(bytes) => host.push((piece, bytes)),
-            Source::Device(mem) => device.push((piece, mem)),
-        }
-    }
-    (host, device)
+/// Nothing ever holds a reference to bytes that are not yet published: each copy writes its
+/// exact range through a raw pointer, publication happens under the mutex after the copy, and a
+/// reader only ever borrows a published prefix, which is never written again (an image is filled
+/// once).
+pub struct Staging {
+    buf: Arc<AlignedBuf>,
+    len: usize,
+    started: AtomicBool,
+    fill: Mutex<Fill>,
+    changed: Condvar,
 }
 
-/// Performs every host copy, spread over `threads` threads in equal shares of bytes.
-pub(crate) fn copy_parallel(copies: Vec<HostCopy<'_, '_>>, threads: usize) {
-    let total: usize = copies.iter().map(|(d, _)| d.len()).sum();
-    let threads = if total < PARALLEL_MIN {
-        1
-    } else {
-        threads.max(1)
-    };
-    if threads == 1 {
-        for (dst, src) in copies {
-            dst.copy_from_slice(src);
-        }
-        return;
+#[derive(Debug)]
+struct Fill {
+    /// Per segment: its host bytes (header included) are copied.
+    copied: Vec<bool>,
+    /// Per segment: it holds device bytes, which land only when the GPU copies finish.
+    device: Vec<bool>,
+    device_done: bool,
+    /// Segments published: a prefix of the image.
+    published: usize,
+    failed: bool,
+}
+
+impl fmt::Debug for Staging {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Staging")
+            .field("len", &self.len)
+            .field("published_bytes", &self.published_bytes())
+            .finish_non_exhaustive()
     }
-    // Cut the copies at every multiple of `share` bytes; group `g` gets bytes
-    // `g * share .. (g + 1) * share` of the whole.
-    let share = total.div_ceil(threads);
-    let mut groups: Vec<Vec<HostCopy<'_, '_>>> = (0..threads).map(|_| Vec::new()).collect();
-    let (mut g, mut room) = (0usize, share);
-    for (mut dst, mut src) in copies {
-        while !dst.is_empty() {
-            if room == 0 {
-                g = (g + 1).min(threads - 1);
-                room = share;
+}
+
+/// Marks an image failed when dropped before it is complete: filling stopped early, by an
+/// error or a panic.
+pub(crate) struct FailUnlessComplete<'a>(pub(crate) &'a Staging);
+
+impl Drop for FailUnlessComplete<'_> {
+    fn drop(&mut self) {
+        self.0.fail();
+    }
+}
+
+impl Staging {
+    /// An empty image of `len` bytes over the start of `buf`.
+    pub(crate) fn new(buf: Arc<AlignedBuf>, len: usize) -> Staging {
+        assert!(len <= buf.len(), "image of {len} bytes in a smaller buffer");
+        let segments = len.div_ceil(SEGMENT);
+        Staging {
+            buf,
+            len,
+            started: AtomicBool::new(false),
+            fill: Mutex::new(Fill {
+                copied: vec![false; segments],
+                device: vec![false; segments],
+                device_done: true,
+                published: 0,
+                failed: segments == 0,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// The file's length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the file is empty (never, for a safetensors image).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first `end` bytes, once they are staged; an error if staging failed first.
+    pub fn prefix(&self, end: usize) -> Result<&[u8]> {
+        let end = end.min(self.len);
+        let mut f = self.lock();
+        while f.published.saturating_mul(SEGMENT).min(self.len) < end {
+            if f.failed {
+                return Err(Self::failure());
             }
-            let n = room.min(dst.len());
-            let (d0, d1) = std::mem::take(&mut dst).split_at_mut(n);
-            let (s0, s1) = src.split_at(n);
-            groups[g].push((d0, s0));
-            (dst, src, room) = (d1, s1, room - n);
+            f = self.changed.wait(f).unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(f);
+        // SAFETY: bytes `..end` lie in the buffer (`len <= buf.len()`) and are published: every
+        // write to them happened before their publication, which this thread observed under the
+        // mutex, and no write to them happens after it (the image is filled once).
+        Ok(unsafe { std::slice::from_raw_parts(self.buf.as_mut_ptr(), end) })
+    }
+
+    /// The whole file once staged.
+    pub fn complete(&self) -> Result<Staged> {
+        self.prefix(self.len)?;
+        Ok(Staged {
+            buf: self.buf.clone(),
+            len: self.len,
+        })
+    }
+
+    /// Whether staging failed (or was abandoned) before the whole image was published.
+    pub fn failed(&self) -> bool {
+        self.lock().failed
+    }
+
+    fn failure() -> Error {
+        Error::Task {
+            what: "staging",
+            message: "the checkpoint could not be staged".into(),
         }
     }
-    std::thread::scope(|scope| {
-        for group in groups.into_iter().filter(|g| !g.is_empty()) {
-            scope.spawn(move || {
-                for (dst, src) in group {
-                    dst.copy_from_slice(src);
-                }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Fill> {
+        self.fill.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn published_bytes(&self) -> usize {
+        self.lock().published.saturating_mul(SEGMENT).min(self.len)
+    }
+
+    /// Marks the image failed unless it is already complete, waking every reader.
+    pub(crate) fn fail(&self) {
+        let mut f = self.lock();
+        if f.published < f.copied.len() {
+            f.failed = true;
+        }
+        drop(f);
+        self.changed.notify_all();
+    }
+
+    /// Publishes whatever prefix of segments is now complete.
+    fn advance(&self, update: impl FnOnce(&mut Fill)) {
+        let mut f = self.lock();
+        update(&mut f);
+        let before = f.published;
+        while f.published < f.copied.len()
+            && f.copied[f.published]
+            && (f.device_done || !f.device[f.published])
+        {
+            f.published += 1;
+        }
+        let moved = f.published != before;
+        drop(f);
+        if moved {
+            self.changed.notify_all();
+        }
+    }
+
+    /// The image's bytes `start..start + len` for writing.
+    ///
+    /// # Safety
+    /// The range must be inside the image, not yet published, and not overlap any other live
+    /// slice made by this function.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn region_mut(&self, start: usize, len: usize) -> &mut [u8] {
+        debug_assert!(start + len <= self.len);
+        // SAFETY: in bounds by the caller's contract; exclusive because ranges handed out are
+        // disjoint and no reader borrows an unpublished byte.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().add(start), len) }
+    }
+
+    /// Fills the image: `header`, then every source back to back (their lengths must add up to
+    /// the image's). Host bytes are copied over `threads` threads in segment order; device
+    /// sources go to the GPU's copy stream at the same time. Returns once every byte is in
+    /// place; on an error or a panic the image is marked failed, so readers never wait forever.
+    pub(crate) fn fill(
+        &self,
+        header: &[u8],
+        sources: &[Source<'_>],
+        threads: usize,
+        gpu: &Gpu,
+    ) -> Result<()> {
+        if self.started.swap(true, Ordering::AcqRel) {
+            return Err(Error::Task {
+                what: "staging",
+                message: "a staging image is filled only once".into(),
             });
         }
-    });
+        let guard = FailUnlessComplete(self);
+        // Every part of the image at its offset, in file order.
+        let mut pieces: Vec<(usize, Source<'_>)> = Vec::with_capacity(sources.len() + 1);
+        pieces.push((0, Source::Host(header)));
+        let mut end = header.len();
+        for &s in sources {
+            pieces.push((end, s));
+            end += s.len();
+        }
+        if end != self.len {
+            return Err(Error::Task {
+                what: "staging",
+                message: format!(
+                    "{end} bytes of header and tensors for an image of {}",
+                    self.len
+                ),
+            });
+        }
+        let device: Vec<DeviceCopy<'_>> = pieces
+            .iter()
+            .filter_map(|&(start, p)| match p {
+                Source::Device(d) if d.len > 0 => {
+                    // SAFETY: in the image (the lengths add up, checked above); pieces are
+                    // disjoint, and host copies below only touch host pieces' bytes.
+                    Some((unsafe { self.region_mut(start, d.len) }, d))
+                }
+                _ => None,
+            })
+            .collect();
+        if !device.is_empty() {
+            let mut f = self.lock();
+            f.device_done = false;
+            for (dst, _) in &device {
+                let start = dst.as_ptr() as usize - self.buf.as_mut_ptr() as usize;
+                for k in start / SEGMENT..=(start + dst.len() - 1) / SEGMENT {
+                    f.device[k] = true;
+                }
+            }
+        }
+        let pending = if device.is_empty() {
+            None
+        } else {
+            Some(gpu.start_d2h(device)?)
+        };
+        let segments = self.len.div_ceil(SEGMENT);
+        let next = AtomicUsize::new(0);
+        let copy = || {
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                if k >= segments {
+                    return;
+                }
+                let (lo, hi) = (k * SEGMENT, ((k + 1) * SEGMENT).min(self.len));
+                let first = pieces.partition_point(|(start, p)| start + p.len() <= lo);
+                for &(start, piece) in pieces[first..].iter().take_while(|(s, _)| *s < hi) {
+                    let Source::Host(src) = piece else { continue };
+                    let (a, b) = (lo.max(start), hi.min(start + src.len()));
+                    if a < b {
+                        // SAFETY: inside the image; segment `k` is taken by this thread alone
+                        // and is unpublished until `advance` below; host and device pieces are
+                        // disjoint.
+                        let dst = unsafe { self.region_mut(a, b - a) };
+                        dst.copy_from_slice(&src[a - start..b - start]);
+                    }
+                }
+                self.advance(|f| f.copied[k] = true);
+            }
+        };
+        let threads = if self.len < PARALLEL_MIN {
+            1
+        } else {
+            threads.clamp(1, segments)
+        };
+        std::thread::scope(|scope| {
+            for _ in 1..threads {
+                scope.spawn(copy);
+            }
+            copy();
+        });
+        if let Some(p) = pending {
+            p.wait()?;
+            self.advance(|f| f.device_done = true);
+        }
+        drop(guard);
+        Ok(())
+    }
 }
 
 /// blake3 of every `chunk_size` chunk of `data`, spread over `threads`.
@@ -292,41 +498,84 @@ pub(crate) fn default_threads() -> usize {
 mod tests {
     use super::*;
 
-    /// Every split of the image, copied over any number of threads, lands each source at its
-    /// place and leaves device slices to the caller.
+    fn image(len: usize) -> Staging {
+        Staging::new(Arc::new(AlignedBuf::zeroed(len + 3)), len)
+    }
+
+    /// Every source lands at its place over any number of threads, whatever segment
+    /// boundaries it crosses, and a reader following the published prefix sees final bytes.
     #[test]
-    fn split_and_copy_place_every_byte() {
-        let a: Vec<u8> = (0..3_000_000u32).map(|i| i as u8).collect();
+    fn fill_places_every_byte_and_publishes_in_order() {
+        let a: Vec<u8> = (0..(SEGMENT + 3_000_000) as u32).map(|i| i as u8).collect();
         let b: Vec<u8> = (0..10u8).collect();
-        let c: Vec<u8> = (0..1_500_001u32).map(|i| (i * 7) as u8).collect();
-        let dev = DevicePtr {
-            ordinal: 0,
-            ptr: 0x1000,
-            len: 5,
-        };
+        let c: Vec<u8> = (0..(2 * SEGMENT + 1) as u32)
+            .map(|i| (i * 7) as u8)
+            .collect();
         let sources = [
             Source::Host(&a),
-            Source::Device(dev),
             Source::Host(&[]),
             Source::Host(&b),
             Source::Host(&c),
         ];
         let header = b"HEADER!!";
-        for threads in [1, 2, 3, 7, 64] {
-            let total = header.len() + a.len() + 5 + b.len() + c.len();
-            let mut dst = vec![0xEEu8; total + 3];
-            let (host, device) = split_image(&mut dst[..total], header, &sources);
-            assert_eq!(device.len(), 1);
-            assert_eq!(device[0].0.len(), 5);
-            assert_eq!(device[0].1, dev);
-            copy_parallel(host, threads);
-            let mut want = header.to_vec();
-            want.extend_from_slice(&a);
-            want.extend_from_slice(&[0xEE; 5]);
-            want.extend_from_slice(&b);
-            want.extend_from_slice(&c);
-            want.extend_from_slice(&[0xEE; 3]);
-            assert!(dst == want, "{threads} threads");
+        let mut want = header.to_vec();
+        for part in [&a[..], &b, &c] {
+            want.extend_from_slice(part);
         }
+        for threads in [1, 2, 3, 7] {
+            let img = image(want.len());
+            std::thread::scope(|scope| {
+                let reader = scope.spawn(|| {
+                    let mut seen = 0;
+                    for end in (SEGMENT / 2..want.len()).step_by(SEGMENT / 2) {
+                        let got = img.prefix(end).unwrap();
+                        assert!(got[seen..] == want[seen..end], "bytes {seen}..{end}");
+                        seen = end;
+                    }
+                });
+                img.fill(header, &sources, threads, &Gpu::new()).unwrap();
+                reader.join().unwrap();
+            });
+            assert!(
+                img.complete().unwrap().as_ref() == &want[..],
+                "{threads} threads"
+            );
+            assert!(!img.failed());
+            assert!(
+                img.fill(header, &sources, threads, &Gpu::new()).is_err(),
+                "filled twice"
+            );
+        }
+    }
+
+    /// Lengths that do not add up, or device memory without a GPU, fail the image: readers of
+    /// the rest get an error instead of waiting forever.
+    #[test]
+    fn a_failed_fill_releases_readers() {
+        let a = vec![5u8; 3 * SEGMENT];
+        let img = image(4 + a.len() + 1);
+        let err = img.fill(b"HEAD", &[Source::Host(&a)], 2, &Gpu::new());
+        assert!(err.is_err());
+        assert!(img.failed());
+        assert!(img.prefix(img.len()).is_err());
+        assert!(img.complete().is_err());
+
+        let dev = DevicePtr {
+            ordinal: 0,
+            ptr: 0x1000,
+            len: 5,
+        };
+        let img = image(4 + a.len() + 5);
+        std::thread::scope(|scope| {
+            let reader = scope.spawn(|| img.prefix(img.len()).map(|_| ()));
+            let filled = img.fill(
+                b"HEAD",
+                &[Source::Host(&a), Source::Device(dev)],
+                2,
+                &Gpu::new(),
+            );
+            assert!(filled.is_err(), "no GPU here, or no such device pointer");
+            assert!(reader.join().unwrap().is_err());
+        });
     }
 }

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use hotstart_store::uring::AlignedBuf;
 
 use crate::error::Result;
+pub use crate::staging::Staging;
 
 /// Which tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,8 +67,11 @@ pub trait Tier: Send + Sync {
     /// Which tier this is.
     fn kind(&self) -> TierKind;
 
-    /// Writes a safetensors file atomically (all or nothing under `key`).
-    fn put_file(&self, key: &str, data: &Staged) -> Result<()>;
+    /// Writes a safetensors file atomically (all or nothing under `key`). Called as soon as
+    /// staging starts: a tier may write the prefix already staged ([`Staging::prefix`]) while
+    /// the rest is copied, or wait for the whole file ([`Staging::complete`]). An error from
+    /// either (staging failed) must leave nothing under `key`.
+    fn put_file(&self, key: &str, data: &Staging) -> Result<()>;
 
     /// Writes a manifest atomically.
     fn put_manifest(&self, key: &str, json: Vec<u8>) -> Result<()>;

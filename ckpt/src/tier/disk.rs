@@ -2,7 +2,8 @@
 //!
 //! The safetensors file goes through [`AtomicFileWriter::write_aligned`] (temporary name,
 //! `O_DIRECT` writes of `block_size` with `queue_depth` in flight issued straight from the
-//! page-aligned staging buffer, with no copy; `fdatasync`, rename, directory fsync), then the
+//! page-aligned staging buffer, with no copy, each 64 MiB piece as soon as it is staged, so
+//! writing overlaps staging; `fdatasync`, rename, directory fsync), then the
 //! manifest the same way; so after a crash the final names show whole files or nothing, and a
 //! manifest is never on disk without its data. Reads use one [`UringReader`] per reader; chunk
 //! slices of a page-aligned buffer at chunk-aligned offsets go from disk straight into the
@@ -14,9 +15,13 @@ use std::path::PathBuf;
 
 use hotstart_store::uring::{AtomicFileWriter, UringConfig, UringReader, write_file_atomic};
 
-use super::{Staged, Tier, TierKind, TierReader};
+use super::{Staging, Tier, TierKind, TierReader};
 use crate::error::{Error, Result};
 use crate::format::{self, MAX_MANIFEST_LEN};
+
+/// The data file is written in pieces of this size (a multiple of the `O_DIRECT` alignment),
+/// each as soon as it is staged.
+const WRITE_PIECE: usize = 64 << 20;
 
 /// A local directory holding checkpoints.
 #[derive(Debug, Clone)]
@@ -55,16 +60,23 @@ impl Tier for DiskTier {
         TierKind::Disk
     }
 
-    fn put_file(&self, key: &str, data: &Staged) -> Result<()> {
+    fn put_file(&self, key: &str, data: &Staging) -> Result<()> {
         let path = self.path(key);
         self.make_parent(&path)?;
         let mut w = AtomicFileWriter::create(&path, &self.uring)
             .map_err(|e| store_err("create", &path, e))?;
-        w.reserve(data.len as u64)
+        w.reserve(data.len() as u64)
             .map_err(|e| store_err("reserve", &path, e))?;
-        // Straight from the page-aligned staging buffer: no copy into the writer's pool.
-        w.write_aligned(data.as_ref())
-            .map_err(|e| store_err("write", &path, e))?;
+        // Straight from the page-aligned staging buffer (no copy into the writer's pool), one
+        // piece as soon as it is staged. A staging failure drops the writer: no file.
+        let mut done = 0;
+        while done < data.len() {
+            let end = (done + WRITE_PIECE).min(data.len());
+            let staged = data.prefix(end)?;
+            w.write_aligned(&staged[done..end])
+                .map_err(|e| store_err("write", &path, e))?;
+            done = end;
+        }
         w.commit().map_err(|e| store_err("commit", &path, e))?;
         Ok(())
     }

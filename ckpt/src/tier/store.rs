@@ -19,7 +19,7 @@ use bytes::Bytes;
 use hotstart_store::{Store, StripeConfig, StripedReader, StripedWriter};
 use tracing::warn;
 
-use super::{Staged, Tier, TierKind, TierReader};
+use super::{Staging, Tier, TierKind, TierReader};
 use crate::error::{Error, Result};
 use crate::format::{self, MAX_MANIFEST_LEN};
 
@@ -107,7 +107,9 @@ impl Tier for StoreTier {
         TierKind::Store
     }
 
-    fn put_file(&self, key: &str, data: &Staged) -> Result<()> {
+    fn put_file(&self, key: &str, data: &Staging) -> Result<()> {
+        // The upload goes at network speed, far below staging's: no point streaming the prefix.
+        let data = data.complete()?;
         self.rt.block_on(self.retry("upload", key, || async {
             let mut w = StripedWriter::new(&self.store, key, self.stripe.clone())?;
             w.write_bytes(Bytes::from_owner(data.clone())).await?;

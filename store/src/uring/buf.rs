@@ -83,6 +83,25 @@ impl AlignedBuf {
         }
     }
 
+    /// Length in bytes (without creating a slice over the contents).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The start of the buffer as a raw pointer that may be written through, for filling disjoint
+    /// parts of one shared buffer from several threads while others read the parts already
+    /// filled. Writing through it is only sound where no `&[u8]` or `&mut [u8]` obtained from
+    /// this buffer covers the bytes written, for as long as the write lasts; the caller's
+    /// synchronisation must order each write before any later read of those bytes.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     /// Mapped length: whole huge pages, which also lets the kernel align the mapping to them.
     fn map_len(len: usize) -> usize {
         len.next_multiple_of(HUGE_PAGE)
