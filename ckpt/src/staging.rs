@@ -265,16 +265,22 @@ impl Staging {
         self.len == 0
     }
 
-    /// The first `end` bytes, once they are staged; an error if staging failed first.
+    /// Everything staged so far, once that is at least the first `end` bytes (or the whole
+    /// file); an error if staging failed first. Short of the whole file, the prefix is a
+    /// multiple of 8 MiB.
     pub fn prefix(&self, end: usize) -> Result<&[u8]> {
-        let end = end.min(self.len);
+        let want = end.min(self.len);
         let mut f = self.lock();
-        while f.published.saturating_mul(SEGMENT).min(self.len) < end {
+        let end = loop {
+            let published = f.published.saturating_mul(SEGMENT).min(self.len);
+            if published >= want {
+                break published;
+            }
             if f.failed {
                 return Err(Self::failure());
             }
             f = self.changed.wait(f).unwrap_or_else(PoisonError::into_inner);
-        }
+        };
         drop(f);
         // SAFETY: bytes `..end` lie in the buffer (`len <= buf.len()`) and are published: every
         // write to them happened before their publication, which this thread observed under the
@@ -527,10 +533,15 @@ mod tests {
             std::thread::scope(|scope| {
                 let reader = scope.spawn(|| {
                     let mut seen = 0;
-                    for end in (SEGMENT / 2..want.len()).step_by(SEGMENT / 2) {
-                        let got = img.prefix(end).unwrap();
-                        assert!(got[seen..] == want[seen..end], "bytes {seen}..{end}");
-                        seen = end;
+                    while seen < want.len() {
+                        let got = img.prefix(seen + SEGMENT / 2).unwrap();
+                        assert!(got.len() > seen, "the prefix grows");
+                        assert!(
+                            got.len() == want.len() || got.len().is_multiple_of(SEGMENT),
+                            "whole segments until the end"
+                        );
+                        assert!(got[seen..] == want[seen..got.len()], "bytes {seen}..");
+                        seen = got.len();
                     }
                 });
                 img.fill(header, &sources, threads, &Gpu::new()).unwrap();

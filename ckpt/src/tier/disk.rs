@@ -2,8 +2,8 @@
 //!
 //! The safetensors file goes through [`AtomicFileWriter::write_aligned`] (temporary name,
 //! `O_DIRECT` writes of `block_size` with `queue_depth` in flight issued straight from the
-//! page-aligned staging buffer, with no copy, each 64 MiB piece as soon as it is staged, so
-//! writing overlaps staging; `fdatasync`, rename, directory fsync), then the
+//! page-aligned staging buffer, with no copy, as soon as 64 MiB more are staged, so writing
+//! overlaps staging; `fdatasync`, rename, directory fsync), then the
 //! manifest the same way; so after a crash the final names show whole files or nothing, and a
 //! manifest is never on disk without its data. Reads use one [`UringReader`] per reader; chunk
 //! slices of a page-aligned buffer at chunk-aligned offsets go from disk straight into the
@@ -19,8 +19,8 @@ use super::{Staging, Tier, TierKind, TierReader};
 use crate::error::{Error, Result};
 use crate::format::{self, MAX_MANIFEST_LEN};
 
-/// The data file is written in pieces of this size (a multiple of the `O_DIRECT` alignment),
-/// each as soon as it is staged.
+/// The data file is written as staging goes, in calls of at least this many bytes (a multiple
+/// of the `O_DIRECT` alignment) or the rest of the file.
 const WRITE_PIECE: usize = 64 << 20;
 
 /// A local directory holding checkpoints.
@@ -67,15 +67,16 @@ impl Tier for DiskTier {
             .map_err(|e| store_err("create", &path, e))?;
         w.reserve(data.len() as u64)
             .map_err(|e| store_err("reserve", &path, e))?;
-        // Straight from the page-aligned staging buffer (no copy into the writer's pool), one
-        // piece as soon as it is staged. A staging failure drops the writer: no file.
+        // Straight from the page-aligned staging buffer (no copy into the writer's pool): as
+        // soon as a piece is staged, everything staged so far in one call, so the queue only
+        // drains between calls while staging is still ahead of the disk. A staging failure
+        // drops the writer: no file.
         let mut done = 0;
         while done < data.len() {
-            let end = (done + WRITE_PIECE).min(data.len());
-            let staged = data.prefix(end)?;
-            w.write_aligned(&staged[done..end])
+            let staged = data.prefix(done + WRITE_PIECE)?;
+            w.write_aligned(&staged[done..])
                 .map_err(|e| store_err("write", &path, e))?;
-            done = end;
+            done = staged.len();
         }
         w.commit().map_err(|e| store_err("commit", &path, e))?;
         Ok(())
