@@ -16,6 +16,10 @@
 //!   allocates, so the kernel zero-fills every fresh page first) against
 //!   `safetensors.numpy.load_file` of the same file (the checkpoint is a valid safetensors file;
 //!   target: no slower).
+//! * **torch**, when `--python` can import it: `torch.save` and
+//!   `torch.distributed.checkpoint.save` against the stall, `torch.load` against the load as new
+//!   tensors, and `torch.distributed.checkpoint.load` (in place) against the load into the
+//!   caller's tensors; reported without targets.
 //!
 //! Needs root (to drop the page cache), `fio`, and numpy and safetensors in `.venv`.
 
@@ -71,6 +75,34 @@ import sys, time
 from safetensors.numpy import load_file
 t = time.perf_counter(); d = load_file(sys.argv[1]); print("safetensors_load", time.perf_counter() - t)
 assert sum(a.nbytes for a in d.values()) > 0
+"#;
+
+/// torch peers (run only when torch imports): the same state as CPU tensors; times only the
+/// calls. `torch.distributed.checkpoint` runs without a process group (one rank).
+const PY_TORCH_SAVE: &str = r#"
+import sys, time, warnings, numpy as np, torch
+import torch.distributed.checkpoint as dcp
+warnings.filterwarnings("ignore")
+n, size, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rng = np.random.default_rng(7)
+state = {f"layer.{i}": torch.from_numpy(np.frombuffer(rng.bytes(size), dtype=np.uint8).copy()) for i in range(n)}
+t = time.perf_counter(); torch.save(state, out + "/state.pt"); print("torch_save", time.perf_counter() - t)
+t = time.perf_counter(); dcp.save(state, checkpoint_id=out + "/dcp"); print("dcp_save", time.perf_counter() - t)
+"#;
+
+/// Cold loads of what [`PY_TORCH_SAVE`] wrote: `torch.load` (new tensors) and `dcp.load` into
+/// tensors allocated and touched before the clock starts (in place, like a model's).
+const PY_TORCH_LOAD: &str = r#"
+import sys, time, warnings, torch
+import torch.distributed.checkpoint as dcp
+warnings.filterwarnings("ignore")
+n, size, out, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if which == "torch":
+    t = time.perf_counter(); d = torch.load(out + "/state.pt"); print("torch_load", time.perf_counter() - t)
+else:
+    d = {f"layer.{i}": torch.ones(size, dtype=torch.uint8) for i in range(n)}
+    t = time.perf_counter(); dcp.load(d, checkpoint_id=out + "/dcp"); print("dcp_load", time.perf_counter() - t)
+assert sum(v.numel() for v in d.values()) == n * size
 "#;
 
 pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
@@ -171,6 +203,24 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         std::fs::remove_dir_all(&py_dir)?;
         std::fs::create_dir_all(&py_dir)?;
     }
+    let has_torch = python(&args.python, &["import torch"], &[]).is_ok();
+    let torch_dir = work.path().join("torch");
+    let (mut torch_save, mut dcp_save) = (Vec::new(), Vec::new());
+    if has_torch {
+        eprintln!("ckpt: torch peers");
+        for _ in 0..args.runs {
+            // The last run's files stay for the loads.
+            let _ = std::fs::remove_dir_all(&torch_dir);
+            std::fs::create_dir_all(&torch_dir)?;
+            let out = python(
+                &args.python,
+                &[PY_TORCH_SAVE, &args.tensors.to_string(), &per.to_string()],
+                &[&torch_dir],
+            )?;
+            torch_save.push(seconds(&out, "torch_save")?);
+            dcp_save.push(seconds(&out, "dcp_save")?);
+        }
+    }
 
     eprintln!("ckpt: cold loads");
     let file = ckpt_dir.join(format!("bench/step-{last}/rank-0.safetensors"));
@@ -181,6 +231,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
     let mut model: Vec<Vec<u8>> = (0..args.tensors).map(|_| vec![1u8; per]).collect();
     let mut fio_read = Vec::new();
     let mut py_load = Vec::new();
+    let (mut torch_load, mut dcp_load) = (Vec::new(), Vec::new());
     for _ in 0..args.runs {
         drop_page_cache().context("drop the page cache (needs root)")?;
         let t = Instant::now();
@@ -217,6 +268,14 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         drop_page_cache()?;
         let out = python(&args.python, &[PY_LOAD], &[&file])?;
         py_load.push(seconds(&out, "safetensors_load")?);
+        if has_torch {
+            for (which, into) in [("torch", &mut torch_load), ("dcp", &mut dcp_load)] {
+                drop_page_cache()?;
+                let sizes = [PY_TORCH_LOAD, &args.tensors.to_string(), &per.to_string()];
+                let out = python(&args.python, &sizes, &[&torch_dir, Path::new(which)])?;
+                into.push(seconds(&out, &format!("{which}_load"))?);
+            }
+        }
     }
 
     let bytes = total as u64;
@@ -277,6 +336,35 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         &py_load,
         Some(1.0),
     ));
+    if has_torch {
+        let torch_rows: [(&str, &[Duration], &str, &[Duration]); 4] = [
+            ("stall save→wait_staged", &stall, "torch.save", &torch_save),
+            (
+                "stall save→wait_staged",
+                &stall,
+                "torch.distributed.checkpoint.save",
+                &dcp_save,
+            ),
+            (
+                "cold load (verified) into the caller's tensors",
+                &load_into,
+                "torch.distributed.checkpoint.load (in place)",
+                &dcp_load,
+            ),
+            (
+                "cold load (verified), new tensors",
+                &load,
+                "torch.load",
+                &torch_load,
+            ),
+        ];
+        for (what, ours, peer, theirs) in torch_rows {
+            report.add(row(what, ours, peer, theirs, None));
+        }
+        report.note("torch peers write into the page cache without fsync, as they do by default; their save time is how long they block the caller");
+    } else {
+        report.note(format!("torch is not importable by {}: torch.save/torch.load and torch.distributed.checkpoint were not measured", args.python.display()));
+    }
     report.note(format!(
         "medians of {} runs; stall {:?}, persist {:?}, load into the caller's tensors {:?}, load as new tensors {:?}, memcpy {:?}; fio {} (io_uring, 1 MiB, depth 32); stall target ≤ 1.2× memcpy is a rate ratio ≥ {stall_target}",
         args.runs,
@@ -291,7 +379,6 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         "first save of this size (staging buffer allocated and faulted in, not in the medians): stall {first_stall:?}"
     ));
     drop(huge);
-    report.note("torch is not installed here: torch.save/torch.load and torch.distributed.checkpoint were not measured");
     report.print();
     if let Some(path) = &args.markdown {
         std::fs::write(path, report.markdown())?;
