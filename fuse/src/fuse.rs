@@ -2,14 +2,15 @@
 //! [`StripedFs`] and replies from there.
 //!
 //! fuser reads requests on its session thread(s) and calls these methods; none of them blocks:
-//! they convert arguments (names must be UTF-8, as object keys are), spawn the operation, and
-//! return, so a slow GET or part upload never holds up other requests. Replies carry the errno
-//! of [`FsError::errno`](crate::FsError::errno); errors other than ENOENT are logged with the
-//! path they concern. Directory listings are taken once at opendir and served by offset from
-//! that snapshot. `forget` (and `batch_forget`, one inode at a time) goes to the inode table at
-//! once (no task), so inodes the kernel has dropped do not pile up. At `init` the kernel is asked for 1 MiB reads and writes per request, atomic
-//! `O_TRUNC` on open (so "open existing without truncation" can be told apart), and a
-//! `max_background` large enough for many parallel reads.
+//! they convert arguments (names must be UTF-8, as object keys are), spawn the operation through
+//! one helper (`FuseAdapter::serve`), and return, so a slow GET or part upload never holds up
+//! other requests. Replies carry the errno of [`FsError::errno`](crate::FsError::errno); errors
+//! other than ENOENT are logged with the operation. Directory listings are taken once at opendir
+//! and served by offset from that snapshot. `forget` (and `batch_forget`, one inode at a time)
+//! goes to the inode table at once (no task), so inodes the kernel has dropped do not pile up.
+//! At `init` the kernel is asked for 1 MiB reads and writes per request, atomic `O_TRUNC` on
+//! open (so "open existing without truncation" can be told apart), and a `max_background` large
+//! enough for many parallel reads.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -40,7 +41,52 @@ pub(crate) struct FuseAdapter {
     next_dir: AtomicU64,
 }
 
+/// A reply that can carry an error; every reply a spawned request sends is one.
+trait ErrorReply {
+    fn fail(self, errno: Errno);
+}
+
+macro_rules! error_reply {
+    ($($reply:ty),*) => {$(
+        impl ErrorReply for $reply {
+            fn fail(self, errno: Errno) {
+                self.error(errno);
+            }
+        }
+    )*};
+}
+
+error_reply!(
+    ReplyAttr,
+    ReplyCreate,
+    ReplyData,
+    ReplyEmpty,
+    ReplyEntry,
+    ReplyOpen,
+    ReplyWrite
+);
+
 impl FuseAdapter {
+    /// Runs `op` as a task on the runtime, then replies with `ok` and its value, or with the
+    /// errno of its error (logged under `what`).
+    fn serve<R, T>(
+        &self,
+        what: &'static str,
+        reply: R,
+        op: impl Future<Output = Result<T, FsError>> + Send + 'static,
+        ok: impl FnOnce(R, T) + Send + 'static,
+    ) where
+        R: ErrorReply + Send + 'static,
+        T: Send + 'static,
+    {
+        self.rt.spawn(async move {
+            match op.await {
+                Ok(v) => ok(reply, v),
+                Err(e) => reply.fail(errno(what, &e)),
+            }
+        });
+    }
+
     pub(crate) fn new(fs: Arc<StripedFs>, rt: tokio::runtime::Handle, max_background: u16) -> Self {
         FuseAdapter {
             ttl: fs.config().stat_ttl,
@@ -123,12 +169,12 @@ impl Filesystem for FuseAdapter {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let name = name_or_reply!(name, reply);
         let (fs, ttl) = (self.fs.clone(), self.ttl);
-        self.rt.spawn(async move {
-            match fs.lookup(parent.0, &name).await {
-                Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
-                Err(e) => reply.error(errno("lookup", &e)),
-            }
-        });
+        self.serve(
+            "lookup",
+            reply,
+            async move { fs.lookup(parent.0, &name).await },
+            move |r, a| r.entry(&ttl, &file_attr(&a), Generation(0)),
+        );
     }
 
     // fuser's default `batch_forget` calls this once per inode (its element type is not public,
@@ -139,12 +185,12 @@ impl Filesystem for FuseAdapter {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let (fs, ttl) = (self.fs.clone(), self.ttl);
-        self.rt.spawn(async move {
-            match fs.getattr(ino.0).await {
-                Ok(a) => reply.attr(&ttl, &file_attr(&a)),
-                Err(e) => reply.error(errno("getattr", &e)),
-            }
-        });
+        self.serve(
+            "getattr",
+            reply,
+            async move { fs.getattr(ino.0).await },
+            move |r, a| r.attr(&ttl, &file_attr(&a)),
+        );
     }
 
     fn setattr(
@@ -166,12 +212,12 @@ impl Filesystem for FuseAdapter {
         reply: ReplyAttr,
     ) {
         let (fs, ttl) = (self.fs.clone(), self.ttl);
-        self.rt.spawn(async move {
-            match fs.setattr(ino.0, size).await {
-                Ok(a) => reply.attr(&ttl, &file_attr(&a)),
-                Err(e) => reply.error(errno("setattr", &e)),
-            }
-        });
+        self.serve(
+            "setattr",
+            reply,
+            async move { fs.setattr(ino.0, size).await },
+            move |r, a| r.attr(&ttl, &file_attr(&a)),
+        );
     }
 
     fn mkdir(
@@ -185,34 +231,34 @@ impl Filesystem for FuseAdapter {
     ) {
         let name = name_or_reply!(name, reply);
         let (fs, ttl) = (self.fs.clone(), self.ttl);
-        self.rt.spawn(async move {
-            match fs.mkdir(parent.0, &name).await {
-                Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
-                Err(e) => reply.error(errno("mkdir", &e)),
-            }
-        });
+        self.serve(
+            "mkdir",
+            reply,
+            async move { fs.mkdir(parent.0, &name).await },
+            move |r, a| r.entry(&ttl, &file_attr(&a), Generation(0)),
+        );
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_or_reply!(name, reply);
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs.unlink(parent.0, &name).await {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("unlink", &e)),
-            }
-        });
+        self.serve(
+            "unlink",
+            reply,
+            async move { fs.unlink(parent.0, &name).await },
+            move |r, ()| r.ok(),
+        );
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_or_reply!(name, reply);
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs.rmdir(parent.0, &name).await {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("rmdir", &e)),
-            }
-        });
+        self.serve(
+            "rmdir",
+            reply,
+            async move { fs.rmdir(parent.0, &name).await },
+            move |r, ()| r.ok(),
+        );
     }
 
     fn rename(
@@ -233,25 +279,21 @@ impl Filesystem for FuseAdapter {
         }
         let no_replace = flags.contains(RenameFlags::RENAME_NOREPLACE);
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs
-                .rename(parent.0, &name, newparent.0, &newname, no_replace)
+        let op = async move {
+            fs.rename(parent.0, &name, newparent.0, &newname, no_replace)
                 .await
-            {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("rename", &e)),
-            }
-        });
+        };
+        self.serve("rename", reply, op, move |r, ()| r.ok());
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs.open(ino.0, flags.0).await {
-                Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
-                Err(e) => reply.error(errno("open", &e)),
-            }
-        });
+        self.serve(
+            "open",
+            reply,
+            async move { fs.open(ino.0, flags.0).await },
+            move |r, fh| r.opened(FileHandle(fh), FopenFlags::empty()),
+        );
     }
 
     fn create(
@@ -266,17 +308,16 @@ impl Filesystem for FuseAdapter {
     ) {
         let name = name_or_reply!(name, reply);
         let (fs, ttl) = (self.fs.clone(), self.ttl);
-        self.rt.spawn(async move {
-            match fs.create(parent.0, &name, flags).await {
-                Ok((a, fh)) => reply.created(
-                    &ttl,
-                    &file_attr(&a),
-                    Generation(0),
-                    FileHandle(fh),
-                    FopenFlags::empty(),
-                ),
-                Err(e) => reply.error(errno("create", &e)),
-            }
+        let op = async move { fs.create(parent.0, &name, flags).await };
+        self.serve("create", reply, op, move |r, (a, fh)| {
+            let attr = file_attr(&a);
+            r.created(
+                &ttl,
+                &attr,
+                Generation(0),
+                FileHandle(fh),
+                FopenFlags::empty(),
+            );
         });
     }
 
@@ -292,12 +333,12 @@ impl Filesystem for FuseAdapter {
         reply: ReplyData,
     ) {
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs.read(fh.0, offset, size as usize).await {
-                Ok(bytes) => reply.data(&bytes),
-                Err(e) => reply.error(errno("read", &e)),
-            }
-        });
+        self.serve(
+            "read",
+            reply,
+            async move { fs.read(fh.0, offset, size as usize).await },
+            move |r, bytes| r.data(&bytes),
+        );
     }
 
     fn write(
@@ -314,12 +355,12 @@ impl Filesystem for FuseAdapter {
     ) {
         // The request buffer is reused by fuser: the bytes are copied once into the task.
         let (fs, data) = (self.fs.clone(), data.to_vec());
-        self.rt.spawn(async move {
-            match fs.write(fh.0, offset, &data).await {
-                Ok(n) => reply.written(n as u32),
-                Err(e) => reply.error(errno("write", &e)),
-            }
-        });
+        self.serve(
+            "write",
+            reply,
+            async move { fs.write(fh.0, offset, &data).await },
+            move |r, n| r.written(n as u32),
+        );
     }
 
     fn flush(
@@ -331,12 +372,12 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs.flush(fh.0).await {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("flush", &e)),
-            }
-        });
+        self.serve(
+            "flush",
+            reply,
+            async move { fs.flush(fh.0).await },
+            move |r, ()| r.ok(),
+        );
     }
 
     fn release(
@@ -350,36 +391,32 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs.release(fh.0).await {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("release", &e)),
-            }
-        });
+        self.serve(
+            "release",
+            reply,
+            async move { fs.release(fh.0).await },
+            move |r, ()| r.ok(),
+        );
     }
 
     fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
-            match fs.fsync(fh.0).await {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("fsync", &e)),
-            }
-        });
+        self.serve(
+            "fsync",
+            reply,
+            async move { fs.fsync(fh.0).await },
+            move |r, ()| r.ok(),
+        );
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
         let dirs = self.dirs.clone();
         let fh = self.next_dir.fetch_add(1, Ordering::Relaxed);
-        self.rt.spawn(async move {
-            match fs.readdir(ino.0).await {
-                Ok(entries) => {
-                    dirs.lock().insert(fh, Arc::new(entries));
-                    reply.opened(FileHandle(fh), FopenFlags::empty());
-                }
-                Err(e) => reply.error(errno("opendir", &e)),
-            }
+        let op = async move { fs.readdir(ino.0).await };
+        self.serve("opendir", reply, op, move |r, entries| {
+            dirs.lock().insert(fh, Arc::new(entries));
+            r.opened(FileHandle(fh), FopenFlags::empty());
         });
     }
 
