@@ -34,13 +34,13 @@ fn mount_device<'a>(mountinfo: &'a str, mountpoint: &Path) -> Option<&'a str> {
     let want = mountpoint.to_str()?;
     mountinfo
         .lines()
-        .filter_map(|line| {
+        .rev()
+        .find_map(|line| {
             let mut fields = line.split(' ');
             let dev = fields.nth(2)?;
             let point = fields.nth(1)?;
             (unescape(point) == want).then_some(dev)
         })
-        .last()
 }
 
 /// Undoes mountinfo's octal escapes (`\NNN`).
