@@ -32,15 +32,12 @@ fn read_ahead_file(mountpoint: &Path) -> io::Result<PathBuf> {
 /// written as octal escapes such as `\040`).
 fn mount_device<'a>(mountinfo: &'a str, mountpoint: &Path) -> Option<&'a str> {
     let want = mountpoint.to_str()?;
-    mountinfo
-        .lines()
-        .rev()
-        .find_map(|line| {
-            let mut fields = line.split(' ');
-            let dev = fields.nth(2)?;
-            let point = fields.nth(1)?;
-            (unescape(point) == want).then_some(dev)
-        })
+    mountinfo.lines().rev().find_map(|line| {
+        let mut fields = line.split(' ');
+        let dev = fields.nth(2)?;
+        let point = fields.nth(1)?;
+        (unescape(point) == want).then_some(dev)
+    })
 }
 
 /// Undoes mountinfo's octal escapes (`\NNN`).
