@@ -27,7 +27,7 @@ import base64
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from .errors import StateDictError
 
@@ -182,7 +182,7 @@ class Flat:
     tensors: List[Tuple[str, str, List[int], int, int, int]] = field(default_factory=list)
     keep: List[Any] = field(default_factory=list)
     tree: bytes = b""
-    cuda_devices: set = field(default_factory=set)
+    cuda_devices: Set[int] = field(default_factory=set)
 
 
 def flatten(state: Any) -> Flat:
@@ -268,7 +268,7 @@ class Plan:
     dests: List[Tuple[str, int, int, int]] = field(default_factory=list)
     keep: List[Any] = field(default_factory=list)
     after: List[Callable[[], None]] = field(default_factory=list)
-    cuda_devices: set = field(default_factory=set)
+    cuda_devices: Set[int] = field(default_factory=set)
     # Host ranges already used by a destination: (start, end) -> name.
     _ranges: List[Tuple[int, int]] = field(default_factory=list)
 

@@ -180,6 +180,7 @@ class StorageWriter(_StorageWriter):
                 t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
                 info = StoredItem(self._rank, name, "bytes", (len(raw),))
             else:
+                assert isinstance(data, torch.Tensor)
                 t = data.detach()
                 info = StoredItem(self._rank, name, str(t.dtype).replace("torch.", ""), tuple(t.shape))
             mem = _state.torch_mem(t, name)
@@ -331,16 +332,18 @@ class StorageReader(_StorageReader):
         for name, t in temps.items():
             plan.into(name, _state._dest_mem(t))
         _sync(plan.cuda_devices)
+        assert self.step is not None
         self._reader(rank).load(self.step, plan.dests)
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
-        for req, target in finish:
+        for req, dst in finish:
             info = self._storage[req.storage_index]
-            if target is None:
+            if dst is None:
                 planner.load_bytes(req, io.BytesIO(temps[info.name].numpy().tobytes()))
                 continue
+            target = dst
             if info.name in temps:
-                src = narrow_tensor_by_index(temps[info.name], req.storage_offsets, req.lengths)
+                src: torch.Tensor = narrow_tensor_by_index(temps[info.name], req.storage_offsets, req.lengths)
                 if src.size() != target.size():
                     raise CorruptCheckpoint(
                         f"step {self.step}: {req.storage_index.fqn}: stored region {tuple(src.size())} "
