@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use hotstart_ckpt::{Destination, EngineConfig, Extras, StepSel, Tensor, TierKind, WhenFull};
+use hotstart_ckpt::{Destination, EngineConfig, Extras, StepSel, TierKind, WhenFull};
 use hotstart_store::Store;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -19,14 +19,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::errors::{ConfigError, to_py};
 use crate::handle::SaveHandle;
-use crate::memory::{DestSpec, SendDests, TensorSpec};
-
-/// Borrowed engine tensors, so they can cross into code that runs without the GIL.
-struct SendTensors(Vec<Tensor>);
-
-// SAFETY: an engine `Tensor` is `Send`; a borrowed one is only read through its pointer under
-// the `from_raw`/`from_device` contract, which `TensorSpec::to_tensor`'s caller upholds.
-unsafe impl Send for SendTensors {}
+use crate::memory::{DestSpec, Dests, TensorSpec};
 
 #[pyclass(frozen, module = "hotstart._core")]
 pub struct Engine {
@@ -150,13 +143,9 @@ impl Engine {
             // the caller not to change them before `wait_staged`.
             .map(|t| unsafe { t.to_tensor() })
             .collect::<PyResult<Vec<_>>>()?;
-        let tensors = SendTensors(tensors);
         let extras: Extras = extras;
         let handle = py
-            .detach(move || {
-                let SendTensors(tensors) = tensors;
-                self.engine.save(step, tensors, extras)
-            })
+            .detach(move || self.engine.save(step, tensors, extras))
             .map_err(to_py)?;
         Ok(SaveHandle::new(handle, keep))
     }
@@ -204,7 +193,7 @@ impl Engine {
         step: u64,
         destinations: Vec<DestSpec>,
     ) -> PyResult<Vec<String>> {
-        let mut dests = SendDests::new(destinations)?;
+        let mut dests = Dests::check(destinations)?;
         let loaded = py.detach(move || {
             // SAFETY: the Python layer describes only memory of objects its caller holds for
             // the whole call and does not touch meanwhile; `SendDests::new` checked overlaps.

@@ -2,9 +2,8 @@
 //!
 //! It owns the Python objects whose memory the engine borrows (the caller's tensors and arrays,
 //! or contiguous copies of them) and lets go of them once staging is over: after `wait_staged`
-//! (or any wait that implies it). Dropping the handle first waits for staging (the engine's
-//! handle does that) and only then releases the objects, so memory is never freed while the
-//! engine reads it.
+//! (or any wait that implies it). Dropping the handle first waits for staging (without the
+//! GIL) and only then releases the objects, so memory is never freed while the engine reads it.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -35,6 +34,17 @@ impl SaveHandle {
         let objects =
             std::mem::take(&mut *self.keep.lock().unwrap_or_else(PoisonError::into_inner));
         drop(objects);
+    }
+}
+
+impl Drop for SaveHandle {
+    fn drop(&mut self) {
+        // The engine's handle waits for staging when dropped; do that wait here, without the
+        // GIL, so other Python threads run meanwhile. Its outcome was or will be reported by
+        // the waits the caller made; a handle dropped unwaited has no one left to tell.
+        if !self.handle.status().staged.is_finished() {
+            Python::attach(|py| py.detach(|| drop(self.handle.wait_staged())));
+        }
     }
 }
 

@@ -65,21 +65,17 @@ impl TensorSpec {
 }
 
 /// Load destinations by name, split into host slices and device buffers.
-pub struct Dests<'a> {
+pub struct Borrowed<'a> {
     pub host: HashMap<String, &'a mut [u8]>,
     pub device: HashMap<String, DeviceBuffer>,
 }
 
-/// Raw pointers to host memory, so destinations can cross into code that runs without the GIL.
-pub struct SendDests(Vec<DestSpec>);
+/// Load destinations as Python described them, checked.
+pub struct Dests(Vec<DestSpec>);
 
-// SAFETY: a `DestSpec` is plain integers and a name; what they address is only touched through
-// `SendDests::borrow`, whose caller guarantees the memory is valid and exclusively ours.
-unsafe impl Send for SendDests {}
-
-impl SendDests {
+impl Dests {
     /// Checks names, null addresses and overlaps.
-    pub fn new(dests: Vec<DestSpec>) -> PyResult<SendDests> {
+    pub fn check(dests: Vec<DestSpec>) -> PyResult<Dests> {
         let mut names = std::collections::HashSet::new();
         let mut ranges: Vec<(i64, usize, usize, &str)> = Vec::new();
         for DestSpec(name, ptr, len, device) in &dests {
@@ -103,7 +99,7 @@ impl SendDests {
                 )));
             }
         }
-        Ok(SendDests(dests))
+        Ok(Dests(dests))
     }
 
     /// The destinations as the engine takes them.
@@ -111,24 +107,24 @@ impl SendDests {
     /// # Safety
     /// Every host address must be valid for writes of its length and nothing else may read or
     /// write that memory while the returned slices live; every device address must satisfy
-    /// [`DeviceBuffer::new`]. (`new` already checked that no two destinations overlap.)
-    pub unsafe fn borrow(&mut self) -> Dests<'_> {
+    /// [`DeviceBuffer::new`]. (`check` made sure no two destinations overlap.)
+    pub unsafe fn borrow(&mut self) -> Borrowed<'_> {
         let mut host = HashMap::new();
         let mut device = HashMap::new();
         for DestSpec(name, ptr, len, dev) in &self.0 {
             if *dev >= 0 {
-                // SAFETY: the caller's contract; `new` checked the ordinal is not negative.
+                // SAFETY: the caller's contract; `check` made sure the ordinal is not negative.
                 let b = unsafe { DeviceBuffer::new(*dev as usize, *ptr as u64, *len) };
                 device.insert(name.clone(), b);
             } else if *len == 0 {
                 host.insert(name.clone(), &mut [][..]);
             } else {
                 // SAFETY: the caller's contract: valid for writes of `len` bytes, used by nobody
-                // else, and disjoint from every other destination (checked in `new`).
+                // else, and disjoint from every other destination (checked in `check`).
                 let s = unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *len) };
                 host.insert(name.clone(), s);
             }
         }
-        Dests { host, device }
+        Borrowed { host, device }
     }
 }

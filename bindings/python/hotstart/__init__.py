@@ -26,18 +26,5 @@ from .errors import (
     StoreError,
 )
 
-__all__ = [
-    "Checkpointer",
-    "SaveHandle",
-    "CUDA_BUILT",
-    "__version__",
-    "errors",
-    "HotstartError",
-    "ConfigError",
-    "StateDictError",
-    "CorruptCheckpoint",
-    "NoCheckpoint",
-    "StoreError",
-    "SaveSkipped",
-    "CudaError",
-]
+__all__ = ["Checkpointer", "SaveHandle", "CUDA_BUILT", "__version__", "errors"]
+__all__ += errors.__all__

@@ -155,7 +155,8 @@ class Checkpointer:
         _sync_cuda(flat.cuda_devices)
         extras = {_state.STATE_KEY: flat.tree}
         handle = self.engine.save(step, flat.tensors, extras, flat.keep)
-        self._pending = [h for h in self._pending if not h.done()]
+        # Forget saves that finished well; failed ones stay for wait() to report.
+        self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
         self._pending.append(handle)
         return handle
 
