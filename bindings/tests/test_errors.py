@@ -20,6 +20,8 @@ def test_hierarchy() -> None:
         assert issubclass(cls, hotstart.HotstartError)
     assert issubclass(errors.StateDictError, ValueError) and issubclass(errors.ConfigError, ValueError)
     assert issubclass(errors.NoCheckpoint, LookupError) and issubclass(errors.StoreError, OSError)
+    assert set(errors.__all__) <= set(hotstart.__all__)
+    assert all(getattr(hotstart, name) is getattr(errors, name) for name in errors.__all__)
 
 
 @pytest.mark.parametrize(

@@ -26,5 +26,19 @@ from .errors import (
     StoreError,
 )
 
-__all__ = ["Checkpointer", "SaveHandle", "CUDA_BUILT", "__version__", "errors"]
-__all__ += errors.__all__
+__all__ = [
+    "Checkpointer",
+    "SaveHandle",
+    "CUDA_BUILT",
+    "__version__",
+    "errors",
+    # the exceptions, as hotstart.errors lists them
+    "HotstartError",
+    "ConfigError",
+    "StateDictError",
+    "CorruptCheckpoint",
+    "NoCheckpoint",
+    "StoreError",
+    "SaveSkipped",
+    "CudaError",
+]
