@@ -31,6 +31,7 @@ mod seaweedfs;
 mod spawn;
 
 pub use data::pattern;
-pub use http::Response;
+pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};
 pub use seaweedfs::SeaweedFs;
+pub use spawn::spawn_tied;
