@@ -37,7 +37,7 @@ pub fn sigterm_drains_persistence() {
     let Some(weed) = SeaweedFs::shared() else {
         return;
     };
-    // 24 MiB through 8 MiB/s: three seconds of upload after the commit.
+    // 16 MiB through 8 MiB/s: two seconds of upload after the commit.
     let slow = proxy::start(Mode::Throttle {
         upstream: weed.addr(),
         bytes_per_sec: 8 << 20,
@@ -47,7 +47,7 @@ pub fn sigterm_drains_persistence() {
     cluster.store = Some((url.clone(), through(&weed.env(), slow)));
     cluster.args = vec!["--grace".into(), "90s".into()];
     let mut node = cluster.start(0, 0);
-    save_then_kill_trainer(&node, "24");
+    save_then_kill_trainer(&node, "16");
     let (status, _) = node.sigterm();
     let log = node.log();
     assert!(status.success(), "{log}");
@@ -68,7 +68,7 @@ pub fn sigterm_drains_persistence() {
         .load(StepSel::Latest, Destination::Owned)
         .expect("load from the store");
     assert_eq!(loaded.step, 1);
-    for ((name, _, _, bytes), t) in tensors(1, 0, 24).iter().zip(&loaded.tensors) {
+    for ((name, _, _, bytes), t) in tensors(1, 0, 16).iter().zip(&loaded.tensors) {
         assert_eq!(&t.name, name);
         assert!(t.data[..] == bytes[..], "{name}");
     }

@@ -3,12 +3,16 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Bytes forwarded so far by every connection of a proxy, since it started.
+type Budget = Arc<(Instant, Mutex<u64>)>;
 
 /// What the proxy does with the bytes.
 #[derive(Debug, Clone, Copy)]
 pub enum Mode {
-    /// Forward to `upstream` at most `bytes_per_sec` per connection, each way.
+    /// Forward to `upstream`, all connections together at most `bytes_per_sec`.
     Throttle {
         upstream: SocketAddr,
         bytes_per_sec: u64,
@@ -21,6 +25,7 @@ pub enum Mode {
 pub fn start(mode: Mode) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind proxy");
     let addr = l.local_addr().expect("addr");
+    let budget: Budget = Arc::new((Instant::now(), Mutex::new(0)));
     std::thread::spawn(move || {
         let mut held = Vec::new();
         for conn in l.incoming() {
@@ -36,8 +41,9 @@ pub fn start(mode: Mode) -> SocketAddr {
                     };
                     let (a, b) = (conn.try_clone(), up.try_clone());
                     let (Ok(a), Ok(b)) = (a, b) else { continue };
-                    std::thread::spawn(move || pump(conn, up, bytes_per_sec));
-                    std::thread::spawn(move || pump(b, a, bytes_per_sec));
+                    let (b1, b2) = (budget.clone(), budget.clone());
+                    std::thread::spawn(move || pump(conn, up, bytes_per_sec, b1));
+                    std::thread::spawn(move || pump(b, a, bytes_per_sec, b2));
                 }
             }
         }
@@ -45,10 +51,8 @@ pub fn start(mode: Mode) -> SocketAddr {
     addr
 }
 
-/// Copies `from` to `to` at most `rate` bytes a second.
-fn pump(mut from: TcpStream, mut to: TcpStream, rate: u64) {
-    let start = Instant::now();
-    let mut sent = 0u64;
+/// Copies `from` to `to`, keeping every connection's bytes together under `rate` a second.
+fn pump(mut from: TcpStream, mut to: TcpStream, rate: u64, budget: Budget) {
     let mut buf = vec![0u8; 64 << 10];
     loop {
         let n = match from.read(&mut buf) {
@@ -58,9 +62,13 @@ fn pump(mut from: TcpStream, mut to: TcpStream, rate: u64) {
         if to.write_all(&buf[..n]).is_err() {
             break;
         }
-        sent += n as u64;
+        let sent = {
+            let mut total = budget.1.lock().unwrap_or_else(|p| p.into_inner());
+            *total += n as u64;
+            *total
+        };
         let due = Duration::from_secs_f64(sent as f64 / rate as f64);
-        if let Some(wait) = due.checked_sub(start.elapsed()) {
+        if let Some(wait) = due.checked_sub(budget.0.elapsed()) {
             std::thread::sleep(wait);
         }
     }

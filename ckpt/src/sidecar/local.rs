@@ -4,9 +4,11 @@
 //! A connection starts with `Attach` (job, rank, world size) and then carries requests one at
 //! a time (see `docs/PROTOCOL.md`):
 //!
-//! - `Stage{step, len, wait}`: memory is charged to the budget (evicting, or waiting up to
-//!   `stage_timeout` when `wait`), a [`Segment`] is created and its descriptor sent with
-//!   `Segment`. One stage per connection at a time.
+//! - `Stage{step, len, wait}`: the rank's spare segment when it has one of that size (made
+//!   after its previous commit, see `super::memory`), else memory is charged to the budget
+//!   (evicting, or waiting up to `stage_timeout` when `wait`) and a [`Segment`] created with its
+//!   pages allocated; its descriptor is sent with `Segment`. One stage per connection at a
+//!   time.
 //! - `Commit{manifest}`: the staged segment is sealed (refused while the training process still
 //!   has it mapped writable), checked against the manifest's chunk hashes, and held in memory:
 //!   `Committed`. Persistence and replication start, and each of their tiers reports on this
@@ -163,11 +165,12 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     reason: "commit without a staged segment".into(),
                 }),
                 Some(s) => {
-                    let asked = s.asked;
+                    let (asked, len) = (s.asked, s.seg.len() as u64);
                     match commit(&core, &who, s, manifest) {
                         Ok(shard) => {
                             let sent = send(&LocalMsg::Committed);
                             core.after_commit(shard, Some(writer.clone()), asked);
+                            prepare_spare(&core, &who, len);
                             sent
                         }
                         Err(e) => {
@@ -237,6 +240,9 @@ fn stage(core: &Core, who: &Rank, step: u64, len: u64, wait: bool, busy: bool) -
             reason: "the sidecar is shutting down; no new saves".into(),
         });
     }
+    if let Some(seg) = core.memory.take_spare(&who.job, who.rank, len) {
+        return Ok(seg);
+    }
     let what = format!("{} step {step} rank {}", who.job, who.rank);
     let wait = if wait {
         core.cfg.stage_timeout
@@ -253,7 +259,28 @@ fn stage(core: &Core, who: &Rank, step: u64, len: u64, wait: bool, busy: bool) -
         reason: "checkpoint larger than the address space".into(),
     })?;
     Segment::create(&name, len, Some(charge))
+        .and_then(Segment::allocate)
         .map_err(|e| Error::io("create shared memory", &name, e))
+}
+
+/// Prepares the next segment of `who` (`len` bytes) in the background, with free memory only.
+fn prepare_spare(core: &Arc<Core>, who: &Rank, len: u64) {
+    let (core, job, rank) = (core.clone(), who.job.clone(), who.rank);
+    let _ = std::thread::Builder::new()
+        .name("hotstart-spare".into())
+        .spawn(move || {
+            if core.life.get() != State::Ready {
+                return;
+            }
+            let Some(charge) = core.memory.reserve_free(len) else {
+                return;
+            };
+            let name = format!("hotstart-{job}-next-{rank}");
+            match Segment::create(&name, len as usize, Some(charge)).and_then(Segment::allocate) {
+                Ok(seg) => core.memory.put_spare(&job, rank, seg),
+                Err(e) => debug!(error = %e, "no spare segment"),
+            }
+        });
 }
 
 /// Seals a staged segment and checks it against its manifest: the committed shard.

@@ -7,6 +7,11 @@
 //! that does not fit first evicts, then waits (up to a deadline) for memory that is about to be
 //! freed, then is refused with [`Error::Budget`].
 //!
+//! **Spares.** After a commit the sidecar prepares the next segment of the same rank in the
+//! background (allocating and zeroing its pages takes time the training process would otherwise
+//! wait for at its next save), but only with memory that is free: a spare never evicts
+//! anything, and spares are the first thing given back when a request needs room.
+//!
 //! **Eviction.** Shards are evicted oldest step first (ties: the one committed first), but the
 //! newest committed step of each (job, rank) is never evicted, so every rank this node holds
 //! can always be restored from memory at its latest step. Nothing is evicted when evicting
@@ -20,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use tracing::info;
 
-use super::shm::Sealed;
+use super::shm::{Sealed, Segment};
 use super::wire::{Held, ShardInfo};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
@@ -122,6 +127,8 @@ struct State {
     used: u64,
     peak: u64,
     shards: BTreeMap<ShardKey, Arc<Shard>>,
+    /// The next segment of a (job, rank), allocated ahead of its save.
+    spares: BTreeMap<(String, u32), Segment>,
     evictions: u64,
     evicted_bytes: u64,
     refusals: u64,
@@ -175,6 +182,13 @@ impl Memory {
                     bytes: need,
                 });
             }
+            if !s.spares.is_empty() {
+                let spares = std::mem::take(&mut s.spares);
+                drop(s);
+                drop(spares);
+                s = self.lock();
+                continue;
+            }
             let short = need.saturating_add(s.used) - self.budget;
             let victims = evict(&mut s, short);
             if !victims.is_empty() {
@@ -211,6 +225,35 @@ impl Memory {
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
+    }
+
+    /// Charges `len` bytes only if they are free now: nothing is evicted or waited for.
+    pub fn reserve_free(self: &Arc<Self>, len: u64) -> Option<Charge> {
+        let need = pages(len);
+        let mut s = self.lock();
+        if s.used.saturating_add(need) > self.budget {
+            return None;
+        }
+        s.used += need;
+        s.peak = s.peak.max(s.used);
+        Some(Charge {
+            mem: self.clone(),
+            bytes: need,
+        })
+    }
+
+    /// Keeps `seg` as the next segment of `job`'s `rank`.
+    pub fn put_spare(&self, job: &str, rank: u32, seg: Segment) {
+        let old = self.lock().spares.insert((job.to_string(), rank), seg);
+        drop(old);
+    }
+
+    /// The spare segment of `job`'s `rank`, if there is one of about `len` bytes (at least
+    /// `len`, at most a sixteenth more); a spare of another size is dropped.
+    pub fn take_spare(&self, job: &str, rank: u32, len: u64) -> Option<Segment> {
+        let seg = self.lock().spares.remove(&(job.to_string(), rank))?;
+        let have = seg.len() as u64;
+        (have >= len && have - len <= len / 16 + PAGE).then_some(seg)
     }
 
     /// Adds a committed shard (replacing one with the same key); the one replaced.
@@ -305,7 +348,6 @@ fn evict(s: &mut State, want: u64) -> Vec<Arc<Shard>> {
 mod tests {
     use super::*;
     use crate::format::Layout;
-    use crate::sidecar::shm::Segment;
     use crate::tensor::{Dtype, Tensor};
 
     fn shard(mem: &Arc<Memory>, job: &str, rank: u32, step: u64, len: usize) -> Result<Arc<Shard>> {
@@ -383,6 +425,28 @@ mod tests {
             .to_string();
         assert!(err.contains("larger than the whole budget"), "{err}");
         assert_eq!(mem.stats().refusals, 2);
+    }
+
+    #[test]
+    fn spares_use_free_memory_only_and_go_first() {
+        let mem = Memory::new(3 * 4096, "me");
+        mem.insert(shard(&mem, "j", 0, 1, 4096).unwrap());
+        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
+        mem.put_spare("j", 0, spare);
+        assert!(mem.reserve_free(2 * 4096).is_none(), "never evicts");
+        // Another size: dropped, not handed out.
+        assert!(mem.take_spare("j", 0, 3 * 4096).is_none());
+        assert_eq!(mem.stats().used, 4096);
+        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
+        mem.put_spare("j", 0, spare);
+        assert_eq!(mem.take_spare("j", 0, 4000).map(|s| s.len()), Some(4096));
+        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
+        mem.put_spare("j", 0, spare);
+        // A request that needs the room gets it from the spare before any shard.
+        let c = mem.reserve(2 * 4096, Duration::ZERO, "t").unwrap();
+        assert_eq!(mem.stats().evictions, 0);
+        assert!(mem.take_spare("j", 0, 4096).is_none());
+        drop(c);
     }
 
     #[test]

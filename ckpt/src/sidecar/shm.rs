@@ -1,10 +1,11 @@
 //! Shared memory of the memory tier: memfd segments, their mappings, and passing their file
 //! descriptors between processes over a Unix socket (`SCM_RIGHTS`).
 //!
-//! **Life of a segment.** The sidecar creates a [`Segment`] (`memfd_create`, sized, its pages
-//! allocated up front with `fallocate` so that a full memory cgroup is an error now rather than
-//! a `SIGBUS` in the middle of a copy later, and sealed against shrinking and growing so nobody
-//! can pull pages out from under a mapping). It sends the descriptor to a training process,
+//! **Life of a segment.** The sidecar creates a [`Segment`] (`memfd_create`, sized, and sealed
+//! against shrinking and growing so nobody can pull pages out from under a mapping). One that
+//! goes to a training process has its pages allocated up front ([`Segment::allocate`], i.e.
+//! `fallocate`), so that a full memory cgroup is an error now rather than a `SIGBUS` in the
+//! middle of the training process's copy later. The sidecar sends the descriptor to a training process,
 //! which maps it read-write and stages a checkpoint into it, then unmaps it and commits. The
 //! sidecar then seals it against writes (`F_SEAL_WRITE`, which the kernel refuses while any
 //! process still has it mapped writable) and maps it read-only: from then on the bytes can
@@ -49,8 +50,9 @@ pub struct Segment {
 }
 
 impl Segment {
-    /// A new segment of `len` bytes (at least 1), its memory allocated and zeroed now, sealed
-    /// against size changes. `name` shows in `/proc/<pid>/fd` and `/proc/<pid>/maps`.
+    /// A new segment of `len` bytes (at least 1), sealed against size changes; its pages are
+    /// allocated as they are first written. `name` shows in `/proc/<pid>/fd` and
+    /// `/proc/<pid>/maps`.
     pub fn create(name: &str, len: usize, charge: Option<Charge>) -> io::Result<Segment> {
         let cname = CString::new(name).map_err(|_| io::Error::other("NUL in segment name"))?;
         // SAFETY: a valid NUL-terminated name; creates a new descriptor this function owns.
@@ -64,7 +66,6 @@ impl Segment {
         // SAFETY: plain system calls on the descriptor just created.
         unsafe {
             cvt(libc::ftruncate(fd.as_raw_fd(), size))?;
-            cvt(libc::fallocate(fd.as_raw_fd(), 0, 0, size))?;
             cvt(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS))?;
         }
         Ok(Segment {
@@ -72,6 +73,16 @@ impl Segment {
             len: len.max(1),
             _charge: charge,
         })
+    }
+
+    /// Allocates (and zeroes) every page now: an error here, not a `SIGBUS` in whoever writes
+    /// the segment later, when memory runs out.
+    pub fn allocate(self) -> io::Result<Segment> {
+        let size = libc::off_t::try_from(self.len)
+            .map_err(|_| io::Error::other("segment larger than off_t"))?;
+        // SAFETY: fallocate on a descriptor this segment owns.
+        cvt(unsafe { libc::fallocate(self.fd.as_raw_fd(), 0, 0, size) })?;
+        Ok(self)
     }
 
     /// A segment received from the sidecar: its size is read from the descriptor, and it must
@@ -166,13 +177,14 @@ impl Mapping {
         };
         // SAFETY: a new shared mapping of `len` bytes of the descriptor at an address of the
         // kernel's choosing; no existing memory is affected. The segment is sealed against
-        // shrinking, so every page of the mapping stays backed.
+        // shrinking, so every page of the mapping stays backed. Pages are mapped as they are
+        // first touched, by whichever threads copy: in parallel, unlike `MAP_POPULATE`.
         let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 prot,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 0,
             )
@@ -183,6 +195,24 @@ impl Mapping {
         let ptr =
             NonNull::new(raw.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave NULL"))?;
         Ok(Mapping { ptr, len })
+    }
+}
+
+impl Mapping {
+    /// The start of the mapping. Writing through it is up to the caller: only into a writable
+    /// mapping, and only where nothing else reads or writes at the same time.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true.
+    pub fn is_empty(&self) -> bool {
+        false
     }
 }
 
