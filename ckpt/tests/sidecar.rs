@@ -182,7 +182,7 @@ fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
             .unwrap_err()
             .is_not_found()
     );
-    let mut small = vec![0u8; 3];
+    let mut small = [0u8; 3];
     let bad = [("big".to_string(), &mut small[..])].into_iter().collect();
     assert!(matches!(
         engine.load(StepSel::Latest, Destination::Buffers(bad)),
