@@ -387,7 +387,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
 }
 
 /// Copies every tensor into `dst` over `threads` threads; the time it took.
-fn parallel_memcpy(dst: &mut [u8], state: &[Bytes], threads: usize) -> Duration {
+pub(crate) fn parallel_memcpy(dst: &mut [u8], state: &[Bytes], threads: usize) -> Duration {
     let mut pieces: Vec<(&mut [u8], &[u8])> = Vec::new();
     let mut rest = dst;
     for t in state {

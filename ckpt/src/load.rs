@@ -447,15 +447,16 @@ impl Inner {
     }
 }
 
-/// Copies the caller-buffer pieces of a verified file held in `src` (per chunk: offset in the
-/// chunk and destination, as [`Targets::direct`]) over `threads` threads, in pieces of at most
-/// [`BOUNCE`] bytes so one huge tensor is spread over every thread.
+/// Fills the caller-buffer pieces of a verified file (per chunk: offset in the chunk and
+/// destination, as [`Targets::direct`]) with `read` (file offset, destination), over `threads`
+/// threads, in pieces of at most [`BOUNCE`] bytes so one huge tensor is spread over every
+/// thread.
 pub(crate) fn copy_out(
-    src: &[u8],
+    read: &(dyn Fn(u64, &mut [u8]) -> std::io::Result<()> + Sync),
     direct: Vec<Vec<(usize, &mut [u8])>>,
     chunk_size: usize,
     threads: usize,
-) {
+) -> std::io::Result<()> {
     let mut jobs: Vec<(usize, &mut [u8])> = Vec::new();
     for (chunk, pieces) in direct.into_iter().enumerate() {
         for (at, dst) in pieces {
@@ -474,12 +475,16 @@ pub(crate) fn copy_out(
         threads.clamp(1, jobs.len().max(1))
     };
     let jobs = Mutex::new(jobs.into_iter());
+    let failed: Mutex<Option<std::io::Error>> = Mutex::new(None);
     std::thread::scope(|scope| {
         let work = || {
             loop {
                 let next = jobs.lock().unwrap_or_else(PoisonError::into_inner).next();
                 let Some((start, dst)) = next else { return };
-                dst.copy_from_slice(&src[start..start + dst.len()]);
+                if let Err(e) = read(start as u64, dst) {
+                    *failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+                    return;
+                }
             }
         };
         for _ in 1..threads {
@@ -487,6 +492,10 @@ pub(crate) fn copy_out(
         }
         work();
     });
+    match failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Bytes of a chunk read at once into a worker's bounce buffer when parts of the chunk go to

@@ -14,8 +14,9 @@
 //!
 //! **Load.** `load` asks for a step (or the newest complete for every rank) and receives the
 //! sealed segment; it checks the seals and maps it read-only. Caller buffers are filled with one
-//! parallel copy out of the mapping; tensors returned owned are views of the mapping itself (no
-//! copy at all), which stay valid however long they are kept. The bytes were checked against
+//! parallel copy straight from the segment's pages (`pread`, so the mapping's pages are never
+//! faulted in for them); tensors returned owned are views of the mapping itself (no copy at
+//! all), which stay valid however long they are kept. The bytes were checked against
 //! their hashes when the sidecar sealed them and cannot have changed since, so they are not
 //! hashed again.
 
@@ -299,12 +300,15 @@ impl Client {
         );
         let mut targets = load::targets(step, &m, dest)?;
         let direct = std::mem::take(&mut targets.direct);
+        // Straight from the segment's pages into the caller's: one copy, and no page faults
+        // on a mapping of the segment (only the header and owned tensors are read through it).
         load::copy_out(
-            &sealed.bytes()[..len],
+            &|at, dst| sealed.read_at(at, dst),
             direct,
             m.chunk_size as usize,
             inner.threads,
-        );
+        )
+        .map_err(|e| self.error(format!("read the restored segment: {e}")))?;
         let all = Bytes::from_owner(SealedBytes(sealed, len));
         let loaded = inner.finish(step, m, all, targets, chunk_sources)?;
         info!(

@@ -65,42 +65,108 @@ pub(crate) fn check_manifest(info: &ShardInfo, json: &str, from: &str) -> Result
     Ok(m)
 }
 
-/// Receives a shard's data into `out` (exactly the file), chunk by chunk, hashing each chunk on
-/// up to `threads` threads while the next arrives. `Ok(None)` when every chunk matches the
-/// manifest, `Ok(Some(i))` for the first chunk that does not (the whole stream is read either
-/// way, so the connection stays in step).
+/// Bytes of shard data read from the socket at once.
+const PIECE: usize = 1 << 20;
+
+/// A piece of a shard on its way from the socket to the segment.
+struct Piece {
+    chunk: usize,
+    offset: u64,
+    buf: Vec<u8>,
+    len: usize,
+    last: bool,
+}
+
+/// Receives a shard's data (the file `m` describes) and hands it to `write` (file offset,
+/// bytes), checking every chunk against the manifest on the way.
+///
+/// The calling thread reads the stream in 1 MiB pieces into a small ring of buffers and hands
+/// each piece to one of up to `threads` workers: all pieces of chunk `i` go to worker
+/// `i % workers`, in order, which hashes them while they are still in cache and writes them
+/// out, so chunks are hashed and written in parallel while the next ones arrive. `Ok(None)`
+/// when every chunk matches, `Ok(Some(i))` for the first chunk that does not (the whole stream
+/// is read either way, so the connection stays in step).
 pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
     conn: &mut Conn<S>,
-    out: &mut [u8],
     m: &Manifest,
     threads: usize,
+    write: &(dyn Fn(u64, &[u8]) -> std::io::Result<()> + Sync),
 ) -> Result<Option<usize>> {
     let hashes = m.chunk_hashes();
-    let chunk_size = m.chunk_size as usize;
+    let workers = threads.clamp(1, 8);
     let bad = Mutex::new(None::<usize>);
-    let (tx, rx) = mpsc::channel::<(usize, &[u8])>();
-    let rx = Mutex::new(rx);
+    let failed = Mutex::new(None::<std::io::Error>);
+    let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
+    for _ in 0..2 * workers + 2 {
+        let _ = free_tx.send(vec![0u8; PIECE]);
+    }
     std::thread::scope(|scope| {
-        // Owned by this closure: dropped when it returns, which ends the hashers.
-        let tx = tx;
-        for _ in 0..threads.clamp(1, 8) {
-            scope.spawn(|| {
-                loop {
-                    let next = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
-                    let Ok((i, chunk)) = next else { return };
-                    if hashes.get(i) != Some(&blake3::hash(chunk)) {
-                        let mut b = bad.lock().unwrap_or_else(PoisonError::into_inner);
-                        *b = Some(b.map_or(i, |j| j.min(i)));
+        let mut queues = Vec::with_capacity(workers);
+        for _ in 0..workers {
+            let (tx, rx) = mpsc::channel::<Piece>();
+            queues.push(tx);
+            let (free_tx, hashes, bad, failed) = (free_tx.clone(), &hashes, &bad, &failed);
+            scope.spawn(move || {
+                let mut hasher: Option<(usize, blake3::Hasher)> = None;
+                for p in rx {
+                    if hasher.as_ref().is_none_or(|(c, _)| *c != p.chunk) {
+                        hasher = Some((p.chunk, blake3::Hasher::new()));
                     }
+                    if let Some((_, h)) = &mut hasher {
+                        h.update(&p.buf[..p.len]);
+                    }
+                    let mut f = failed.lock().unwrap_or_else(PoisonError::into_inner);
+                    if f.is_none()
+                        && let Err(e) = write(p.offset, &p.buf[..p.len])
+                    {
+                        *f = Some(e);
+                    }
+                    drop(f);
+                    if p.last
+                        && let Some((c, h)) = hasher.take()
+                        && hashes.get(c) != Some(&h.finalize())
+                    {
+                        let mut b = bad.lock().unwrap_or_else(PoisonError::into_inner);
+                        *b = Some(b.map_or(c, |j| j.min(c)));
+                    }
+                    let _ = free_tx.send(p.buf);
                 }
             });
         }
-        for (i, chunk) in out.chunks_mut(chunk_size.max(1)).enumerate() {
-            conn.recv_data_exact(chunk)?;
-            let _ = tx.send((i, &*chunk));
+        let mut at = 0u64;
+        for (i, want) in (0..hashes.len()).map(|i| (i, m.chunk_range(i))) {
+            let chunk_len = (want.end - want.start) as usize;
+            let mut done = 0;
+            while done < chunk_len {
+                let frame = conn.recv_data_len(chunk_len - done)?;
+                let mut got = 0;
+                while got < frame {
+                    let mut buf = free_rx
+                        .recv()
+                        .map_err(|_| conn.error("receive workers stopped"))?;
+                    let n = (frame - got).min(PIECE);
+                    conn.read_payload(&mut buf[..n])?;
+                    got += n;
+                    let piece = Piece {
+                        chunk: i,
+                        offset: at,
+                        buf,
+                        len: n,
+                        last: done + got == chunk_len,
+                    };
+                    at += n as u64;
+                    if queues[i % workers].send(piece).is_err() {
+                        return Err(conn.error("receive worker stopped"));
+                    }
+                }
+                done += frame;
+            }
         }
         Ok(())
     })?;
+    if let Some(e) = failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(Error::io("write received shard", "shared memory", e));
+    }
     Ok(bad.into_inner().unwrap_or_else(PoisonError::into_inner))
 }
 
@@ -125,12 +191,10 @@ fn receive_shard(
     manifest_json: String,
     charge: super::memory::Charge,
 ) -> Result<std::result::Result<Arc<Shard>, String>> {
-    let len = info.len as usize;
     let name = format!("hotstart-{}-{}-{}", info.job, info.step, info.rank);
-    let mut seg = Segment::create(&name, len, Some(charge))
-        .and_then(Segment::fill)
+    let seg = Segment::create(&name, info.len as usize, Some(charge))
         .map_err(|e| Error::io("create shared memory", &name, e))?;
-    if let Some(i) = recv_verified(conn, &mut seg.bytes_mut()[..len], &m, core.threads)? {
+    if let Some(i) = recv_verified(conn, &m, core.threads, &|at, d| seg.write_at(at, d))? {
         core.metrics.failed(Failure::Checksum);
         return Ok(Err(format!("chunk {i} does not match its checksum")));
     }
@@ -388,14 +452,14 @@ impl PeerClient {
     }
 
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
-    /// manifest; the file goes into the first `len` bytes of the buffer it returns), verifying
-    /// every chunk. `None` when the peer does not hold it.
-    pub fn fetch<T>(
+    /// manifest), written piece by piece with `write` (the memory, file offset, bytes; from
+    /// several threads), every chunk verified. `None` when the peer does not hold it.
+    pub fn fetch<T: Sync>(
         &mut self,
         key: &ShardKey,
         threads: usize,
         alloc: impl FnOnce(&ShardInfo, &Manifest) -> Result<T>,
-        bytes: impl FnOnce(&mut T) -> &mut [u8],
+        write: impl Fn(&T, u64, &[u8]) -> std::io::Result<()> + Sync,
     ) -> Result<Option<(ShardInfo, Manifest, String, T)>> {
         self.conn.send(&PeerMsg::Fetch {
             job: key.job.clone(),
@@ -414,18 +478,14 @@ impl PeerClient {
         }
         let m = check_manifest(&info, &json, &self.peer.node)
             .map_err(|e| self.conn.violation(e.to_string()))?;
-        let mut buf = alloc(&info, &m)?;
-        let out = bytes(&mut buf);
-        let len = info.len as usize;
-        if out.len() < len {
-            return Err(self.conn.error("fetch buffer too small"));
-        }
-        if let Some(i) = recv_verified(&mut self.conn, &mut out[..len], &m, threads)? {
+        let mem = alloc(&info, &m)?;
+        let sink = |at: u64, d: &[u8]| write(&mem, at, d);
+        if let Some(i) = recv_verified(&mut self.conn, &m, threads, &sink)? {
             return Err(self
                 .conn
                 .error(format!("{key}: chunk {i} does not match its checksum")));
         }
-        Ok(Some((info, m, json, buf)))
+        Ok(Some((info, m, json, mem)))
     }
 }
 
@@ -512,10 +572,9 @@ impl Core {
                                 .reserve(info.len, self.cfg.stage_timeout, &what)?;
                         let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
                         Segment::create(&name, info.len as usize, Some(charge))
-                            .and_then(Segment::fill)
                             .map_err(|e| Error::io("create shared memory", &name, e))
                     },
-                    |seg| seg.bytes_mut(),
+                    |seg, at, d| seg.write_at(at, d),
                 )
             });
             match res {

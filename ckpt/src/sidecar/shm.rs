@@ -11,8 +11,10 @@
 //! process still has it mapped writable) and maps it read-only: from then on the bytes can
 //! never change, in any process, which is what makes handing out `&[u8]` over shared memory
 //! sound ([`Sealed`]). Restores send the sealed descriptor; the receiver checks the seals
-//! ([`Sealed::open`]) before it trusts the bytes. A segment received from a peer is filled
-//! through a private writable mapping ([`Filling`]) and sealed the same way.
+//! ([`Sealed::open`]) before it trusts the bytes. A segment received from a peer is written
+//! with `pwrite` ([`Segment::write_at`]: far cheaper than faulting fresh pages in through a
+//! mapping), one read back from disk or store through a private writable mapping
+//! ([`Filling`]); both are sealed the same way.
 //!
 //! The memory lives as long as any descriptor or mapping of it does, in any process; the
 //! sidecar's budget charge ([`super::memory::Charge`]) lives as long as the sidecar's own
@@ -110,6 +112,34 @@ impl Segment {
     /// Never true: segments have at least one byte.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// Writes `data` at `offset` with `pwrite`: into the page cache of the segment directly,
+    /// which allocates fresh pages far faster than faulting them in through a mapping.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if offset.saturating_add(data.len() as u64) > self.len as u64 {
+            return Err(io::Error::other("write past the end of the segment"));
+        }
+        let mut done = 0;
+        while done < data.len() {
+            let at = libc::off_t::try_from(offset + done as u64)
+                .map_err(|_| io::Error::other("offset larger than off_t"))?;
+            let rest = &data[done..];
+            // SAFETY: pwrite reads at most `rest.len()` bytes from `rest`.
+            let n =
+                unsafe { libc::pwrite(self.fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at) };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Maps the whole segment, read-write, shared: what a training process stages into.
@@ -278,6 +308,37 @@ impl Sealed {
     /// Never true.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// Copies the bytes at `offset` into `buf` with `pread`: straight from the segment's pages,
+    /// without mapping them into this process (no page faults).
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let at = libc::off_t::try_from(offset + done as u64)
+                .map_err(|_| io::Error::other("offset larger than off_t"))?;
+            let rest = &mut buf[done..];
+            // SAFETY: pread writes at most `rest.len()` bytes into `rest`.
+            let n = unsafe {
+                libc::pread(
+                    self.seg.fd.as_raw_fd(),
+                    rest.as_mut_ptr().cast(),
+                    rest.len(),
+                    at,
+                )
+            };
+            match n {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n if n > 0 => done += n as usize,
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -396,25 +396,34 @@ impl<S: Read + Write> Conn<S> {
         self.io.flush().map_err(|e| self.io_error("send data", e))
     }
 
-    /// Receives one data frame into the start of `out`, which must have room for it; its
-    /// length.
-    pub fn recv_data(&mut self, out: &mut [u8]) -> crate::Result<usize> {
+    /// Reads the header of a data frame of at most `room` bytes (and at least one); its length.
+    /// The payload is then read with [`Conn::read_payload`].
+    pub fn recv_data_len(&mut self, room: usize) -> crate::Result<usize> {
         let (kind, len, _) = self.read_header()?;
         if kind != KIND_DATA {
             return Err(self.violation("message frame where data was expected"));
         }
-        if len > out.len() {
-            return Err(self.violation(format!(
-                "data frame of {len} bytes where {} remain",
-                out.len()
-            )));
+        if len > room {
+            return Err(self.violation(format!("data frame of {len} bytes where {room} remain")));
         }
         if len == 0 {
             return Err(self.violation("empty data frame"));
         }
+        Ok(len)
+    }
+
+    /// Reads `buf.len()` bytes of the current data frame's payload.
+    pub fn read_payload(&mut self, buf: &mut [u8]) -> crate::Result<()> {
         self.io
-            .read_exact(&mut out[..len])
-            .map_err(|e| self.io_error("receive data", e))?;
+            .read_exact(buf)
+            .map_err(|e| self.io_error("receive data", e))
+    }
+
+    /// Receives one data frame into the start of `out`, which must have room for it; its
+    /// length.
+    pub fn recv_data(&mut self, out: &mut [u8]) -> crate::Result<usize> {
+        let len = self.recv_data_len(out.len())?;
+        self.read_payload(&mut out[..len])?;
         Ok(len)
     }
 
