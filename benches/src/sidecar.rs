@@ -445,7 +445,7 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The restarted training process: loads the step into new tensors of its own.
+/// The restarted training process: loads the step into tensors of its own.
 pub fn restore_child(args: &RestoreChild) -> anyhow::Result<()> {
     let mut cfg = EngineConfig::new(JOB, 0, 1);
     match (&args.socket, &args.store) {
@@ -454,7 +454,9 @@ pub fn restore_child(args: &RestoreChild) -> anyhow::Result<()> {
         (None, None) => bail!("--socket or --store"),
     }
     let engine = Engine::new(cfg)?;
-    let mut dst = vec![0u8; args.per * args.tensors];
+    // The model's parameters: allocated by the new process (on huge pages where the system
+    // allows, as large tensors are), not touched before the load.
+    let mut dst = AlignedBuf::zeroed(args.per * args.tensors);
     let mut bufs = slices(&mut dst, args.per);
     let l = engine.load(StepSel::Latest, destination(&mut bufs))?;
     ensure!(l.step == 1, "loaded step {}", l.step);

@@ -348,41 +348,52 @@ impl Engine {
             tensors,
             extras,
         };
-        let spawned = std::thread::Builder::new()
-            .name(format!("hotstart-ckpt-save-{step}"))
-            .spawn(move || job.run(slot));
-        match spawned {
-            Ok(t) => self.track(t),
-            Err(e) => {
-                inner.done_persisting(step);
-                let e = Arc::new(Error::io("spawn save thread", "", e));
-                shared.fail_pending(e.clone());
-                return Err(Error::Task {
-                    what: "save",
-                    message: e.to_string(),
-                });
-            }
-        }
+        self.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
+            job.run(slot)
+        })
+        .inspect_err(|_| inner.done_persisting(step))?;
         Ok(handle(shared))
     }
 
-    /// Keeps a background thread of a save, so `wait_idle` (and dropping) waits for it.
-    pub(crate) fn track(&self, t: JoinHandle<()>) {
-        let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
-        threads.retain(|t| !t.is_finished());
-        threads.push(t);
+    /// Runs the background work of a save on a thread of its own that `wait_idle` (and
+    /// dropping) waits for. If no thread can be started, the handle's pending phases fail and
+    /// so does the call.
+    pub(crate) fn spawn_tracked(
+        &self,
+        name: String,
+        shared: &Shared,
+        work: impl FnOnce() + Send + 'static,
+    ) -> Result<()> {
+        match std::thread::Builder::new().name(name).spawn(work) {
+            Ok(t) => {
+                let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
+                threads.retain(|t| !t.is_finished());
+                threads.push(t);
+                Ok(())
+            }
+            Err(e) => {
+                let e = Arc::new(Error::io("spawn save thread", "", e));
+                shared.fail_pending(e.clone());
+                Err(Error::Task {
+                    what: "save",
+                    message: e.to_string(),
+                })
+            }
+        }
     }
 
     /// Persists a file that is already staged and hashed (a sidecar's committed segment) to
-    /// this engine's tiers in the background, then applies retention; the handle reports each
-    /// tier. `manifest` must describe the first `len` bytes of `region`.
+    /// this engine's tiers in the background, then applies retention. The handle reports each
+    /// tier; the thread returned ends once retention is done too (the caller joins it: it is
+    /// not one of the saves `wait_idle` waits for). `manifest` must describe the first `len`
+    /// bytes of `region`.
     pub(crate) fn persist_staged(
         &self,
         step: u64,
         region: Arc<dyn crate::tier::Region>,
         len: usize,
         manifest: Vec<u8>,
-    ) -> Result<SaveHandle> {
+    ) -> Result<(SaveHandle, JoinHandle<()>)> {
         let inner = &self.inner;
         let shared = Shared::new(step, &inner.own_tiers());
         shared.set_staged(Phase::Done);
@@ -403,19 +414,20 @@ impl Engine {
                 })
             });
         match spawned {
-            Ok(t) => self.track(t),
+            Ok(t) => Ok((
+                SaveHandle {
+                    shared,
+                    step,
+                    rank: inner.rank,
+                    inflight: inner.max_inflight,
+                },
+                t,
+            )),
             Err(e) => {
                 inner.done_persisting(step);
-                let e = Arc::new(Error::io("spawn persist thread", "", e));
-                shared.fail_pending(e.clone());
+                Err(Error::io("spawn persist thread", "", e))
             }
         }
-        Ok(SaveHandle {
-            shared,
-            step,
-            rank: inner.rank,
-            inflight: inner.max_inflight,
-        })
     }
 
     /// Waits for every save started so far to finish persisting.
@@ -531,21 +543,14 @@ impl Inner {
             return Ok(None);
         };
         let location = format!("{key} ({} tier)", tier.kind());
-        let m = Manifest::parse(&bytes, &location)?;
-        if m.job != self.job
-            || m.step != step
-            || m.rank != self.rank
-            || m.world_size != self.world_size
-        {
-            return Err(Error::format(
-                "manifest",
-                location,
-                format!(
-                    "written for job {:?} step {} rank {} of {}",
-                    m.job, m.step, m.rank, m.world_size
-                ),
-            ));
-        }
+        let m = Manifest::parse_for(
+            &bytes,
+            &location,
+            &self.job,
+            step,
+            self.rank,
+            self.world_size,
+        )?;
         Ok(Some(m))
     }
 

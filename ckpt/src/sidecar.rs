@@ -105,6 +105,7 @@ impl Core {
             peers_down,
             replication_lag,
             replication_pending,
+            persist_running: self.inflight.running(),
         }
     }
 }

@@ -226,6 +226,19 @@ impl Node {
         metrics::sample(&page, name).unwrap_or_else(|| panic!("no {name} in\n{page}"))
     }
 
+    /// Waits until the sample `name` reads `want` (watchdog: panics with the page).
+    pub fn wait_metric(&self, name: &str, want: f64) {
+        let deadline = Instant::now() + WATCHDOG;
+        while self.metric(name) != want {
+            assert!(
+                Instant::now() < deadline,
+                "{name} never reached {want}:\n{}",
+                self.metrics()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// `kill -9`.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -194,8 +194,15 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         "{}",
         n.log()
     );
-    // The daemon still serves everyone else.
+    // The daemon still serves everyone else; a job name that walks out of the disk tier lists
+    // nothing.
     assert!(good().inventory(None).expect("inventory").is_empty());
+    assert!(
+        good()
+            .inventory(Some("../.."))
+            .expect("inventory")
+            .is_empty()
+    );
     assert_eq!(
         hotstart_testkit::get(n.http, "/livez", TIMEOUT)
             .expect("livez")

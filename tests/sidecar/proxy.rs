@@ -6,8 +6,8 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Bytes forwarded so far by every connection of a proxy, since it started.
-type Budget = Arc<(Instant, Mutex<u64>)>;
+/// When a proxy forwarded its first byte, and the bytes forwarded since by all its connections.
+type Budget = Arc<Mutex<Option<(Instant, u64)>>>;
 
 /// What the proxy does with the bytes.
 #[derive(Debug, Clone, Copy)]
@@ -25,7 +25,7 @@ pub enum Mode {
 pub fn start(mode: Mode) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind proxy");
     let addr = l.local_addr().expect("addr");
-    let budget: Budget = Arc::new((Instant::now(), Mutex::new(0)));
+    let budget: Budget = Arc::new(Mutex::new(None));
     std::thread::spawn(move || {
         let mut held = Vec::new();
         for conn in l.incoming() {
@@ -62,13 +62,14 @@ fn pump(mut from: TcpStream, mut to: TcpStream, rate: u64, budget: Budget) {
         if to.write_all(&buf[..n]).is_err() {
             break;
         }
-        let sent = {
-            let mut total = budget.1.lock().unwrap_or_else(|p| p.into_inner());
+        let (first, sent) = {
+            let mut b = budget.lock().unwrap_or_else(|p| p.into_inner());
+            let (first, total) = b.get_or_insert((Instant::now(), 0));
             *total += n as u64;
-            *total
+            (*first, *total)
         };
         let due = Duration::from_secs_f64(sent as f64 / rate as f64);
-        if let Some(wait) = due.checked_sub(budget.0.elapsed()) {
+        if let Some(wait) = due.checked_sub(first.elapsed()) {
             std::thread::sleep(wait);
         }
     }

@@ -71,6 +71,8 @@ pub fn trainer_kill_restores_from_memory() {
     let mut trainers = train(&nodes);
 
     trainers[1].kill9();
+    // Retention of older steps follows every save and reads the store: let it finish first.
+    nodes[1].wait_metric("hotstart_persist_running_shards", 0.0);
     let reads = |n: &Node| (n.metric(GETS), n.metric(HEADS), n.metric(LISTS));
     let before = reads(&nodes[1]);
     assert_eq!(nodes[1].metric(FROM_MEMORY), 0.0);

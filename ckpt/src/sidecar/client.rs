@@ -227,20 +227,9 @@ impl Client {
             conn,
             ticket,
         };
-        let spawned = std::thread::Builder::new()
-            .name(format!("hotstart-ckpt-save-{step}"))
-            .spawn(move || job.run(map));
-        match spawned {
-            Ok(t) => engine.track(t),
-            Err(e) => {
-                let e = Arc::new(Error::io("spawn save thread", "", e));
-                shared.fail_pending(e.clone());
-                return Err(Error::Task {
-                    what: "save",
-                    message: e.to_string(),
-                });
-            }
-        }
+        engine.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
+            job.run(map)
+        })?;
         Ok(handle(shared))
     }
 
@@ -278,22 +267,17 @@ impl Client {
         };
         let fd = conn.take_fd()?;
         let location = format!("step {step} rank {} from the sidecar", self.rank);
-        let m = Manifest::parse(json.as_bytes(), &location)?;
-        if m.job != self.job
-            || m.rank != self.rank
-            || m.world_size != self.world_size
-            || want.is_some_and(|s| s != m.step)
-            || m.step != step
-        {
-            return Err(Error::format(
-                "manifest",
-                location,
-                format!(
-                    "written for {} step {} rank {} of {}",
-                    m.job, m.step, m.rank, m.world_size
-                ),
-            ));
+        if want.is_some_and(|s| s != step) {
+            return Err(self.error(format!("asked for step {want:?}, got step {step}")));
         }
+        let m = Manifest::parse_for(
+            json.as_bytes(),
+            &location,
+            &self.job,
+            step,
+            self.rank,
+            self.world_size,
+        )?;
         let len = load::file_len(&m)?;
         let sealed = Arc::new(
             Sealed::open(fd, len).map_err(|e| self.error(format!("restored segment: {e}")))?,

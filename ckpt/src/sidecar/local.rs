@@ -289,18 +289,14 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
         "{} (commit)",
         format::manifest_key(&who.job, s.step, who.rank)
     );
-    let m = Manifest::parse(manifest.as_bytes(), &location)?;
-    if m.job != who.job || m.rank != who.rank || m.world_size != who.world_size || m.step != s.step
-    {
-        return Err(Error::format(
-            "manifest",
-            location,
-            format!(
-                "written for {} step {} rank {} of {}",
-                m.job, m.step, m.rank, m.world_size
-            ),
-        ));
-    }
+    let m = Manifest::parse_for(
+        manifest.as_bytes(),
+        &location,
+        &who.job,
+        s.step,
+        who.rank,
+        who.world_size,
+    )?;
     let len = m.file_len as usize;
     if m.file_len > s.seg.len() as u64 {
         return Err(Error::format(

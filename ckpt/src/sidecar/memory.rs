@@ -466,8 +466,14 @@ mod tests {
                     .map(|_| ())
             })
         };
-        std::thread::sleep(Duration::from_millis(50));
+        // The waiter evicts step 1 (not freed: still held here), then waits for memory.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while mem.stats().evictions == 0 {
+            assert!(Instant::now() < deadline, "the waiter never evicted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert_eq!(steps(&mem, 0), vec![2], "step 1 evicted, still in use");
+        assert!(!waiter.is_finished(), "no memory was free yet");
         drop(held);
         waiter.join().unwrap().unwrap();
         assert!(mem.stats().peak <= 2 * 4096);

@@ -42,6 +42,9 @@ pub const RESTORE_DURATION_SECONDS: &str = "hotstart_restore_duration_seconds";
 pub const REPLICATION_LAG_SECONDS: &str = "hotstart_replication_lag_seconds";
 /// Gauge: committed local shards waiting for replication.
 pub const REPLICATION_PENDING_SHARDS: &str = "hotstart_replication_pending_shards";
+/// Gauge: committed local shards whose persistence to disk and store, and the retention that
+/// follows it, is still running.
+pub const PERSIST_RUNNING_SHARDS: &str = "hotstart_persist_running_shards";
 /// Counter: shards a starting node pulled back from its peers.
 pub const RECOVERED_SHARDS_TOTAL: &str = "hotstart_recovered_shards_total";
 /// Counter: bytes a starting node pulled back from its peers.
@@ -190,6 +193,7 @@ pub struct Gauges {
     pub peers_down: u64,
     pub replication_lag: Duration,
     pub replication_pending: u64,
+    pub persist_running: u64,
 }
 
 impl Metrics {
@@ -378,6 +382,13 @@ impl Metrics {
             "{REPLICATION_PENDING_SHARDS} {}",
             g.replication_pending
         );
+        head(
+            &mut out,
+            PERSIST_RUNNING_SHARDS,
+            "gauge",
+            "Committed local shards whose persistence to disk and store (retention included) is running.",
+        );
+        let _ = writeln!(out, "{PERSIST_RUNNING_SHARDS} {}", g.persist_running);
         head(
             &mut out,
             RECOVERED_SHARDS_TOTAL,

@@ -46,19 +46,21 @@ pub(crate) fn check_manifest(info: &ShardInfo, json: &str, from: &str) -> Result
         format::manifest_key(&info.job, info.step, info.rank)
     );
     format::check_job(&info.job)?;
-    let m = Manifest::parse(json.as_bytes(), &location)?;
-    if m.job != info.job
-        || m.step != info.step
-        || m.rank != info.rank
-        || m.world_size != info.world_size
-        || m.file_len != info.len
-    {
+    let m = Manifest::parse_for(
+        json.as_bytes(),
+        &location,
+        &info.job,
+        info.step,
+        info.rank,
+        info.world_size,
+    )?;
+    if m.file_len != info.len {
         return Err(Error::format(
             "manifest",
             location,
             format!(
-                "describes {} step {} rank {} of {} ({} bytes), not the shard announced",
-                m.job, m.step, m.rank, m.world_size, m.file_len
+                "describes {} bytes, not the {} announced",
+                m.file_len, info.len
             ),
         ));
     }
@@ -115,13 +117,13 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
                     if let Some((_, h)) = &mut hasher {
                         h.update(&p.buf[..p.len]);
                     }
-                    let mut f = failed.lock().unwrap_or_else(PoisonError::into_inner);
-                    if f.is_none()
-                        && let Err(e) = write(p.offset, &p.buf[..p.len])
-                    {
-                        *f = Some(e);
+                    // Written outside the lock: workers write their pieces in parallel.
+                    if let Err(e) = write(p.offset, &p.buf[..p.len]) {
+                        failed
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .get_or_insert(e);
                     }
-                    drop(f);
                     if p.last
                         && let Some((c, h)) = hasher.take()
                         && hashes.get(c) != Some(&h.finalize())

@@ -4,10 +4,14 @@
 //!
 //! Every committed local shard is *pending* until each of its tiers (peers, disk, store) has
 //! finished with it, successfully or not; the pending set is what the replication-lag gauge
-//! and the drain look at. On SIGTERM the drain waits for the pending set to empty, at most the
+//! and the drain look at. Its persistence to disk and store counts as *running* until the
+//! retention that follows it (old steps removed from the tiers) is done too: the
+//! `hotstart_persist_running_shards` gauge, which tells when the sidecar makes no more requests
+//! to the store for what was saved. On SIGTERM the drain waits for the pending set to empty, at most the
 //! grace period, and reports every shard still pending, with the tiers it never reached.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -51,6 +55,24 @@ pub(crate) struct Inflight {
     pending: Mutex<BTreeMap<ShardKey, Pending>>,
     changed: Condvar,
     finished: Mutex<usize>,
+    /// Shards whose persistence to disk and store, retention included, is still running.
+    running: AtomicU64,
+}
+
+/// One shard's persistence to disk and store, counted as running until dropped.
+struct Running(Arc<Core>);
+
+impl Running {
+    fn start(core: &Arc<Core>) -> Running {
+        core.inflight.running.fetch_add(1, Ordering::AcqRel);
+        Running(core.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.inflight.running.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Inflight {
@@ -82,6 +104,11 @@ impl Inflight {
         }
         drop(p);
         self.changed.notify_all();
+    }
+
+    /// Shards whose persistence to disk and store (retention included) is still running.
+    pub(crate) fn running(&self) -> u64 {
+        self.running.load(Ordering::Acquire)
     }
 
     /// Age of the oldest shard still waiting for its peers, and how many wait.
@@ -217,6 +244,7 @@ impl Core {
         if own.is_empty() {
             return;
         }
+        let running = Running::start(self);
         let fail_all = |why: String| {
             for &t in &own {
                 self.metrics.failed(Failure::persist(t));
@@ -233,7 +261,7 @@ impl Core {
                 shard.manifest_json.clone().into_bytes(),
             )
         });
-        let handle = match handle {
+        let (handle, persisting) = match handle {
             Ok(h) => h,
             Err(e) => return fail_all(e.to_string()),
         };
@@ -241,6 +269,7 @@ impl Core {
         let spawned = std::thread::Builder::new()
             .name("hotstart-persist-wait".into())
             .spawn(move || {
+                let _running = running;
                 for t in own {
                     let res = match handle.wait_persisted(t) {
                         Ok(()) => {
@@ -254,6 +283,10 @@ impl Core {
                     };
                     send_event(&events, t, &res);
                     core.inflight.done(&shard.key, t);
+                }
+                // Retention follows; the shard's persistence runs until it is done.
+                if persisting.join().is_err() {
+                    error!(shard = %shard.key, "persistence thread panicked");
                 }
             });
         if let Err(e) = spawned {

@@ -55,8 +55,12 @@ fn manifest_of(job: &str, key: &str) -> Option<(u64, u32)> {
 }
 
 impl Core {
-    /// What this node holds: shards in memory, and rank manifests on its disk.
+    /// What this node holds: shards in memory, and rank manifests on its disk. A job name that
+    /// is not one (a peer asking for `../x`) holds nothing.
     pub(crate) fn inventory(&self, job: Option<&str>) -> Vec<ShardInfo> {
+        if job.is_some_and(|j| format::check_job(j).is_err()) {
+            return Vec::new();
+        }
         let mut out: Vec<ShardInfo> = self.memory.shards(job).iter().map(|s| s.info()).collect();
         let disk = self.tiers.iter().find(|t| t.kind() == TierKind::Disk);
         if let (Some(disk), Some(job)) = (disk, job) {
