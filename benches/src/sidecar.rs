@@ -28,12 +28,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
 use hotstart_ckpt::sidecar::{Settings, Sidecar, Token, metrics};
-use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, StepSel, Tensor};
+use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel};
 use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
 use hotstart_testkit::SeaweedFs;
 
-use crate::ckpt::parallel_memcpy;
+use crate::ckpt::{parallel_memcpy, state};
 use crate::report::{Report, Row, median, rate};
 use crate::store_uring::drop_page_cache;
 
@@ -221,6 +221,7 @@ fn restart(args: &[String], env: &[(String, String)]) -> anyhow::Result<Duration
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .output()?;
     let took = t.elapsed();
+    eprintln!("{} {:?}", String::from_utf8_lossy(&out.stderr), took);
     if !out.status.success() {
         bail!(
             "restarted process failed: {}",
@@ -258,14 +259,7 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
     }
 
     eprintln!("sidecar: preparing {label}");
-    let sources: Vec<Bytes> = (0..args.tensors)
-        .map(|i| Bytes::from(hotstart_testkit::pattern(per, i as u64)))
-        .collect();
-    let state: Vec<Tensor> = sources
-        .iter()
-        .enumerate()
-        .map(|(i, b)| Tensor::new(format!("layer.{i}"), Dtype::U8, vec![per as u64], b.clone()))
-        .collect::<Result<_, _>>()?;
+    let (sources, state) = state(args.tensors, per)?;
     // Node A holds the step (and persists it to its disk and the store); B only fetches it.
     let budget = total as u64 + total as u64 / 4 + (64 << 20);
     let disk = work.path().join("disk-a");

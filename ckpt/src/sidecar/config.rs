@@ -147,6 +147,19 @@ pub struct Settings {
     pub token: Option<Token>,
 }
 
+/// `"1.5 GiB"` as `(1.5, "GiB")`: the leading number and what follows it, trimmed.
+fn number_and_unit<'a>(s: &'a str, what: &str) -> std::result::Result<(f64, &'a str), String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n = num
+        .parse()
+        .map_err(|_| format!("{what} {s:?}: not a number"))?;
+    Ok((n, unit.trim()))
+}
+
 /// A byte size: an integer, or a string with a unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Size(pub u64);
@@ -155,12 +168,8 @@ impl std::str::FromStr for Size {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<Size, String> {
-        let t = s.trim();
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        let (n, unit) = number_and_unit(s, "size")?;
+        let mult: u64 = match unit.to_ascii_lowercase().as_str() {
             "" | "b" => 1,
             "k" | "kb" => 1_000,
             "ki" | "kib" => 1 << 10,
@@ -172,9 +181,6 @@ impl std::str::FromStr for Size {
             "ti" | "tib" => 1 << 40,
             u => return Err(format!("size {s:?}: unknown unit {u:?}")),
         };
-        let n: f64 = num
-            .parse()
-            .map_err(|_| format!("size {s:?}: not a number"))?;
         let bytes = n * mult as f64;
         if !(0.0..1.8e19).contains(&bytes) {
             return Err(format!("size {s:?} is out of range"));
@@ -206,15 +212,8 @@ impl std::str::FromStr for Seconds {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<Seconds, String> {
-        let t = s.trim();
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        let n: f64 = num
-            .parse()
-            .map_err(|_| format!("duration {s:?}: not a number"))?;
-        let secs = match unit.trim() {
+        let (n, unit) = number_and_unit(s, "duration")?;
+        let secs = match unit {
             "ms" => n / 1000.0,
             "" | "s" => n,
             "m" | "min" => n * 60.0,
