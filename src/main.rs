@@ -2,6 +2,7 @@
 
 mod ckpt_cmd;
 mod mount_cmd;
+mod serve_cmd;
 mod store_cmd;
 
 use clap::{Parser, Subcommand};
@@ -14,7 +15,8 @@ use clap::{Parser, Subcommand};
 /// AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ALLOW_HTTP=true for
 /// plain-HTTP servers), gs:// and az:// where built in.
 ///
-/// Logging: HOTSTART_LOG=debug (or any tracing EnvFilter, e.g. hotstart_store=trace).
+/// Logging: HOTSTART_LOG=debug (or any tracing EnvFilter, e.g. hotstart_store=trace); the
+/// default is warn, and info for `serve`.
 #[derive(Debug, Parser)]
 #[command(name = "hotstart", version, about, long_about)]
 struct Cli {
@@ -32,17 +34,26 @@ enum Command {
     Ckpt(ckpt_cmd::CkptCommand),
     /// Mount a store as a directory: striped parallel reads and writes of plain objects.
     Mount(mount_cmd::MountArgs),
+    /// Run the node's sidecar: the memory tier of checkpoints, backed up to peers and
+    /// persisted to disk and store, restores from the nearest tier, /livez /readyz /metrics.
+    Serve(Box<serve_cmd::ServeArgs>),
 }
 
 fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The daemon logs what it does (state changes, restores and where they came from).
+    let default_filter = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("HOTSTART_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -58,6 +69,7 @@ fn main() -> std::process::ExitCode {
             Command::Store(cmd) => store_cmd::run(cmd).await,
             Command::Ckpt(cmd) => ckpt_cmd::run(cmd).await,
             Command::Mount(args) => mount_cmd::run(args).await,
+            Command::Serve(args) => serve_cmd::run(*args).await,
         }
     });
     match result {

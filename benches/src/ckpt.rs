@@ -126,14 +126,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         .with_context(|| format!("temp dir in {}", args.dir.display()))?;
 
     eprintln!("ckpt: preparing {label}");
-    let sources: Vec<Bytes> = (0..args.tensors)
-        .map(|i| Bytes::from(hotstart_testkit::pattern(per, i as u64)))
-        .collect();
-    let state: Vec<Tensor> = sources
-        .iter()
-        .enumerate()
-        .map(|(i, b)| Tensor::new(format!("layer.{i}"), Dtype::U8, vec![per as u64], b.clone()))
-        .collect::<Result<_, _>>()?;
+    let (sources, state) = state(args.tensors, per)?;
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get().min(8));
     let ckpt_dir = work.path().join("disk");
     let mut cfg = EngineConfig::new("bench", 0, 1).disk(&ckpt_dir);
@@ -386,8 +379,22 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `tensors` tensors `layer.<i>` of `per` incompressible bytes each: their bytes, and the
+/// tensors a save takes (sharing them).
+pub(crate) fn state(tensors: usize, per: usize) -> anyhow::Result<(Vec<Bytes>, Vec<Tensor>)> {
+    let sources: Vec<Bytes> = (0..tensors)
+        .map(|i| Bytes::from(hotstart_testkit::pattern(per, i as u64)))
+        .collect();
+    let state: Vec<Tensor> = sources
+        .iter()
+        .enumerate()
+        .map(|(i, b)| Tensor::new(format!("layer.{i}"), Dtype::U8, vec![per as u64], b.clone()))
+        .collect::<Result<_, _>>()?;
+    Ok((sources, state))
+}
+
 /// Copies every tensor into `dst` over `threads` threads; the time it took.
-fn parallel_memcpy(dst: &mut [u8], state: &[Bytes], threads: usize) -> Duration {
+pub(crate) fn parallel_memcpy(dst: &mut [u8], state: &[Bytes], threads: usize) -> Duration {
     let mut pieces: Vec<(&mut [u8], &[u8])> = Vec::new();
     let mut rest = dst;
     for t in state {

@@ -6,6 +6,7 @@
 //! cargo run --profile bench -p hotstart-benches -- store --only uring
 //! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
 //! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
+//! cargo run --profile bench -p hotstart-benches -- sidecar --gib 4  # sidecar restores
 //! ```
 //!
 //! Each benchmark repeats its measurements (`--runs`, default 3) and reports medians.
@@ -13,6 +14,7 @@
 mod ckpt;
 mod fuse;
 mod report;
+mod sidecar;
 mod store_striped;
 mod store_uring;
 
@@ -36,6 +38,11 @@ enum Command {
     Ckpt(ckpt::CkptArgs),
     /// `hotstart mount` against direct striped I/O, weed mount, s3fs and rclone mount.
     Fuse(fuse::FuseArgs),
+    /// The sidecar: restores from local memory, from a peer, and a restarted process.
+    Sidecar(sidecar::SidecarArgs),
+    /// (internal) The restarted training process of the sidecar benchmark.
+    #[command(hide = true)]
+    SidecarRestore(sidecar::RestoreChild),
 }
 
 #[derive(Debug, clap::Args)]
@@ -101,6 +108,8 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Ckpt(args) => ckpt::run(&args)?,
         Command::Fuse(args) => fuse::run(&args)?,
+        Command::Sidecar(args) => sidecar::run(&args)?,
+        Command::SidecarRestore(args) => sidecar::restore_child(&args)?,
     }
     Ok(())
 }

@@ -97,6 +97,29 @@ pub enum Error {
     #[error("CUDA: {reason}")]
     Cuda { reason: String },
 
+    /// The sidecar (`hotstart serve`) could not be reached, refused a request, or broke the
+    /// protocol of its Unix socket.
+    #[error("sidecar at {socket}: {reason}")]
+    Sidecar { socket: String, reason: String },
+
+    /// A peer sidecar that could not be reached, refused a request, or sent something that
+    /// breaks the protocol (a bad frame, a shard that does not match its checksums).
+    #[error("peer {peer}: {reason}")]
+    Peer { peer: String, reason: String },
+
+    /// A connection whose cluster-token authentication failed.
+    #[error("authentication with {peer} failed: {reason}")]
+    Auth { peer: String, reason: String },
+
+    /// Memory the sidecar's budget cannot hold, even after evicting what may be evicted.
+    #[error("memory budget of {budget} bytes cannot hold {need} more ({used} held): {reason}")]
+    Budget {
+        need: u64,
+        used: u64,
+        budget: u64,
+        reason: String,
+    },
+
     /// A background thread that panicked or could not be started.
     #[error("{what} failed: {message}")]
     Task { what: &'static str, message: String },

@@ -385,6 +385,30 @@ impl Manifest {
         Ok(m)
     }
 
+    /// Parses and validates a manifest that must have been written for `rank` of `world_size`
+    /// in `job` at `step`.
+    pub fn parse_for(
+        bytes: &[u8],
+        location: &str,
+        job: &str,
+        step: u64,
+        rank: u32,
+        world_size: u32,
+    ) -> Result<Manifest> {
+        let m = Manifest::parse(bytes, location)?;
+        if m.job != job || m.step != step || m.rank != rank || m.world_size != world_size {
+            return Err(Error::format(
+                "manifest",
+                location,
+                format!(
+                    "written for job {:?} step {} rank {} of {}",
+                    m.job, m.step, m.rank, m.world_size
+                ),
+            ));
+        }
+        Ok(m)
+    }
+
     fn validate(&self) -> std::result::Result<(), String> {
         if self.format != FORMAT_NAME || self.format_version != FORMAT_VERSION {
             return Err(format!(

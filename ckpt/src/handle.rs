@@ -38,6 +38,12 @@ pub struct SaveStatus {
     pub step: u64,
     /// The staging copy: once finished, the caller's tensors are no longer read.
     pub staged: Phase,
+    /// Committed to the sidecar's memory (survives a crash of this process); `Off` without a
+    /// sidecar.
+    pub memory: Phase,
+    /// Replicated to the sidecar's peers (survives the loss of this node); `Off` without a
+    /// sidecar, or when it has no peers or a replication factor of 0.
+    pub peers: Phase,
     pub disk: Phase,
     pub store: Phase,
 }
@@ -46,6 +52,8 @@ impl SaveStatus {
     /// The phase of one tier.
     pub fn tier(&self, tier: TierKind) -> &Phase {
         match tier {
+            TierKind::Memory => &self.memory,
+            TierKind::Peer => &self.peers,
             TierKind::Disk => &self.disk,
             TierKind::Store => &self.store,
         }
@@ -53,13 +61,25 @@ impl SaveStatus {
 
     fn tier_mut(&mut self, tier: TierKind) -> &mut Phase {
         match tier {
+            TierKind::Memory => &mut self.memory,
+            TierKind::Peer => &mut self.peers,
             TierKind::Disk => &mut self.disk,
             TierKind::Store => &mut self.store,
         }
     }
 
-    fn all_finished(&self) -> bool {
-        self.staged.is_finished() && self.disk.is_finished() && self.store.is_finished()
+    fn phases_mut(&mut self) -> [&mut Phase; 5] {
+        [
+            &mut self.staged,
+            &mut self.memory,
+            &mut self.peers,
+            &mut self.disk,
+            &mut self.store,
+        ]
+    }
+
+    pub(crate) fn all_finished(&self) -> bool {
+        self.staged.is_finished() && TierKind::ALL.iter().all(|&t| self.tier(t).is_finished())
     }
 }
 
@@ -70,14 +90,23 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new(step: u64, disk: bool, store: bool) -> Arc<Shared> {
-        let tier = |on: bool| if on { Phase::Pending } else { Phase::Off };
+    /// A save whose staging and `tiers` are pending; the other tiers are `Off`.
+    pub(crate) fn new(step: u64, tiers: &[TierKind]) -> Arc<Shared> {
+        let tier = |t| {
+            if tiers.contains(&t) {
+                Phase::Pending
+            } else {
+                Phase::Off
+            }
+        };
         Arc::new(Shared {
             status: Mutex::new(SaveStatus {
                 step,
                 staged: Phase::Pending,
-                disk: tier(disk),
-                store: tier(store),
+                memory: tier(TierKind::Memory),
+                peers: tier(TierKind::Peer),
+                disk: tier(TierKind::Disk),
+                store: tier(TierKind::Store),
             }),
             changed: Condvar::new(),
         })
@@ -88,6 +117,8 @@ impl Shared {
             status: Mutex::new(SaveStatus {
                 step,
                 staged: Phase::Skipped,
+                memory: Phase::Skipped,
+                peers: Phase::Skipped,
                 disk: Phase::Skipped,
                 store: Phase::Skipped,
             }),
@@ -113,7 +144,7 @@ impl Shared {
     /// Marks every phase still pending as failed with `e`.
     pub(crate) fn fail_pending(&self, e: Arc<Error>) {
         self.update(|s| {
-            for p in [&mut s.staged, &mut s.disk, &mut s.store] {
+            for p in s.phases_mut() {
                 if !p.is_finished() {
                     *p = Phase::Failed(e.clone());
                 }
@@ -121,7 +152,7 @@ impl Shared {
         });
     }
 
-    fn wait_until(&self, done: impl Fn(&SaveStatus) -> bool) -> SaveStatus {
+    pub(crate) fn wait_until(&self, done: impl Fn(&SaveStatus) -> bool) -> SaveStatus {
         let mut s = self.status.lock().unwrap_or_else(PoisonError::into_inner);
         while !done(&s) {
             s = self.changed.wait(s).unwrap_or_else(PoisonError::into_inner);
@@ -174,7 +205,9 @@ impl SaveHandle {
         }
     }
 
-    /// Waits until `tier` has the step durably (data, then manifest) or failed to.
+    /// Waits until `tier` has the step durably (data, then manifest) or failed to. For
+    /// [`TierKind::Memory`]: until the sidecar holds it, verified and sealed; for
+    /// [`TierKind::Peer`]: until the sidecar's peers hold it.
     pub fn wait_persisted(&self, tier: TierKind) -> Result<()> {
         let s = self.shared.wait_until(|s| s.tier(tier).is_finished());
         self.tier_result(tier, s.tier(tier))
@@ -183,7 +216,7 @@ impl SaveHandle {
     /// Waits for every configured tier; the first failure, if any.
     pub fn wait(&self) -> Result<()> {
         let s = self.shared.wait_until(SaveStatus::all_finished);
-        for tier in [TierKind::Disk, TierKind::Store] {
+        for tier in TierKind::ALL {
             match s.tier(tier) {
                 Phase::Off => {}
                 p => self.tier_result(tier, p)?,

@@ -8,6 +8,12 @@
 //! with the manifest written last as the commit. [`Engine::load`] reads the newest complete step
 //! back, verifying every chunk and falling back from disk to store chunk by chunk.
 //!
+//! With a sidecar ([`EngineConfig::sidecar`], or `HOTSTART_SOCKET` through
+//! [`EngineConfig::sidecar_from_env`]), saves stage straight into the shared memory of the
+//! node's sidecar daemon (`hotstart serve`, see [`sidecar`]), which keeps the step in memory
+//! across a crash of the training process, copies it to peer nodes, persists it to disk and
+//! store, and serves loads from the nearest tier that holds it.
+//!
 //! Tensors may also live in CUDA device memory ([`Tensor::from_device`], and
 //! [`Destination::Device`] on load). With the `cuda` feature, device tensors are copied by the
 //! GPU into pinned staging memory on a dedicated stream per device; without it, or on a machine
@@ -21,13 +27,14 @@
 //! `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path), [`tier`]
 //! (disk and store), `engine` (save, retention), `load` (verified reads), [`handle`] (save
 //! progress), [`inspect`] (offline listing, verification and retention: the `hotstart ckpt`
-//! commands).
+//! commands), [`sidecar`] (the daemon, its protocol and the engine's client of it).
 
 pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod handle;
 pub mod inspect;
+pub mod sidecar;
 pub mod tensor;
 pub mod tier;
 
@@ -35,7 +42,7 @@ mod engine;
 mod load;
 mod staging;
 
-pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, WhenFull};
+pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, SOCKET_ENV, WhenFull};
 pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
 pub use inspect::Checkpoints;

@@ -26,7 +26,8 @@
 //!    registered as pinned memory and each tensor is copied host-to-device on the device's copy
 //!    stream, then the load waits for the copies (see `crate::cuda`).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
 use bytes::Bytes;
@@ -121,7 +122,9 @@ impl AsRef<[u8]> for AlignedOwner {
 }
 
 impl Engine {
-    /// Loads a step of this rank, verifying every chunk; see the module docs.
+    /// Loads a step of this rank, verifying every chunk; see the module docs. With a sidecar,
+    /// the sidecar serves the step from the nearest tier that holds it (see
+    /// `crate::sidecar`), and this engine's own tiers are read only if it cannot be reached.
     #[instrument(skip_all, fields(rank = self.inner.rank, ?which))]
     pub fn load(&self, which: StepSel, dest: Destination<'_>) -> Result<Loaded> {
         let inner = &self.inner;
@@ -131,10 +134,19 @@ impl Engine {
                 cuda::check_devices(&devices)?;
             }
         }
+        if let Some(sidecar) = &inner.sidecar {
+            match sidecar.connect() {
+                Ok(conn) => return sidecar.load(inner, conn, which, dest),
+                Err(e) if inner.tiers.is_empty() => return Err(e),
+                Err(e) => {
+                    warn!(error = %e, "sidecar unreachable; loading from this engine's own tiers")
+                }
+            }
+        }
         let step = match which {
             StepSel::Step(s) => s,
-            StepSel::Latest => self
-                .latest_complete_step()?
+            StepSel::Latest => inner
+                .latest_in_own_tiers()?
                 .ok_or_else(|| Error::NotFound {
                     job: inner.job.clone(),
                     step: None,
@@ -179,8 +191,101 @@ impl Engine {
     }
 }
 
+/// Where a load puts each byte: the destinations, checked against the manifest.
+pub(crate) struct Targets<'a> {
+    /// Per chunk: the caller buffers it covers (offset in the chunk, destination), sorted.
+    pub(crate) direct: Vec<Vec<(usize, &'a mut [u8])>>,
+    /// Host-to-device copies: a file range and the device memory it goes to.
+    copies: Vec<(Range<usize>, DevicePtr)>,
+    /// Tensors not returned owned (they went to caller or device buffers).
+    taken: HashSet<String>,
+}
+
+/// The file range of a tensor's bytes.
+fn range_of(m: &Manifest, t: &format::TensorEntry) -> Range<usize> {
+    let data_offset = m.data_offset as usize;
+    data_offset + t.data_offsets[0] as usize..data_offset + t.data_offsets[1] as usize
+}
+
+/// The file length of `m` as a buffer length.
+pub(crate) fn file_len(m: &Manifest) -> Result<usize> {
+    usize::try_from(m.file_len).map_err(|_| {
+        Error::format(
+            "manifest",
+            format!("step {}", m.step),
+            "file larger than the address space",
+        )
+    })
+}
+
+/// Checks every destination against `reference` before anything is read: each must name a
+/// tensor of the manifest and have its exact length.
+pub(crate) fn targets<'a>(
+    step: u64,
+    reference: &Manifest,
+    dest: Destination<'a>,
+) -> Result<Targets<'a>> {
+    let chunk_size = reference.chunk_size as usize;
+    let (buffers, device) = match dest {
+        Destination::Owned => (HashMap::new(), HashMap::new()),
+        Destination::Buffers(b) => (b, HashMap::new()),
+        Destination::Device(d) => (HashMap::new(), d),
+    };
+    let entry = |name: &String, have: usize, what: &str| {
+        let t = reference
+            .tensors
+            .iter()
+            .find(|t| &t.name == name)
+            .ok_or_else(|| Error::Destination {
+                step,
+                name: name.clone(),
+                reason: "no such tensor in the checkpoint".into(),
+            })?;
+        let want = range_of(reference, t).len();
+        if have != want {
+            return Err(Error::Destination {
+                step,
+                name: name.clone(),
+                reason: format!("{what} of {have} bytes for {want} bytes"),
+            });
+        }
+        Ok(range_of(reference, t))
+    };
+    let mut copies = Vec::with_capacity(device.len());
+    for (name, out) in &device {
+        copies.push((entry(name, out.len(), "device buffer")?, out.0));
+    }
+    let mut taken: HashSet<String> = device.into_keys().collect();
+    // Caller buffers are filled straight from the chunks that cover them.
+    let mut direct: Vec<Vec<(usize, &mut [u8])>> =
+        (0..reference.chunks.len()).map(|_| Vec::new()).collect();
+    for (name, out) in buffers {
+        let mut at = entry(&name, out.len(), "buffer")?.start;
+        taken.insert(name);
+        let mut rest: &mut [u8] = out;
+        while !rest.is_empty() {
+            let chunk = at / chunk_size;
+            let n = ((chunk + 1) * chunk_size - at).min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            direct[chunk].push((at - chunk * chunk_size, head));
+            (at, rest) = (at + n, tail);
+        }
+    }
+    for pieces in &mut direct {
+        pieces.sort_unstable_by_key(|(at, _)| *at);
+    }
+    Ok(Targets {
+        direct,
+        copies,
+        taken,
+    })
+}
+
 impl Inner {
-    fn load_step(&self, step: u64, dest: Destination<'_>) -> Result<Loaded> {
+    /// The tiers that hold this rank's `step`, and the reference manifest: every tier whose
+    /// manifest parses and matches is a source, the first one is the reference, and another is
+    /// kept only when its manifest describes the same bytes.
+    pub(crate) fn sources(&self, step: u64) -> Result<(Manifest, Vec<&dyn Tier>)> {
         let mut sources: Vec<(&dyn Tier, Manifest)> = Vec::new();
         for tier in &self.tiers {
             match self.read_manifest(tier.as_ref(), step) {
@@ -201,70 +306,32 @@ impl Inner {
                 && m.chunk_size == reference.chunk_size
                 && m.chunks == reference.chunks
         });
-        let tiers: Vec<&dyn Tier> = sources.iter().map(|(t, _)| *t).collect();
-        let len = usize::try_from(reference.file_len).map_err(|_| {
-            Error::format(
-                "manifest",
-                format!("step {step}"),
-                "file larger than the address space",
-            )
-        })?;
-        let data_offset = reference.data_offset as usize;
-        let chunk_size = reference.chunk_size as usize;
-        let (mut buffers, device) = match dest {
-            Destination::Owned => (HashMap::new(), HashMap::new()),
-            Destination::Buffers(b) => (b, HashMap::new()),
-            Destination::Device(d) => (HashMap::new(), d),
-        };
-        // Every destination is checked against the manifest before anything is read.
-        let range_of = |t: &format::TensorEntry| {
-            data_offset + t.data_offsets[0] as usize..data_offset + t.data_offsets[1] as usize
-        };
-        let entry = |name: &String, have: usize, what: &str| {
-            let t = reference
-                .tensors
-                .iter()
-                .find(|t| &t.name == name)
-                .ok_or_else(|| Error::Destination {
-                    step,
-                    name: name.clone(),
-                    reason: "no such tensor in the checkpoint".into(),
-                })?;
-            let want = range_of(t).len();
-            if have != want {
-                return Err(Error::Destination {
-                    step,
-                    name: name.clone(),
-                    reason: format!("{what} of {have} bytes for {want} bytes"),
-                });
-            }
-            Ok(range_of(t))
-        };
-        let mut copies = Vec::with_capacity(device.len());
-        for (name, out) in &device {
-            copies.push((entry(name, out.len(), "device buffer")?, out.0));
-        }
-        // Caller buffers are filled straight from the chunks that cover them.
-        let mut direct: Vec<Vec<(usize, &mut [u8])>> =
-            (0..reference.chunks.len()).map(|_| Vec::new()).collect();
-        for (name, out) in buffers.iter_mut() {
-            let mut at = entry(name, out.len(), "buffer")?.start;
-            let mut rest: &mut [u8] = out;
-            while !rest.is_empty() {
-                let chunk = at / chunk_size;
-                let n = ((chunk + 1) * chunk_size - at).min(rest.len());
-                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
-                direct[chunk].push((at - chunk * chunk_size, head));
-                (at, rest) = (at + n, tail);
-            }
-        }
-        for pieces in &mut direct {
-            pieces.sort_unstable_by_key(|(at, _)| *at);
-        }
+        Ok((reference, sources.into_iter().map(|(t, _)| t).collect()))
+    }
+
+    fn load_step(&self, step: u64, dest: Destination<'_>) -> Result<Loaded> {
+        let (reference, tiers) = self.sources(step)?;
+        let len = file_len(&reference)?;
+        let mut targets = targets(step, &reference, dest)?;
         let mut buf = AlignedBuf::zeroed(len);
+        let direct = std::mem::take(&mut targets.direct);
         let chunk_sources = self.read_chunks(step, &reference, &tiers, &mut buf[..len], direct)?;
+        let all = Bytes::from_owner(AlignedOwner(buf, len));
+        self.finish(step, reference, all, targets, chunk_sources)
+    }
+
+    /// Decodes a verified file held in `all`: checks its header against the manifest, copies
+    /// device tensors, and hands out the tensors not loaded into buffers as slices of `all`.
+    pub(crate) fn finish(
+        &self,
+        step: u64,
+        reference: Manifest,
+        all: Bytes,
+        targets: Targets<'_>,
+        chunk_sources: Vec<TierKind>,
+    ) -> Result<Loaded> {
         let location = format::data_key(&self.job, step, self.rank);
-        let header = format::parse_header(&buf[..len], reference.file_len, &location)?;
+        let header = format::parse_header(&all, reference.file_len, &location)?;
         // Same entries; the header parser orders zero-size tensors that share an offset by
         // name, so compare as sets and keep the manifest's (the writer's) order.
         let mut in_header: HashMap<&str, &format::TensorEntry> = header
@@ -287,19 +354,18 @@ impl Inner {
         let extras = reference
             .decode_extras()
             .map_err(|r| Error::format("manifest", format!("step {step}"), r))?;
-        if !copies.is_empty() {
-            self.gpu.h2d(&buf, &copies)?;
+        if !targets.copies.is_empty() {
+            self.gpu.h2d(&all, &targets.copies)?;
         }
-        let all = Bytes::from_owner(AlignedOwner(buf, len));
         let tensors = reference
             .tensors
-            .into_iter()
-            .filter(|t| !device.contains_key(&t.name) && !buffers.contains_key(&t.name))
+            .iter()
+            .filter(|t| !targets.taken.contains(&t.name))
             .map(|t| LoadedTensor {
-                data: all.slice(range_of(&t)),
-                name: t.name,
+                data: all.slice(range_of(&reference, t)),
+                name: t.name.clone(),
                 dtype: t.dtype,
-                shape: t.shape,
+                shape: t.shape.clone(),
             })
             .collect();
         Ok(Loaded {
@@ -316,7 +382,7 @@ impl Inner {
     /// Fills `buf` with the verified file, chunk by chunk, except the bytes that `direct` sends
     /// to caller buffers instead (per chunk: offset in the chunk and destination, in order);
     /// the tier each chunk came from.
-    fn read_chunks(
+    pub(crate) fn read_chunks(
         &self,
         step: u64,
         m: &Manifest,
@@ -412,6 +478,57 @@ impl Inner {
                 })
             })
             .collect()
+    }
+}
+
+/// Fills the caller-buffer pieces of a verified file (per chunk: offset in the chunk and
+/// destination, as [`Targets::direct`]) with `read` (file offset, destination), over `threads`
+/// threads, in pieces of at most [`BOUNCE`] bytes so one huge tensor is spread over every
+/// thread.
+pub(crate) fn copy_out(
+    read: &(dyn Fn(u64, &mut [u8]) -> std::io::Result<()> + Sync),
+    direct: Vec<Vec<(usize, &mut [u8])>>,
+    chunk_size: usize,
+    threads: usize,
+) -> std::io::Result<()> {
+    let mut jobs: Vec<(usize, &mut [u8])> = Vec::new();
+    for (chunk, pieces) in direct.into_iter().enumerate() {
+        for (at, dst) in pieces {
+            let mut start = chunk * chunk_size + at;
+            for part in dst.chunks_mut(BOUNCE) {
+                let n = part.len();
+                jobs.push((start, part));
+                start += n;
+            }
+        }
+    }
+    let bytes: usize = jobs.iter().map(|(_, d)| d.len()).sum();
+    let threads = if bytes < (1 << 20) {
+        1
+    } else {
+        threads.clamp(1, jobs.len().max(1))
+    };
+    let jobs = Mutex::new(jobs.into_iter());
+    let failed: Mutex<Option<std::io::Error>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        let work = || {
+            loop {
+                let next = jobs.lock().unwrap_or_else(PoisonError::into_inner).next();
+                let Some((start, dst)) = next else { return };
+                if let Err(e) = read(start as u64, dst) {
+                    *failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+                    return;
+                }
+            }
+        };
+        for _ in 1..threads {
+            scope.spawn(work);
+        }
+        work();
+    });
+    match failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 

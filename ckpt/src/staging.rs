@@ -77,14 +77,6 @@ impl Pool {
         })
     }
 
-    /// Slots in use now.
-    pub(crate) fn taken(&self) -> usize {
-        self.state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .taken
-    }
-
     /// A buffer of at least `len` bytes; `None` when all slots are taken and `block` is false.
     pub(crate) fn acquire(self: &Arc<Self>, len: usize, block: bool) -> Option<Slot> {
         let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -140,9 +132,10 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// Whether the buffer is registered as pinned host memory.
-    pub(crate) fn is_pinned(&self) -> bool {
-        self.pin.is_some()
+    /// Takes the buffer's pinned-memory registration, if any, to be given back with
+    /// [`Slot::set_pin`].
+    pub(crate) fn take_pin(&mut self) -> Option<Pinned> {
+        self.pin.take()
     }
 
     /// The buffer's address and length, for registering it as pinned memory.
@@ -181,6 +174,28 @@ impl Drop for Slot {
     }
 }
 
+/// Memory a staging image lives in: a pool buffer of this process, or a shared-memory segment
+/// of the sidecar mapped into it. Page-aligned (the disk tier writes it with `O_DIRECT`).
+///
+/// Implementations own `len()` bytes at `ptr()` for as long as they live and never move them;
+/// who writes them when is the [`Staging`] image's business.
+pub(crate) trait Region: Send + Sync + 'static {
+    /// The start of the region, valid for reads and writes of `len()` bytes.
+    fn ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+}
+
+impl Region for AlignedBuf {
+    fn ptr(&self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+
+    fn len(&self) -> usize {
+        AlignedBuf::len(self)
+    }
+}
+
 /// Staging fills and publishes the image in segments of this many bytes, in order; each copy
 /// thread takes whole segments.
 const SEGMENT: usize = 8 << 20;
@@ -197,7 +212,7 @@ pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);
 /// reader only ever borrows a published prefix, which is never written again (an image is filled
 /// once).
 pub struct Staging {
-    buf: Arc<AlignedBuf>,
+    buf: Arc<dyn Region>,
     len: usize,
     started: AtomicBool,
     fill: Mutex<Fill>,
@@ -237,7 +252,7 @@ impl Drop for FailUnlessComplete<'_> {
 
 impl Staging {
     /// An empty image of `len` bytes over the start of `buf`.
-    pub(crate) fn new(buf: Arc<AlignedBuf>, len: usize) -> Staging {
+    pub(crate) fn new(buf: Arc<dyn Region>, len: usize) -> Staging {
         assert!(len <= buf.len(), "image of {len} bytes in a smaller buffer");
         let segments = len.div_ceil(SEGMENT);
         Staging {
@@ -253,6 +268,19 @@ impl Staging {
             }),
             changed: Condvar::new(),
         }
+    }
+
+    /// An image of the first `len` bytes of `buf`, which already hold the whole file and are
+    /// never written again (a sealed segment of the sidecar): complete from the start.
+    pub(crate) fn filled(buf: Arc<dyn Region>, len: usize) -> Staging {
+        let image = Staging::new(buf, len);
+        image.started.store(true, Ordering::Release);
+        let mut f = image.lock();
+        f.copied.fill(true);
+        f.published = f.copied.len();
+        f.failed = false;
+        drop(f);
+        image
     }
 
     /// The file's length.
@@ -285,7 +313,7 @@ impl Staging {
         // SAFETY: bytes `..end` lie in the buffer (`len <= buf.len()`) and are published: every
         // write to them happened before their publication, which this thread observed under the
         // mutex, and no write to them happens after it (the image is filled once).
-        Ok(unsafe { std::slice::from_raw_parts(self.buf.as_mut_ptr(), end) })
+        Ok(unsafe { std::slice::from_raw_parts(self.buf.ptr(), end) })
     }
 
     /// The whole file once staged.
@@ -355,7 +383,7 @@ impl Staging {
         debug_assert!(start + len <= self.len);
         // SAFETY: in bounds by the caller's contract; exclusive because ranges handed out are
         // disjoint and no reader borrows an unpublished byte.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().add(start), len) }
+        unsafe { std::slice::from_raw_parts_mut(self.buf.ptr().add(start), len) }
     }
 
     /// Fills the image: `header`, then every source back to back (their lengths must add up to
@@ -408,7 +436,7 @@ impl Staging {
             let mut f = self.lock();
             f.device_done = false;
             for (dst, _) in &device {
-                let start = dst.as_ptr() as usize - self.buf.as_mut_ptr() as usize;
+                let start = dst.as_ptr() as usize - self.buf.ptr() as usize;
                 for k in start / SEGMENT..=(start + dst.len() - 1) / SEGMENT {
                     f.device[k] = true;
                 }

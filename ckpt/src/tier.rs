@@ -3,8 +3,9 @@
 //! One trait, [`Tier`], with one implementation per medium: [`disk::DiskTier`] (a local
 //! directory written through io_uring, `O_DIRECT` where possible) and [`store::StoreTier`] (any
 //! `hotstart-store` backend: a directory, `memory://`, S3; wrappers such as `Faults` or
-//! `Throttle` compose underneath). The engine only speaks the trait, so tests and new media
-//! (peer memory, the sidecar's shared memory) plug in the same way.
+//! `Throttle` compose underneath). The engine only speaks the trait. The two memory tiers of
+//! [`TierKind`] (the sidecar's own shared memory and its peers') are not `Tier`s: they hold
+//! whole verified files, not objects under keys, and live in `crate::sidecar`.
 //!
 //! A tier stores objects under keys of the form `<job>/step-<N>/rank-<R>.<ext>` (see
 //! [`crate::format`]). Every write is atomic on its own (rename on disk, a single PUT or a
@@ -20,39 +21,89 @@ pub mod store;
 use std::fmt;
 use std::sync::Arc;
 
-use hotstart_store::uring::AlignedBuf;
-
 use crate::error::Result;
+pub(crate) use crate::staging::Region;
 pub use crate::staging::Staging;
 
-/// Which tier.
+/// Which tier, nearest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TierKind {
+    /// The sidecar's shared memory on this node (`hotstart serve`): survives a crash of the
+    /// training process.
+    Memory,
+    /// Peer sidecars' memory on other nodes: survives the loss of this node.
+    Peer,
     /// The local disk directory.
     Disk,
     /// The object store.
     Store,
 }
 
-impl fmt::Display for TierKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl TierKind {
+    /// Every tier, nearest first.
+    pub const ALL: [TierKind; 4] = [
+        TierKind::Memory,
+        TierKind::Peer,
+        TierKind::Disk,
+        TierKind::Store,
+    ];
+
+    /// The lower-case name used in logs, metrics labels and the sidecar protocol.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TierKind::Memory => "memory",
+            TierKind::Peer => "peer",
             TierKind::Disk => "disk",
             TierKind::Store => "store",
-        })
+        }
     }
 }
 
-/// A staged file: the first `len` bytes of a shared, page-aligned buffer.
+impl fmt::Display for TierKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TierKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<TierKind, String> {
+        TierKind::ALL
+            .into_iter()
+            .find(|t| t.as_str() == s)
+            .ok_or_else(|| format!("unknown tier {s:?}"))
+    }
+}
+
+impl serde::Serialize for TierKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for TierKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TierKind, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A staged file: the first `len` bytes of a shared, page-aligned region, complete and never
+/// written again.
 #[derive(Clone)]
 pub struct Staged {
-    pub(crate) buf: Arc<AlignedBuf>,
+    pub(crate) buf: Arc<dyn Region>,
     pub(crate) len: usize,
 }
 
 impl AsRef<[u8]> for Staged {
     fn as_ref(&self) -> &[u8] {
-        &self.buf[..self.len]
+        // SAFETY: a `Staged` is only made from a complete image (`Staging::complete`) or a
+        // sealed shared-memory segment: `len` bytes inside the region (checked when the image
+        // was made), initialised, and never written again while the region lives, which the
+        // `Arc` keeps it doing for this borrow.
+        unsafe { std::slice::from_raw_parts(self.buf.ptr(), self.len) }
     }
 }
 

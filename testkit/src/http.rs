@@ -60,6 +60,11 @@ pub(crate) fn request(
     parse(&raw, method == "HEAD")
 }
 
+/// One `GET path` to `addr` (any HTTP/1.1 server on loopback: a sidecar's `/metrics`, ...).
+pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> io::Result<Response> {
+    request(addr, "GET", path, &[], &[], timeout)
+}
+
 fn bad(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
 }

@@ -21,6 +21,9 @@
 //! orphaned directory. [`SeaweedFs::start`] gives a private server, stopped on drop, and
 //! [`SeaweedFs::start_in_netns`] one behind the emulated remote link of `benches/netem.sh`.
 //!
+//! [`spawn_tied`] spawns any child that way (sidecars and trainers in end-to-end tests), and
+//! [`get`] is a plain HTTP GET (a sidecar's `/metrics`).
+//!
 //! Only std, libc and tempfile are used: the helpers speak plain HTTP/1.1 over `TcpStream`
 //! (unsigned requests, which SeaweedFS accepts when it has no identities configured).
 
@@ -31,6 +34,7 @@ mod seaweedfs;
 mod spawn;
 
 pub use data::pattern;
-pub use http::Response;
+pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};
 pub use seaweedfs::SeaweedFs;
+pub use spawn::spawn_tied;

@@ -53,7 +53,7 @@ fn spawner() -> io::Result<&'static mpsc::Sender<Request>> {
 
 /// Spawns `cmd` so that it is SIGKILLed when this process exits for any reason; with `netns`,
 /// inside that network namespace.
-pub(crate) fn spawn_tied(mut cmd: Command, netns: Option<&str>) -> io::Result<Child> {
+pub fn spawn_tied(mut cmd: Command, netns: Option<&str>) -> io::Result<Child> {
     let ns_file = netns
         .map(|name| {
             let path = format!("/var/run/netns/{name}");

@@ -1,0 +1,458 @@
+//! The sidecar (`hotstart serve`) against the floors its restores are measured by, same run,
+//! same state (`--gib` GiB in `--tensors` tensors), medians of `--runs`:
+//!
+//! * **Restore from local memory**: a training process's `load(Latest)` into its own tensors
+//!   (pre-faulted, as a model's parameters are), served from its sidecar's shared memory,
+//!   against a parallel memcpy of the same bytes into the same buffers over as many threads as
+//!   the engine copies with (target ≥ 0.8); and against the engine's cold load of the same
+//!   checkpoint from the local disk tier (page cache dropped; needs root).
+//! * **Restore from a peer over loopback**: a second sidecar that does not hold the step
+//!   fetches it from the first (every chunk verified as it arrives) and serves it; the
+//!   training process's whole `load` against one raw TCP stream of the same bytes into
+//!   pre-faulted memory (target ≥ 0.8). The fetch alone (the sidecar's own restore time) is
+//!   reported beside it.
+//! * **Restart to state loaded**: a new process (this binary, `sidecar-restore`) from its first
+//!   instruction to its tensors loaded from the sidecar's memory (target ≤ 2 s for 4 GiB),
+//!   beside the same process loading the step from the object store (SeaweedFS on loopback).
+//!
+//! The sidecars run in this process (the library's `Sidecar`, on loopback, with a token); the
+//! training processes are this process or a child of it.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use bytes::Bytes;
+use hotstart_ckpt::sidecar::{Settings, Sidecar, Token, metrics};
+use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel};
+use hotstart_store::Store;
+use hotstart_store::uring::AlignedBuf;
+use hotstart_testkit::SeaweedFs;
+
+use crate::ckpt::{parallel_memcpy, state};
+use crate::report::{Report, Row, median, rate};
+use crate::store_uring::drop_page_cache;
+
+const TOKEN: &str = "hotstart-bench";
+const JOB: &str = "bench";
+
+#[derive(Debug, clap::Args)]
+pub struct SidecarArgs {
+    /// GiB of host tensors per checkpoint.
+    #[arg(long, default_value_t = 4.0)]
+    gib: f64,
+    /// Number of tensors the state is split into.
+    #[arg(long, default_value_t = 16)]
+    tensors: usize,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Directory for the disk tier.
+    #[arg(long, default_value = "/var/tmp")]
+    dir: PathBuf,
+    /// Write the results as Markdown to this file too.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+}
+
+/// The restarted training process of the restart measurement (run by the benchmark itself).
+#[derive(Debug, clap::Args)]
+pub struct RestoreChild {
+    /// The sidecar's socket; without it, `--store` is read directly.
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Store URL to load from when there is no socket.
+    #[arg(long)]
+    store: Option<String>,
+    #[arg(long)]
+    tensors: usize,
+    /// Bytes per tensor.
+    #[arg(long)]
+    per: usize,
+}
+
+/// A sidecar served on a runtime thread of its own until dropped.
+struct Running {
+    peer: SocketAddr,
+    http: SocketAddr,
+    socket: PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Running {
+    fn start(settings: Settings) -> anyhow::Result<Running> {
+        let cfg = settings.resolve()?;
+        let socket = cfg.socket.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => return drop(tx.send(Err(anyhow::anyhow!(e)))),
+            };
+            rt.block_on(async move {
+                match Sidecar::bind(cfg).await {
+                    Ok(s) => {
+                        let _ = tx.send(Ok((s.peer_addr(), s.http_addr())));
+                        if let Err(e) = s.run(async { drop(stopped.await) }).await {
+                            eprintln!("sidecar: {e}");
+                        }
+                    }
+                    Err(e) => drop(tx.send(Err(e.into()))),
+                }
+            });
+        });
+        let (peer, http) = rx.recv().context("sidecar thread")??;
+        let r = Running {
+            peer,
+            http,
+            socket,
+            stop: Some(stop),
+            thread: Some(thread),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !hotstart_testkit::get(r.http, "/readyz", Duration::from_secs(5))
+            .is_ok_and(|x| x.status == 200)
+        {
+            ensure!(Instant::now() < deadline, "sidecar never ready");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(r)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        hotstart_testkit::get(self.http, "/metrics", Duration::from_secs(10))
+            .ok()
+            .and_then(|r| metrics::sample(&r.text(), name))
+            .unwrap_or(0.0)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn settings(node: &str, dir: &Path, budget: u64) -> anyhow::Result<Settings> {
+    Ok(Settings {
+        node_id: Some(node.into()),
+        listen: Some(format!("127.0.0.1:{}", free_port()?)),
+        http: Some("127.0.0.1:0".into()),
+        socket: Some(dir.join(format!("{node}.sock"))),
+        memory_budget: Some(hotstart_ckpt::sidecar::config::Size(budget)),
+        token: Some(Token::new(TOKEN)?),
+        replicas: Some(0),
+        recovery_timeout: Some("5s".parse().map_err(anyhow::Error::msg)?),
+        ..Settings::default()
+    })
+}
+
+/// Caller buffers for every tensor, in the order of `bufs`.
+fn destination<'a>(bufs: &'a mut [&'a mut [u8]]) -> Destination<'a> {
+    Destination::Buffers(
+        bufs.iter_mut()
+            .enumerate()
+            .map(|(i, b)| (format!("layer.{i}"), &mut **b))
+            .collect::<HashMap<_, _>>(),
+    )
+}
+
+/// `dst` cut into one slice per tensor of `per` bytes.
+fn slices(dst: &mut [u8], per: usize) -> Vec<&mut [u8]> {
+    dst.chunks_mut(per).collect()
+}
+
+/// Streams `len` bytes of `src` (repeated) over one loopback TCP connection into `dst`; the
+/// time from connect to the last byte received.
+fn raw_tcp(src: &[Bytes], dst: &mut [u8]) -> anyhow::Result<Duration> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    std::thread::scope(|s| -> anyhow::Result<Duration> {
+        let sender = s.spawn(move || -> std::io::Result<()> {
+            let (mut sock, _) = l.accept()?;
+            for b in src {
+                sock.write_all(b)?;
+            }
+            Ok(())
+        });
+        let t = Instant::now();
+        let mut sock = TcpStream::connect(addr)?;
+        sock.read_exact(dst)?;
+        let took = t.elapsed();
+        sender
+            .join()
+            .map_err(|_| anyhow::anyhow!("sender panicked"))??;
+        Ok(took)
+    })
+}
+
+fn engine(socket: &Path, threads: usize) -> anyhow::Result<Engine> {
+    let mut cfg = EngineConfig::new(JOB, 0, 1).sidecar(socket);
+    cfg.threads = threads;
+    Ok(Engine::new(cfg)?)
+}
+
+/// Runs this binary as a restarted training process; its wall time, from spawn to exit.
+fn restart(args: &[String], env: &[(String, String)]) -> anyhow::Result<Duration> {
+    let exe = std::env::current_exe()?;
+    let t = Instant::now();
+    let out = Command::new(exe)
+        .arg("sidecar-restore")
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()?;
+    let took = t.elapsed();
+    eprintln!("{} {:?}", String::from_utf8_lossy(&out.stderr), took);
+    if !out.status.success() {
+        bail!(
+            "restarted process failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(took)
+}
+
+pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
+    ensure!(
+        args.gib > 0.0 && args.tensors > 0 && args.runs > 0,
+        "bad sizes"
+    );
+    let per = ((args.gib * (1u64 << 30) as f64) as usize / args.tensors).next_multiple_of(4096);
+    let total = per * args.tensors;
+    let label = format!(
+        "{:.2} GiB in {} tensors",
+        total as f64 / (1u64 << 30) as f64,
+        args.tensors
+    );
+    let mut report = Report::new(&format!("hotstart sidecar benchmarks ({label})"));
+    let work = tempfile::Builder::new()
+        .prefix("hotstart-sidecar-bench-")
+        .tempdir_in(&args.dir)
+        .with_context(|| format!("temp dir in {}", args.dir.display()))?;
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get().min(8));
+    let weed = SeaweedFs::shared();
+    let store_url = weed.map(|w| format!("{}/ckpt", w.fresh_bucket("sidecar-bench")));
+    let store_env = weed.map(|w| w.env()).unwrap_or_default();
+    for (k, v) in &store_env {
+        // SAFETY: set before any other thread of this process reads the environment (the
+        // sidecars below open the store from it).
+        unsafe { std::env::set_var(k, v) };
+    }
+
+    eprintln!("sidecar: preparing {label}");
+    let (sources, state) = state(args.tensors, per)?;
+    // Node A holds the step (and persists it to its disk and the store); B only fetches it.
+    let budget = total as u64 + total as u64 / 4 + (64 << 20);
+    let disk = work.path().join("disk-a");
+    let mut a_settings = settings("node-a", work.path(), budget)?;
+    a_settings.disk_dir = Some(disk.clone());
+    a_settings.store = store_url.clone();
+    let a = Running::start(a_settings)?;
+    let engine_a = engine(&a.socket, threads)?;
+    eprintln!("sidecar: saving through node A");
+    engine_a.save(1, state, Default::default())?.wait()?;
+
+    let mut dst = AlignedBuf::zeroed(total);
+    dst.fill(1); // pre-fault, as a model's parameters are
+    let (mut memcpy, mut memory, mut disk_load, mut peer, mut fetch, mut tcp) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    let cold = drop_page_cache().is_ok();
+    for run in 0..args.runs {
+        memcpy.push(parallel_memcpy(&mut dst, &sources, threads));
+        let t = Instant::now();
+        let mut bufs = slices(&mut dst, per);
+        let l = engine_a.load(StepSel::Latest, destination(&mut bufs))?;
+        memory.push(t.elapsed());
+        ensure!(l.step == 1 && l.tensors.is_empty(), "unexpected restore");
+        ensure!(dst[..per] == sources[0][..], "restored bytes differ");
+
+        if cold {
+            let mut cfg = EngineConfig::new(JOB, 0, 1).disk(&disk);
+            cfg.threads = threads;
+            let from_disk = Engine::new(cfg)?;
+            drop_page_cache()?;
+            let t = Instant::now();
+            let mut bufs = slices(&mut dst, per);
+            from_disk.load(StepSel::Latest, destination(&mut bufs))?;
+            disk_load.push(t.elapsed());
+        }
+
+        // A fresh node B for every run: it does not hold the step and fetches it from A.
+        let mut b_settings = settings(&format!("node-b{run}"), work.path(), budget)?;
+        b_settings.peers = Some(vec![format!("node-a={}", a.peer)]);
+        let b = Running::start(b_settings)?;
+        let engine_b = engine(&b.socket, threads)?;
+        let t = Instant::now();
+        let mut bufs = slices(&mut dst, per);
+        engine_b.load(StepSel::Latest, destination(&mut bufs))?;
+        peer.push(t.elapsed());
+        let last = args.tensors - 1;
+        ensure!(
+            dst[..per] == sources[0][..] && dst[last * per..] == sources[last][..],
+            "fetched bytes differ"
+        );
+        fetch.push(Duration::from_secs_f64(
+            b.metric("hotstart_restore_duration_seconds_sum{source=\"peer\"}"),
+        ));
+        drop(engine_b);
+        drop(b);
+        tcp.push(raw_tcp(&sources, &mut dst)?);
+        eprintln!(
+            "sidecar: run {run}: memcpy {:?}, memory {:?}, disk {:?}, peer {:?} (fetch {:?}), tcp {:?}",
+            memcpy[run],
+            memory[run],
+            disk_load.last(),
+            peer[run],
+            fetch[run],
+            tcp[run]
+        );
+    }
+    let bytes = total as u64;
+    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| Row {
+        what: format!("{what}, {label}"),
+        ours: rate(bytes, median(ours.to_vec())),
+        peer: peer.to_string(),
+        theirs: rate(bytes, median(theirs.to_vec())),
+        target,
+    };
+    report.add(row(
+        "restore from local sidecar memory into the caller's tensors",
+        &memory,
+        &format!("parallel memcpy ({threads} threads, pre-faulted)"),
+        &memcpy,
+        Some(0.8),
+    ));
+    if cold {
+        report.add(row(
+            "restore from local sidecar memory into the caller's tensors",
+            &memory,
+            "cold load (verified) from the local disk tier",
+            &disk_load,
+            None,
+        ));
+    } else {
+        report.note("not root: the disk comparison (needs the page cache dropped) was skipped");
+    }
+    report.add(row(
+        "restore from a peer over loopback (fetch, verify, copy out)",
+        &peer,
+        "one raw TCP stream into pre-faulted memory",
+        &tcp,
+        Some(0.8),
+    ));
+    report.add(row(
+        "peer fetch alone (sidecar's restore time)",
+        &fetch,
+        "one raw TCP stream into pre-faulted memory",
+        &tcp,
+        None,
+    ));
+
+    // Restart: a new process, from its first instruction to its state loaded.
+    let child = |from: &[String]| {
+        let mut a = from.to_vec();
+        a.extend([
+            "--tensors".into(),
+            args.tensors.to_string(),
+            "--per".into(),
+            per.to_string(),
+        ]);
+        a
+    };
+    let via_sidecar = child(&["--socket".into(), a.socket.display().to_string()]);
+    let mut restart_memory = Vec::new();
+    let mut restart_store = Vec::new();
+    for _ in 0..args.runs {
+        restart_memory.push(restart(&via_sidecar, &[])?);
+        if let Some(url) = &store_url {
+            restart_store.push(restart(
+                &child(&["--store".into(), url.clone()]),
+                &store_env,
+            )?);
+        }
+    }
+    let t_mem = median(restart_memory.clone());
+    if store_url.is_some() {
+        report.add(row(
+            "restart to state loaded, from sidecar memory",
+            &restart_memory,
+            "the same restart loading from the store (SeaweedFS, loopback)",
+            &restart_store,
+            None,
+        ));
+        report.note(format!(
+            "restart to state loaded: {:.2} s from the sidecar's memory (target ≤ 2 s for 4 GiB), {:.2} s from the store",
+            t_mem.as_secs_f64(),
+            median(restart_store).as_secs_f64()
+        ));
+    } else {
+        report.note(format!(
+            "restart to state loaded: {:.2} s from the sidecar's memory (target ≤ 2 s for 4 GiB); no SeaweedFS for the store path",
+            t_mem.as_secs_f64()
+        ));
+    }
+    report.note(format!(
+        "medians of {} runs; memcpy {:?}, memory restore {:?}, peer restore {:?} (fetch {:?}), raw TCP {:?}{}",
+        args.runs,
+        median(memcpy),
+        median(memory),
+        median(peer),
+        median(fetch),
+        median(tcp),
+        if cold {
+            format!(", cold disk load {:?}", median(disk_load))
+        } else {
+            String::new()
+        }
+    ));
+    drop(engine_a);
+    drop(a);
+    report.print();
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, report.markdown())?;
+    }
+    Ok(())
+}
+
+/// The restarted training process: loads the step into tensors of its own.
+pub fn restore_child(args: &RestoreChild) -> anyhow::Result<()> {
+    let mut cfg = EngineConfig::new(JOB, 0, 1);
+    match (&args.socket, &args.store) {
+        (Some(s), _) => cfg = cfg.sidecar(s),
+        (None, Some(url)) => cfg = cfg.store(Store::open(url)?),
+        (None, None) => bail!("--socket or --store"),
+    }
+    let engine = Engine::new(cfg)?;
+    // The model's parameters: allocated by the new process (on huge pages where the system
+    // allows, as large tensors are), not touched before the load.
+    let mut dst = AlignedBuf::zeroed(args.per * args.tensors);
+    let mut bufs = slices(&mut dst, args.per);
+    let l = engine.load(StepSel::Latest, destination(&mut bufs))?;
+    ensure!(l.step == 1, "loaded step {}", l.step);
+    Ok(())
+}

@@ -1,0 +1,366 @@
+//! The sidecar daemon (`hotstart serve`): one per node, it owns the memory tier, backs it up
+//! into peers' memory, persists it to disk and store, and serves restores.
+//!
+//! ```text
+//!   training process ──Unix socket──► sidecar ──TCP (authenticated)──► peer sidecars
+//!   (Engine, sidecar mode)            │   memory tier: sealed memfd segments, one budget
+//!     stage into a memfd  ◄─SCM_RIGHTS┤   persistence: the engine's disk and store tiers
+//!     map a sealed memfd  ◄───────────┘   /livez /readyz /metrics over HTTP
+//! ```
+//!
+//! **Save.** The training process asks for a segment (`local`), stages its checkpoint into it
+//! directly (the device-to-host copy lands in memory that survives a crash of the training
+//! process), unmaps it and commits. The sidecar seals the segment against writes, checks it
+//! against the manifest's chunk hashes and holds it in the memory tier (`memory`); then, in the
+//! background (`persist`), copies it to `replicas` peers chosen by a deterministic ring
+//! (`placement`, `peer`) and writes it to the local disk and the store with the engine's own
+//! tier code. Each tier reports back to the training process's save handle.
+//!
+//! **Restore** (`restore`). The newest step complete for every rank, found in this node's and
+//! the peers' inventories (memory and disk), else in the store; served from this node's memory,
+//! else a peer's memory, else local disk, else the store, and handed over as a sealed segment
+//! the training process maps: owned tensors are views of it, caller buffers get one copy.
+//!
+//! **Lifecycle** (`lifecycle`): starting → recovering (a replacement node pulls its shards back
+//! from peers, `recovery`) → ready → draining (SIGTERM: in-flight persistence gets the grace
+//! period, what did not finish is reported).
+//!
+//! **Trust.** Peers authenticate with a shared cluster token (`auth`); every frame is bounded
+//! and versioned (`wire`), and a bad one costs only its connection; every shard that arrives
+//! from a peer is verified against its blake3 chunk hashes before it is held. The local socket
+//! is protected by its file mode.
+
+pub mod auth;
+pub(crate) mod client;
+pub mod config;
+pub mod http;
+pub mod lifecycle;
+pub(crate) mod local;
+pub mod members;
+pub mod memory;
+pub mod metrics;
+pub mod peer;
+pub mod persist;
+pub mod placement;
+pub mod recovery;
+pub(crate) mod restore;
+pub mod shm;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hotstart_store::uring::UringConfig;
+use hotstart_store::wrap::{Counter, Interceptor};
+use hotstart_store::{Store, StripeConfig};
+use tracing::{error, info, warn};
+
+pub use auth::{ClusterKey, Identity};
+pub use config::{Settings, SidecarConfig, Token};
+pub use lifecycle::State;
+pub use peer::PeerClient;
+pub use persist::DrainReport;
+pub use recovery::RecoveryReport;
+pub use wire::{Held, ShardInfo};
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::tier::Tier;
+use crate::tier::disk::DiskTier;
+use crate::tier::store::{Runtime, StoreTier};
+
+/// Everything the daemon's parts share.
+pub(crate) struct Core {
+    pub(crate) cfg: SidecarConfig,
+    pub(crate) me: Identity,
+    pub(crate) key: ClusterKey,
+    pub(crate) life: lifecycle::Lifecycle,
+    pub(crate) memory: Arc<memory::Memory>,
+    pub(crate) metrics: metrics::Metrics,
+    pub(crate) members: members::Members,
+    /// Disk, then store, as configured.
+    pub(crate) tiers: Vec<Arc<dyn Tier>>,
+    pub(crate) store_counter: Option<Arc<Counter>>,
+    pub(crate) engines: Mutex<HashMap<(String, u32, u32), Arc<Engine>>>,
+    pub(crate) inflight: persist::Inflight,
+    pub(crate) threads: usize,
+    stopped: AtomicBool,
+}
+
+impl Core {
+    fn gauges(&self) -> metrics::Gauges {
+        let (peers_up, peers_down) = self.members.counts();
+        let (replication_lag, replication_pending) = self.inflight.replication();
+        metrics::Gauges {
+            state: Some(self.life.get()),
+            memory: self.memory.stats(),
+            peers_up,
+            peers_down,
+            replication_lag,
+            replication_pending,
+            persist_running: self.inflight.running(),
+        }
+    }
+}
+
+impl http::Routes for Core {
+    fn get(&self, path: &str) -> Option<http::Response> {
+        let state = self.life.get();
+        match path {
+            "/livez" => Some(http::Response::text(200, format!("ok ({state})\n"))),
+            "/readyz" if state == State::Ready => Some(http::Response::text(200, "ready\n")),
+            "/readyz" => Some(http::Response::text(503, format!("not ready: {state}\n"))),
+            "/metrics" => Some(http::Response {
+                status: 200,
+                content_type: "text/plain; version=0.0.4; charset=utf-8",
+                body: self
+                    .metrics
+                    .render(&self.gauges(), self.store_counter.as_deref()),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// A sidecar with its listeners bound, not yet serving.
+pub struct Sidecar {
+    core: Arc<Core>,
+    peer_listener: TcpListener,
+    local_listener: UnixListener,
+    http_listener: tokio::net::TcpListener,
+    peer_addr: SocketAddr,
+    http_addr: SocketAddr,
+}
+
+impl std::fmt::Debug for Sidecar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sidecar")
+            .field("node", &self.core.me.node)
+            .field("peer_addr", &self.peer_addr)
+            .field("http_addr", &self.http_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Binds the Unix socket at `path`: a leftover file from a dead sidecar is replaced, a live
+/// sidecar on it is an error.
+fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(Error::Config {
+                reason: format!("another sidecar is serving {}", path.display()),
+            });
+        }
+        std::fs::remove_file(path).map_err(|e| Error::io("remove stale socket", path, e))?;
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create socket directory", dir, e))?;
+    }
+    let l = UnixListener::bind(path).map_err(|e| Error::io("bind", path, e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| Error::io("chmod", path, e))?;
+    Ok(l)
+}
+
+impl Sidecar {
+    /// Opens the tiers and binds every listener; nothing is served yet (`/livez` and the peer
+    /// port answer from [`Sidecar::run`] on).
+    pub async fn bind(cfg: SidecarConfig) -> Result<Sidecar> {
+        let threads = if cfg.threads == 0 {
+            crate::staging::default_threads()
+        } else {
+            cfg.threads
+        };
+        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
+        if let Some(dir) = &cfg.disk_dir {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io("create disk tier", dir, e))?;
+            tiers.push(Arc::new(DiskTier::new(dir.clone(), UringConfig::default())));
+        }
+        let mut store_counter = None;
+        if let Some(url) = &cfg.store {
+            let counter = Arc::new(Counter::default());
+            let store = Store::open(url)
+                .map_err(|e| Error::store("open", url.clone(), e))?
+                .wrap(|inner| counter.clone().wrap(inner));
+            store_counter = Some(counter);
+            tiers.push(Arc::new(StoreTier::new(
+                store,
+                Arc::new(Runtime::new()?),
+                StripeConfig::default(),
+                4,
+                Duration::from_millis(100),
+            )));
+        }
+        let peer_listener = TcpListener::bind(cfg.listen).map_err(|e| Error::Config {
+            reason: format!("listen {}: {e}", cfg.listen),
+        })?;
+        let peer_addr = peer_listener
+            .local_addr()
+            .map_err(|e| Error::io("local address", "peer listener", e))?;
+        let (http_listener, http_addr) = http::bind(cfg.http).await.map_err(|e| Error::Config {
+            reason: format!("http {}: {e}", cfg.http),
+        })?;
+        let local_listener = bind_socket(&cfg.socket, cfg.socket_mode)?;
+        let me = Identity {
+            node: cfg.node_id.clone(),
+            domain: cfg.domain.clone(),
+        };
+        let key = ClusterKey::new(cfg.token.as_ref().map_or(&[][..], |t| t.bytes()));
+        let core = Arc::new(Core {
+            me,
+            key,
+            life: lifecycle::Lifecycle::new(),
+            memory: memory::Memory::new(cfg.memory_budget, cfg.node_id.clone()),
+            metrics: metrics::Metrics::default(),
+            members: members::Members::new(&cfg),
+            tiers,
+            store_counter,
+            engines: Mutex::new(HashMap::new()),
+            inflight: persist::Inflight::default(),
+            threads,
+            stopped: AtomicBool::new(false),
+            cfg,
+        });
+        info!(
+            node = %core.me.node,
+            peers = %peer_addr,
+            http = %http_addr,
+            socket = %core.cfg.socket.display(),
+            budget = core.cfg.memory_budget,
+            secure = core.cfg.token.is_some(),
+            "sidecar bound"
+        );
+        Ok(Sidecar {
+            core,
+            peer_listener,
+            local_listener,
+            http_listener,
+            peer_addr,
+            http_addr,
+        })
+    }
+
+    /// Where peers connect.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer_addr
+    }
+
+    /// Where `/livez`, `/readyz` and `/metrics` are served.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// Serves: recovers, becomes ready, serves until `shutdown` completes, then drains.
+    /// Returns what the drain found.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<DrainReport> {
+        let Sidecar {
+            core,
+            peer_listener,
+            local_listener,
+            http_listener,
+            peer_addr,
+            ..
+        } = self;
+        let http = tokio::spawn(http::serve(http_listener, core.clone()));
+        spawn_accept("hotstart-peer-accept", core.clone(), move |core| {
+            let (sock, addr) = peer_listener.accept()?;
+            if core.stopped.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let c = core.clone();
+            std::thread::Builder::new()
+                .name("hotstart-peer".into())
+                .spawn(move || peer::serve(c, sock, addr))?;
+            Ok(())
+        })?;
+        tokio::pin!(shutdown);
+        core.life.advance(State::Recovering);
+        let recovery = {
+            let core = core.clone();
+            tokio::task::spawn_blocking(move || core.recover())
+        };
+        let shut_early = tokio::select! {
+            r = recovery => {
+                if let Err(e) = r {
+                    error!(error = %e, "recovery panicked");
+                }
+                false
+            }
+            () = &mut shutdown => true,
+        };
+        if !shut_early {
+            core.life.advance(State::Ready);
+            let socket = core.cfg.socket.clone();
+            spawn_accept("hotstart-local-accept", core.clone(), move |core| {
+                let (sock, _) = local_listener.accept()?;
+                if core.stopped.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                let c = core.clone();
+                std::thread::Builder::new()
+                    .name("hotstart-local".into())
+                    .spawn(move || local::serve(c, sock))?;
+                Ok(())
+            })?;
+            let prober = core.clone();
+            std::thread::Builder::new()
+                .name("hotstart-probe".into())
+                .spawn(move || {
+                    while !prober.stopped.load(Ordering::Acquire) {
+                        std::thread::sleep(prober.cfg.probe_interval);
+                        if prober.life.get() == State::Ready {
+                            prober.probe();
+                        }
+                    }
+                })
+                .map_err(|e| Error::io("spawn prober", "", e))?;
+            info!(socket = %socket.display(), "sidecar ready");
+            shutdown.await;
+        }
+        core.life.advance(State::Draining);
+        let report = {
+            let core = core.clone();
+            tokio::task::spawn_blocking(move || core.drain())
+                .await
+                .map_err(|e| Error::Task {
+                    what: "drain",
+                    message: e.to_string(),
+                })?
+        };
+        // Stop accepting: no new training process or peer is served from here on. The accept
+        // threads are woken by a connection of their own, which they drop.
+        core.stopped.store(true, Ordering::Release);
+        let _ = std::net::TcpStream::connect(peer_addr);
+        let _ = std::os::unix::net::UnixStream::connect(&core.cfg.socket);
+        let _ = std::fs::remove_file(&core.cfg.socket);
+        http.abort();
+        Ok(report)
+    }
+}
+
+/// Runs `accept` in a loop on a thread of its own until the sidecar stops.
+fn spawn_accept(
+    name: &str,
+    core: Arc<Core>,
+    accept: impl Fn(&Arc<Core>) -> std::io::Result<()> + Send + 'static,
+) -> Result<()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            while !core.stopped.load(Ordering::Acquire) {
+                if let Err(e) = accept(&core) {
+                    warn!(error = %e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| Error::io("spawn accept thread", "", e))
+}

@@ -1,0 +1,436 @@
+//! The engine's side of the sidecar: saves that stage into the sidecar's shared memory, and
+//! restores that map what the sidecar serves. Used by [`Engine`] when
+//! [`EngineConfig::sidecar`](crate::EngineConfig::sidecar) is set.
+//!
+//! **Save.** `save` asks the sidecar for a segment of the file's size (blocking for memory, or
+//! not, per `when_full`), maps it, and returns the handle. The save's thread stages into the
+//! mapping exactly as the in-process engine stages into its pool (device tensors by the GPU into
+//! the mapping registered as pinned memory, host tensors over the engine's threads), marks the
+//! handle staged, hashes the chunks, **unmaps** the segment and commits it with the manifest.
+//! The sidecar seals it (after which nobody can write it), checks the hashes and holds it: the
+//! `Memory` phase is done, and the step survives a crash of this process. The sidecar then
+//! reports the other tiers (peers, disk, store) on the same connection as they finish. At most
+//! `max_inflight` saves stage at once.
+//!
+//! **Load.** `load` asks for a step (or the newest complete for every rank) and receives the
+//! sealed segment; it checks the seals and maps it read-only. Caller buffers are filled with one
+//! parallel copy straight from the segment's pages (`pread`, so the mapping's pages are never
+//! faulted in for them); tensors returned owned are views of the mapping itself (no copy at
+//! all), which stay valid however long they are kept. The bytes were checked against
+//! their hashes when the sidecar sealed them and cannot have changed since, so they are not
+//! hashed again.
+
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tracing::{error, info, warn};
+
+use super::local::PROTOCOL_VERSION;
+use super::shm::{Mapping, Sealed, Segment};
+use super::wire::{Conn, FdStream, LocalMsg, Side};
+use crate::engine::{self, Engine, Inner, WhenFull};
+use crate::error::{Error, Result};
+use crate::format::{Layout, Manifest};
+use crate::handle::{Phase, SaveHandle, Shared};
+use crate::load::{self, Destination, Loaded, StepSel};
+use crate::staging::{FailUnlessComplete, Region, Staging};
+use crate::tensor::{Extras, Tensor};
+use crate::tier::TierKind;
+
+/// A bound on saves staging at once.
+#[derive(Debug)]
+struct Tickets {
+    max: usize,
+    taken: Mutex<usize>,
+    freed: Condvar,
+}
+
+struct Ticket(Arc<Tickets>);
+
+impl Tickets {
+    fn take(self: &Arc<Self>, block: bool) -> Option<Ticket> {
+        let mut t = self.taken.lock().unwrap_or_else(PoisonError::into_inner);
+        while *t >= self.max {
+            if !block {
+                return None;
+            }
+            t = self.freed.wait(t).unwrap_or_else(PoisonError::into_inner);
+        }
+        *t += 1;
+        Some(Ticket(self.clone()))
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        *self.0.taken.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+        self.0.freed.notify_one();
+    }
+}
+
+/// The sidecar of one engine.
+#[derive(Debug)]
+pub(crate) struct Client {
+    socket: PathBuf,
+    job: String,
+    rank: u32,
+    world_size: u32,
+    tiers: Vec<TierKind>,
+    tickets: Arc<Tickets>,
+}
+
+struct SealedBytes(Arc<Sealed>, usize);
+
+impl AsRef<[u8]> for SealedBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes()[..self.1]
+    }
+}
+
+impl Client {
+    /// Connects once to check that the sidecar at `socket` serves this rank.
+    pub(crate) fn attach(
+        socket: &Path,
+        job: &str,
+        rank: u32,
+        world_size: u32,
+        max_inflight: usize,
+    ) -> Result<Client> {
+        let mut c = Client {
+            socket: socket.to_path_buf(),
+            job: job.to_string(),
+            rank,
+            world_size,
+            tiers: Vec::new(),
+            tickets: Arc::new(Tickets {
+                max: max_inflight.max(1),
+                taken: Mutex::new(0),
+                freed: Condvar::new(),
+            }),
+        };
+        let (_, tiers) = c.open()?;
+        c.tiers = tiers;
+        Ok(c)
+    }
+
+    fn error(&self, reason: impl Into<String>) -> Error {
+        Error::Sidecar {
+            socket: self.socket.display().to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn open(&self) -> Result<(Conn<FdStream>, Vec<TierKind>)> {
+        let sock =
+            UnixStream::connect(&self.socket).map_err(|e| self.error(format!("connect: {e}")))?;
+        let mut conn = Conn::new(
+            FdStream::new(sock),
+            self.socket.display().to_string(),
+            Side::Local,
+        );
+        conn.send(&LocalMsg::Attach {
+            version: PROTOCOL_VERSION,
+            job: self.job.clone(),
+            rank: self.rank,
+            world_size: self.world_size,
+        })?;
+        match conn.recv()? {
+            LocalMsg::Attached { tiers, .. } => Ok((conn, tiers)),
+            LocalMsg::Failed { reason } => Err(self.error(reason)),
+            other => Err(conn.violation(format!("expected attached, got {other:?}"))),
+        }
+    }
+
+    /// A new attached connection.
+    pub(crate) fn connect(&self) -> Result<Conn<FdStream>> {
+        self.open().map(|(c, _)| c)
+    }
+
+    /// The socket.
+    pub(crate) fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The tiers a save goes to, nearest first.
+    pub(crate) fn tiers(&self) -> Vec<TierKind> {
+        self.tiers.clone()
+    }
+
+    /// The newest step complete for every rank, as the sidecar sees it.
+    pub(crate) fn latest(&self) -> Result<Option<u64>> {
+        let mut conn = self.connect()?;
+        conn.send(&LocalMsg::Latest)?;
+        match conn.recv()? {
+            LocalMsg::LatestIs { step } => Ok(step),
+            LocalMsg::Failed { reason } => Err(self.error(reason)),
+            other => Err(conn.violation(format!("expected latest, got {other:?}"))),
+        }
+    }
+
+    /// Saves through the sidecar; see the module docs.
+    pub(crate) fn save(
+        &self,
+        engine: &Engine,
+        step: u64,
+        layout: Layout,
+        tensors: Vec<Tensor>,
+        extras: Extras,
+    ) -> Result<SaveHandle> {
+        let inner = engine.inner.clone();
+        let handle = |shared| SaveHandle {
+            shared,
+            step,
+            rank: self.rank,
+            inflight: self.tickets.max,
+        };
+        let block = engine.when_full() == WhenFull::Block;
+        let Some(ticket) = self.tickets.take(block) else {
+            engine.count_skip(step);
+            return Ok(handle(Shared::skipped(step)));
+        };
+        let len = layout.file_len as usize;
+        let mut conn = self.connect()?;
+        conn.send(&LocalMsg::Stage {
+            step,
+            len: layout.file_len,
+            wait: block,
+        })?;
+        let fd: OwnedFd = match conn.recv()? {
+            LocalMsg::Segment { .. } => conn.take_fd()?,
+            LocalMsg::Failed { reason } => return Err(self.error(reason)),
+            other => return Err(conn.violation(format!("expected a segment, got {other:?}"))),
+        };
+        let seg = Segment::from_fd(fd).map_err(|e| self.error(format!("shared memory: {e}")))?;
+        if seg.len() < len {
+            return Err(self.error(format!(
+                "a {}-byte segment for a {len}-byte file",
+                seg.len()
+            )));
+        }
+        let map: Arc<Mapping> = Arc::new(
+            seg.map_writable()
+                .map_err(|e| self.error(format!("map shared memory: {e}")))?,
+        );
+        drop(seg);
+        let shared = Shared::new(step, &self.tiers);
+        let job = SidecarSave {
+            inner,
+            shared: shared.clone(),
+            step,
+            layout,
+            tensors,
+            extras,
+            conn,
+            ticket,
+        };
+        engine.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
+            job.run(map)
+        })?;
+        Ok(handle(shared))
+    }
+
+    /// Loads through the sidecar on `conn`; see the module docs.
+    pub(crate) fn load(
+        &self,
+        inner: &Inner,
+        mut conn: Conn<FdStream>,
+        which: StepSel,
+        dest: Destination<'_>,
+    ) -> Result<Loaded> {
+        let started = Instant::now();
+        let want = match which {
+            StepSel::Latest => None,
+            StepSel::Step(s) => Some(s),
+        };
+        conn.send(&LocalMsg::Restore { step: want })?;
+        let (step, source, json, chunk_sources, seconds) = match conn.recv()? {
+            LocalMsg::Restored {
+                step,
+                source,
+                manifest,
+                chunk_sources,
+                seconds,
+            } => (step, source, manifest, chunk_sources, seconds),
+            LocalMsg::NotFound { step } => {
+                return Err(Error::NotFound {
+                    job: self.job.clone(),
+                    step,
+                    rank: self.rank,
+                });
+            }
+            LocalMsg::Failed { reason } => return Err(self.error(reason)),
+            other => return Err(conn.violation(format!("expected a restore, got {other:?}"))),
+        };
+        let fd = conn.take_fd()?;
+        let location = format!("step {step} rank {} from the sidecar", self.rank);
+        if want.is_some_and(|s| s != step) {
+            return Err(self.error(format!("asked for step {want:?}, got step {step}")));
+        }
+        let m = Manifest::parse_for(
+            json.as_bytes(),
+            &location,
+            &self.job,
+            step,
+            self.rank,
+            self.world_size,
+        )?;
+        let len = load::file_len(&m)?;
+        let sealed = Arc::new(
+            Sealed::open(fd, len).map_err(|e| self.error(format!("restored segment: {e}")))?,
+        );
+        let mut targets = load::targets(step, &m, dest)?;
+        let direct = std::mem::take(&mut targets.direct);
+        // Straight from the segment's pages into the caller's: one copy, and no page faults
+        // on a mapping of the segment (only the header and owned tensors are read through it).
+        load::copy_out(
+            &|at, dst| sealed.read_at(at, dst),
+            direct,
+            m.chunk_size as usize,
+            inner.threads,
+        )
+        .map_err(|e| self.error(format!("read the restored segment: {e}")))?;
+        let all = Bytes::from_owner(SealedBytes(sealed, len));
+        let loaded = inner.finish(step, m, all, targets, chunk_sources)?;
+        info!(
+            step,
+            %source,
+            sidecar_seconds = seconds,
+            seconds = started.elapsed().as_secs_f64(),
+            "restored through the sidecar"
+        );
+        Ok(loaded)
+    }
+}
+
+/// One save through the sidecar: its background work.
+struct SidecarSave {
+    inner: Arc<Inner>,
+    shared: Arc<Shared>,
+    step: u64,
+    layout: Layout,
+    tensors: Vec<Tensor>,
+    extras: Extras,
+    conn: Conn<FdStream>,
+    ticket: Ticket,
+}
+
+impl SidecarSave {
+    fn run(self, map: Arc<Mapping>) {
+        let shared = self.shared.clone();
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.work(map)));
+        if res.is_err() {
+            error!("sidecar save thread panicked");
+            shared.fail_pending(Arc::new(Error::Task {
+                what: "save thread",
+                message: "panic".into(),
+            }));
+        }
+    }
+
+    fn work(self, map: Arc<Mapping>) {
+        let SidecarSave {
+            inner,
+            shared,
+            step,
+            layout,
+            tensors,
+            extras,
+            mut conn,
+            ticket,
+        } = self;
+        let len = layout.file_len as usize;
+        let region: Arc<dyn Region> = map.clone();
+        let image = Staging::new(region, len);
+        let abandon = FailUnlessComplete(&image);
+        let mut pin = None;
+        let res = engine::stage(
+            &inner,
+            Some((map.ptr().cast_const(), map.len())),
+            &mut pin,
+            &image,
+            &layout,
+            &tensors,
+        );
+        drop(tensors);
+        let staged = match res.and_then(|()| image.complete()) {
+            Ok(s) => s,
+            Err(e) => {
+                error!(step, error = %e, "checkpoint staging failed");
+                shared.fail_pending(Arc::new(e));
+                return;
+            }
+        };
+        shared.set_staged(Phase::Done);
+        let manifest = engine::manifest_for(&inner, step, &layout, staged.as_ref(), &extras);
+        // Unmap before committing: the sidecar cannot seal a segment mapped writable. The
+        // pinned registration goes first.
+        drop(staged);
+        drop(abandon);
+        drop(image);
+        drop(pin);
+        drop(map);
+        let manifest = String::from_utf8(manifest).unwrap_or_default();
+        let committed = conn
+            .send(&LocalMsg::Commit { manifest })
+            .and_then(|()| conn.recv());
+        match committed {
+            Ok(LocalMsg::Committed) => shared.set_tier(TierKind::Memory, Phase::Done),
+            Ok(LocalMsg::Failed { reason }) => {
+                let e = Error::Sidecar {
+                    socket: conn.label().to_string(),
+                    reason: format!("commit refused: {reason}"),
+                };
+                error!(step, error = %e, "checkpoint not committed");
+                shared.fail_pending(Arc::new(e));
+                return;
+            }
+            Ok(other) => {
+                shared.fail_pending(Arc::new(
+                    conn.violation(format!("expected committed, got {other:?}")),
+                ));
+                return;
+            }
+            Err(e) => {
+                error!(step, error = %e, "checkpoint not committed");
+                shared.fail_pending(Arc::new(e));
+                return;
+            }
+        }
+        drop(ticket);
+        // Every other tier reports when it is done.
+        while !shared.status().all_finished() {
+            match conn.recv::<LocalMsg>() {
+                Ok(LocalMsg::Persisted { tier, error: None }) => shared.set_tier(tier, Phase::Done),
+                Ok(LocalMsg::Persisted {
+                    tier,
+                    error: Some(reason),
+                }) => {
+                    let e = Error::Sidecar {
+                        socket: conn.label().to_string(),
+                        reason,
+                    };
+                    warn!(step, %tier, error = %e, "checkpoint not persisted by the sidecar");
+                    shared.set_tier(tier, Phase::Failed(Arc::new(e)));
+                }
+                Ok(other) => {
+                    shared.fail_pending(Arc::new(
+                        conn.violation(format!("expected progress, got {other:?}")),
+                    ));
+                    return;
+                }
+                Err(e) => {
+                    let e = Error::Sidecar {
+                        socket: conn.label().to_string(),
+                        reason: format!("lost before every tier reported: {e}"),
+                    };
+                    shared.fail_pending(Arc::new(e));
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,703 @@
+//! The sidecar's configuration: one [`Settings`] per source (TOML file, environment, flags),
+//! merged in that order of precedence (flags over environment over file over defaults), then
+//! checked and resolved into a [`SidecarConfig`].
+//!
+//! Every setting has a TOML key, a flag and a `HOTSTART_*` variable; `docs/CONFIGURATION.md`
+//! lists them. Sizes are bytes or a number with a unit (`512MiB`, `8GiB`, `4G`); durations are
+//! seconds or a number with a unit (`500ms`, `25s`, `2m`). The cluster token is never read from
+//! the TOML file or a flag (both end up in places others can read): it comes from
+//! `HOTSTART_CLUSTER_TOKEN` or from a file named by `token_file` (a Kubernetes Secret mounted as
+//! a file).
+//!
+//! **Refusals.** Without a token the daemon refuses to start, unless `insecure` is set *and*
+//! every address it listens on or connects to is a loopback address (peers named by DNS are
+//! checked as they resolve, and a non-loopback answer is skipped). A peer list that names the
+//! node itself, an empty or malformed node id, a replication factor larger than the number of
+//! static peers with no DNS name to find more, and a zero memory budget are refused with a
+//! message that names the setting.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// Default peer port.
+pub const DEFAULT_PEER_PORT: u16 = 7070;
+/// Default HTTP port (`/livez`, `/readyz`, `/metrics`).
+pub const DEFAULT_HTTP_PORT: u16 = 7071;
+/// Default Unix socket.
+pub const DEFAULT_SOCKET: &str = "/run/hotstart/sidecar.sock";
+/// Default drain grace period: under Kubernetes' default 30 s termination grace.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(25);
+/// The environment variable holding the cluster token.
+pub const TOKEN_ENV: &str = "HOTSTART_CLUSTER_TOKEN";
+
+/// The shared secret that peers authenticate each other with. Never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(Vec<u8>);
+
+impl Token {
+    /// A token from its bytes; surrounding whitespace (a trailing newline in a file) is dropped.
+    pub fn new(bytes: impl AsRef<[u8]>) -> Result<Token> {
+        let t = bytes.as_ref().trim_ascii();
+        if t.is_empty() {
+            return Err(config("the cluster token is empty"));
+        }
+        Ok(Token(t.to_vec()))
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Token(<redacted>)")
+    }
+}
+
+/// A peer named in the static list: its node id and `host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaticPeer {
+    pub id: String,
+    pub addr: String,
+}
+
+/// Everything `hotstart serve` needs, checked.
+#[derive(Debug, Clone)]
+pub struct SidecarConfig {
+    /// This node's id: replicas name their origin by it, and a replacement node with the same
+    /// id pulls them back.
+    pub node_id: String,
+    /// Failure-domain label (rack, zone); replicas avoid the node's own domain where possible.
+    pub domain: String,
+    /// Where peers connect.
+    pub listen: SocketAddr,
+    /// The Unix socket local training processes connect to.
+    pub socket: PathBuf,
+    /// Permission bits of the socket file.
+    pub socket_mode: u32,
+    /// Where `/livez`, `/readyz` and `/metrics` are served.
+    pub http: SocketAddr,
+    /// Peers by id and address.
+    pub peers: Vec<StaticPeer>,
+    /// A `name:port` that resolves to every peer (a Kubernetes headless service).
+    pub peers_dns: Option<String>,
+    /// Peers each shard is copied to.
+    pub replicas: usize,
+    /// Bytes of shared memory the memory tier may hold (staging, local shards and replicas).
+    pub memory_budget: u64,
+    /// Object store URL of the store tier.
+    pub store: Option<String>,
+    /// Root of the local disk tier.
+    pub disk_dir: Option<PathBuf>,
+    /// The cluster token; `None` only with `insecure` on loopback.
+    pub token: Option<Token>,
+    pub insecure: bool,
+    /// How long SIGTERM waits for in-flight persistence.
+    pub grace: Duration,
+    /// How long a starting node looks for its shards on peers before it reports ready anyway.
+    pub recovery_timeout: Duration,
+    /// Complete steps kept per rank on disk and in the store (0 keeps everything).
+    pub keep: usize,
+    /// How long a peer connection may make no progress before it is dropped.
+    pub peer_timeout: Duration,
+    /// How often peers are probed (and the DNS name resolved again).
+    pub probe_interval: Duration,
+    /// How long a stage request waits for memory to be freed before it is refused.
+    pub stage_timeout: Duration,
+    /// Threads for checksums and copies; 0 picks the core count (at most 8).
+    pub threads: usize,
+}
+
+/// One source of settings: every field optional. Deserialised from TOML (unknown keys are an
+/// error), or filled from flags and environment by the CLI.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub struct Settings {
+    pub node_id: Option<String>,
+    pub domain: Option<String>,
+    pub listen: Option<String>,
+    pub socket: Option<PathBuf>,
+    pub socket_mode: Option<String>,
+    pub http: Option<String>,
+    /// `id=host:port` entries (comma-separated in a flag or variable).
+    pub peers: Option<Vec<String>>,
+    pub peers_dns: Option<String>,
+    pub replicas: Option<usize>,
+    pub memory_budget: Option<Size>,
+    pub store: Option<String>,
+    pub disk_dir: Option<PathBuf>,
+    pub token_file: Option<PathBuf>,
+    pub insecure: Option<bool>,
+    pub grace: Option<Seconds>,
+    pub recovery_timeout: Option<Seconds>,
+    pub keep: Option<usize>,
+    pub peer_timeout: Option<Seconds>,
+    pub probe_interval: Option<Seconds>,
+    pub stage_timeout: Option<Seconds>,
+    pub threads: Option<usize>,
+    /// Set from `HOTSTART_CLUSTER_TOKEN` by the CLI; never from the file.
+    #[serde(skip)]
+    pub token: Option<Token>,
+}
+
+/// `"1.5 GiB"` as `(1.5, "GiB")`: the leading number and what follows it, trimmed.
+fn number_and_unit<'a>(s: &'a str, what: &str) -> std::result::Result<(f64, &'a str), String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n = num
+        .parse()
+        .map_err(|_| format!("{what} {s:?}: not a number"))?;
+    Ok((n, unit.trim()))
+}
+
+/// A byte size: an integer, or a string with a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl std::str::FromStr for Size {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Size, String> {
+        let (n, unit) = number_and_unit(s, "size")?;
+        let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" => 1_000,
+            "ki" | "kib" => 1 << 10,
+            "m" | "mb" => 1_000_000,
+            "mi" | "mib" => 1 << 20,
+            "g" | "gb" => 1_000_000_000,
+            "gi" | "gib" => 1 << 30,
+            "t" | "tb" => 1_000_000_000_000,
+            "ti" | "tib" => 1 << 40,
+            u => return Err(format!("size {s:?}: unknown unit {u:?}")),
+        };
+        let bytes = n * mult as f64;
+        if !(0.0..1.8e19).contains(&bytes) {
+            return Err(format!("size {s:?} is out of range"));
+        }
+        Ok(Size(bytes as u64))
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Size, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Size(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// A duration: seconds as a number, or a string with a unit (`ms`, `s`, `m`, `h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seconds(pub Duration);
+
+impl std::str::FromStr for Seconds {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Seconds, String> {
+        let (n, unit) = number_and_unit(s, "duration")?;
+        let secs = match unit {
+            "ms" => n / 1000.0,
+            "" | "s" => n,
+            "m" | "min" => n * 60.0,
+            "h" => n * 3600.0,
+            u => return Err(format!("duration {s:?}: unknown unit {u:?}")),
+        };
+        Duration::try_from_secs_f64(secs)
+            .map(Seconds)
+            .map_err(|e| format!("duration {s:?}: {e}"))
+    }
+}
+
+impl<'de> Deserialize<'de> for Seconds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Seconds, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(f64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Duration::try_from_secs_f64(n)
+                .map(Seconds)
+                .map_err(serde::de::Error::custom),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+fn config(reason: impl Into<String>) -> Error {
+    Error::Config {
+        reason: reason.into(),
+    }
+}
+
+impl Settings {
+    /// Settings from a TOML file.
+    pub fn from_toml_file(path: &Path) -> Result<Settings> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+        Settings::from_toml(&text).map_err(|e| match e {
+            Error::Config { reason } => config(format!("{}: {reason}", path.display())),
+            e => e,
+        })
+    }
+
+    /// Settings from TOML text.
+    pub fn from_toml(text: &str) -> Result<Settings> {
+        toml::from_str(text).map_err(|e| config(e.to_string()))
+    }
+
+    /// `self`, with every setting that `over` has replaced by it.
+    pub fn merge(self, over: Settings) -> Settings {
+        macro_rules! pick {
+            ($($f:ident),*) => { Settings { $($f: over.$f.or(self.$f)),* } };
+        }
+        pick!(
+            node_id,
+            domain,
+            listen,
+            socket,
+            socket_mode,
+            http,
+            peers,
+            peers_dns,
+            replicas,
+            memory_budget,
+            store,
+            disk_dir,
+            token_file,
+            insecure,
+            grace,
+            recovery_timeout,
+            keep,
+            peer_timeout,
+            probe_interval,
+            stage_timeout,
+            threads,
+            token
+        )
+    }
+
+    /// Applies defaults and checks everything; see the module docs for what is refused.
+    pub fn resolve(self) -> Result<SidecarConfig> {
+        let node_id = match self.node_id {
+            Some(id) => id,
+            None => hostname()?,
+        };
+        check_node_id(&node_id)?;
+        let domain = self.domain.unwrap_or_default();
+        let listen = parse_addr("listen", self.listen.as_deref(), DEFAULT_PEER_PORT)?;
+        let http = parse_addr("http", self.http.as_deref(), DEFAULT_HTTP_PORT)?;
+        let socket_mode = match self.socket_mode.as_deref() {
+            None => 0o660,
+            Some(m) => u32::from_str_radix(m.trim_start_matches("0o"), 8)
+                .ok()
+                .filter(|m| *m <= 0o777)
+                .ok_or_else(|| config(format!("socket_mode {m:?}: not octal permission bits")))?,
+        };
+        let mut peers = Vec::new();
+        for entry in self.peers.unwrap_or_default() {
+            for p in entry.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                peers.push(parse_peer(p)?);
+            }
+        }
+        for (i, p) in peers.iter().enumerate() {
+            if p.id == node_id {
+                return Err(config(format!(
+                    "peers: {:?} is this node's own id; list only the other nodes",
+                    p.id
+                )));
+            }
+            if peers[..i].iter().any(|q| q.id == p.id) {
+                return Err(config(format!("peers: {:?} is listed twice", p.id)));
+            }
+        }
+        let peers_dns = self.peers_dns.filter(|d| !d.is_empty());
+        if let Some(d) = &peers_dns
+            && !d.contains(':')
+        {
+            return Err(config(format!(
+                "peers_dns {d:?}: expected name:port, e.g. hotstart.ns.svc.cluster.local:{DEFAULT_PEER_PORT}"
+            )));
+        }
+        let replicas = self.replicas.unwrap_or(1);
+        if peers_dns.is_none() && replicas > peers.len() && !peers.is_empty() {
+            return Err(config(format!(
+                "replicas = {replicas} but only {} peers are listed",
+                peers.len()
+            )));
+        }
+        let memory_budget = match self.memory_budget {
+            Some(Size(0)) => return Err(config("memory_budget is 0")),
+            Some(Size(b)) => b,
+            None => default_budget(),
+        };
+        let token = match (self.token, &self.token_file) {
+            (Some(t), _) => Some(t),
+            (None, Some(path)) => {
+                let bytes =
+                    std::fs::read(path).map_err(|e| Error::io("read token file", path, e))?;
+                Some(Token::new(bytes)?)
+            }
+            (None, None) => None,
+        };
+        let insecure = self.insecure.unwrap_or(false);
+        let cfg = SidecarConfig {
+            node_id,
+            domain,
+            listen,
+            socket: self.socket.unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)),
+            socket_mode,
+            http,
+            peers,
+            peers_dns,
+            replicas,
+            memory_budget,
+            store: self.store.filter(|s| !s.is_empty()),
+            disk_dir: self.disk_dir,
+            token,
+            insecure,
+            grace: self.grace.map_or(DEFAULT_GRACE, |s| s.0),
+            recovery_timeout: self
+                .recovery_timeout
+                .map_or(Duration::from_secs(30), |s| s.0),
+            keep: self.keep.unwrap_or(2),
+            peer_timeout: self.peer_timeout.map_or(Duration::from_secs(30), |s| s.0),
+            probe_interval: self.probe_interval.map_or(Duration::from_secs(5), |s| s.0),
+            stage_timeout: self.stage_timeout.map_or(Duration::from_secs(60), |s| s.0),
+            threads: self.threads.unwrap_or(0),
+        };
+        cfg.check_security()?;
+        Ok(cfg)
+    }
+}
+
+impl SidecarConfig {
+    /// Without a token, only `insecure` on loopback addresses is allowed.
+    fn check_security(&self) -> Result<()> {
+        if self.token.is_some() {
+            return Ok(());
+        }
+        if !self.insecure {
+            return Err(config(format!(
+                "no cluster token: set {TOKEN_ENV} or token_file (or, for a test on loopback \
+                 addresses only, --insecure)"
+            )));
+        }
+        let mut addrs = vec![("listen", self.listen), ("http", self.http)];
+        for p in &self.peers {
+            let resolved = p
+                .addr
+                .to_socket_addrs()
+                .map_err(|e| config(format!("peer {} ({}): {e}", p.id, p.addr)))?;
+            addrs.extend(resolved.map(|a| ("peers", a)));
+        }
+        match addrs.iter().find(|(_, a)| !a.ip().is_loopback()) {
+            Some((what, a)) => Err(config(format!(
+                "--insecure (no cluster token) is only allowed on loopback addresses; {what} \
+                 has {a}"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Node ids name replicas on the wire and in logs: 1 to 253 bytes of `[A-Za-z0-9._-]`.
+fn check_node_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 253
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(config(format!(
+            "node id {id:?}: 1 to 253 characters of A-Z a-z 0-9 . _ -"
+        )))
+    }
+}
+
+fn parse_addr(what: &str, s: Option<&str>, default_port: u16) -> Result<SocketAddr> {
+    let Some(s) = s else {
+        return Ok(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), default_port));
+    };
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, default_port));
+    }
+    Err(config(format!(
+        "{what} {s:?}: expected IP:PORT (e.g. 0.0.0.0:{default_port}) or an IP"
+    )))
+}
+
+fn parse_peer(p: &str) -> Result<StaticPeer> {
+    let Some((id, addr)) = p.split_once('=') else {
+        return Err(config(format!(
+            "peer {p:?}: expected id=host:port, e.g. node-b=10.0.0.2:{DEFAULT_PEER_PORT}"
+        )));
+    };
+    let (id, addr) = (id.trim(), addr.trim());
+    check_node_id(id)?;
+    match addr.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+        _ => {
+            return Err(config(format!(
+                "peer {id}: address {addr:?} is not host:port"
+            )));
+        }
+    }
+    Ok(StaticPeer {
+        id: id.to_string(),
+        addr: addr.to_string(),
+    })
+}
+
+/// The host name, the default node id (stable for a Kubernetes StatefulSet's pods).
+fn hostname() -> Result<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer it is given.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return Err(Error::io(
+            "gethostname",
+            "",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8(buf[..end].to_vec()).map_err(|_| config("the host name is not UTF-8"))
+}
+
+/// Half of the memory this process may use: the cgroup's limit when there is one, else the
+/// machine's.
+fn default_budget() -> u64 {
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let physical = (pages.max(0) as u64).saturating_mul(page.max(0) as u64);
+    cgroup.unwrap_or(physical).min(physical.max(1)) / 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Settings {
+        Settings {
+            node_id: Some("a".into()),
+            listen: Some("127.0.0.1:7070".into()),
+            http: Some("127.0.0.1:7071".into()),
+            memory_budget: Some(Size(1 << 30)),
+            ..Settings::default()
+        }
+    }
+
+    #[test]
+    fn sizes_and_durations_parse_with_units() {
+        assert_eq!("4096".parse::<Size>().unwrap(), Size(4096));
+        assert_eq!("8GiB".parse::<Size>().unwrap(), Size(8 << 30));
+        assert_eq!("1.5 MiB".parse::<Size>().unwrap(), Size(3 << 19));
+        assert_eq!("2G".parse::<Size>().unwrap(), Size(2_000_000_000));
+        assert!("12 parsecs".parse::<Size>().is_err());
+        assert!("-1".parse::<Size>().is_err());
+        assert_eq!(
+            "500ms".parse::<Seconds>().unwrap(),
+            Seconds(Duration::from_millis(500))
+        );
+        assert_eq!(
+            "25".parse::<Seconds>().unwrap(),
+            Seconds(Duration::from_secs(25))
+        );
+        assert_eq!(
+            "2m".parse::<Seconds>().unwrap(),
+            Seconds(Duration::from_secs(120))
+        );
+        assert!("soon".parse::<Seconds>().is_err());
+    }
+
+    #[test]
+    fn toml_file_then_flags_override() {
+        let file = Settings::from_toml(
+            r#"
+            node_id = "node-a"
+            domain = "rack-1"
+            listen = "127.0.0.2:7070"
+            peers = ["node-b=127.0.0.3:7070", "node-c=127.0.0.4:7070"]
+            replicas = 2
+            memory_budget = "2GiB"
+            grace = "10s"
+            insecure = true
+            "#,
+        )
+        .unwrap();
+        let flags = Settings {
+            grace: Some(Seconds(Duration::from_secs(3))),
+            http: Some("127.0.0.2:9000".into()),
+            ..Settings::default()
+        };
+        let cfg = file.merge(flags).resolve().unwrap();
+        assert_eq!(cfg.node_id, "node-a");
+        assert_eq!(cfg.domain, "rack-1");
+        assert_eq!(cfg.grace, Duration::from_secs(3));
+        assert_eq!(cfg.http, "127.0.0.2:9000".parse().unwrap());
+        assert_eq!(cfg.memory_budget, 2 << 30);
+        assert_eq!(cfg.replicas, 2);
+        assert_eq!(
+            cfg.peers,
+            vec![
+                StaticPeer {
+                    id: "node-b".into(),
+                    addr: "127.0.0.3:7070".into()
+                },
+                StaticPeer {
+                    id: "node-c".into(),
+                    addr: "127.0.0.4:7070".into()
+                }
+            ]
+        );
+        assert!(Settings::from_toml("tokn = 'x'").is_err(), "unknown key");
+        assert!(
+            Settings::from_toml("token = 'x'").is_err(),
+            "the token is never read from the file"
+        );
+    }
+
+    #[test]
+    fn no_token_is_refused_unless_insecure_on_loopback() {
+        let err = base().resolve().unwrap_err().to_string();
+        assert!(err.contains(TOKEN_ENV), "{err}");
+        let insecure = Settings {
+            insecure: Some(true),
+            ..base()
+        };
+        insecure.clone().resolve().unwrap();
+        let wide = Settings {
+            listen: Some("0.0.0.0:7070".into()),
+            ..insecure.clone()
+        };
+        let err = wide.resolve().unwrap_err().to_string();
+        assert!(err.contains("loopback") && err.contains("listen"), "{err}");
+        let remote_peer = Settings {
+            peers: Some(vec!["b=10.1.2.3:7070".into()]),
+            ..insecure
+        };
+        let err = remote_peer.resolve().unwrap_err().to_string();
+        assert!(err.contains("peers has 10.1.2.3:7070"), "{err}");
+        let with_token = Settings {
+            listen: Some("0.0.0.0:7070".into()),
+            token: Some(Token::new("s3cret\n").unwrap()),
+            ..base()
+        };
+        let cfg = with_token.resolve().unwrap();
+        assert_eq!(cfg.token.unwrap().bytes(), b"s3cret");
+        assert!(!format!("{:?}", Token::new("s3cret").unwrap()).contains("s3cret"));
+    }
+
+    #[test]
+    fn bad_settings_name_themselves() {
+        let cases: Vec<(Settings, &str)> = vec![
+            (
+                Settings {
+                    node_id: Some("a/b".into()),
+                    ..base()
+                },
+                "node id",
+            ),
+            (
+                Settings {
+                    peers: Some(vec!["b:7070".into()]),
+                    ..base()
+                },
+                "id=host:port",
+            ),
+            (
+                Settings {
+                    peers: Some(vec!["a=127.0.0.1:7070".into()]),
+                    ..base()
+                },
+                "own id",
+            ),
+            (
+                Settings {
+                    peers: Some(vec!["b=127.0.0.1:1,b=127.0.0.1:2".into()]),
+                    ..base()
+                },
+                "twice",
+            ),
+            (
+                Settings {
+                    peers: Some(vec!["b=127.0.0.1:1".into()]),
+                    replicas: Some(2),
+                    ..base()
+                },
+                "replicas",
+            ),
+            (
+                Settings {
+                    memory_budget: Some(Size(0)),
+                    ..base()
+                },
+                "memory_budget",
+            ),
+            (
+                Settings {
+                    listen: Some("nowhere".into()),
+                    ..base()
+                },
+                "listen",
+            ),
+            (
+                Settings {
+                    peers_dns: Some("svc.local".into()),
+                    ..base()
+                },
+                "name:port",
+            ),
+            (
+                Settings {
+                    socket_mode: Some("999".into()),
+                    ..base()
+                },
+                "socket_mode",
+            ),
+        ];
+        for (s, want) in cases {
+            let err = s
+                .merge(Settings {
+                    insecure: Some(true),
+                    ..Settings::default()
+                })
+                .resolve()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+}

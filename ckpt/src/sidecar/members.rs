@@ -1,0 +1,185 @@
+//! Who the peers are: the static list (`id=host:port`) and the nodes a DNS name resolves to
+//! (a Kubernetes headless service), probed every `probe_interval`.
+//!
+//! A probe connects and authenticates: that tells whether the peer is up and, for DNS peers,
+//! its node id and failure domain (static peers must answer with the id they are listed
+//! under). Host names are resolved at every probe, so a peer that comes back at a new address
+//! is found. With `--insecure`, DNS answers that are not loopback addresses are skipped.
+
+use std::collections::BTreeMap;
+use std::net::ToSocketAddrs;
+use std::sync::{Mutex, PoisonError};
+
+use tracing::{info, warn};
+
+use super::Core;
+use super::auth::Identity;
+use super::peer::PeerClient;
+
+/// A peer as last probed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    pub id: Identity,
+    /// `host:port` to connect to.
+    pub addr: String,
+    /// Whether it answered the last probe.
+    pub up: bool,
+}
+
+/// The peer table.
+#[derive(Debug, Default)]
+pub struct Members {
+    table: Mutex<BTreeMap<String, Member>>,
+}
+
+impl Members {
+    /// Every known peer: static peers from the start (down until probed), DNS peers once found.
+    pub fn new(core_cfg: &super::SidecarConfig) -> Members {
+        let table = core_cfg
+            .peers
+            .iter()
+            .map(|p| {
+                let m = Member {
+                    id: Identity {
+                        node: p.id.clone(),
+                        domain: String::new(),
+                    },
+                    addr: p.addr.clone(),
+                    up: false,
+                };
+                (p.id.clone(), m)
+            })
+            .collect();
+        Members {
+            table: Mutex::new(table),
+        }
+    }
+
+    /// Every known peer, up ones first.
+    pub fn snapshot(&self) -> Vec<Member> {
+        let mut v: Vec<Member> = self
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by_key(|m| !m.up);
+        v
+    }
+
+    /// Peers up and down.
+    pub fn counts(&self) -> (u64, u64) {
+        let t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        let up = t.values().filter(|m| m.up).count() as u64;
+        (up, t.len() as u64 - up)
+    }
+
+    fn update(&self, m: Member) {
+        let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        let was = t.get(&m.id.node).map(|o| o.up);
+        if was != Some(m.up) {
+            info!(peer = %m.id.node, addr = %m.addr, up = m.up, "peer state");
+        }
+        t.insert(m.id.node.clone(), m);
+    }
+
+    fn mark_down(&self, node: &str) {
+        let mut t = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(m) = t.get_mut(node)
+            && m.up
+        {
+            m.up = false;
+            info!(peer = %node, addr = %m.addr, "peer state down");
+        }
+    }
+}
+
+impl Core {
+    /// Probes every peer once (in parallel): static peers by their address, and every address
+    /// the DNS name resolves to. Returns the node ids that answered.
+    pub(crate) fn probe(&self) -> Vec<String> {
+        let mut targets: Vec<(String, Option<String>)> = self
+            .cfg
+            .peers
+            .iter()
+            .map(|p| (p.addr.clone(), Some(p.id.clone())))
+            .collect();
+        if let Some(name) = &self.cfg.peers_dns {
+            match name.to_socket_addrs() {
+                Ok(addrs) => {
+                    for a in addrs {
+                        if self.cfg.token.is_none() && !a.ip().is_loopback() {
+                            warn!(%a, "--insecure: skipping a peer address that is not loopback");
+                            continue;
+                        }
+                        if a == self.cfg.listen || targets.iter().any(|(t, _)| *t == a.to_string())
+                        {
+                            continue;
+                        }
+                        targets.push((a.to_string(), None));
+                    }
+                }
+                Err(e) => warn!(name, error = %e, "cannot resolve the peers' DNS name"),
+            }
+        }
+        let answered = Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for (addr, expect) in &targets {
+                let answered = &answered;
+                scope.spawn(move || {
+                    let res = PeerClient::connect_host(
+                        addr,
+                        &self.key,
+                        &self.me,
+                        expect.as_deref(),
+                        self.cfg.peer_timeout,
+                    );
+                    match res {
+                        Ok(c) if c.peer().node == self.me.node => {}
+                        Ok(c) => {
+                            let id = c.peer().clone();
+                            answered
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .push(id.node.clone());
+                            self.members.update(Member {
+                                id,
+                                addr: addr.clone(),
+                                up: true,
+                            });
+                        }
+                        Err(e) => {
+                            tracing::debug!(%addr, error = %e, "peer probe failed");
+                            if let Some(id) = expect {
+                                self.members.mark_down(id);
+                            } else {
+                                let node = self
+                                    .members
+                                    .snapshot()
+                                    .into_iter()
+                                    .find(|m| m.addr == *addr)
+                                    .map(|m| m.id.node);
+                                if let Some(node) = node {
+                                    self.members.mark_down(&node);
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        answered
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether every peer that should exist answered in `answered`: every static peer, and
+    /// every DNS peer known.
+    pub(crate) fn all_answered(&self, answered: &[String]) -> bool {
+        self.members
+            .snapshot()
+            .iter()
+            .all(|m| answered.contains(&m.id.node))
+    }
+}

@@ -1,0 +1,481 @@
+//! The memory tier: committed shards in sealed shared memory, within a byte budget.
+//!
+//! **Budget.** Every segment the sidecar creates (being staged by a training process, being
+//! received from a peer or read back from a tier, or committed) is charged to one budget for
+//! as long as the sidecar holds it: a [`Charge`] is taken before the segment exists and given
+//! back when it is dropped. Charges are whole pages. The budget is never exceeded: a request
+//! that does not fit first evicts, then waits (up to a deadline) for memory that is about to be
+//! freed, then is refused with [`Error::Budget`].
+//!
+//! **Spares.** After a commit the sidecar prepares the next segment of the same rank in the
+//! background (allocating and zeroing its pages takes time the training process would otherwise
+//! wait for at its next save), but only with memory that is free: a spare never evicts
+//! anything, and spares are the first thing given back when a request needs room.
+//!
+//! **Eviction.** Shards are evicted oldest step first (ties: the one committed first), but the
+//! newest committed step of each (job, rank) is never evicted, so every rank this node holds
+//! can always be restored from memory at its latest step. Nothing is evicted when evicting
+//! everything that may go would still not make room. An evicted shard leaves the index at
+//! once; its memory is freed when the last user (a persist, a replication, a restore in
+//! progress) lets go of it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tracing::info;
+
+use super::shm::{Sealed, Segment};
+use super::wire::{Held, ShardInfo};
+use crate::error::{Error, Result};
+use crate::format::Manifest;
+
+/// Charges are rounded up to whole pages of this size.
+const PAGE: u64 = 4096;
+
+/// A rank's file of one step.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ShardKey {
+    pub job: String,
+    pub rank: u32,
+    pub step: u64,
+}
+
+impl std::fmt::Display for ShardKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} step {} rank {}", self.job, self.step, self.rank)
+    }
+}
+
+/// A committed shard: sealed, verified against its manifest, never written again.
+#[derive(Debug)]
+pub struct Shard {
+    pub key: ShardKey,
+    pub world_size: u32,
+    /// The node whose training process staged it.
+    pub origin: String,
+    pub manifest: Manifest,
+    /// The manifest as written by the engine (what the tiers persist).
+    pub manifest_json: String,
+    pub seg: Arc<Sealed>,
+    pub committed: Instant,
+}
+
+impl Shard {
+    /// The file's length.
+    pub fn len(&self) -> u64 {
+        self.manifest.file_len
+    }
+
+    /// Never true: a safetensors file has a header.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// How an inventory lists it.
+    pub fn info(&self) -> ShardInfo {
+        ShardInfo {
+            job: self.key.job.clone(),
+            rank: self.key.rank,
+            step: self.key.step,
+            world_size: self.world_size,
+            len: self.len(),
+            origin: self.origin.clone(),
+            held: Held::Memory,
+        }
+    }
+}
+
+/// Bytes charged to the budget, given back on drop.
+#[derive(Debug)]
+pub struct Charge {
+    mem: Arc<Memory>,
+    bytes: u64,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let mut s = self.mem.lock();
+        s.used -= self.bytes;
+        drop(s);
+        self.mem.freed.notify_all();
+    }
+}
+
+/// What the memory tier holds now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub budget: u64,
+    /// Charged now: every segment the sidecar holds.
+    pub used: u64,
+    /// The most ever charged at once.
+    pub peak: u64,
+    /// Committed shards staged on this node, and their bytes.
+    pub local_shards: u64,
+    pub local_bytes: u64,
+    /// Replicas held for peers, and their bytes.
+    pub replica_shards: u64,
+    pub replica_bytes: u64,
+    pub evictions: u64,
+    pub evicted_bytes: u64,
+    /// Requests refused for want of memory.
+    pub refusals: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    used: u64,
+    peak: u64,
+    shards: BTreeMap<ShardKey, Arc<Shard>>,
+    /// The next segment of a (job, rank), allocated ahead of its save.
+    spares: BTreeMap<(String, u32), Segment>,
+    evictions: u64,
+    evicted_bytes: u64,
+    refusals: u64,
+}
+
+/// The memory tier of one sidecar.
+#[derive(Debug)]
+pub struct Memory {
+    budget: u64,
+    node: String,
+    state: Mutex<State>,
+    freed: Condvar,
+}
+
+fn pages(len: u64) -> u64 {
+    len.max(1).div_ceil(PAGE).saturating_mul(PAGE)
+}
+
+impl Memory {
+    /// An empty tier of `budget` bytes on node `node` (shards from elsewhere are replicas).
+    pub fn new(budget: u64, node: impl Into<String>) -> Arc<Memory> {
+        Arc::new(Memory {
+            budget,
+            node: node.into(),
+            state: Mutex::new(State::default()),
+            freed: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Charges `len` bytes (rounded up to pages): evicts what it may, then waits up to `wait`
+    /// for memory to be freed; [`Error::Budget`] if it still does not fit.
+    pub fn reserve(self: &Arc<Self>, len: u64, wait: Duration, what: &str) -> Result<Charge> {
+        let need = pages(len);
+        let deadline = Instant::now() + wait;
+        let mut s = self.lock();
+        loop {
+            if s.used.saturating_add(need) <= self.budget {
+                s.used += need;
+                s.peak = s.peak.max(s.used);
+                return Ok(Charge {
+                    mem: self.clone(),
+                    bytes: need,
+                });
+            }
+            if !s.spares.is_empty() {
+                let spares = std::mem::take(&mut s.spares);
+                drop(s);
+                drop(spares);
+                s = self.lock();
+                continue;
+            }
+            let short = need.saturating_add(s.used) - self.budget;
+            let victims = evict(&mut s, short);
+            if !victims.is_empty() {
+                // Dropped without the lock: the last reference frees the memory, which takes it.
+                drop(s);
+                for v in &victims {
+                    info!(shard = %v.key, bytes = v.len(), "evicted from memory");
+                }
+                drop(victims);
+                s = self.lock();
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || need > self.budget {
+                s.refusals += 1;
+                let reason = if need > self.budget {
+                    format!("{what} is larger than the whole budget")
+                } else {
+                    format!(
+                        "{what}: everything left is the newest step of a rank or in use; \
+                         raise the memory budget"
+                    )
+                };
+                return Err(Error::Budget {
+                    need,
+                    used: s.used,
+                    budget: self.budget,
+                    reason,
+                });
+            }
+            s = self
+                .freed
+                .wait_timeout(s, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Charges `len` bytes only if they are free now: nothing is evicted or waited for.
+    pub fn reserve_free(self: &Arc<Self>, len: u64) -> Option<Charge> {
+        let need = pages(len);
+        let mut s = self.lock();
+        if s.used.saturating_add(need) > self.budget {
+            return None;
+        }
+        s.used += need;
+        s.peak = s.peak.max(s.used);
+        Some(Charge {
+            mem: self.clone(),
+            bytes: need,
+        })
+    }
+
+    /// Keeps `seg` as the next segment of `job`'s `rank`.
+    pub fn put_spare(&self, job: &str, rank: u32, seg: Segment) {
+        let old = self.lock().spares.insert((job.to_string(), rank), seg);
+        drop(old);
+    }
+
+    /// The spare segment of `job`'s `rank`, if there is one of about `len` bytes (at least
+    /// `len`, at most a sixteenth more); a spare of another size is dropped.
+    pub fn take_spare(&self, job: &str, rank: u32, len: u64) -> Option<Segment> {
+        let seg = self.lock().spares.remove(&(job.to_string(), rank))?;
+        let have = seg.len() as u64;
+        (have >= len && have - len <= len / 16 + PAGE).then_some(seg)
+    }
+
+    /// Adds a committed shard (replacing one with the same key); the one replaced.
+    pub fn insert(&self, shard: Arc<Shard>) -> Option<Arc<Shard>> {
+        self.lock().shards.insert(shard.key.clone(), shard)
+    }
+
+    /// The shard under `key`, if held.
+    pub fn get(&self, key: &ShardKey) -> Option<Arc<Shard>> {
+        self.lock().shards.get(key).cloned()
+    }
+
+    /// Every shard held (of `job`, when given).
+    pub fn shards(&self, job: Option<&str>) -> Vec<Arc<Shard>> {
+        self.lock()
+            .shards
+            .values()
+            .filter(|s| job.is_none_or(|j| s.key.job == j))
+            .cloned()
+            .collect()
+    }
+
+    /// What the tier holds now.
+    pub fn stats(&self) -> MemoryStats {
+        let s = self.lock();
+        let mut out = MemoryStats {
+            budget: self.budget,
+            used: s.used,
+            peak: s.peak,
+            evictions: s.evictions,
+            evicted_bytes: s.evicted_bytes,
+            refusals: s.refusals,
+            ..MemoryStats::default()
+        };
+        for sh in s.shards.values() {
+            if sh.origin == self.node {
+                out.local_shards += 1;
+                out.local_bytes += sh.len();
+            } else {
+                out.replica_shards += 1;
+                out.replica_bytes += sh.len();
+            }
+        }
+        out
+    }
+}
+
+/// Takes shards out of the index, oldest step first, until their charges add up to `want`
+/// bytes; never the newest step of a (job, rank). Takes none when all that may go would not
+/// add up to `want`.
+fn evict(s: &mut State, want: u64) -> Vec<Arc<Shard>> {
+    let mut newest: BTreeMap<(&str, u32), u64> = BTreeMap::new();
+    for k in s.shards.keys() {
+        let n = newest.entry((k.job.as_str(), k.rank)).or_insert(k.step);
+        *n = (*n).max(k.step);
+    }
+    let mut candidates: Vec<(u64, Instant, ShardKey)> = s
+        .shards
+        .values()
+        .filter(|sh| newest.get(&(sh.key.job.as_str(), sh.key.rank)) != Some(&sh.key.step))
+        .map(|sh| (sh.key.step, sh.committed, sh.key.clone()))
+        .collect();
+    candidates.sort();
+    let evictable: u64 = candidates
+        .iter()
+        .filter_map(|(_, _, k)| s.shards.get(k))
+        .map(|sh| pages(sh.seg.len() as u64))
+        .sum();
+    if evictable < want {
+        // Evicting would not make room: keep everything, wait for memory in use instead.
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut freed = 0u64;
+    for (_, _, key) in candidates {
+        if freed >= want {
+            break;
+        }
+        if let Some(sh) = s.shards.remove(&key) {
+            let bytes = pages(sh.seg.len() as u64);
+            // Memory still in use elsewhere is freed later; count it either way.
+            freed += bytes;
+            s.evictions += 1;
+            s.evicted_bytes += bytes;
+            out.push(sh);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Layout;
+    use crate::tensor::{Dtype, Tensor};
+
+    fn shard(mem: &Arc<Memory>, job: &str, rank: u32, step: u64, len: usize) -> Result<Arc<Shard>> {
+        let charge = mem.reserve(len as u64, Duration::ZERO, "test shard")?;
+        let t = Tensor::new("w", Dtype::U8, vec![len as u64 - 64], vec![0u8; len - 64]).unwrap();
+        let layout = Layout::new(job, step, rank, 2, &[t]).unwrap();
+        let seg = Segment::create("t", len, Some(charge))
+            .unwrap()
+            .seal()
+            .unwrap();
+        let hashes = vec![blake3::hash(b""); layout.file_len.div_ceil(1 << 20) as usize];
+        let manifest = Manifest::new(
+            job,
+            step,
+            rank,
+            2,
+            &layout,
+            1 << 20,
+            &hashes,
+            &Default::default(),
+        );
+        Ok(Arc::new(Shard {
+            key: ShardKey {
+                job: job.into(),
+                rank,
+                step,
+            },
+            world_size: 2,
+            origin: if rank == 0 {
+                "me".into()
+            } else {
+                "peer".into()
+            },
+            manifest_json: String::from_utf8(manifest.to_json()).unwrap(),
+            manifest,
+            seg: Arc::new(seg),
+            committed: Instant::now(),
+        }))
+    }
+
+    fn steps(mem: &Memory, rank: u32) -> Vec<u64> {
+        mem.shards(Some("j"))
+            .iter()
+            .filter(|s| s.key.rank == rank)
+            .map(|s| s.key.step)
+            .collect()
+    }
+
+    #[test]
+    fn evicts_oldest_first_never_the_newest_of_a_rank_and_never_exceeds() {
+        let mem = Memory::new(5 * 8192, "me");
+        for step in 1..=3 {
+            mem.insert(shard(&mem, "j", 0, step, 8192).unwrap());
+        }
+        mem.insert(shard(&mem, "j", 1, 1, 8192).unwrap());
+        assert_eq!(mem.stats().used, 4 * 8192);
+        // Two more pages: step 1 of rank 0 goes (oldest, not rank 0's newest); rank 1's only
+        // step stays although it is as old.
+        mem.insert(shard(&mem, "j", 0, 4, 2 * 8192).unwrap());
+        assert_eq!(steps(&mem, 0), vec![2, 3, 4]);
+        assert_eq!(steps(&mem, 1), vec![1]);
+        let st = mem.stats();
+        assert_eq!((st.evictions, st.used, st.peak), (1, 5 * 8192, 5 * 8192));
+        assert_eq!((st.local_shards, st.replica_shards), (3, 1));
+        // Bigger than everything that may go: refused, nothing exceeded.
+        let err = shard(&mem, "j", 0, 5, 5 * 8192).unwrap_err().to_string();
+        assert!(err.contains("memory budget"), "{err}");
+        assert!(mem.stats().peak <= mem.budget());
+        assert_eq!(steps(&mem, 0), vec![2, 3, 4], "nothing evicted in vain");
+        assert_eq!(steps(&mem, 1), vec![1]);
+        assert_eq!(mem.stats().evictions, 1);
+        let err = mem
+            .reserve(6 * 8192, Duration::ZERO, "huge")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("larger than the whole budget"), "{err}");
+        assert_eq!(mem.stats().refusals, 2);
+    }
+
+    #[test]
+    fn spares_use_free_memory_only_and_go_first() {
+        let mem = Memory::new(3 * 4096, "me");
+        mem.insert(shard(&mem, "j", 0, 1, 4096).unwrap());
+        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
+        mem.put_spare("j", 0, spare);
+        assert!(mem.reserve_free(2 * 4096).is_none(), "never evicts");
+        // Another size: dropped, not handed out.
+        assert!(mem.take_spare("j", 0, 3 * 4096).is_none());
+        assert_eq!(mem.stats().used, 4096);
+        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
+        mem.put_spare("j", 0, spare);
+        assert_eq!(mem.take_spare("j", 0, 4000).map(|s| s.len()), Some(4096));
+        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
+        mem.put_spare("j", 0, spare);
+        // A request that needs the room gets it from the spare before any shard.
+        let c = mem.reserve(2 * 4096, Duration::ZERO, "t").unwrap();
+        assert_eq!(mem.stats().evictions, 0);
+        assert!(mem.take_spare("j", 0, 4096).is_none());
+        drop(c);
+    }
+
+    #[test]
+    fn an_evicted_shard_in_use_is_freed_when_let_go_and_waiters_get_it() {
+        let mem = Memory::new(2 * 4096, "me");
+        mem.insert(shard(&mem, "j", 0, 1, 4096).unwrap());
+        mem.insert(shard(&mem, "j", 0, 2, 4096).unwrap());
+        let held = mem.get(&ShardKey {
+            job: "j".into(),
+            rank: 0,
+            step: 1,
+        });
+        let waiter = {
+            let mem = mem.clone();
+            std::thread::spawn(move || {
+                mem.reserve(4096, Duration::from_secs(30), "waiter")
+                    .map(|_| ())
+            })
+        };
+        // The waiter evicts step 1 (not freed: still held here), then waits for memory.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while mem.stats().evictions == 0 {
+            assert!(Instant::now() < deadline, "the waiter never evicted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(steps(&mem, 0), vec![2], "step 1 evicted, still in use");
+        assert!(!waiter.is_finished(), "no memory was free yet");
+        drop(held);
+        waiter.join().unwrap().unwrap();
+        assert!(mem.stats().peak <= 2 * 4096);
+    }
+}

@@ -1,0 +1,615 @@
+//! Peer replication over TCP: the server side of a peer connection, and [`PeerClient`], the
+//! client every sidecar uses to push replicas, fetch shards back and list what a peer holds.
+//!
+//! A connection is authenticated first (`super::auth`), then carries any number of requests,
+//! one at a time:
+//!
+//! ```text
+//! Inventory{job}        → Held{shards}                     (memory, and this node's disk)
+//! Push{shard,manifest}  → Ready, data frames →  Stored | Failed{reason}
+//!                       → Failed{reason}                   (no room: the data is not sent)
+//! Fetch{job,rank,step}  → Shard{shard,manifest}, data frames | NotFound
+//! ```
+//!
+//! Shard data is sent chunk by chunk (frames never cross a chunk boundary), and the receiver
+//! hashes each chunk on other threads while the next one arrives ([`recv_verified`]); a shard
+//! that does not match its manifest's blake3 checksums is rejected whole and never held. A
+//! peer that breaks the protocol or fails authentication loses its connection and nothing else:
+//! every connection has its own thread, read and write timeouts, and bounded frames.
+
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use super::Core;
+use super::auth::{self, ClusterKey, Identity};
+use super::memory::{Shard, ShardKey};
+use super::metrics::Failure;
+use super::shm::Segment;
+use super::wire::{Conn, Held, PeerMsg, ShardInfo, Side};
+use crate::error::{Error, Result};
+use crate::format::{self, Manifest};
+
+/// Peer connections served at once; more are closed at once.
+pub const MAX_CONNECTIONS: usize = 256;
+/// How long a connection may take to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A checked manifest of a shard that arrived from a peer: it parses, and says what the shard
+/// info says.
+pub(crate) fn check_manifest(info: &ShardInfo, json: &str, from: &str) -> Result<Manifest> {
+    let location = format!(
+        "{} from {from}",
+        format::manifest_key(&info.job, info.step, info.rank)
+    );
+    format::check_job(&info.job)?;
+    let m = Manifest::parse_for(
+        json.as_bytes(),
+        &location,
+        &info.job,
+        info.step,
+        info.rank,
+        info.world_size,
+    )?;
+    if m.file_len != info.len {
+        return Err(Error::format(
+            "manifest",
+            location,
+            format!(
+                "describes {} bytes, not the {} announced",
+                m.file_len, info.len
+            ),
+        ));
+    }
+    Ok(m)
+}
+
+/// Bytes of shard data read from the socket at once.
+const PIECE: usize = 1 << 20;
+
+/// A piece of a shard on its way from the socket to the segment.
+struct Piece {
+    chunk: usize,
+    offset: u64,
+    buf: Vec<u8>,
+    len: usize,
+    last: bool,
+}
+
+/// Receives a shard's data (the file `m` describes) and hands it to `write` (file offset,
+/// bytes), checking every chunk against the manifest on the way.
+///
+/// The calling thread reads the stream in 1 MiB pieces into a small ring of buffers and hands
+/// each piece to one of up to `threads` workers: all pieces of chunk `i` go to worker
+/// `i % workers`, in order, which hashes them while they are still in cache and writes them
+/// out, so chunks are hashed and written in parallel while the next ones arrive. `Ok(None)`
+/// when every chunk matches, `Ok(Some(i))` for the first chunk that does not (the whole stream
+/// is read either way, so the connection stays in step).
+pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
+    conn: &mut Conn<S>,
+    m: &Manifest,
+    threads: usize,
+    write: &(dyn Fn(u64, &[u8]) -> std::io::Result<()> + Sync),
+) -> Result<Option<usize>> {
+    let hashes = m.chunk_hashes();
+    let workers = threads.clamp(1, 8);
+    let bad = Mutex::new(None::<usize>);
+    let failed = Mutex::new(None::<std::io::Error>);
+    let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
+    for _ in 0..2 * workers + 2 {
+        let _ = free_tx.send(vec![0u8; PIECE]);
+    }
+    std::thread::scope(|scope| {
+        let mut queues = Vec::with_capacity(workers);
+        for _ in 0..workers {
+            let (tx, rx) = mpsc::channel::<Piece>();
+            queues.push(tx);
+            let (free_tx, hashes, bad, failed) = (free_tx.clone(), &hashes, &bad, &failed);
+            scope.spawn(move || {
+                let mut hasher: Option<(usize, blake3::Hasher)> = None;
+                for p in rx {
+                    if hasher.as_ref().is_none_or(|(c, _)| *c != p.chunk) {
+                        hasher = Some((p.chunk, blake3::Hasher::new()));
+                    }
+                    if let Some((_, h)) = &mut hasher {
+                        h.update(&p.buf[..p.len]);
+                    }
+                    // Written outside the lock: workers write their pieces in parallel.
+                    if let Err(e) = write(p.offset, &p.buf[..p.len]) {
+                        failed
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .get_or_insert(e);
+                    }
+                    if p.last
+                        && let Some((c, h)) = hasher.take()
+                        && hashes.get(c) != Some(&h.finalize())
+                    {
+                        let mut b = bad.lock().unwrap_or_else(PoisonError::into_inner);
+                        *b = Some(b.map_or(c, |j| j.min(c)));
+                    }
+                    let _ = free_tx.send(p.buf);
+                }
+            });
+        }
+        let mut at = 0u64;
+        for (i, want) in (0..hashes.len()).map(|i| (i, m.chunk_range(i))) {
+            let chunk_len = (want.end - want.start) as usize;
+            let mut done = 0;
+            while done < chunk_len {
+                let frame = conn.recv_data_len(chunk_len - done)?;
+                let mut got = 0;
+                while got < frame {
+                    let mut buf = free_rx
+                        .recv()
+                        .map_err(|_| conn.error("receive workers stopped"))?;
+                    let n = (frame - got).min(PIECE);
+                    conn.read_payload(&mut buf[..n])?;
+                    got += n;
+                    let piece = Piece {
+                        chunk: i,
+                        offset: at,
+                        buf,
+                        len: n,
+                        last: done + got == chunk_len,
+                    };
+                    at += n as u64;
+                    if queues[i % workers].send(piece).is_err() {
+                        return Err(conn.error("receive worker stopped"));
+                    }
+                }
+                done += frame;
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(e) = failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(Error::io("write received shard", "shared memory", e));
+    }
+    Ok(bad.into_inner().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// Sends a shard's bytes, chunk by chunk.
+fn send_chunks<S: std::io::Read + std::io::Write>(
+    conn: &mut Conn<S>,
+    data: &[u8],
+    chunk_size: u64,
+) -> Result<()> {
+    for chunk in data.chunks((chunk_size as usize).max(1)) {
+        conn.send_data(chunk)?;
+    }
+    Ok(())
+}
+
+/// A fresh segment filled from a peer's stream and checked against `m`: the shard, or why not.
+fn receive_shard(
+    core: &Core,
+    conn: &mut Conn<TcpStream>,
+    info: &ShardInfo,
+    m: Manifest,
+    manifest_json: String,
+    charge: super::memory::Charge,
+) -> Result<std::result::Result<Arc<Shard>, String>> {
+    let name = format!("hotstart-{}-{}-{}", info.job, info.step, info.rank);
+    let seg = Segment::create(&name, info.len as usize, Some(charge))
+        .map_err(|e| Error::io("create shared memory", &name, e))?;
+    if let Some(i) = recv_verified(conn, &m, core.threads, &|at, d| seg.write_at(at, d))? {
+        core.metrics.failed(Failure::Checksum);
+        return Ok(Err(format!("chunk {i} does not match its checksum")));
+    }
+    let sealed = seg
+        .seal()
+        .map_err(|e| Error::io("seal shared memory", &name, e))?;
+    Ok(Ok(Arc::new(Shard {
+        key: ShardKey {
+            job: info.job.clone(),
+            rank: info.rank,
+            step: info.step,
+        },
+        world_size: info.world_size,
+        origin: info.origin.clone(),
+        manifest: m,
+        manifest_json,
+        seg: Arc::new(sealed),
+        committed: Instant::now(),
+    })))
+}
+
+/// Serves one peer connection until it closes or misbehaves.
+pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
+    static OPEN: AtomicUsize = AtomicUsize::new(0);
+    if OPEN.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+        OPEN.fetch_sub(1, Ordering::AcqRel);
+        warn!(%addr, "too many peer connections; closing this one");
+        return;
+    }
+    struct Open;
+    impl Drop for Open {
+        fn drop(&mut self) {
+            OPEN.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+    let _open = Open;
+    let _ = sock.set_nodelay(true);
+    let _ = sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let _ = sock.set_write_timeout(Some(core.cfg.peer_timeout));
+    let mut conn = Conn::new(sock, addr.to_string(), Side::Peer);
+    let peer = match auth::server(&mut conn, &core.key, &core.me) {
+        Ok(p) => p,
+        Err(Error::Auth { reason, .. }) if reason == auth::SELF_CONNECTION => return,
+        Err(e) => {
+            let kind = if conn.violated() {
+                Failure::Frame
+            } else {
+                Failure::Auth
+            };
+            core.metrics.failed(kind);
+            warn!(%addr, error = %e, "peer connection refused");
+            return;
+        }
+    };
+    let _ = conn.get_ref().set_read_timeout(Some(core.cfg.peer_timeout));
+    debug!(%addr, peer = %peer.node, "peer authenticated");
+    loop {
+        let msg = match conn.recv::<PeerMsg>() {
+            Ok(m) => m,
+            Err(e) => {
+                if conn.violated() {
+                    core.metrics.failed(Failure::Frame);
+                    warn!(peer = %conn.label(), error = %e, "peer connection dropped");
+                } else {
+                    debug!(peer = %conn.label(), error = %e, "peer connection closed");
+                }
+                return;
+            }
+        };
+        let res = match msg {
+            PeerMsg::Inventory { job } => {
+                let shards = core.inventory(job.as_deref());
+                conn.send(&PeerMsg::Held { shards })
+            }
+            PeerMsg::Push { shard, manifest } => {
+                serve_push(&core, &mut conn, &peer, shard, manifest)
+            }
+            PeerMsg::Fetch { job, rank, step } => {
+                let key = ShardKey { job, rank, step };
+                match core.memory.get(&key) {
+                    Some(s) => conn
+                        .send(&PeerMsg::Shard {
+                            shard: s.info(),
+                            manifest: s.manifest_json.clone(),
+                        })
+                        .and_then(|()| {
+                            send_chunks(
+                                &mut conn,
+                                &s.seg.bytes()[..s.len() as usize],
+                                s.manifest.chunk_size,
+                            )
+                        }),
+                    None => conn.send(&PeerMsg::NotFound),
+                }
+            }
+            other => Err(conn.violation(format!("unexpected request {other:?}"))),
+        };
+        if let Err(e) = res {
+            if conn.violated() {
+                core.metrics.failed(Failure::Frame);
+            }
+            warn!(peer = %conn.label(), error = %e, "peer connection dropped");
+            return;
+        }
+    }
+}
+
+fn serve_push(
+    core: &Core,
+    conn: &mut Conn<TcpStream>,
+    peer: &Identity,
+    info: ShardInfo,
+    manifest: String,
+) -> Result<()> {
+    let m = match check_manifest(&info, &manifest, &peer.node) {
+        Ok(m) => m,
+        Err(e) => {
+            // The data would follow a `Ready` only: the stream is still in step.
+            let _ = conn.send(&PeerMsg::Failed {
+                reason: e.to_string(),
+            });
+            return Err(conn.violation(e.to_string()));
+        }
+    };
+    if info.held != Held::Memory || info.len == 0 {
+        return Err(conn.violation("a pushed shard must be a memory shard with bytes"));
+    }
+    let what = format!(
+        "replica of {} step {} rank {}",
+        info.job, info.step, info.rank
+    );
+    let charge = match core.memory.reserve(info.len, Duration::ZERO, &what) {
+        Ok(c) => c,
+        Err(e) => {
+            core.metrics.failed(Failure::Budget);
+            warn!(peer = %peer.node, error = %e, "replica refused");
+            return conn.send(&PeerMsg::Failed {
+                reason: e.to_string(),
+            });
+        }
+    };
+    conn.send(&PeerMsg::Ready)?;
+    match receive_shard(core, conn, &info, m, manifest, charge)? {
+        Ok(shard) => {
+            info!(peer = %peer.node, shard = %shard.key, bytes = shard.len(), "replica stored");
+            core.memory.insert(shard);
+            conn.send(&PeerMsg::Stored)
+        }
+        Err(reason) => {
+            warn!(peer = %peer.node, shard = %what, %reason, "replica rejected");
+            conn.send(&PeerMsg::Failed { reason })
+        }
+    }
+}
+
+/// An authenticated connection to a peer sidecar.
+#[derive(Debug)]
+pub struct PeerClient {
+    conn: Conn<TcpStream>,
+    peer: Identity,
+}
+
+impl PeerClient {
+    /// Connects to `addr` and authenticates with `key` as `me`; refuses a peer whose node id is
+    /// not `expect`, when given. `timeout` bounds the connect and every later read or write.
+    pub fn connect(
+        addr: SocketAddr,
+        key: &ClusterKey,
+        me: &Identity,
+        expect: Option<&str>,
+        timeout: Duration,
+    ) -> Result<PeerClient> {
+        let peer_err = |reason: String| Error::Peer {
+            peer: addr.to_string(),
+            reason,
+        };
+        let sock = TcpStream::connect_timeout(&addr, timeout.min(Duration::from_secs(10)))
+            .map_err(|e| peer_err(format!("connect: {e}")))?;
+        let _ = sock.set_nodelay(true);
+        sock.set_read_timeout(Some(timeout))
+            .and_then(|()| sock.set_write_timeout(Some(timeout)))
+            .map_err(|e| peer_err(format!("set timeouts: {e}")))?;
+        let mut conn = Conn::new(sock, addr.to_string(), Side::Peer);
+        let peer = auth::client(&mut conn, key, me, expect)?;
+        Ok(PeerClient { conn, peer })
+    }
+
+    /// Resolves `addr` (`host:port`) and connects to the first address that answers.
+    pub fn connect_host(
+        addr: &str,
+        key: &ClusterKey,
+        me: &Identity,
+        expect: Option<&str>,
+        timeout: Duration,
+    ) -> Result<PeerClient> {
+        let resolved = addr.to_socket_addrs().map_err(|e| Error::Peer {
+            peer: addr.to_string(),
+            reason: format!("resolve: {e}"),
+        })?;
+        let mut last = Error::Peer {
+            peer: addr.to_string(),
+            reason: "resolves to no address".into(),
+        };
+        for a in resolved {
+            match PeerClient::connect(a, key, me, expect, timeout) {
+                Ok(c) => return Ok(c),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Who answered.
+    pub fn peer(&self) -> &Identity {
+        &self.peer
+    }
+
+    fn unexpected(&mut self, m: PeerMsg) -> Error {
+        match m {
+            PeerMsg::Failed { reason } | PeerMsg::Refused { reason } => self.conn.error(reason),
+            other => self.conn.violation(format!("unexpected answer {other:?}")),
+        }
+    }
+
+    /// The shards the peer holds (of `job`, or all).
+    pub fn inventory(&mut self, job: Option<&str>) -> Result<Vec<ShardInfo>> {
+        self.conn.send(&PeerMsg::Inventory {
+            job: job.map(String::from),
+        })?;
+        match self.conn.recv()? {
+            PeerMsg::Held { shards } => Ok(shards),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Pushes a shard (`data` is its whole file): the peer verifies it against the manifest
+    /// and holds it, or says why not.
+    pub fn push(&mut self, info: &ShardInfo, manifest_json: &str, data: &[u8]) -> Result<()> {
+        let chunk_size = Manifest::parse(manifest_json.as_bytes(), "pushed manifest")
+            .map(|m| m.chunk_size)
+            .unwrap_or(crate::DEFAULT_CHUNK_SIZE as u64);
+        self.conn.send(&PeerMsg::Push {
+            shard: info.clone(),
+            manifest: manifest_json.to_string(),
+        })?;
+        match self.conn.recv()? {
+            PeerMsg::Ready => {}
+            other => return Err(self.unexpected(other)),
+        }
+        send_chunks(&mut self.conn, data, chunk_size)?;
+        match self.conn.recv()? {
+            PeerMsg::Stored => Ok(()),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
+    /// manifest), written piece by piece with `write` (the memory, file offset, bytes; from
+    /// several threads), every chunk verified. `None` when the peer does not hold it.
+    pub fn fetch<T: Sync>(
+        &mut self,
+        key: &ShardKey,
+        threads: usize,
+        alloc: impl FnOnce(&ShardInfo, &Manifest) -> Result<T>,
+        write: impl Fn(&T, u64, &[u8]) -> std::io::Result<()> + Sync,
+    ) -> Result<Option<(ShardInfo, Manifest, String, T)>> {
+        self.conn.send(&PeerMsg::Fetch {
+            job: key.job.clone(),
+            rank: key.rank,
+            step: key.step,
+        })?;
+        let (info, json) = match self.conn.recv()? {
+            PeerMsg::Shard { shard, manifest } => (shard, manifest),
+            PeerMsg::NotFound => return Ok(None),
+            other => return Err(self.unexpected(other)),
+        };
+        if (info.job.as_str(), info.rank, info.step) != (key.job.as_str(), key.rank, key.step) {
+            return Err(self
+                .conn
+                .violation(format!("asked for {key}, got {info:?}")));
+        }
+        let m = check_manifest(&info, &json, &self.peer.node)
+            .map_err(|e| self.conn.violation(e.to_string()))?;
+        let mem = alloc(&info, &m)?;
+        let sink = |at: u64, d: &[u8]| write(&mem, at, d);
+        if let Some(i) = recv_verified(&mut self.conn, &m, threads, &sink)? {
+            return Err(self
+                .conn
+                .error(format!("{key}: chunk {i} does not match its checksum")));
+        }
+        Ok(Some((info, m, json, mem)))
+    }
+}
+
+impl Core {
+    /// Connects to a member.
+    pub(crate) fn connect(&self, m: &super::members::Member) -> Result<PeerClient> {
+        PeerClient::connect_host(
+            &m.addr,
+            &self.key,
+            &self.me,
+            Some(&m.id.node),
+            self.cfg.peer_timeout,
+        )
+    }
+
+    /// Copies a committed local shard to up to `replicas` peers in placement order; the peers
+    /// that hold it.
+    pub(crate) fn replicate(&self, shard: &Shard) -> Result<Vec<String>> {
+        let members = self.members.snapshot();
+        let ids: Vec<Identity> = members.iter().map(|m| m.id.clone()).collect();
+        let key = super::placement::key(&shard.key.job, shard.key.rank);
+        let order = super::placement::order(&key, &self.me, &ids);
+        // Peers that answered the last probe first, keeping placement order within each.
+        let up = |id: &Identity| members.iter().any(|m| m.id.node == id.node && m.up);
+        let order: Vec<&Identity> = order
+            .iter()
+            .copied()
+            .filter(|i| up(i))
+            .chain(order.iter().copied().filter(|i| !up(i)))
+            .collect();
+        let data = &shard.seg.bytes()[..shard.len() as usize];
+        let mut holders = Vec::new();
+        let mut last = None;
+        for id in order {
+            if holders.len() >= self.cfg.replicas {
+                break;
+            }
+            let Some(m) = members.iter().find(|m| m.id.node == id.node) else {
+                continue;
+            };
+            let res = self
+                .connect(m)
+                .and_then(|mut c| c.push(&shard.info(), &shard.manifest_json, data));
+            match res {
+                Ok(()) => holders.push(id.node.clone()),
+                Err(e) => {
+                    self.metrics.failed(Failure::Replicate);
+                    warn!(shard = %shard.key, peer = %id.node, error = %e, "replication to a peer failed");
+                    last = Some(e);
+                }
+            }
+        }
+        if holders.len() < self.cfg.replicas {
+            let why = last.map_or_else(|| "not enough peers known".to_string(), |e| e.to_string());
+            return Err(Error::Peer {
+                peer: holders.join(","),
+                reason: format!(
+                    "{} held by {} of {} peers: {why}",
+                    shard.key,
+                    holders.len(),
+                    self.cfg.replicas
+                ),
+            });
+        }
+        Ok(holders)
+    }
+
+    /// Fetches `key` from the first member that holds it in memory, verified, into a new
+    /// sealed segment (charged to the budget); the shard and who sent it.
+    pub(crate) fn fetch_from_peers(
+        &self,
+        key: &ShardKey,
+        members: &[super::members::Member],
+    ) -> Option<(Arc<Shard>, String)> {
+        for m in members {
+            let res = self.connect(m).and_then(|mut c| {
+                c.fetch(
+                    key,
+                    self.threads,
+                    |info, _| {
+                        let what = format!("{key} from {}", m.id.node);
+                        let charge =
+                            self.memory
+                                .reserve(info.len, self.cfg.stage_timeout, &what)?;
+                        let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
+                        Segment::create(&name, info.len as usize, Some(charge))
+                            .map_err(|e| Error::io("create shared memory", &name, e))
+                    },
+                    |seg, at, d| seg.write_at(at, d),
+                )
+            });
+            match res {
+                Ok(Some((info, manifest, json, seg))) => {
+                    let sealed = match seg.seal() {
+                        Ok(s) => s,
+                        Err(e) => {
+                            warn!(shard = %key, error = %e, "cannot seal a fetched shard");
+                            continue;
+                        }
+                    };
+                    let shard = Arc::new(Shard {
+                        key: key.clone(),
+                        world_size: info.world_size,
+                        origin: info.origin,
+                        manifest,
+                        manifest_json: json,
+                        seg: Arc::new(sealed),
+                        committed: Instant::now(),
+                    });
+                    return Some((shard, m.id.node.clone()));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    if matches!(e, Error::Budget { .. }) {
+                        self.metrics.failed(Failure::Budget);
+                    } else {
+                        self.metrics.failed(Failure::Peer);
+                    }
+                    warn!(shard = %key, peer = %m.id.node, error = %e, "fetch from a peer failed");
+                }
+            }
+        }
+        None
+    }
+}

@@ -1,0 +1,319 @@
+//! After a commit: persistence to the local disk and the store (the engine's own tier code,
+//! through one [`Engine`] per job and rank), replication to peers, progress events for the
+//! training process, and the drain at shutdown.
+//!
+//! Every committed local shard is *pending* until each of its tiers (peers, disk, store) has
+//! finished with it, successfully or not; the pending set is what the replication-lag gauge
+//! and the drain look at. Its persistence to disk and store counts as *running* until the
+//! retention that follows it (old steps removed from the tiers) is done too: the
+//! `hotstart_persist_running_shards` gauge, which tells when the sidecar makes no more requests
+//! to the store for what was saved. On SIGTERM the drain waits for the pending set to empty, at most the
+//! grace period, and reports every shard still pending, with the tiers it never reached.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tracing::{error, info, warn};
+
+use super::Core;
+use super::memory::{Shard, ShardKey};
+use super::metrics::Failure;
+use super::wire::{Conn, FdStream, LocalMsg};
+use crate::engine::Engine;
+use crate::tier::TierKind;
+
+/// The writer half of a training process's connection, for progress events.
+pub(crate) type Events = Arc<Mutex<Conn<FdStream>>>;
+
+/// What the drain found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Shards whose every tier finished before the deadline.
+    pub finished: usize,
+    /// Shards still pending at the deadline, with the tiers that never finished.
+    pub not_persisted: Vec<(ShardKey, Vec<TierKind>)>,
+}
+
+impl DrainReport {
+    /// Whether everything finished.
+    pub fn complete(&self) -> bool {
+        self.not_persisted.is_empty()
+    }
+}
+
+#[derive(Debug)]
+struct Pending {
+    committed: Instant,
+    tiers: BTreeSet<TierKind>,
+}
+
+/// Committed local shards whose tiers have not all finished.
+#[derive(Debug, Default)]
+pub(crate) struct Inflight {
+    pending: Mutex<BTreeMap<ShardKey, Pending>>,
+    changed: Condvar,
+    finished: Mutex<usize>,
+    /// Shards whose persistence to disk and store, retention included, is still running.
+    running: AtomicU64,
+}
+
+/// One shard's persistence to disk and store, counted as running until dropped.
+struct Running(Arc<Core>);
+
+impl Running {
+    fn start(core: &Arc<Core>) -> Running {
+        core.inflight.running.fetch_add(1, Ordering::AcqRel);
+        Running(core.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.inflight.running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Inflight {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<ShardKey, Pending>> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn add(&self, key: ShardKey, tiers: BTreeSet<TierKind>) {
+        if tiers.is_empty() {
+            return;
+        }
+        self.lock().insert(
+            key,
+            Pending {
+                committed: Instant::now(),
+                tiers,
+            },
+        );
+    }
+
+    fn done(&self, key: &ShardKey, tier: TierKind) {
+        let mut p = self.lock();
+        if let Some(e) = p.get_mut(key) {
+            e.tiers.remove(&tier);
+            if e.tiers.is_empty() {
+                p.remove(key);
+                *self.finished.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+            }
+        }
+        drop(p);
+        self.changed.notify_all();
+    }
+
+    /// Shards whose persistence to disk and store (retention included) is still running.
+    pub(crate) fn running(&self) -> u64 {
+        self.running.load(Ordering::Acquire)
+    }
+
+    /// Age of the oldest shard still waiting for its peers, and how many wait.
+    pub(crate) fn replication(&self) -> (Duration, u64) {
+        let p = self.lock();
+        let waiting = p.values().filter(|e| e.tiers.contains(&TierKind::Peer));
+        let (mut oldest, mut n) = (Duration::ZERO, 0);
+        for e in waiting {
+            oldest = oldest.max(e.committed.elapsed());
+            n += 1;
+        }
+        (oldest, n)
+    }
+
+    /// Waits until nothing is pending or `deadline`; what is left.
+    pub(crate) fn drain(&self, deadline: Instant) -> DrainReport {
+        let mut p = self.lock();
+        while !p.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            p = self
+                .changed
+                .wait_timeout(p, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        DrainReport {
+            finished: *self.finished.lock().unwrap_or_else(PoisonError::into_inner),
+            not_persisted: p
+                .iter()
+                .map(|(k, e)| (k.clone(), e.tiers.iter().copied().collect()))
+                .collect(),
+        }
+    }
+}
+
+fn send_event(events: &Option<Events>, tier: TierKind, res: &Result<(), String>) {
+    if let Some(ev) = events {
+        let msg = LocalMsg::Persisted {
+            tier,
+            error: res.as_ref().err().cloned(),
+        };
+        // The training process may be gone; the shard is persisted regardless.
+        let _ = ev.lock().unwrap_or_else(PoisonError::into_inner).send(&msg);
+    }
+}
+
+impl Core {
+    /// The tiers a committed local shard goes to after memory.
+    pub(crate) fn save_tiers(&self) -> Vec<TierKind> {
+        let mut t = vec![TierKind::Memory];
+        if self.replicates() {
+            t.push(TierKind::Peer);
+        }
+        t.extend(self.tiers.iter().map(|t| t.kind()));
+        t
+    }
+
+    /// Whether committed shards are copied to peers.
+    pub(crate) fn replicates(&self) -> bool {
+        self.cfg.replicas > 0 && (!self.cfg.peers.is_empty() || self.cfg.peers_dns.is_some())
+    }
+
+    /// The engine that persists and reads back `job`'s `rank` (made on first use).
+    pub(crate) fn engine(
+        &self,
+        job: &str,
+        rank: u32,
+        world_size: u32,
+    ) -> crate::Result<Arc<Engine>> {
+        let mut engines = self.engines.lock().unwrap_or_else(PoisonError::into_inner);
+        let k = (job.to_string(), rank, world_size);
+        if let Some(e) = engines.get(&k) {
+            return Ok(e.clone());
+        }
+        let mut cfg = crate::EngineConfig::new(job, rank, world_size);
+        cfg.keep = self.cfg.keep;
+        cfg.threads = self.cfg.threads;
+        let e = Arc::new(Engine::with_tiers(cfg, self.tiers.clone(), true)?);
+        engines.insert(k, e.clone());
+        Ok(e)
+    }
+
+    /// Starts everything that follows the commit of a local shard: persistence to disk and
+    /// store, replication to peers; each tier's outcome goes to `events` and the metrics.
+    /// `asked` is when the segment was asked for.
+    pub(crate) fn after_commit(
+        self: &Arc<Self>,
+        shard: Arc<Shard>,
+        events: Option<Events>,
+        asked: Instant,
+    ) {
+        let tiers: BTreeSet<TierKind> = self
+            .save_tiers()
+            .into_iter()
+            .filter(|t| *t != TierKind::Memory)
+            .collect();
+        self.inflight.add(shard.key.clone(), tiers.clone());
+        if tiers.contains(&TierKind::Peer) {
+            let (core, sh, ev) = (self.clone(), shard.clone(), events.clone());
+            let spawned = std::thread::Builder::new()
+                .name("hotstart-replicate".into())
+                .spawn(move || {
+                    let res = core.replicate(&sh);
+                    let res = match res {
+                        Ok(peers) => {
+                            info!(shard = %sh.key, ?peers, "replicated");
+                            core.metrics
+                                .saved(TierKind::Peer, sh.len(), asked.elapsed());
+                            Ok(())
+                        }
+                        Err(e) => {
+                            error!(shard = %sh.key, error = %e, "not replicated");
+                            Err(e.to_string())
+                        }
+                    };
+                    send_event(&ev, TierKind::Peer, &res);
+                    core.inflight.done(&sh.key, TierKind::Peer);
+                });
+            if let Err(e) = spawned {
+                error!(shard = %shard.key, error = %e, "cannot start replication");
+                send_event(&events, TierKind::Peer, &Err(e.to_string()));
+                self.inflight.done(&shard.key, TierKind::Peer);
+            }
+        }
+        let own: Vec<TierKind> = tiers
+            .iter()
+            .copied()
+            .filter(|t| *t != TierKind::Peer)
+            .collect();
+        if own.is_empty() {
+            return;
+        }
+        let running = Running::start(self);
+        let fail_all = |why: String| {
+            for &t in &own {
+                self.metrics.failed(Failure::persist(t));
+                send_event(&events, t, &Err(why.clone()));
+                self.inflight.done(&shard.key, t);
+            }
+        };
+        let k = &shard.key;
+        let handle = self.engine(&k.job, k.rank, shard.world_size).and_then(|e| {
+            e.persist_staged(
+                k.step,
+                shard.seg.clone(),
+                shard.len() as usize,
+                shard.manifest_json.clone().into_bytes(),
+            )
+        });
+        let (handle, persisting) = match handle {
+            Ok(h) => h,
+            Err(e) => return fail_all(e.to_string()),
+        };
+        let core = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("hotstart-persist-wait".into())
+            .spawn(move || {
+                let _running = running;
+                for t in own {
+                    let res = match handle.wait_persisted(t) {
+                        Ok(()) => {
+                            core.metrics.saved(t, shard.len(), asked.elapsed());
+                            Ok(())
+                        }
+                        Err(e) => {
+                            core.metrics.failed(Failure::persist(t));
+                            Err(e.to_string())
+                        }
+                    };
+                    send_event(&events, t, &res);
+                    core.inflight.done(&shard.key, t);
+                }
+                // Retention follows; the shard's persistence runs until it is done.
+                if persisting.join().is_err() {
+                    error!(shard = %shard.key, "persistence thread panicked");
+                }
+            });
+        if let Err(e) = spawned {
+            warn!(error = %e, "cannot start the persist watcher");
+        }
+    }
+
+    /// Drains: waits for pending persistence and replication up to the grace period, and
+    /// reports what never finished.
+    pub(crate) fn drain(&self) -> DrainReport {
+        let deadline = Instant::now() + self.cfg.grace;
+        let (_, waiting) = self.inflight.replication();
+        let pending = self.inflight.lock().len();
+        if pending > 0 {
+            info!(pending, waiting_for_peers = waiting, grace = ?self.cfg.grace, "draining: waiting for in-flight persistence");
+        }
+        let report = self.inflight.drain(deadline);
+        for (key, tiers) in &report.not_persisted {
+            let tiers: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
+            error!(shard = %key, ?tiers, "not persisted before exit: the grace period ran out");
+        }
+        if report.complete() {
+            info!(
+                finished = report.finished,
+                "drained: everything committed is persisted"
+            );
+        }
+        report
+    }
+}

@@ -1,0 +1,298 @@
+//! Restores: which step, and from where.
+//!
+//! **Which step.** `Latest` is the newest step for which every rank `0..world_size` has a
+//! committed shard somewhere this sidecar can see: in its own memory, in a peer's memory, on
+//! its own disk or a peer's disk (each peer's inventory lists both). Only when no step is
+//! complete there is the object store listed (with a deadline, so a store that is down cannot
+//! stall a restart): memory never evicts a rank's newest step, so the store holds a newer
+//! complete step than the peers only when nodes lost memory they had not yet replicated. Every
+//! sidecar asks every peer, so sidecars that can reach each other agree on the step.
+//!
+//! **From where.** The shard of the asked rank is served from the nearest tier that holds it:
+//! this node's memory; else a peer's memory (fetched, verified chunk by chunk as it arrives);
+//! else this node's disk, else the store (read with the engine's verified loader, which falls
+//! back from disk to store chunk by chunk). Whatever was not in memory is put there, so the
+//! next restore of the same step is served from memory. The training process receives the
+//! sealed segment and maps it: the restore itself copies nothing more.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::Core;
+use super::memory::{Shard, ShardKey};
+use super::metrics::Failure;
+use super::shm::Segment;
+use super::wire::{Held, ShardInfo};
+use crate::error::{Error, Result};
+use crate::format;
+use crate::tier::TierKind;
+
+/// How long a restore waits for the object store to list a job.
+const STORE_LIST_DEADLINE: Duration = Duration::from_secs(10);
+
+/// A restore's answer.
+#[derive(Debug)]
+pub(crate) struct Served {
+    pub shard: Arc<Shard>,
+    pub source: TierKind,
+    pub chunk_sources: Vec<TierKind>,
+    pub took: Duration,
+}
+
+/// `(step, rank)` of a key `<job>/step-<N>/rank-<R>.manifest.json`.
+fn manifest_of(job: &str, key: &str) -> Option<(u64, u32)> {
+    let rest = key.strip_prefix(job)?.strip_prefix('/')?;
+    let (dir, file) = rest.split_once('/')?;
+    let step = format::parse_step_dir(dir)?;
+    let rank = file.strip_prefix("rank-")?.strip_suffix(".manifest.json")?;
+    if rank.is_empty() || !rank.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((step, rank.parse().ok()?))
+}
+
+impl Core {
+    /// What this node holds: shards in memory, and rank manifests on its disk. A job name that
+    /// is not one (a peer asking for `../x`) holds nothing.
+    pub(crate) fn inventory(&self, job: Option<&str>) -> Vec<ShardInfo> {
+        if job.is_some_and(|j| format::check_job(j).is_err()) {
+            return Vec::new();
+        }
+        let mut out: Vec<ShardInfo> = self.memory.shards(job).iter().map(|s| s.info()).collect();
+        let disk = self.tiers.iter().find(|t| t.kind() == TierKind::Disk);
+        if let (Some(disk), Some(job)) = (disk, job) {
+            match disk.list_objects(&format!("{job}/")) {
+                Ok(objects) => {
+                    for (key, _) in objects {
+                        if let Some((step, rank)) = manifest_of(job, &key) {
+                            out.push(ShardInfo {
+                                job: job.to_string(),
+                                rank,
+                                step,
+                                world_size: 0,
+                                len: 0,
+                                origin: self.me.node.clone(),
+                                held: Held::Disk,
+                            });
+                        }
+                    }
+                }
+                Err(e) => warn!(job, error = %e, "cannot list the disk tier"),
+            }
+        }
+        out
+    }
+
+    /// The newest step of `job` complete for every rank of `world_size`; see the module docs.
+    pub(crate) fn latest(&self, job: &str, rank: u32, world_size: u32) -> Result<Option<u64>> {
+        let mut present: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
+        let mut add = |infos: &[ShardInfo]| {
+            for s in infos {
+                // Disk entries do not know the world size; memory ones must match it.
+                if s.job == job && (s.world_size == world_size || s.held == Held::Disk) {
+                    present.entry(s.step).or_default().insert(s.rank);
+                }
+            }
+        };
+        add(&self.inventory(Some(job)));
+        let members = self.members.snapshot();
+        let listed = Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for m in &members {
+                let listed = &listed;
+                scope.spawn(move || {
+                    match self.connect(m).and_then(|mut c| c.inventory(Some(job))) {
+                        Ok(v) => listed
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .extend(v),
+                        Err(e) => warn!(peer = %m.id.node, error = %e, "no inventory from a peer"),
+                    }
+                });
+            }
+        });
+        add(&listed.into_inner().unwrap_or_else(PoisonError::into_inner));
+        let complete = |ranks: &BTreeSet<u32>| (0..world_size).all(|r| ranks.contains(&r));
+        if let Some(step) = present
+            .iter()
+            .rev()
+            .find(|(_, r)| complete(r))
+            .map(|(s, _)| *s)
+        {
+            return Ok(Some(step));
+        }
+        self.latest_in_store(job, rank, world_size)
+    }
+
+    /// The newest step complete in the store, or `None` (also when the store does not answer
+    /// in time).
+    fn latest_in_store(&self, job: &str, rank: u32, world_size: u32) -> Result<Option<u64>> {
+        let Some(store) = self.tiers.iter().find(|t| t.kind() == TierKind::Store) else {
+            return Ok(None);
+        };
+        let engine = self.engine(job, rank, world_size)?;
+        let store = store.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("hotstart-store-list".into())
+            .spawn(move || {
+                let _ = tx.send(engine.inner.complete_steps_in(store.as_ref()));
+            });
+        if let Err(e) = spawned {
+            return Err(Error::io("spawn store listing", "", e));
+        }
+        match rx.recv_timeout(STORE_LIST_DEADLINE) {
+            Ok(Ok(steps)) => Ok(steps.last().copied()),
+            Ok(Err(e)) => {
+                warn!(job, error = %e, "cannot list the store");
+                Ok(None)
+            }
+            Err(_) => {
+                warn!(job, deadline = ?STORE_LIST_DEADLINE, "the store did not list the job in time");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Serves `step` (or the latest) of `job`'s `rank` from the nearest tier; see the module
+    /// docs. [`Error::NotFound`] when no tier has it.
+    pub(crate) fn restore(
+        &self,
+        job: &str,
+        rank: u32,
+        world_size: u32,
+        step: Option<u64>,
+    ) -> Result<Served> {
+        let started = Instant::now();
+        let not_found = |step| Error::NotFound {
+            job: job.to_string(),
+            step,
+            rank,
+        };
+        let step = match step {
+            Some(s) => s,
+            None => self
+                .latest(job, rank, world_size)?
+                .ok_or_else(|| not_found(None))?,
+        };
+        let key = ShardKey {
+            job: job.to_string(),
+            rank,
+            step,
+        };
+        let (shard, source, chunk_sources) = if let Some(s) = self.memory.get(&key) {
+            let n = s.manifest.chunks.len();
+            (s, TierKind::Memory, vec![TierKind::Memory; n])
+        } else if let Some((s, from)) = self.fetch_from_peers(&key, &self.members.snapshot()) {
+            info!(shard = %key, peer = %from, "fetched from a peer");
+            self.memory.insert(s.clone());
+            let n = s.manifest.chunks.len();
+            (s, TierKind::Peer, vec![TierKind::Peer; n])
+        } else if self.tiers.is_empty() {
+            return Err(not_found(Some(step)));
+        } else {
+            let (s, sources) = self.read_back(&key, world_size)?;
+            self.memory.insert(s.clone());
+            let source = if sources.iter().all(|t| *t == TierKind::Disk) {
+                TierKind::Disk
+            } else {
+                TierKind::Store
+            };
+            (s, source, sources)
+        };
+        if shard.world_size != world_size {
+            return Err(Error::format(
+                "shard",
+                key.to_string(),
+                format!(
+                    "saved by a world of {}, asked by a world of {world_size}",
+                    shard.world_size
+                ),
+            ));
+        }
+        let took = started.elapsed();
+        self.metrics.restored(source, took);
+        info!(shard = %key, %source, seconds = took.as_secs_f64(), "restore served");
+        Ok(Served {
+            shard,
+            source,
+            chunk_sources,
+            took,
+        })
+    }
+
+    /// Reads `key` back from disk or store into a new sealed segment, verified chunk by chunk.
+    fn read_back(&self, key: &ShardKey, world_size: u32) -> Result<(Arc<Shard>, Vec<TierKind>)> {
+        let engine = self.engine(&key.job, key.rank, world_size)?;
+        let inner = &engine.inner;
+        let (manifest, tiers) = inner.sources(key.step)?;
+        let len = crate::load::file_len(&manifest)?;
+        let what = format!(
+            "{key} from {}",
+            tiers.first().map_or("?", |t| t.kind().as_str())
+        );
+        let charge = self
+            .memory
+            .reserve(len as u64, self.cfg.stage_timeout, &what)
+            .inspect_err(|_| {
+                self.metrics.failed(Failure::Budget);
+            })?;
+        let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
+        let mut seg = Segment::create(&name, len, Some(charge))
+            .and_then(Segment::fill)
+            .map_err(|e| Error::io("create shared memory", &name, e))?;
+        let n = manifest.chunks.len();
+        let sources = inner.read_chunks(
+            key.step,
+            &manifest,
+            &tiers,
+            &mut seg.bytes_mut()[..len],
+            (0..n).map(|_| Vec::new()).collect(),
+        )?;
+        let sealed = seg
+            .seal()
+            .map_err(|e| Error::io("seal shared memory", &name, e))?;
+        let json = String::from_utf8(manifest.to_json()).unwrap_or_default();
+        let shard = Arc::new(Shard {
+            key: key.clone(),
+            world_size,
+            origin: self.me.node.clone(),
+            manifest,
+            manifest_json: json,
+            seg: Arc::new(sealed),
+            committed: Instant::now(),
+        });
+        Ok((shard, sources))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manifest_keys_parse_strictly() {
+        assert_eq!(
+            manifest_of("j", "j/step-12/rank-3.manifest.json"),
+            Some((12, 3))
+        );
+        assert_eq!(
+            manifest_of("a/b", "a/b/step-1/rank-0.manifest.json"),
+            Some((1, 0))
+        );
+        for bad in [
+            "j/step-12/rank-3.safetensors",
+            "j/step-x/rank-3.manifest.json",
+            "j/step-1/rank-.manifest.json",
+            "j/step-1/rank--1.manifest.json",
+            "j/step-1/.rank-0.manifest.json.tmp-1",
+            "jj/step-1/rank-0.manifest.json",
+            "j/step-1/sub/rank-0.manifest.json",
+        ] {
+            assert_eq!(manifest_of("j", bad), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,539 @@
+//! Shared memory of the memory tier: memfd segments, their mappings, and passing their file
+//! descriptors between processes over a Unix socket (`SCM_RIGHTS`).
+//!
+//! **Life of a segment.** The sidecar creates a [`Segment`] (`memfd_create`, sized, and sealed
+//! against shrinking and growing so nobody can pull pages out from under a mapping). One that
+//! goes to a training process has its pages allocated up front ([`Segment::allocate`], i.e.
+//! `fallocate`), so that a full memory cgroup is an error now rather than a `SIGBUS` in the
+//! middle of the training process's copy later. The sidecar sends the descriptor to a training process,
+//! which maps it read-write and stages a checkpoint into it, then unmaps it and commits. The
+//! sidecar then seals it against writes (`F_SEAL_WRITE`, which the kernel refuses while any
+//! process still has it mapped writable) and maps it read-only: from then on the bytes can
+//! never change, in any process, which is what makes handing out `&[u8]` over shared memory
+//! sound ([`Sealed`]). Restores send the sealed descriptor; the receiver checks the seals
+//! ([`Sealed::open`]) before it trusts the bytes. A segment received from a peer is written
+//! with `pwrite` ([`Segment::write_at`]: far cheaper than faulting fresh pages in through a
+//! mapping), one read back from disk or store through a private writable mapping
+//! ([`Filling`]); both are sealed the same way.
+//!
+//! The memory lives as long as any descriptor or mapping of it does, in any process; the
+//! sidecar's budget charge ([`super::memory::Charge`]) lives as long as the sidecar's own
+//! segment does.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::ptr::NonNull;
+
+use super::memory::Charge;
+use crate::staging::Region;
+
+/// Seals every segment gets at creation.
+const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+/// Seals of a committed segment: its bytes and size are fixed forever.
+const SEALED: libc::c_int = SIZE_SEALS | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+
+fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
+/// A memfd of fixed size.
+#[derive(Debug)]
+pub struct Segment {
+    fd: OwnedFd,
+    len: usize,
+    /// The sidecar's budget charge for the memory, released when the segment is dropped.
+    _charge: Option<Charge>,
+}
+
+impl Segment {
+    /// A new segment of `len` bytes (at least 1), sealed against size changes; its pages are
+    /// allocated as they are first written. `name` shows in `/proc/<pid>/fd` and
+    /// `/proc/<pid>/maps`.
+    pub fn create(name: &str, len: usize, charge: Option<Charge>) -> io::Result<Segment> {
+        let cname = CString::new(name).map_err(|_| io::Error::other("NUL in segment name"))?;
+        // SAFETY: a valid NUL-terminated name; creates a new descriptor this function owns.
+        let raw = cvt(unsafe {
+            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        } as libc::c_int)?;
+        // SAFETY: `raw` is a new descriptor owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let size = libc::off_t::try_from(len.max(1))
+            .map_err(|_| io::Error::other("segment larger than off_t"))?;
+        // SAFETY: plain system calls on the descriptor just created.
+        unsafe {
+            cvt(libc::ftruncate(fd.as_raw_fd(), size))?;
+            cvt(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS))?;
+        }
+        Ok(Segment {
+            fd,
+            len: len.max(1),
+            _charge: charge,
+        })
+    }
+
+    /// Allocates (and zeroes) every page now: an error here, not a `SIGBUS` in whoever writes
+    /// the segment later, when memory runs out.
+    pub fn allocate(self) -> io::Result<Segment> {
+        let size = libc::off_t::try_from(self.len)
+            .map_err(|_| io::Error::other("segment larger than off_t"))?;
+        // SAFETY: fallocate on a descriptor this segment owns.
+        cvt(unsafe { libc::fallocate(self.fd.as_raw_fd(), 0, 0, size) })?;
+        Ok(self)
+    }
+
+    /// A segment received from the sidecar: its size is read from the descriptor, and it must
+    /// be sealed against shrinking (so a mapping of it can never lose its pages).
+    pub fn from_fd(fd: OwnedFd) -> io::Result<Segment> {
+        let seals = seals(fd.as_fd())?;
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(io::Error::other(
+                "shared memory segment is not sealed against shrinking",
+            ));
+        }
+        let len = fd_len(fd.as_fd())?;
+        Ok(Segment {
+            fd,
+            len,
+            _charge: None,
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: segments have at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Writes `data` at `offset` with `pwrite`: into the page cache of the segment directly,
+    /// which allocates fresh pages far faster than faulting them in through a mapping.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if offset.saturating_add(data.len() as u64) > self.len as u64 {
+            return Err(io::Error::other("write past the end of the segment"));
+        }
+        let mut done = 0;
+        while done < data.len() {
+            let at = libc::off_t::try_from(offset + done as u64)
+                .map_err(|_| io::Error::other("offset larger than off_t"))?;
+            let rest = &data[done..];
+            // SAFETY: pwrite reads at most `rest.len()` bytes from `rest`.
+            let n =
+                unsafe { libc::pwrite(self.fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at) };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps the whole segment, read-write, shared: what a training process stages into.
+    pub fn map_writable(&self) -> io::Result<Mapping> {
+        Mapping::new(self.fd.as_fd(), self.len, true)
+    }
+
+    /// Seals the segment against writes, for good, and maps it read-only. Fails (`EBUSY`) while
+    /// any process still has it mapped writable.
+    pub fn seal(self) -> io::Result<Sealed> {
+        // SAFETY: fcntl on a descriptor this segment owns.
+        cvt(unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_ADD_SEALS, SEALED) })?;
+        let map = Mapping::new(self.fd.as_fd(), self.len, false)?;
+        Ok(Sealed { seg: self, map })
+    }
+
+    /// Maps a new segment writable in this process only, for filling it here.
+    pub fn fill(self) -> io::Result<Filling> {
+        let map = self.map_writable()?;
+        Ok(Filling { seg: self, map })
+    }
+}
+
+impl AsFd for Segment {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+fn seals(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
+    // SAFETY: fcntl F_GET_SEALS reads the descriptor's seals.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) })
+}
+
+fn fd_len(fd: BorrowedFd<'_>) -> io::Result<usize> {
+    // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into the stat it is given.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
+    usize::try_from(st.st_size)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| io::Error::other("empty shared memory segment"))
+}
+
+/// A shared mapping of a whole segment, unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a mapping is plain memory owned by this value; who may write it when is decided by its
+// users (`Staging` for a writable one, the seal for a read-only one), as for `AlignedBuf`.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    fn new(fd: BorrowedFd<'_>, len: usize, writable: bool) -> io::Result<Mapping> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a new shared mapping of `len` bytes of the descriptor at an address of the
+        // kernel's choosing; no existing memory is affected. The segment is sealed against
+        // shrinking, so every page of the mapping stays backed. Pages are mapped as they are
+        // first touched, by whichever threads copy: in parallel, unlike `MAP_POPULATE`.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr =
+            NonNull::new(raw.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave NULL"))?;
+        Ok(Mapping { ptr, len })
+    }
+}
+
+impl Mapping {
+    /// The start of the mapping. Writing through it is up to the caller: only into a writable
+    /// mapping, and only where nothing else reads or writes at the same time.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+impl Region for Mapping {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, owned by this value and unmapped only here.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A segment sealed against writes and mapped read-only: its bytes never change again.
+#[derive(Debug)]
+pub struct Sealed {
+    // Field order: unmap before closing.
+    map: Mapping,
+    seg: Segment,
+}
+
+impl Sealed {
+    /// A sealed segment received from another process: the descriptor must carry every seal of
+    /// a committed segment, and be at least `len` bytes.
+    pub fn open(fd: OwnedFd, len: usize) -> io::Result<Sealed> {
+        let s = seals(fd.as_fd())?;
+        if s & SEALED != SEALED {
+            return Err(io::Error::other(format!(
+                "shared memory segment is not sealed (seals {s:#x})"
+            )));
+        }
+        let seg = Segment::from_fd(fd)?;
+        if seg.len < len {
+            return Err(io::Error::other(format!(
+                "shared memory segment of {} bytes for a {len}-byte file",
+                seg.len
+            )));
+        }
+        let map = Mapping::new(seg.fd.as_fd(), seg.len, false)?;
+        Ok(Sealed { map, seg })
+    }
+
+    /// The whole segment.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping covers `len` bytes, all backed (sealed against shrinking), and
+        // sealed against writes in every process, so no write to them can ever happen while
+        // this borrow lives.
+        unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr(), self.map.len) }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.seg.len
+    }
+
+    /// Never true.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Copies the bytes at `offset` into `buf` with `pread`: straight from the segment's pages,
+    /// without mapping them into this process (no page faults).
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let at = libc::off_t::try_from(offset + done as u64)
+                .map_err(|_| io::Error::other("offset larger than off_t"))?;
+            let rest = &mut buf[done..];
+            // SAFETY: pread writes at most `rest.len()` bytes into `rest`.
+            let n = unsafe {
+                libc::pread(
+                    self.seg.fd.as_raw_fd(),
+                    rest.as_mut_ptr().cast(),
+                    rest.len(),
+                    at,
+                )
+            };
+            match n {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n if n > 0 => done += n as usize,
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AsFd for Sealed {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.seg.as_fd()
+    }
+}
+
+impl Region for Sealed {
+    fn ptr(&self) -> *mut u8 {
+        self.map.ptr.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.map.len
+    }
+}
+
+/// A new segment mapped writable in this process while it is filled (from a peer's stream or
+/// a tier), then sealed.
+#[derive(Debug)]
+pub struct Filling {
+    map: Mapping,
+    seg: Segment,
+}
+
+impl Filling {
+    /// The whole segment, for writing.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping covers `len` bytes; the segment was created by this process and
+        // its descriptor never left it, so this is the only mapping, and the exclusive borrow
+        // of `self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr(), self.map.len) }
+    }
+
+    /// Unmaps the writable mapping and seals the segment.
+    pub fn seal(self) -> io::Result<Sealed> {
+        let Filling { map, seg } = self;
+        drop(map);
+        seg.seal()
+    }
+}
+
+/// Sends `data` on `sock`, with `fd` attached to its first byte when given.
+pub fn send(sock: &UnixStream, data: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+    let mut sent = 0;
+    let mut fd = fd.map(|f| f.as_raw_fd());
+    while sent < data.len() || fd.is_some() {
+        let n = send_once(sock.as_raw_fd(), &data[sent..], fd.take())?;
+        sent += n;
+    }
+    Ok(())
+}
+
+fn send_once(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // Room for one descriptor, aligned as a cmsghdr.
+    let mut control = [0u64; 8];
+    // SAFETY: an all-zero msghdr is valid (no name, no control).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as usize;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: the control buffer is `space` bytes (<= 64), aligned for cmsghdr, and
+        // msg_controllen says so; CMSG_FIRSTHDR/CMSG_DATA point inside it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as usize;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+        }
+    }
+    loop {
+        // SAFETY: `msg` points at live buffers described by their lengths.
+        let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Receives into `buf` from `sock`; descriptors that arrive with the bytes are appended to
+/// `fds` (close-on-exec). 0 at end of stream.
+pub fn recv(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut control = [0u64; 16];
+    loop {
+        // SAFETY: an all-zero msghdr is valid; the buffers below outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = size_of_val(&control);
+        // SAFETY: `msg` describes live buffers of the lengths given.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: walking the control messages the kernel wrote, within msg_controllen; each
+        // SCM_RIGHTS payload is an array of descriptors now owned by this process.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c);
+                    let bytes = (*c).cmsg_len as usize - (data as usize - c as usize);
+                    for i in 0..bytes / size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                        fds.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::other("too many file descriptors in one message"));
+        }
+        return Ok(n as usize);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staged_bytes_are_shared_then_sealed_forever() {
+        let seg = Segment::create("test", 3 * 4096 + 5, None).unwrap();
+        assert_eq!(seg.len(), 3 * 4096 + 5);
+        let dup = seg.as_fd().try_clone_to_owned().unwrap();
+        let w = seg.map_writable().unwrap();
+        // SAFETY: the mapping is ours and nobody else writes it.
+        unsafe { std::ptr::write_bytes(w.ptr(), 0xAB, w.len()) };
+        drop(w);
+        let sealed = seg.seal().unwrap();
+        assert!(sealed.bytes().iter().all(|&b| b == 0xAB));
+        // Nobody can map it writable any more, through any descriptor.
+        let other = Segment::from_fd(dup).unwrap();
+        assert!(other.map_writable().is_err());
+        let reopened = Sealed::open(other.as_fd().try_clone_to_owned().unwrap(), 3 * 4096).unwrap();
+        assert_eq!(reopened.bytes(), sealed.bytes());
+    }
+
+    #[test]
+    fn seal_waits_for_writers_and_receivers_check_seals() {
+        let seg = Segment::create("test", 8192, None).unwrap();
+        let dup = seg.as_fd().try_clone_to_owned().unwrap();
+        let w = seg.map_writable().unwrap();
+        // SAFETY: ours alone.
+        unsafe { std::ptr::write_bytes(w.ptr(), 7, 8192) };
+        // An unsealed descriptor is refused as a committed segment.
+        assert!(Sealed::open(dup.try_clone().unwrap(), 8192).is_err());
+        let err = seg.seal().map(|_| ()).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EBUSY), "{err}");
+        let _ = w;
+    }
+
+    #[test]
+    fn descriptors_cross_a_socket() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut fill = Segment::create("test", 4096, None).unwrap().fill().unwrap();
+        fill.bytes_mut()[..5].copy_from_slice(b"hello");
+        let sealed = fill.seal().unwrap();
+        send(&a, b"frame", Some(sealed.as_fd())).unwrap();
+        send(&a, b"plain", None).unwrap();
+        let mut buf = [0u8; 10];
+        let mut fds = Vec::new();
+        let mut got = 0;
+        while got < 10 {
+            got += recv(&b, &mut buf[got..], &mut fds).unwrap();
+        }
+        assert_eq!(&buf, b"frameplain");
+        assert_eq!(fds.len(), 1);
+        let other = Sealed::open(fds.pop().unwrap(), 4096).unwrap();
+        assert_eq!(&other.bytes()[..5], b"hello");
+        assert!(Sealed::open(other.as_fd().try_clone_to_owned().unwrap(), 8192).is_err());
+    }
+}

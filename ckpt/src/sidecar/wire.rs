@@ -1,0 +1,640 @@
+//! The sidecar's wire protocol: length-prefixed, versioned frames, shared by the Unix socket
+//! (training process ↔ sidecar) and TCP (sidecar ↔ peer). `docs/PROTOCOL.md` is the reference.
+//!
+//! ```text
+//! frame   = magic "HSWP" | version u8 (1) | kind u8 | reserved u16 (0) | len u32 LE | payload
+//!           [| tag, 32 bytes: message frames of an authenticated peer connection]
+//! kind 1  = message: `len` bytes of JSON (one `PeerMsg` or `LocalMsg`)
+//! kind 2  = data: `len` raw bytes of a shard, in order
+//! ```
+//!
+//! **Bounds.** A message is at most [`MAX_HANDSHAKE`] bytes until the connection is
+//! authenticated and [`MAX_MESSAGE`] after; a data frame at most [`MAX_DATA`]. A length over the
+//! bound, a bad magic, an unknown version or kind, a reserved field that is not 0, JSON that
+//! does not decode, data where a message was expected (or the reverse) and a wrong tag are
+//! protocol violations: the connection is dropped (and only that connection). Nothing is
+//! allocated before the length is checked. Shard bytes are never trusted either: the receiver
+//! checks them against the manifest's blake3 chunk hashes.
+//!
+//! **Integrity after authentication.** Once the handshake (`super::auth`) has given both ends a
+//! session key, every message frame carries a keyed blake3 tag over the direction, a sequence
+//! number, the header and the payload, so a message cannot be forged, replayed, reordered or
+//! moved to the other direction. Data frames are not tagged: they are covered by the chunk
+//! hashes of the manifest, which arrived in a tagged message.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::shm;
+use crate::error::Error;
+use crate::tier::TierKind;
+
+/// The first bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"HSWP";
+/// The frame format this build speaks.
+pub const VERSION: u8 = 1;
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 12;
+/// Largest message before authentication.
+pub const MAX_HANDSHAKE: usize = 4 << 10;
+/// Largest message.
+pub const MAX_MESSAGE: usize = 16 << 20;
+/// Largest data frame; shards are sent as many.
+pub const MAX_DATA: usize = 8 << 20;
+/// Bytes of a message tag.
+pub const TAG_LEN: usize = 32;
+
+const KIND_MESSAGE: u8 = 1;
+const KIND_DATA: u8 = 2;
+
+/// Where a shard is held, as an inventory reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Held {
+    Memory,
+    Disk,
+}
+
+/// One shard (a rank's file of one step) as listed, pushed or fetched.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub job: String,
+    pub rank: u32,
+    pub step: u64,
+    pub world_size: u32,
+    /// File length in bytes.
+    pub len: u64,
+    /// The node whose training process staged it.
+    pub origin: String,
+    pub held: Held,
+}
+
+/// Messages between peer sidecars.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum PeerMsg {
+    /// Client → server, first: who is calling, and a fresh nonce (hex).
+    Hello {
+        version: u32,
+        node: String,
+        domain: String,
+        nonce: String,
+    },
+    /// Server → client: who answers, its nonce, and its proof that it knows the token.
+    Challenge {
+        node: String,
+        domain: String,
+        nonce: String,
+        proof: String,
+    },
+    /// Client → server: the client's proof.
+    Proof { proof: String },
+    /// Server → client: authenticated; requests may follow.
+    Welcome,
+    /// The request or the connection is refused; the connection is closed after it.
+    Refused { reason: String },
+    /// Which shards do you hold (of one job, or all)?
+    Inventory { job: Option<String> },
+    /// The answer to `Inventory`.
+    Held { shards: Vec<ShardInfo> },
+    /// Hold this replica; its data follows once the server says `Ready`.
+    Push { shard: ShardInfo, manifest: String },
+    /// Room is reserved: send the data.
+    Ready,
+    /// The pushed shard arrived whole and matches its checksums.
+    Stored,
+    /// Send me this shard from your memory.
+    Fetch { job: String, rank: u32, step: u64 },
+    /// The fetched shard; its data follows.
+    Shard { shard: ShardInfo, manifest: String },
+    /// Not held.
+    NotFound,
+    /// The request failed; the connection stays usable.
+    Failed { reason: String },
+}
+
+/// Messages on the Unix socket between a training process and its sidecar.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum LocalMsg {
+    /// Engine → sidecar, first: which rank of which job this connection is for.
+    Attach {
+        version: u32,
+        job: String,
+        rank: u32,
+        world_size: u32,
+    },
+    /// The sidecar's node id and the tiers a save goes to.
+    Attached { node: String, tiers: Vec<TierKind> },
+    /// A segment of `len` bytes to stage `step` into (`wait`: wait for memory to be freed).
+    Stage { step: u64, len: u64, wait: bool },
+    /// The segment (its descriptor travels with this frame).
+    Segment { len: u64 },
+    /// Staging is done and the segment unmapped: take it, with this manifest.
+    Commit { manifest: String },
+    /// Sealed, verified and held in memory.
+    Committed,
+    /// A tier the sidecar persists to (peers, disk, store) finished the step.
+    Persisted {
+        tier: TierKind,
+        error: Option<String>,
+    },
+    /// Send me a step (`None`: the newest complete for every rank).
+    Restore { step: Option<u64> },
+    /// The step, from where it came and how long the sidecar took; the sealed segment's
+    /// descriptor travels with this frame.
+    Restored {
+        step: u64,
+        source: TierKind,
+        manifest: String,
+        chunk_sources: Vec<TierKind>,
+        seconds: f64,
+    },
+    /// Which step is the newest complete for every rank?
+    Latest,
+    /// The answer to `Latest`.
+    LatestIs { step: Option<u64> },
+    /// No such step anywhere.
+    NotFound { step: Option<u64> },
+    /// The request failed.
+    Failed { reason: String },
+}
+
+/// Which side of which protocol a connection is, for its errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// A peer connection: errors are [`Error::Peer`].
+    Peer,
+    /// The Unix socket: errors are [`Error::Sidecar`].
+    Local,
+}
+
+/// Tags message frames once a session key is agreed.
+struct Mac {
+    key: [u8; 32],
+    out_label: u8,
+    in_label: u8,
+    sent: u64,
+    received: u64,
+}
+
+fn tag(key: &[u8; 32], label: u8, seq: u64, header: &[u8], payload: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(&[label]);
+    h.update(&seq.to_le_bytes());
+    h.update(header);
+    h.update(payload);
+    h.finalize()
+}
+
+/// A framed connection.
+pub struct Conn<S> {
+    io: S,
+    label: String,
+    side: Side,
+    mac: Option<Mac>,
+    max_message: usize,
+    violated: bool,
+}
+
+impl<S> std::fmt::Debug for Conn<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("label", &self.label)
+            .field("side", &self.side)
+            .field("tagged", &self.mac.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn header(kind: u8, len: usize) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..4].copy_from_slice(&MAGIC);
+    h[4] = VERSION;
+    h[5] = kind;
+    h[8..].copy_from_slice(&(len as u32).to_le_bytes());
+    h
+}
+
+impl<S: Read + Write> Conn<S> {
+    /// A connection to `label` (a peer's address or id, or the socket path).
+    pub fn new(io: S, label: impl Into<String>, side: Side) -> Conn<S> {
+        Conn {
+            io,
+            label: label.into(),
+            side,
+            mac: None,
+            max_message: match side {
+                Side::Peer => MAX_HANDSHAKE,
+                Side::Local => MAX_MESSAGE,
+            },
+            violated: false,
+        }
+    }
+
+    /// What the connection is to.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The underlying stream.
+    pub fn get_ref(&self) -> &S {
+        &self.io
+    }
+
+    /// Whether the last error was the other end breaking the protocol (not an I/O error).
+    pub fn violated(&self) -> bool {
+        self.violated
+    }
+
+    /// Names the other end after authentication.
+    pub fn relabel(&mut self, label: impl Into<String>) {
+        self.label = label.into();
+    }
+
+    /// Turns on message tags with `key` (this end's label first) and lifts the message bound.
+    pub(crate) fn authenticated(&mut self, key: [u8; 32], out_label: u8, in_label: u8) {
+        self.mac = Some(Mac {
+            key,
+            out_label,
+            in_label,
+            sent: 0,
+            received: 0,
+        });
+        self.max_message = MAX_MESSAGE;
+    }
+
+    pub(crate) fn error(&self, reason: impl Into<String>) -> Error {
+        let reason = reason.into();
+        match self.side {
+            Side::Peer => Error::Peer {
+                peer: self.label.clone(),
+                reason,
+            },
+            Side::Local => Error::Sidecar {
+                socket: self.label.clone(),
+                reason,
+            },
+        }
+    }
+
+    fn io_error(&self, op: &str, e: io::Error) -> Error {
+        match e.kind() {
+            io::ErrorKind::UnexpectedEof => self.error(format!("{op}: connection closed")),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                self.error(format!("{op}: timed out"))
+            }
+            _ => self.error(format!("{op}: {e}")),
+        }
+    }
+
+    /// A protocol violation: remembered, so the caller can count it, and returned.
+    pub(crate) fn violation(&mut self, reason: impl Into<String>) -> Error {
+        self.violated = true;
+        self.error(format!("protocol violation: {}", reason.into()))
+    }
+
+    /// Encodes a message frame (with its tag, if any).
+    fn encode<T: Serialize>(&mut self, msg: &T) -> crate::Result<Vec<u8>> {
+        let payload = serde_json::to_vec(msg).map_err(|e| self.error(format!("encode: {e}")))?;
+        if payload.len() > MAX_MESSAGE {
+            return Err(self.error(format!(
+                "message of {} bytes exceeds {MAX_MESSAGE}",
+                payload.len()
+            )));
+        }
+        let h = header(KIND_MESSAGE, payload.len());
+        let mut frame = Vec::with_capacity(HEADER_LEN + payload.len() + TAG_LEN);
+        frame.extend_from_slice(&h);
+        frame.extend_from_slice(&payload);
+        if let Some(m) = &mut self.mac {
+            frame.extend_from_slice(tag(&m.key, m.out_label, m.sent, &h, &payload).as_bytes());
+            m.sent += 1;
+        }
+        Ok(frame)
+    }
+
+    /// Sends one message.
+    pub fn send<T: Serialize>(&mut self, msg: &T) -> crate::Result<()> {
+        let frame = self.encode(msg)?;
+        self.io
+            .write_all(&frame)
+            .and_then(|()| self.io.flush())
+            .map_err(|e| self.io_error("send", e))
+    }
+
+    fn read_header(&mut self) -> crate::Result<(u8, usize, [u8; HEADER_LEN])> {
+        let mut h = [0u8; HEADER_LEN];
+        self.io
+            .read_exact(&mut h)
+            .map_err(|e| self.io_error("receive", e))?;
+        if h[..4] != MAGIC {
+            return Err(self.violation("bad magic (not a hotstart sidecar frame)"));
+        }
+        if h[4] != VERSION {
+            return Err(self.violation(format!(
+                "frame version {}, this build speaks {VERSION}",
+                h[4]
+            )));
+        }
+        if h[6] != 0 || h[7] != 0 {
+            return Err(self.violation("reserved header bytes are not 0"));
+        }
+        let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+        let max = match h[5] {
+            KIND_MESSAGE => self.max_message,
+            KIND_DATA => MAX_DATA,
+            k => return Err(self.violation(format!("unknown frame kind {k}"))),
+        };
+        if len > max {
+            return Err(self.violation(format!("frame of {len} bytes exceeds {max}")));
+        }
+        Ok((h[5], len, h))
+    }
+
+    /// Receives one message; anything else is a protocol violation.
+    pub fn recv<T: DeserializeOwned>(&mut self) -> crate::Result<T> {
+        let (kind, len, h) = self.read_header()?;
+        if kind != KIND_MESSAGE {
+            return Err(self.violation("data frame where a message was expected"));
+        }
+        let mut payload = vec![0u8; len];
+        self.io
+            .read_exact(&mut payload)
+            .map_err(|e| self.io_error("receive", e))?;
+        if self.mac.is_some() {
+            let mut got = [0u8; TAG_LEN];
+            self.io
+                .read_exact(&mut got)
+                .map_err(|e| self.io_error("receive", e))?;
+            let ok = self.mac.as_mut().is_some_and(|m| {
+                let want = tag(&m.key, m.in_label, m.received, &h, &payload);
+                m.received += 1;
+                // Constant-time comparison (blake3's `Hash` equality).
+                want == blake3::Hash::from_bytes(got)
+            });
+            if !ok {
+                return Err(self.violation("message tag does not match"));
+            }
+        }
+        serde_json::from_slice(&payload).map_err(|e| self.violation(format!("message: {e}")))
+    }
+
+    /// Sends `data` as data frames.
+    pub fn send_data(&mut self, data: &[u8]) -> crate::Result<()> {
+        for piece in data.chunks(MAX_DATA) {
+            let h = header(KIND_DATA, piece.len());
+            self.io
+                .write_all(&h)
+                .and_then(|()| self.io.write_all(piece))
+                .map_err(|e| self.io_error("send data", e))?;
+        }
+        self.io.flush().map_err(|e| self.io_error("send data", e))
+    }
+
+    /// Reads the header of a data frame of at most `room` bytes (and at least one); its length.
+    /// The payload is then read with [`Conn::read_payload`].
+    pub fn recv_data_len(&mut self, room: usize) -> crate::Result<usize> {
+        let (kind, len, _) = self.read_header()?;
+        if kind != KIND_DATA {
+            return Err(self.violation("message frame where data was expected"));
+        }
+        if len > room {
+            return Err(self.violation(format!("data frame of {len} bytes where {room} remain")));
+        }
+        if len == 0 {
+            return Err(self.violation("empty data frame"));
+        }
+        Ok(len)
+    }
+
+    /// Reads `buf.len()` bytes of the current data frame's payload.
+    pub fn read_payload(&mut self, buf: &mut [u8]) -> crate::Result<()> {
+        self.io
+            .read_exact(buf)
+            .map_err(|e| self.io_error("receive data", e))
+    }
+
+    /// Receives one data frame into the start of `out`, which must have room for it; its
+    /// length.
+    pub fn recv_data(&mut self, out: &mut [u8]) -> crate::Result<usize> {
+        let len = self.recv_data_len(out.len())?;
+        self.read_payload(&mut out[..len])?;
+        Ok(len)
+    }
+
+    /// Fills `out` with data frames.
+    pub fn recv_data_exact(&mut self, out: &mut [u8]) -> crate::Result<()> {
+        let mut at = 0;
+        while at < out.len() {
+            at += self.recv_data(&mut out[at..])?;
+        }
+        Ok(())
+    }
+}
+
+/// A Unix stream that receives file descriptors along with bytes, and keeps them until asked.
+#[derive(Debug)]
+pub struct FdStream {
+    sock: UnixStream,
+    fds: Vec<OwnedFd>,
+}
+
+impl FdStream {
+    pub fn new(sock: UnixStream) -> FdStream {
+        FdStream {
+            sock,
+            fds: Vec::new(),
+        }
+    }
+
+    pub fn socket(&self) -> &UnixStream {
+        &self.sock
+    }
+}
+
+impl Read for FdStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        shm::recv(&self.sock, buf, &mut self.fds)
+    }
+}
+
+impl Write for FdStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        shm::send(&self.sock, buf, None).map(|()| buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Conn<FdStream> {
+    /// Sends a message with a file descriptor attached to it.
+    pub fn send_fd<T: Serialize>(&mut self, msg: &T, fd: BorrowedFd<'_>) -> crate::Result<()> {
+        let frame = self.encode(msg)?;
+        shm::send(&self.io.sock, &frame, Some(fd)).map_err(|e| self.io_error("send", e))
+    }
+
+    /// The descriptor that came with the last message, if exactly one did; others are closed.
+    pub fn take_fd(&mut self) -> crate::Result<OwnedFd> {
+        let mut fds = std::mem::take(&mut self.io.fds);
+        match (fds.pop(), fds.is_empty()) {
+            (Some(fd), true) => Ok(fd),
+            (None, _) => Err(self.violation("expected a file descriptor with the message")),
+            (Some(_), false) => Err(self.violation("more than one file descriptor")),
+        }
+    }
+
+    /// Closes any descriptors received that nobody asked for.
+    pub fn drop_fds(&mut self) {
+        self.io.fds.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An in-memory duplex: what is written is read back.
+    struct Loop(io::Cursor<Vec<u8>>);
+
+    impl Read for Loop {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.read(buf)
+        }
+    }
+
+    impl Write for Loop {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            let pos = self.0.position();
+            self.0.get_mut().extend_from_slice(buf);
+            self.0.set_position(pos);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn conn(bytes: Vec<u8>) -> Conn<Loop> {
+        Conn::new(Loop(io::Cursor::new(bytes)), "test", Side::Peer)
+    }
+
+    #[test]
+    fn messages_and_data_round_trip() {
+        let mut c = conn(Vec::new());
+        c.send(&PeerMsg::Inventory {
+            job: Some("j".into()),
+        })
+        .unwrap();
+        let data: Vec<u8> = (0..MAX_DATA + 10).map(|i| i as u8).collect();
+        c.send_data(&data).unwrap();
+        match c.recv::<PeerMsg>().unwrap() {
+            PeerMsg::Inventory { job } => assert_eq!(job.as_deref(), Some("j")),
+            m => panic!("{m:?}"),
+        }
+        let mut out = vec![0u8; data.len()];
+        c.recv_data_exact(&mut out).unwrap();
+        assert_eq!(out, data);
+    }
+
+    #[test]
+    fn hostile_frames_are_violations() {
+        let good = {
+            let mut c = conn(Vec::new());
+            c.send(&PeerMsg::Welcome).unwrap();
+            c.io.0.into_inner()
+        };
+        let mut cases: Vec<(Vec<u8>, &str)> = Vec::new();
+        let mut bad_magic = good.clone();
+        bad_magic[0] = b'X';
+        cases.push((bad_magic, "magic"));
+        let mut bad_version = good.clone();
+        bad_version[4] = 9;
+        cases.push((bad_version, "version"));
+        let mut bad_kind = good.clone();
+        bad_kind[5] = 7;
+        cases.push((bad_kind, "kind"));
+        let mut reserved = good.clone();
+        reserved[7] = 1;
+        cases.push((reserved, "reserved"));
+        let mut huge = good.clone();
+        huge[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        cases.push((huge, "exceeds"));
+        let mut garbage_json = header(KIND_MESSAGE, 4).to_vec();
+        garbage_json.extend_from_slice(b"{{{{");
+        cases.push((garbage_json, "message"));
+        let data_first = header(KIND_DATA, 3).to_vec();
+        cases.push((data_first, "data frame"));
+        for (bytes, want) in cases {
+            let mut c = conn(bytes);
+            let err = c.recv::<PeerMsg>().unwrap_err().to_string();
+            assert!(c.violated(), "{want}: {err}");
+            assert!(err.contains(want), "{want}: {err}");
+        }
+        // Truncated: an I/O error, not a violation.
+        let mut c = conn(good[..good.len() - 2].to_vec());
+        let err = c.recv::<PeerMsg>().unwrap_err().to_string();
+        assert!(!c.violated() && err.contains("closed"), "{err}");
+        // A data frame larger than the room left.
+        let mut c = conn(Vec::new());
+        c.send_data(&[1, 2, 3, 4]).unwrap();
+        let mut small = [0u8; 3];
+        assert!(c.recv_data(&mut small).is_err() && c.violated());
+    }
+
+    #[test]
+    fn tags_catch_forgery_replay_and_reflection() {
+        let key = [7u8; 32];
+        let mut a = conn(Vec::new());
+        a.authenticated(key, b'c', b's');
+        a.send(&PeerMsg::Welcome).unwrap();
+        a.send(&PeerMsg::NotFound).unwrap();
+        let frames = a.io.0.into_inner();
+        let first_len = HEADER_LEN + br#"{"op":"welcome"}"#.len() + TAG_LEN;
+
+        let mut b = conn(frames.clone());
+        b.authenticated(key, b's', b'c');
+        assert!(matches!(b.recv::<PeerMsg>().unwrap(), PeerMsg::Welcome));
+        assert!(matches!(b.recv::<PeerMsg>().unwrap(), PeerMsg::NotFound));
+
+        // Reflected back to the sender: the direction label differs.
+        let mut reflect = conn(frames.clone());
+        reflect.authenticated(key, b'c', b's');
+        assert!(reflect.recv::<PeerMsg>().is_err() && reflect.violated());
+        // Replayed out of order: the second frame first.
+        let mut replay = conn(frames[first_len..].to_vec());
+        replay.authenticated(key, b's', b'c');
+        assert!(replay.recv::<PeerMsg>().is_err() && replay.violated());
+        // A flipped payload bit.
+        let mut forged = frames.clone();
+        forged[HEADER_LEN + 3] ^= 1;
+        let mut f = conn(forged);
+        f.authenticated(key, b's', b'c');
+        assert!(f.recv::<PeerMsg>().is_err() && f.violated());
+        // Another key.
+        let mut other = conn(frames);
+        other.authenticated([8u8; 32], b's', b'c');
+        assert!(other.recv::<PeerMsg>().is_err());
+    }
+
+    #[test]
+    fn handshake_messages_are_small_until_authenticated() {
+        let big = PeerMsg::Refused {
+            reason: "x".repeat(MAX_HANDSHAKE),
+        };
+        let mut c = conn(Vec::new());
+        c.send(&big).unwrap();
+        let frames = c.io.0.into_inner();
+        let mut before = conn(frames.clone());
+        assert!(before.recv::<PeerMsg>().is_err() && before.violated());
+        let mut local = Conn::new(Loop(io::Cursor::new(frames)), "sock", Side::Local);
+        assert!(local.recv::<PeerMsg>().is_ok());
+    }
+}

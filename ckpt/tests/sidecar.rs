@@ -1,0 +1,392 @@
+//! The engine in sidecar mode against sidecars run in this process: what the save handle
+//! reports, loads as views of shared memory, peers found by DNS, a training process that lies
+//! on the Unix socket, and loads when the sidecar is gone.
+
+mod common;
+
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use hotstart_ckpt::format::{Layout, Manifest};
+use hotstart_ckpt::sidecar::shm::Segment;
+use hotstart_ckpt::sidecar::wire::{Conn, FdStream, LocalMsg, Side};
+use hotstart_ckpt::sidecar::{
+    ClusterKey, DrainReport, Held, Identity, PeerClient, Settings, Sidecar, SidecarConfig, Token,
+};
+use hotstart_ckpt::{
+    Destination, Dtype, Engine, EngineConfig, Error, Phase, StepSel, Tensor, TierKind,
+};
+
+/// A sidecar served on a runtime of its own until dropped.
+struct Running {
+    http: SocketAddr,
+    peer: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<std::thread::JoinHandle<hotstart_ckpt::Result<DrainReport>>>,
+}
+
+impl Running {
+    fn start(cfg: SidecarConfig) -> Running {
+        let (addrs_tx, addrs_rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let s = Sidecar::bind(cfg).await?;
+                let _ = addrs_tx.send((s.http_addr(), s.peer_addr()));
+                s.run(async {
+                    let _ = stopped.await;
+                })
+                .await
+            })
+        });
+        let (http, peer) = addrs_rx.recv().expect("sidecar bound");
+        let r = Running {
+            http,
+            peer,
+            stop: Some(stop),
+            done: Some(done),
+        };
+        r.wait_ready();
+        r
+    }
+
+    fn wait_ready(&self) {
+        for _ in 0..600 {
+            if hotstart_testkit::get(self.http, "/readyz", Duration::from_secs(5))
+                .is_ok_and(|r| r.status == 200)
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("sidecar not ready");
+    }
+
+    fn stop(mut self) -> DrainReport {
+        let _ = self.stop.take().map(|s| s.send(()));
+        self.done
+            .take()
+            .expect("running")
+            .join()
+            .expect("sidecar thread")
+            .expect("sidecar run")
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(d) = self.done.take() {
+            let _ = d.join();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn settings(node: &str, ip: &str, port: u16, socket: &Path) -> Settings {
+    Settings {
+        node_id: Some(node.into()),
+        listen: Some(format!("{ip}:{port}")),
+        http: Some(format!("{ip}:0")),
+        socket: Some(socket.to_path_buf()),
+        memory_budget: Some("256MiB".parse().unwrap()),
+        token: Some(Token::new("t0ken").unwrap()),
+        probe_interval: Some("200ms".parse().unwrap()),
+        recovery_timeout: Some("5s".parse().unwrap()),
+        ..Settings::default()
+    }
+}
+
+fn sidecar_engine(socket: &Path, job: &str) -> Engine {
+    let mut cfg = EngineConfig::new(job, 0, 1).sidecar(socket);
+    cfg.chunk_size = 256 << 10;
+    Engine::new(cfg).expect("engine attached to the sidecar")
+}
+
+#[test]
+fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let mut s = settings("solo", "127.0.0.1", free_port(), &socket);
+    s.disk_dir = Some(dir.path().join("disk"));
+    s.store = Some(format!("{}", dir.path().join("store").display()));
+    let sidecar = Running::start(s.resolve().unwrap());
+    let engine = sidecar_engine(&socket, "views");
+    assert_eq!(
+        engine.tiers(),
+        [TierKind::Memory, TierKind::Disk, TierKind::Store]
+    );
+    assert_eq!(engine.sidecar(), Some(socket.as_path()));
+
+    let sets: Vec<_> = (1..=2).map(|step| sample_tensors(step, 1 << 20)).collect();
+    for (i, set) in sets.iter().enumerate() {
+        let step = i as u64 + 1;
+        let h = engine.save(step, to_tensors(set), extras(step)).unwrap();
+        h.wait().unwrap();
+        let st = h.status();
+        for t in [&st.staged, &st.memory, &st.disk, &st.store] {
+            assert!(matches!(t, Phase::Done), "{st:?}");
+        }
+        assert!(matches!(st.peers, Phase::Off), "no peers configured");
+    }
+    assert_eq!(engine.latest_complete_step().unwrap(), Some(2));
+    let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_eq!(l.step, 2);
+    assert_loaded(&l, &sets[1], &extras(2));
+    assert!(l.chunk_sources.iter().all(|s| *s == TierKind::Memory));
+    // Owned tensors are views of the sealed segment: they outlive the engine and the sidecar.
+    let big = l
+        .tensors
+        .iter()
+        .find(|t| t.name == "big")
+        .unwrap()
+        .data
+        .clone();
+    let l1 = engine.load(StepSel::Step(1), Destination::Owned).unwrap();
+    assert_loaded(&l1, &sets[0], &extras(1));
+    // Into caller buffers: one copy, every byte.
+    let mut outs: Vec<Vec<u8>> = sets[1].iter().map(|t| vec![0u8; t.3.len()]).collect();
+    let bufs = sets[1]
+        .iter()
+        .zip(&mut outs)
+        .map(|(t, out)| (t.0.clone(), &mut out[..]))
+        .collect();
+    let l = engine
+        .load(StepSel::Latest, Destination::Buffers(bufs))
+        .unwrap();
+    assert!(l.tensors.is_empty());
+    for (t, out) in sets[1].iter().zip(&outs) {
+        assert!(out == &t.3, "{}", t.0);
+    }
+    // A step nobody has, and a bad destination, are errors before anything is mapped.
+    assert!(
+        engine
+            .load(StepSel::Step(9), Destination::Owned)
+            .unwrap_err()
+            .is_not_found()
+    );
+    let mut small = [0u8; 3];
+    let bad = [("big".to_string(), &mut small[..])].into_iter().collect();
+    assert!(matches!(
+        engine.load(StepSel::Latest, Destination::Buffers(bad)),
+        Err(Error::Destination { .. })
+    ));
+    drop(engine);
+    let report = sidecar.stop();
+    assert!(report.complete());
+    assert!(big[..] == sets[1].last().unwrap().3[..]);
+}
+
+#[test]
+fn peers_found_through_dns_hold_the_replicas() {
+    // Both listen on the same port of two loopback addresses; "localhost" resolves to the
+    // first only, so the second finds it by name, and the first finds only itself (skipped).
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = settings("node-a", "127.0.0.1", port, &dir.path().join("a.sock"));
+    a.peers_dns = Some(format!("localhost:{port}"));
+    let mut b = settings("node-b", "127.0.0.2", port, &dir.path().join("b.sock"));
+    b.peers_dns = Some(format!("localhost:{port}"));
+    let sa = Running::start(a.resolve().unwrap());
+    let sb = Running::start(b.resolve().unwrap());
+
+    let engine = sidecar_engine(&dir.path().join("b.sock"), "dns");
+    assert_eq!(engine.tiers(), [TierKind::Memory, TierKind::Peer]);
+    let set = sample_tensors(3, 1 << 20);
+    let h = engine.save(1, to_tensors(&set), extras(1)).unwrap();
+    h.wait_persisted(TierKind::Peer).unwrap();
+    let key = ClusterKey::new(b"t0ken");
+    let me = Identity {
+        node: "tester".into(),
+        domain: String::new(),
+    };
+    let held = PeerClient::connect(sa.peer, &key, &me, Some("node-a"), Duration::from_secs(5))
+        .unwrap()
+        .inventory(Some("dns"))
+        .unwrap();
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(
+        (held[0].origin.as_str(), held[0].held, held[0].step),
+        ("node-b", Held::Memory, 1)
+    );
+    drop(engine);
+    drop(sb);
+    drop(sa);
+}
+
+/// A tensor set's staged file: the header and the tensors back to back.
+fn file_of(layout: &Layout, set: &[(String, Dtype, Vec<u64>, Vec<u8>)]) -> Vec<u8> {
+    let mut f = layout.header.clone();
+    for t in set {
+        f.extend_from_slice(&t.3);
+    }
+    f
+}
+
+#[test]
+fn a_training_process_that_lies_about_its_segment_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let sidecar = Running::start(
+        settings("solo", "127.0.0.1", free_port(), &socket)
+            .resolve()
+            .unwrap(),
+    );
+    let set = sample_tensors(1, 600 << 10);
+    let tensors: Vec<Tensor> = to_tensors(&set);
+    let layout = Layout::new("liar", 1, 0, 1, &tensors).unwrap();
+    let file = file_of(&layout, &set);
+    let chunk = 256 << 10;
+    let hashes: Vec<_> = file.chunks(chunk).map(blake3::hash).collect();
+    let manifest = String::from_utf8(
+        Manifest::new("liar", 1, 0, 1, &layout, chunk as u64, &hashes, &extras(1)).to_json(),
+    )
+    .unwrap();
+    let attach = || {
+        let mut c = Conn::new(
+            FdStream::new(UnixStream::connect(&socket).unwrap()),
+            "s",
+            Side::Local,
+        );
+        c.send(&LocalMsg::Attach {
+            version: 1,
+            job: "liar".into(),
+            rank: 0,
+            world_size: 1,
+        })
+        .unwrap();
+        assert!(matches!(
+            c.recv::<LocalMsg>().unwrap(),
+            LocalMsg::Attached { .. }
+        ));
+        c
+    };
+    let stage = |c: &mut Conn<FdStream>| {
+        c.send(&LocalMsg::Stage {
+            step: 1,
+            len: file.len() as u64,
+            wait: false,
+        })
+        .unwrap();
+        assert!(matches!(
+            c.recv::<LocalMsg>().unwrap(),
+            LocalMsg::Segment { .. }
+        ));
+        Segment::from_fd(c.take_fd().unwrap()).unwrap()
+    };
+    let write = |seg: &Segment, bytes: &[u8]| {
+        let map = seg.map_writable().unwrap();
+        // SAFETY: this test's own mapping, written by this thread only.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), map.as_ptr(), bytes.len()) };
+        map
+    };
+    let refused = |c: &mut Conn<FdStream>| match c.recv::<LocalMsg>().unwrap() {
+        LocalMsg::Failed { reason } => reason,
+        other => panic!("{other:?}"),
+    };
+
+    // Still mapped writable at commit: refused (it could still change under the seal).
+    let mut c = attach();
+    let seg = stage(&mut c);
+    let map = write(&seg, &file);
+    c.send(&LocalMsg::Commit {
+        manifest: manifest.clone(),
+    })
+    .unwrap();
+    assert!(refused(&mut c).contains("still mapped writable"));
+    drop(map);
+    // Bytes that do not match the manifest: refused, not held.
+    let mut c = attach();
+    let seg = stage(&mut c);
+    let mut wrong = file.clone();
+    wrong[300 << 10] ^= 1;
+    drop(write(&seg, &wrong));
+    drop(seg);
+    c.send(&LocalMsg::Commit {
+        manifest: manifest.clone(),
+    })
+    .unwrap();
+    let why = refused(&mut c);
+    assert!(
+        why.contains("chunk 1") && why.contains("do not match"),
+        "{why}"
+    );
+    // A manifest of another rank: refused.
+    let mut c = attach();
+    let seg = stage(&mut c);
+    drop(write(&seg, &file));
+    drop(seg);
+    let other = manifest
+        .replace("\"rank\": 0", "\"rank\": 1")
+        .replace("\"world_size\": 1", "\"world_size\": 2");
+    c.send(&LocalMsg::Commit { manifest: other }).unwrap();
+    assert!(!refused(&mut c).is_empty());
+    // A training process that dies mid-stage: nothing held, its memory given back.
+    let mut c = attach();
+    let seg = stage(&mut c);
+    drop(seg);
+    drop(c);
+    // The honest way works, and nothing from the liars was kept.
+    let engine = sidecar_engine(&socket, "liar");
+    assert!(
+        engine
+            .load(StepSel::Latest, Destination::Owned)
+            .unwrap_err()
+            .is_not_found()
+    );
+    engine.save(1, tensors, extras(1)).unwrap().wait().unwrap();
+    let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_loaded(&l, &set, &extras(1));
+    let page = hotstart_testkit::get(sidecar.http, "/metrics", Duration::from_secs(5))
+        .unwrap()
+        .text();
+    let v = |n: &str| hotstart_ckpt::sidecar::metrics::sample(&page, n).unwrap();
+    assert_eq!(v("hotstart_failures_total{kind=\"checksum\"}"), 1.0);
+    assert_eq!(v("hotstart_memory_shards{origin=\"local\"}"), 1.0);
+}
+
+#[test]
+fn without_the_sidecar_loads_come_from_the_engines_own_tiers() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let disk = dir.path().join("disk");
+    let mut s = settings("solo", "127.0.0.1", free_port(), &socket);
+    s.disk_dir = Some(disk.clone());
+    let sidecar = Running::start(s.resolve().unwrap());
+    let mut cfg = EngineConfig::new("gone", 0, 1).sidecar(&socket).disk(&disk);
+    cfg.chunk_size = 256 << 10;
+    let engine = Engine::new(cfg).unwrap();
+    let set = sample_tensors(4, 1 << 20);
+    engine
+        .save(5, to_tensors(&set), extras(5))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(sidecar.stop().complete());
+    let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_loaded(&l, &set, &extras(5));
+    assert!(l.chunk_sources.iter().all(|s| *s == TierKind::Disk));
+    // Without tiers of its own, an engine without its sidecar cannot load, and says why.
+    let alone = EngineConfig::new("gone", 0, 1).sidecar(&socket);
+    match Engine::new(alone) {
+        Err(Error::Sidecar { reason, .. }) => assert!(reason.contains("connect"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}

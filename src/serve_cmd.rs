@@ -1,0 +1,168 @@
+//! `hotstart serve`: the per-node sidecar daemon.
+//!
+//! Thin: flags (each with its `HOTSTART_*` variable) and the TOML file become one
+//! `hotstart_ckpt::sidecar::Settings` each, merged (flags and variables over the file), checked,
+//! and handed to the library's `Sidecar`, which serves until SIGTERM or SIGINT and drains.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use hotstart_ckpt::sidecar::config::{Seconds, Size, TOKEN_ENV};
+use hotstart_ckpt::sidecar::{Settings, Sidecar, Token};
+
+/// Settings of `hotstart serve`. Every flag can also be set by the variable shown, or by the
+/// same key (with `_` for `-`) in the `--config` TOML file; flags and variables win over the
+/// file. The cluster token comes only from HOTSTART_CLUSTER_TOKEN or --token-file.
+#[derive(Debug, Args)]
+#[command(after_help = "Example (three nodes):\n  \
+    HOTSTART_CLUSTER_TOKEN=$(cat /etc/hotstart/token) hotstart serve --node-id node-a \\\n    \
+    --peers node-b=10.0.0.2:7070,node-c=10.0.0.3:7070 --memory-budget 64GiB \\\n    \
+    --disk-dir /var/lib/hotstart --store s3://ckpt/run-42\n\n\
+    Training processes find the sidecar through HOTSTART_SOCKET (the --socket path).\n\
+    SIGTERM drains in-flight persistence for --grace, then exits 0; shards not persisted by\n\
+    then are logged as such.")]
+pub struct ServeArgs {
+    /// TOML file with any of the settings below (keys as the flags, `_` for `-`).
+    #[arg(long, env = "HOTSTART_CONFIG")]
+    config: Option<PathBuf>,
+    /// This node's id; a replacement node with the same id gets its shards back from peers
+    /// [default: the host name].
+    #[arg(long, env = "HOTSTART_NODE_ID")]
+    node_id: Option<String>,
+    /// Failure-domain label (rack, zone): replicas go to other domains where possible.
+    #[arg(long, env = "HOTSTART_DOMAIN")]
+    domain: Option<String>,
+    /// Address peers connect to [default: 0.0.0.0:7070].
+    #[arg(long, env = "HOTSTART_LISTEN")]
+    listen: Option<String>,
+    /// Unix socket for the training processes on this node [default:
+    /// /run/hotstart/sidecar.sock].
+    #[arg(long, env = "HOTSTART_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Permission bits of the socket, octal [default: 660].
+    #[arg(long, env = "HOTSTART_SOCKET_MODE")]
+    socket_mode: Option<String>,
+    /// Address of /livez, /readyz and /metrics [default: 0.0.0.0:7071].
+    #[arg(long, env = "HOTSTART_HTTP")]
+    http: Option<String>,
+    /// Peers as id=host:port, comma-separated.
+    #[arg(long, env = "HOTSTART_PEERS", value_delimiter = ',')]
+    peers: Vec<String>,
+    /// A name:port that resolves to every peer (a Kubernetes headless service).
+    #[arg(long, env = "HOTSTART_PEERS_DNS")]
+    peers_dns: Option<String>,
+    /// Peers each shard is copied to [default: 1].
+    #[arg(long, env = "HOTSTART_REPLICAS")]
+    replicas: Option<usize>,
+    /// Shared memory for staging, local shards and peers' replicas, e.g. 64GiB [default: half
+    /// of the memory limit].
+    #[arg(long, env = "HOTSTART_MEMORY_BUDGET")]
+    memory_budget: Option<Size>,
+    /// Object store URL of the store tier (s3://bucket/prefix, a directory, ...).
+    #[arg(long, env = "HOTSTART_STORE")]
+    store: Option<String>,
+    /// Directory of the local disk tier.
+    #[arg(long, env = "HOTSTART_DISK_DIR")]
+    disk_dir: Option<PathBuf>,
+    /// File holding the cluster token (instead of HOTSTART_CLUSTER_TOKEN).
+    #[arg(long, env = "HOTSTART_CLUSTER_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Run without a cluster token: only allowed when every address is loopback.
+    #[arg(long, env = "HOTSTART_INSECURE")]
+    insecure: bool,
+    /// How long SIGTERM waits for in-flight persistence, e.g. 25s [default: 25s].
+    #[arg(long, env = "HOTSTART_GRACE")]
+    grace: Option<Seconds>,
+    /// How long a starting node looks for its shards on peers before it is ready anyway
+    /// [default: 30s].
+    #[arg(long, env = "HOTSTART_RECOVERY_TIMEOUT")]
+    recovery_timeout: Option<Seconds>,
+    /// Complete steps kept per rank on disk and in the store; 0 keeps all [default: 2].
+    #[arg(long, env = "HOTSTART_KEEP")]
+    keep: Option<usize>,
+    /// How long a peer connection may make no progress [default: 30s].
+    #[arg(long, env = "HOTSTART_PEER_TIMEOUT")]
+    peer_timeout: Option<Seconds>,
+    /// How often peers are probed [default: 5s].
+    #[arg(long, env = "HOTSTART_PROBE_INTERVAL")]
+    probe_interval: Option<Seconds>,
+    /// How long a save waits for memory to be freed before it is refused [default: 60s].
+    #[arg(long, env = "HOTSTART_STAGE_TIMEOUT")]
+    stage_timeout: Option<Seconds>,
+    /// Threads for checksums and copies; 0 picks the core count, at most 8 [default: 0].
+    #[arg(long, env = "HOTSTART_THREADS")]
+    threads: Option<usize>,
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!(error = %e, "cannot watch for SIGTERM; serving until killed");
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let file = match &args.config {
+        Some(path) => Settings::from_toml_file(path)?,
+        None => Settings::default(),
+    };
+    let token = match std::env::var(TOKEN_ENV) {
+        Ok(t) if !t.is_empty() => Some(Token::new(t).context(TOKEN_ENV)?),
+        _ => None,
+    };
+    let flags = Settings {
+        node_id: args.node_id,
+        domain: args.domain,
+        listen: args.listen,
+        socket: args.socket,
+        socket_mode: args.socket_mode,
+        http: args.http,
+        peers: (!args.peers.is_empty()).then_some(args.peers),
+        peers_dns: args.peers_dns,
+        replicas: args.replicas,
+        memory_budget: args.memory_budget,
+        store: args.store,
+        disk_dir: args.disk_dir,
+        token_file: args.token_file,
+        insecure: args.insecure.then_some(true),
+        grace: args.grace,
+        recovery_timeout: args.recovery_timeout,
+        keep: args.keep,
+        peer_timeout: args.peer_timeout,
+        probe_interval: args.probe_interval,
+        stage_timeout: args.stage_timeout,
+        threads: args.threads,
+        token,
+    };
+    let cfg = file.merge(flags).resolve()?;
+    let sidecar = Sidecar::bind(cfg).await?;
+    let report = sidecar.run(shutdown_signal()).await?;
+    if report.complete() {
+        eprintln!(
+            "hotstart serve: drained; {} shard(s) persisted",
+            report.finished
+        );
+    } else {
+        for (shard, tiers) in &report.not_persisted {
+            let tiers: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
+            eprintln!(
+                "hotstart serve: NOT PERSISTED {shard} (tiers: {})",
+                tiers.join(", ")
+            );
+        }
+    }
+    Ok(())
+}

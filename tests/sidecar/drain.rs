@@ -1,0 +1,100 @@
+//! SIGTERM while a shard is still being persisted: with time enough, it is persisted before the
+//! daemon exits 0; without, the daemon still exits 0 within the grace period and reports the
+//! shard as not persisted, and nothing torn reaches the store.
+
+use std::net::SocketAddr;
+
+use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel};
+use hotstart_store::Store;
+use hotstart_testkit::SeaweedFs;
+
+use crate::cluster::Cluster;
+use crate::proxy::{self, Mode};
+use crate::trainer::tensors;
+
+/// `env` with the S3 endpoint moved to `endpoint`.
+fn through(env: &[(String, String)], endpoint: SocketAddr) -> Vec<(String, String)> {
+    env.iter()
+        .map(|(k, v)| {
+            let v = if k == "AWS_ENDPOINT_URL" {
+                format!("http://{endpoint}")
+            } else {
+                v.clone()
+            };
+            (k.clone(), v)
+        })
+        .collect()
+}
+
+/// Saves one step of `mib` MiB on node 0 and kills the trainer once the sidecar holds it.
+fn save_then_kill_trainer(node: &crate::cluster::Node, mib: &str) {
+    let mut t = node.trainer(&["save", "--job", "run", "--mib", mib, "--hold"]);
+    assert_eq!(t.until("done"), ["saved 1"]);
+    t.kill9();
+}
+
+pub fn sigterm_drains_persistence() {
+    let Some(weed) = SeaweedFs::shared() else {
+        return;
+    };
+    // 16 MiB through 8 MiB/s: two seconds of upload after the commit.
+    let slow = proxy::start(Mode::Throttle {
+        upstream: weed.addr(),
+        bytes_per_sec: 8 << 20,
+    });
+    let url = format!("{}/ckpt", weed.fresh_bucket("sidecar-drain"));
+    let mut cluster = Cluster::new(1);
+    cluster.store = Some((url.clone(), through(&weed.env(), slow)));
+    cluster.args = vec!["--grace".into(), "90s".into()];
+    let mut node = cluster.start(0, 0);
+    save_then_kill_trainer(&node, "16");
+    let (status, _) = node.sigterm();
+    let log = node.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("draining: waiting for in-flight persistence"),
+        "{log}"
+    );
+    assert!(
+        log.contains("drained: everything committed is persisted"),
+        "{log}"
+    );
+    assert!(!log.contains("NOT PERSISTED"), "{log}");
+
+    // The store has the whole step, bit-exact.
+    let store = Store::open_with(&url, &weed.client_options()).expect("store");
+    let engine = Engine::new(EngineConfig::new("run", 0, 1).store(store)).expect("engine");
+    let loaded = engine
+        .load(StepSel::Latest, Destination::Owned)
+        .expect("load from the store");
+    assert_eq!(loaded.step, 1);
+    for ((name, _, _, bytes), t) in tensors(1, 0, 16).iter().zip(&loaded.tensors) {
+        assert_eq!(&t.name, name);
+        assert!(t.data[..] == bytes[..], "{name}");
+    }
+}
+
+pub fn sigterm_reports_what_was_not_persisted() {
+    let hole = proxy::start(Mode::BlackHole);
+    let env = vec![
+        ("AWS_ENDPOINT_URL".to_string(), format!("http://{hole}")),
+        ("AWS_ALLOW_HTTP".to_string(), "true".to_string()),
+        ("AWS_REGION".to_string(), "us-east-1".to_string()),
+        ("AWS_ACCESS_KEY_ID".to_string(), "k".to_string()),
+        ("AWS_SECRET_ACCESS_KEY".to_string(), "s".to_string()),
+    ];
+    let mut cluster = Cluster::new(1);
+    cluster.store = Some(("s3://nowhere/ckpt".into(), env));
+    cluster.args = vec!["--grace".into(), "2s".into()];
+    let mut node = cluster.start(0, 0);
+    save_then_kill_trainer(&node, "4");
+    let (status, took) = node.sigterm();
+    let log = node.log();
+    assert!(status.success(), "{log}");
+    assert!(took.as_secs() < 30, "took {took:?} for a 2 s grace period");
+    assert!(log.contains("not persisted before exit"), "{log}");
+    assert!(
+        log.contains("NOT PERSISTED run step 1 rank 0 (tiers: store)"),
+        "{log}"
+    );
+}

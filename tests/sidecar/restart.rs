@@ -1,0 +1,150 @@
+//! Restarts after a fault: a training process killed with SIGKILL restores from its sidecar's
+//! memory; a whole node lost (sidecar and training process killed) comes back from a peer
+//! with the object store gone.
+
+use hotstart_testkit::SeaweedFs;
+
+use crate::cluster::{Cluster, Node, Trainer, restore};
+
+const MIB: &str = "8";
+const STEPS: &str = "3";
+
+/// Starts one saving trainer per node (rank = node, world = nodes), waits until every one
+/// saved `STEPS` steps to every tier, and keeps them alive.
+fn train(nodes: &[Node]) -> Vec<Trainer> {
+    let world = nodes.len().to_string();
+    let mut trainers: Vec<Trainer> = nodes
+        .iter()
+        .enumerate()
+        .map(|(rank, n)| {
+            let rank = rank.to_string();
+            n.trainer(&[
+                "save", "--job", "run", "--rank", &rank, "--world", &world, "--mib", MIB,
+                "--steps", STEPS, "--wait", "all", "--hold",
+            ])
+        })
+        .collect();
+    for t in &mut trainers {
+        assert_eq!(t.until("done"), ["saved 1", "saved 2", "saved 3"]);
+    }
+    trainers
+}
+
+fn restore_args(rank: usize, world: usize) -> Vec<String> {
+    [
+        "restore",
+        "--job",
+        "run",
+        "--rank",
+        &rank.to_string(),
+        "--world",
+        &world.to_string(),
+        "--mib",
+        MIB,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn args(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+const GETS: &str = "hotstart_store_requests_total{op=\"get\"}";
+const HEADS: &str = "hotstart_store_requests_total{op=\"head\"}";
+const LISTS: &str = "hotstart_store_requests_total{op=\"list\"}";
+const FROM_MEMORY: &str = "hotstart_restores_total{source=\"memory\"}";
+
+/// kill -9 one trainer of three; its restart restores the newest step bit-exact from its
+/// sidecar's memory, and the sidecar makes no read request to the store for it.
+pub fn trainer_kill_restores_from_memory() {
+    let Some(weed) = SeaweedFs::shared() else {
+        return;
+    };
+    let mut cluster = Cluster::new(3);
+    cluster.store = Some((
+        format!("{}/ckpt", weed.fresh_bucket("sidecar-restart")),
+        weed.env(),
+    ));
+    let nodes = cluster.start_all();
+    let mut trainers = train(&nodes);
+
+    trainers[1].kill9();
+    // Retention of older steps follows every save and reads the store: let it finish first.
+    nodes[1].wait_metric("hotstart_persist_running_shards", 0.0);
+    let reads = |n: &Node| (n.metric(GETS), n.metric(HEADS), n.metric(LISTS));
+    let before = reads(&nodes[1]);
+    assert_eq!(nodes[1].metric(FROM_MEMORY), 0.0);
+
+    let (step, source) = restore(&nodes[1], &args(&restore_args(1, 3)));
+    assert_eq!((step, source.as_str()), (3, "memory"));
+    assert_eq!(nodes[1].metric(FROM_MEMORY), 1.0);
+    assert_eq!(reads(&nodes[1]), before, "the restore read from the store");
+    // The other ranks' shards are where they should be too: rank 0 restores from its memory.
+    let (step, source) = restore(&nodes[0], &args(&restore_args(0, 3)));
+    assert_eq!((step, source.as_str()), (3, "memory"));
+    // Every shard also reached the store and a peer.
+    let shard = 8.0 * 1048576.0;
+    let mut replicas = 0.0;
+    for n in &nodes {
+        assert!(n.metric("hotstart_persisted_bytes_total{tier=\"store\"}") >= 3.0 * shard);
+        assert!(n.metric("hotstart_persisted_bytes_total{tier=\"peer\"}") >= 3.0 * shard);
+        replicas += n.metric("hotstart_memory_shards{origin=\"replica\"}");
+    }
+    assert_eq!(replicas, 9.0, "one replica of each rank's three steps");
+    drop(trainers);
+    for mut n in nodes {
+        let (status, _) = n.sigterm();
+        assert!(status.success(), "{}", n.log());
+    }
+}
+
+/// Node loss: kill -9 a sidecar and its trainer, stop SeaweedFS for good; a fresh sidecar with
+/// the same node id (and an empty disk) pulls its shards back from a peer before it is ready,
+/// and the restarted trainer restores bit-exact from it.
+pub fn node_loss_recovers_from_a_peer_without_the_store() {
+    let mut weed = match SeaweedFs::start() {
+        Ok(w) => w,
+        Err(e) if std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0") => {
+            panic!("SeaweedFS: {e}")
+        }
+        Err(e) => {
+            eprintln!("skipping: no SeaweedFS ({e})");
+            return;
+        }
+    };
+    let mut cluster = Cluster::new(3);
+    cluster.store = Some((
+        format!("{}/ckpt", weed.fresh_bucket("sidecar-node-loss")),
+        weed.env(),
+    ));
+    let mut nodes = cluster.start_all();
+    let mut trainers = train(&nodes);
+
+    trainers[2].kill9();
+    nodes[2].kill9();
+    weed.stop();
+
+    let fresh = cluster.start(2, 1);
+    assert!(
+        fresh.metric("hotstart_recovered_shards_total") >= 1.0,
+        "{}",
+        fresh.log()
+    );
+    assert!(
+        fresh.log().contains("recovered from a peer"),
+        "{}",
+        fresh.log()
+    );
+    assert_eq!(
+        fresh.metric("hotstart_memory_shards{origin=\"local\"}"),
+        1.0
+    );
+    let (step, source) = restore(&fresh, &args(&restore_args(2, 3)));
+    assert_eq!((step, source.as_str()), (3, "memory"), "{}", fresh.log());
+    assert_eq!(fresh.metric(FROM_MEMORY), 1.0);
+    // The store is gone and was never needed.
+    assert_eq!(fresh.metric(GETS), 0.0);
+    drop(trainers);
+}
