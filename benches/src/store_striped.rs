@@ -26,7 +26,7 @@ use hotstart_store::{Store, StripeConfig, StripedReader, StripedWriter};
 use hotstart_testkit::SeaweedFs;
 
 use crate::StoreArgs;
-use crate::report::{Report, Row, median, rate};
+use crate::report::{Report, Row, median};
 
 /// The four timings of one backend: single PUT, striped write, single GET, striped read.
 struct Timings {
@@ -92,20 +92,22 @@ fn add_rows(
     read_target: Option<f64>,
     write_target: Option<f64>,
 ) {
-    report.add(Row {
-        what: format!("read, {label}"),
-        ours: rate(bytes, median(t.striped_read)),
-        peer: "single GET".into(),
-        theirs: rate(bytes, median(t.get)),
-        target: read_target,
-    });
-    report.add(Row {
-        what: format!("write, {label}"),
-        ours: rate(bytes, median(t.striped_write)),
-        peer: "single PUT".into(),
-        theirs: rate(bytes, median(t.put)),
-        target: write_target,
-    });
+    report.add(Row::rate(
+        format!("read, {label}"),
+        bytes,
+        median(t.striped_read),
+        "single GET",
+        median(t.get),
+        read_target,
+    ));
+    report.add(Row::rate(
+        format!("write, {label}"),
+        bytes,
+        median(t.striped_write),
+        "single PUT",
+        median(t.put),
+        write_target,
+    ));
 }
 
 fn s3_store(weed: &SeaweedFs, bucket: &str) -> anyhow::Result<Store> {

@@ -41,7 +41,7 @@ use anyhow::{Context, bail, ensure};
 use hotstart_store::uring::{AlignedBuf, AtomicFileWriter, UringConfig, UringReader};
 
 use crate::StoreArgs;
-use crate::report::{Report, Row, median, rate};
+use crate::report::{Figure, Report, Row, median, rate};
 
 const MIB: usize = 1 << 20;
 /// Request size, for us and for fio.
@@ -207,9 +207,9 @@ fn add_results(
                 args.file_mib,
                 args.dir.display()
             ),
-            ours,
+            ours: Figure::Rate(ours),
             peer: format!("fio io_uring O_DIRECT {}", fio_memory_flag(peer_memory)),
-            theirs,
+            theirs: Figure::Rate(theirs),
             target: Some(TARGET),
         });
         if let Some(other) = rate_of(Tool::Fio(other_memory), dir) {
