@@ -1,17 +1,19 @@
 //! `Engine`: one rank's checkpoint engine, as the Python layer drives it.
 //!
 //! The Python `Checkpointer` resolves its defaults (environment, torch.distributed), flattens
-//! state dicts into tensors and extras, and calls this class. Loads are two-phase so tensors land
-//! in memory Python owns: `manifest(step)` gives the tensor index and the extras, Python
-//! allocates (or picks the caller's tensors), and `load(step, destinations)` reads and verifies
-//! straight into them. `reader(rank, world_size)` opens the same tiers as another rank of another
+//! state dicts into tensors and extras, and calls this class. Loads land in memory Python owns:
+//! `restore(step, plan)` finds the step (through the sidecar when there is one) and calls
+//! `plan(manifest)` with its tensor index and extras, Python allocates (or picks the caller's
+//! tensors) and answers with their addresses, and the engine reads and verifies straight into
+//! them; `load(step, destinations)` does the same for destinations known beforehand. `reader(rank, world_size)` opens the same tiers as another rank of another
 //! world size, to read checkpoints written by a job of a different size (torch.distributed
 //! resharding).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
-use hotstart_ckpt::{Destination, EngineConfig, Extras, StepSel, TierKind, WhenFull};
+use hotstart_ckpt::format::Manifest;
+use hotstart_ckpt::{Destination, EngineConfig, Extras, LoadedTensor, StepSel, TierKind, WhenFull};
 use hotstart_store::Store;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -46,12 +48,14 @@ fn open(py: Python<'_>, cfg: EngineConfig) -> PyResult<Engine> {
 
 #[pymethods]
 impl Engine {
-    /// Opens the engine of `rank` of `world_size` in `job`, with a store tier at `store` (a
-    /// store URL) and/or a disk tier at `local_dir`.
+    /// Opens the engine of `rank` of `world_size` in `job`: through the node's sidecar at the
+    /// Unix socket `sidecar` (`hotstart serve`), and/or with a store tier at `store` (a store
+    /// URL) and/or a disk tier at `local_dir` (with a sidecar, those are read only when it
+    /// cannot be reached).
     #[new]
     #[pyo3(signature = (
-        job, rank, world_size, *, store=None, local_dir=None, keep=3, max_inflight=2,
-        when_full="block", chunk_size=None, threads=0,
+        job, rank, world_size, *, store=None, local_dir=None, sidecar=None, keep=3,
+        max_inflight=2, when_full="block", chunk_size=None, threads=0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -61,6 +65,7 @@ impl Engine {
         world_size: u32,
         store: Option<String>,
         local_dir: Option<PathBuf>,
+        sidecar: Option<PathBuf>,
         keep: usize,
         max_inflight: usize,
         when_full: &str,
@@ -76,6 +81,9 @@ impl Engine {
         }
         if let Some(dir) = local_dir {
             cfg = cfg.disk(dir);
+        }
+        if let Some(socket) = sidecar {
+            cfg = cfg.sidecar(socket);
         }
         cfg.keep = keep;
         cfg.max_inflight = max_inflight;
@@ -110,7 +118,7 @@ impl Engine {
         self.cfg.world_size
     }
 
-    /// The configured tiers, in load order ("disk", "store").
+    /// The configured tiers, nearest first ("memory", "peer", "disk", "store").
     #[getter]
     fn tiers(&self) -> Vec<String> {
         self.engine
@@ -164,24 +172,7 @@ impl Engine {
         let m = py
             .detach(|| self.engine.manifest(step, rank))
             .map_err(to_py)?;
-        let extras = m
-            .decode_extras()
-            .map_err(|r| to_py(corrupt_manifest(step, rank, r)))?;
-        let d = PyDict::new(py);
-        d.set_item("step", m.step)?;
-        d.set_item("rank", m.rank)?;
-        d.set_item("world_size", m.world_size)?;
-        let tensors = PyList::empty(py);
-        for t in &m.tensors {
-            tensors.append((t.name.as_str(), t.dtype.as_str(), t.shape.clone()))?;
-        }
-        d.set_item("tensors", tensors)?;
-        let x = PyDict::new(py);
-        for (k, v) in extras {
-            x.set_item(k, PyBytes::new(py, &v))?;
-        }
-        d.set_item("extras", x)?;
-        Ok(d)
+        manifest_dict(py, &m)
     }
 
     /// Reads `step` of this rank, verifying every chunk, straight into `destinations` (one per
@@ -193,46 +184,25 @@ impl Engine {
         step: u64,
         destinations: Vec<DestSpec>,
     ) -> PyResult<Vec<String>> {
-        let mut dests = Dests::check(destinations)?;
-        let loaded = py.detach(move || {
-            // SAFETY: the Python layer describes only memory of objects its caller holds for
-            // the whole call and does not touch meanwhile; `SendDests::new` checked overlaps.
-            let dests = unsafe { dests.borrow() };
-            if dests.device.is_empty() {
-                let loaded = self
-                    .engine
-                    .load(StepSel::Step(step), Destination::Buffers(dests.host))?;
-                return Ok(loaded.chunk_sources);
-            }
-            // Device destinations take the one `Destination`; host ones are copied out of the
-            // verified tensors the load returns.
-            let mut host = dests.host;
-            let loaded = self
-                .engine
-                .load(StepSel::Step(step), Destination::Device(dests.device))?;
-            for t in loaded.tensors {
-                if let Some(out) = host.remove(&t.name) {
-                    if out.len() != t.data.len() {
-                        return Err(hotstart_ckpt::Error::Destination {
-                            step,
-                            name: t.name,
-                            reason: format!("buffer of {} bytes for {}", out.len(), t.data.len()),
-                        });
-                    }
-                    out.copy_from_slice(&t.data);
-                }
-            }
-            if let Some(name) = host.into_keys().next() {
-                return Err(hotstart_ckpt::Error::Destination {
-                    step,
-                    name,
-                    reason: "no such tensor in the checkpoint".into(),
-                });
-            }
-            Ok(loaded.chunk_sources)
-        });
-        let sources = loaded.map_err(to_py)?;
-        Ok(sources.iter().map(TierKind::to_string).collect())
+        let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_| Ok(destinations))?;
+        Ok(sources)
+    }
+
+    /// Reads `step` (the newest complete one when None) of this rank in one request, verifying
+    /// every chunk: once the step's manifest is known, and before any tensor byte is read,
+    /// `plan(manifest)` (a dict as `manifest` returns) gives the destinations, as for `load`.
+    /// Through a sidecar, this is how a restore finds the step and fetches it into memory once.
+    /// Returns the step and the tier each chunk came from.
+    fn restore(
+        &self,
+        py: Python<'_>,
+        step: Option<u64>,
+        plan: Py<PyAny>,
+    ) -> PyResult<(u64, Vec<String>)> {
+        let which = step.map_or(StepSel::Latest, StepSel::Step);
+        self.load_planned(py, which, move |m| {
+            Python::attach(|py| plan.call1(py, (manifest_dict(py, m)?,))?.extract(py))
+        })
     }
 
     /// The newest step complete in any tier, or None.
@@ -281,6 +251,113 @@ impl Engine {
             self.tiers()
         )
     }
+}
+
+impl Engine {
+    /// A load whose destinations `plan` gives once the manifest is known (with the GIL
+    /// released meanwhile). Host destinations are read into directly; when there are device
+    /// destinations too, the device ones take the engine's one destination and the host ones
+    /// are copied out of the verified tensors the load returns.
+    fn load_planned(
+        &self,
+        py: Python<'_>,
+        which: StepSel,
+        plan: impl FnOnce(&Manifest) -> PyResult<Vec<DestSpec>> + Send,
+    ) -> PyResult<(u64, Vec<String>)> {
+        let mut dests: Option<Dests> = None;
+        let mut refused: Option<PyErr> = None;
+        let res = py.detach(|| {
+            let (dests_at, refused_at) = (&mut dests, &mut refused);
+            let planned = Destination::Planned(Box::new(move |m| {
+                let checked = plan(m).and_then(Dests::check).map_err(|e| {
+                    let message = e.to_string();
+                    *refused_at = Some(e);
+                    hotstart_ckpt::Error::Task {
+                        what: "load plan",
+                        message,
+                    }
+                })?;
+                // SAFETY: the Python layer describes only memory of objects its caller holds
+                // for the whole call and does not touch meanwhile; `check` refused overlaps.
+                let b = unsafe { dests_at.insert(checked).borrow() };
+                Ok(if b.device.is_empty() {
+                    Destination::Buffers(b.host)
+                } else {
+                    Destination::Device(b.device)
+                })
+            }));
+            let loaded = self.engine.load(which, planned)?;
+            let step = loaded.step;
+            // The plan's borrows ended with the load: borrow the host destinations again to
+            // copy those a device load returned instead of writing.
+            if let Some(d) = dests.as_mut() {
+                // SAFETY: as above; nothing else borrows these destinations any more.
+                let b = unsafe { d.borrow() };
+                if !b.device.is_empty() {
+                    copy_host(step, b.host, loaded.tensors)?;
+                }
+            }
+            Ok((step, loaded.chunk_sources))
+        });
+        match (res, refused) {
+            (Ok((step, sources)), _) => {
+                Ok((step, sources.iter().map(TierKind::to_string).collect()))
+            }
+            (Err(_), Some(e)) => Err(e),
+            (Err(e), None) => Err(to_py(e)),
+        }
+    }
+}
+
+/// Copies the tensors a load returned into the host buffers meant for them; every buffer must
+/// get its tensor.
+fn copy_host(
+    step: u64,
+    mut host: HashMap<String, &mut [u8]>,
+    tensors: Vec<LoadedTensor>,
+) -> hotstart_ckpt::Result<()> {
+    for t in tensors {
+        if let Some(out) = host.remove(&t.name) {
+            if out.len() != t.data.len() {
+                return Err(hotstart_ckpt::Error::Destination {
+                    step,
+                    name: t.name,
+                    reason: format!("buffer of {} bytes for {}", out.len(), t.data.len()),
+                });
+            }
+            out.copy_from_slice(&t.data);
+        }
+    }
+    match host.into_keys().next() {
+        Some(name) => Err(hotstart_ckpt::Error::Destination {
+            step,
+            name,
+            reason: "no such tensor in the checkpoint".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A manifest as the Python layer reads it (see `Engine.manifest`).
+fn manifest_dict<'py>(py: Python<'py>, m: &Manifest) -> PyResult<Bound<'py, PyDict>> {
+    let extras = m
+        .decode_extras()
+        .map_err(|r| to_py(corrupt_manifest(m.step, m.rank, r)))?;
+    let d = PyDict::new(py);
+    d.set_item("step", m.step)?;
+    d.set_item("rank", m.rank)?;
+    d.set_item("world_size", m.world_size)?;
+    let tensors = PyList::empty(py);
+    for t in &m.tensors {
+        tensors.append((t.name.as_str(), t.dtype.as_str(), t.shape.clone()))?;
+    }
+    d.set_item("tensors", tensors)?;
+    let x = PyDict::new(py);
+    for (k, v) in extras {
+        x.set_item(k, PyBytes::new(py, &v))?;
+    }
+    d.set_item("extras", x)?;
+    Ok(d)
 }
 
 fn corrupt_manifest(step: u64, rank: u32, reason: String) -> hotstart_ckpt::Error {

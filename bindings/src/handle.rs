@@ -7,7 +7,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use hotstart_ckpt::{Phase, SaveStatus, TierKind};
+use hotstart_ckpt::{Phase, TierKind};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -49,13 +49,11 @@ impl Drop for SaveHandle {
 }
 
 fn tier(name: &str) -> PyResult<TierKind> {
-    match name {
-        "disk" => Ok(TierKind::Disk),
-        "store" => Ok(TierKind::Store),
-        other => Err(PyValueError::new_err(format!(
-            "unknown tier {other:?}: expected \"disk\" or \"store\""
-        ))),
-    }
+    name.parse().map_err(|_| {
+        PyValueError::new_err(format!(
+            "unknown tier {name:?}: expected \"memory\", \"peer\", \"disk\" or \"store\""
+        ))
+    })
 }
 
 fn phase_name(p: &Phase) -> String {
@@ -84,8 +82,8 @@ impl SaveHandle {
         res.map_err(to_py)
     }
 
-    /// Waits until `tier` ("disk" or "store") holds the step durably; every configured tier
-    /// when `tier` is None.
+    /// Waits until `tier` ("memory", "peer", "disk" or "store") holds the step; every configured
+    /// tier when `tier` is None.
     #[pyo3(signature = (tier=None))]
     fn wait_persisted(&self, py: Python<'_>, tier: Option<&str>) -> PyResult<()> {
         let res = match tier {
@@ -107,7 +105,7 @@ impl SaveHandle {
     /// True once staging and every configured tier have finished (well or not).
     fn done(&self) -> bool {
         let s = self.handle.status();
-        [&s.staged, &s.disk, &s.store]
+        [&s.staged, &s.memory, &s.peers, &s.disk, &s.store]
             .iter()
             .all(|p| p.is_finished())
     }
@@ -125,31 +123,32 @@ impl SaveHandle {
         res.err().map(|e| to_py(e).into_value(py).into_any())
     }
 
-    /// Where each phase stands now: {"step", "staged", "disk", "store"}, each phase one of
-    /// "pending", "done", "skipped", "off" (tier not configured) or "failed: <message>".
+    /// Where each phase stands now: {"step", "staged", "memory", "peer", "disk", "store"}, each
+    /// phase one of "pending", "done", "skipped", "off" (tier not configured) or
+    /// "failed: <message>".
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let SaveStatus {
-            step,
-            staged,
-            disk,
-            store,
-        } = self.handle.status();
+        let status = self.handle.status();
         let d = PyDict::new(py);
-        d.set_item("step", step)?;
-        d.set_item("staged", phase_name(&staged))?;
-        d.set_item("disk", phase_name(&disk))?;
-        d.set_item("store", phase_name(&store))?;
+        d.set_item("step", status.step)?;
+        d.set_item("staged", phase_name(&status.staged))?;
+        for t in TierKind::ALL {
+            d.set_item(t.as_str(), phase_name(status.tier(t)))?;
+        }
         Ok(d)
     }
 
     fn __repr__(&self) -> String {
         let s = self.handle.status();
+        let tiers: Vec<String> = TierKind::ALL
+            .iter()
+            .filter(|&&t| !matches!(s.tier(t), Phase::Off))
+            .map(|&t| format!(", {t}={}", phase_name(s.tier(t))))
+            .collect();
         format!(
-            "SaveHandle(step={}, staged={}, disk={}, store={})",
+            "SaveHandle(step={}, staged={}{})",
             s.step,
             phase_name(&s.staged),
-            phase_name(&s.disk),
-            phase_name(&s.store)
+            tiers.concat()
         )
     }
 }

@@ -56,7 +56,7 @@ def test_defaults_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.
 
 def test_no_checkpoint(local_dir: Path) -> None:
     with hotstart.Checkpointer(local_dir=local_dir, job="empty") as ck:
-        with pytest.raises(hotstart.NoCheckpoint, match="no complete checkpoint for rank 0 of job 'empty'"):
+        with pytest.raises(hotstart.NoCheckpoint, match='no complete checkpoint for rank 0 of job "empty"'):
             ck.load()
         with pytest.raises(hotstart.NoCheckpoint, match="no complete checkpoint at step 4 for rank 0"):
             ck.load(step=4)

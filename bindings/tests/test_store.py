@@ -24,7 +24,8 @@ def test_round_trip_through_seaweedfs(bucket: str) -> None:
     with hotstart.Checkpointer(store=f"{bucket}/runs", job="s3-job") as ck:
         h = ck.save(5, s)
         h.wait_persisted("store")
-        assert h.status() == {"step": 5, "staged": "done", "disk": "off", "store": "done"}
+        assert h.status() == {"step": 5, "staged": "done", "memory": "off", "peer": "off",
+                              "disk": "off", "store": "done"}
     # A new process's view: a fresh engine over the same bucket.
     with hotstart.Checkpointer(store=f"{bucket}/runs", job="s3-job") as ck:
         assert ck.latest_step() == 5

@@ -46,6 +46,6 @@ pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, SOCKET_ENV, WhenFull}
 pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
 pub use inspect::Checkpoints;
-pub use load::{Destination, DeviceBuffer, Loaded, StepSel};
+pub use load::{Destination, DeviceBuffer, Loaded, Plan, StepSel};
 pub use tensor::{Dtype, Extras, LoadedTensor, Tensor};
 pub use tier::TierKind;

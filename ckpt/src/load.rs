@@ -50,8 +50,12 @@ pub enum StepSel {
     Step(u64),
 }
 
+/// Decides where a load's tensors go once the step's manifest is known (see
+/// [`Destination::Planned`]).
+pub type Plan<'a> = Box<dyn FnOnce(&Manifest) -> Result<Destination<'a>> + Send + 'a>;
+
 /// Where loaded tensors go.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub enum Destination<'a> {
     /// Returned in [`Loaded::tensors`], as slices of one owned buffer.
     #[default]
@@ -64,6 +68,22 @@ pub enum Destination<'a> {
     /// load fails with [`Error::Cuda`] before reading anything. Tensors without a buffer are
     /// returned in [`Loaded::tensors`].
     Device(HashMap<String, DeviceBuffer>),
+    /// Decided by the caller once the step's manifest is known, before any tensor byte is read:
+    /// for loading the newest step into buffers shaped after what it holds (new tensors of the
+    /// saved shapes and dtypes, say), in one request, however the step is found (through a
+    /// sidecar, it is fetched into memory once). The plan may not answer `Planned` again.
+    Planned(Plan<'a>),
+}
+
+impl std::fmt::Debug for Destination<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Destination::Owned => f.write_str("Owned"),
+            Destination::Buffers(b) => f.debug_tuple("Buffers").field(&b.keys()).finish(),
+            Destination::Device(d) => f.debug_tuple("Device").field(d).finish(),
+            Destination::Planned(_) => f.write_str("Planned"),
+        }
+    }
 }
 
 /// A CUDA device buffer a load writes a tensor into: device ordinal, device address, length.
@@ -229,7 +249,22 @@ pub(crate) fn targets<'a>(
     let (buffers, device) = match dest {
         Destination::Owned => (HashMap::new(), HashMap::new()),
         Destination::Buffers(b) => (b, HashMap::new()),
-        Destination::Device(d) => (HashMap::new(), d),
+        Destination::Device(d) => {
+            let devices: BTreeSet<usize> = d.values().map(DeviceBuffer::ordinal).collect();
+            if !devices.is_empty() {
+                cuda::check_devices(&devices)?;
+            }
+            (HashMap::new(), d)
+        }
+        Destination::Planned(plan) => match plan(reference)? {
+            Destination::Planned(_) => {
+                return Err(Error::Task {
+                    what: "load",
+                    message: "a load plan answered with another plan".into(),
+                });
+            }
+            dest => return targets(step, reference, dest),
+        },
     };
     let entry = |name: &String, have: usize, what: &str| {
         let t = reference

@@ -47,6 +47,44 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
     assert_loaded(&first, &set1, &extras(1));
     assert!(first.chunk_sources.iter().all(|k| *k == tiers[0]));
 
+    // Into buffers shaped after the manifest of the newest step, decided before anything is
+    // read; a plan's error fails the load.
+    let mut shaped: Vec<(String, Vec<u8>)> = Vec::new();
+    let slot = &mut shaped;
+    let planned = Destination::Planned(Box::new(move |m| {
+        *slot = m
+            .tensors
+            .iter()
+            .map(|t| {
+                let len = hotstart_ckpt::tensor::byte_len(t.dtype, &t.shape).unwrap() as usize;
+                (t.name.clone(), vec![0xA5; len])
+            })
+            .collect();
+        Ok(Destination::Buffers(
+            slot.iter_mut()
+                .map(|(n, b)| (n.clone(), &mut b[..]))
+                .collect(),
+        ))
+    }));
+    let l = engine.load(StepSel::Latest, planned).unwrap();
+    assert_eq!(l.step, 20);
+    assert!(
+        l.tensors.is_empty(),
+        "every tensor went to a planned buffer"
+    );
+    assert_eq!(shaped.len(), set2.len());
+    for (name, _, _, bytes) in &set2 {
+        let got = &shaped.iter().find(|(n, _)| n == name).unwrap().1;
+        assert!(got == bytes, "{name}");
+    }
+    let refused = Destination::Planned(Box::new(|_| {
+        Err(hotstart_ckpt::Error::Config {
+            reason: "no room for it".into(),
+        })
+    }));
+    let err = engine.load(StepSel::Latest, refused).unwrap_err();
+    assert!(err.to_string().contains("no room for it"), "{err}");
+
     // Into caller buffers.
     let mut big = vec![0u8; set2.last().unwrap().3.len()];
     let mut scalar = vec![0u8; 4];

@@ -175,6 +175,30 @@ fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
     for (t, out) in sets[1].iter().zip(&outs) {
         assert!(out == &t.3, "{}", t.0);
     }
+    // Buffers decided from the restored step's manifest, in the same single request.
+    let mut planned: Vec<(String, Vec<u8>)> = Vec::new();
+    let slot = &mut planned;
+    let plan = Destination::Planned(Box::new(move |m| {
+        *slot = m
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), vec![0; t.len() as usize]))
+            .collect();
+        Ok(Destination::Buffers(
+            slot.iter_mut()
+                .map(|(n, b)| (n.clone(), &mut b[..]))
+                .collect(),
+        ))
+    }));
+    let l = engine.load(StepSel::Latest, plan).unwrap();
+    assert!(l.step == 2 && l.tensors.is_empty());
+    for t in &sets[1] {
+        assert!(
+            planned.iter().any(|(n, b)| n == &t.0 && b == &t.3),
+            "{}",
+            t.0
+        );
+    }
     // A step nobody has, and a bad destination, are errors before anything is mapped.
     assert!(
         engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _core
 from . import _state
@@ -45,23 +45,29 @@ def engine_options(
     rank: Optional[int],
     world_size: Optional[int],
     local_dir: Optional[PathLike],
+    sidecar: Optional[PathLike] = None,
     **tuning: Any,
 ) -> Dict[str, Any]:
-    """Keyword arguments of `_core.Engine`, with every default resolved from the environment."""
+    """Keyword arguments of `_core.Engine`, with every default resolved from the environment
+    (the sidecar's too, when ``sidecar`` is None and ``HOTSTART_SOCKET`` is set)."""
     store = store if store is not None else (os.environ.get("HOTSTART_STORE") or None)
     if local_dir is None:
         local_dir = os.environ.get("HOTSTART_LOCAL_DIR") or None
     job = job if job is not None else (os.environ.get("HOTSTART_JOB") or None)
     if job is None:
         raise ConfigError("no job name: pass job=... or set HOTSTART_JOB")
-    if store is None and local_dir is None:
+    if sidecar is None:
+        sidecar = os.environ.get("HOTSTART_SOCKET") or None
+    if store is None and local_dir is None and sidecar is None:
         raise ConfigError(
-            "nowhere to save: pass store=... (a store URL) and/or local_dir=..., "
-            "or set HOTSTART_STORE / HOTSTART_LOCAL_DIR"
+            "nowhere to save: pass sidecar=... (the socket of `hotstart serve`), store=... (a "
+            "store URL) and/or local_dir=..., or set HOTSTART_SOCKET / HOTSTART_STORE / "
+            "HOTSTART_LOCAL_DIR"
         )
     r, w = resolve_rank(rank, world_size)
     opts: Dict[str, Any] = dict(job=job, rank=r, world_size=w, store=store, **tuning)
     opts["local_dir"] = None if local_dir is None else os.fspath(local_dir)
+    opts["sidecar"] = None if sidecar is None else os.fspath(sidecar)
     return opts
 
 
@@ -80,12 +86,17 @@ SaveHandle = _core.SaveHandle
 class Checkpointer:
     """Saves and loads the state dicts of one rank of a training job.
 
-    ``store`` is a store URL (``s3://bucket/prefix``, ``file:///path``, a plain directory) for
-    the object-store tier; ``local_dir`` a local directory for the disk tier (io_uring,
-    ``O_DIRECT``); at least one is needed. ``job`` names the run; checkpoints live under
+    ``sidecar`` is the Unix socket of the node's sidecar (``hotstart serve``; default
+    ``HOTSTART_SOCKET``): saves are staged straight into its shared memory, which survives a
+    crash of this process, and the sidecar replicates them to peers and persists them; a
+    restore comes from the nearest tier that holds the step (this node's memory, a peer, disk,
+    store). ``store`` is a store URL (``s3://bucket/prefix``, ``file:///path``, a plain
+    directory) for the object-store tier; ``local_dir`` a local directory for the disk tier
+    (io_uring, ``O_DIRECT``); with a sidecar they are read only when it cannot be reached.
+    At least one of the three is needed. ``job`` names the run; checkpoints live under
     ``<job>/step-<N>/``. ``rank`` and ``world_size`` default to an initialised
     torch.distributed, then ``RANK``/``WORLD_SIZE``, then 0 of 1. Environment defaults:
-    ``HOTSTART_STORE``, ``HOTSTART_LOCAL_DIR``, ``HOTSTART_JOB``.
+    ``HOTSTART_SOCKET``, ``HOTSTART_STORE``, ``HOTSTART_LOCAL_DIR``, ``HOTSTART_JOB``.
 
     ``keep`` complete steps are kept per tier (0 keeps all). ``max_inflight`` saves may be
     staging or persisting at once, each holding a staging buffer as large as the state; when
@@ -103,6 +114,7 @@ class Checkpointer:
         *,
         keep: int = 3,
         local_dir: Optional[PathLike] = None,
+        sidecar: Optional[PathLike] = None,
         max_inflight: int = 2,
         when_full: str = "block",
         chunk_size: Optional[int] = None,
@@ -114,6 +126,7 @@ class Checkpointer:
             rank,
             world_size,
             local_dir,
+            sidecar,
             keep=keep,
             max_inflight=max_inflight,
             when_full=when_full,
@@ -193,27 +206,26 @@ class Checkpointer:
         holds good bytes, :class:`StateDictError` on a mismatch (before anything is read).
         """
         engine = self.engine
-        if step is None:
-            step = engine.latest_step()
-            if step is None:
-                raise NoCheckpoint(
-                    f"no complete checkpoint for rank {engine.rank} of job {engine.job!r}"
-                )
-        manifest = engine.manifest(step)
-        where = f"step {step} rank {engine.rank}"
-        root = _state.parse_tree(manifest["extras"], where)
-        if root is None:
-            root = _state.flat_tree(manifest["tensors"])
         plan = _state.Plan()
-        if state_dict is None:
-            result = _state.plan_new(root, plan)
-        else:
-            result = _state.plan_into(root, state_dict, strict, plan)
-        _sync_cuda(plan.cuda_devices)
-        engine.load(step, plan.dests)
+        made: List[Callable[[], Any]] = []
+
+        def place(manifest: "_core._Manifest") -> List[Any]:
+            # Called once the step is found, before any of its bytes are read.
+            where = f"step {manifest['step']} rank {engine.rank}"
+            root = _state.parse_tree(manifest["extras"], where)
+            if root is None:
+                root = _state.flat_tree(manifest["tensors"])
+            if state_dict is None:
+                made.append(_state.plan_new(root, plan))
+            else:
+                made.append(_state.plan_into(root, state_dict, strict, plan))
+            _sync_cuda(plan.cuda_devices)
+            return plan.dests
+
+        engine.restore(step, place)
         for f in plan.after:
             f()
-        return result()
+        return made[0]()
 
     def close(self) -> None:
         """Waits for pending saves (raising the first failure), then releases the engine."""

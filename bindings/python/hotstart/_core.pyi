@@ -1,7 +1,7 @@
 """Type stubs of the native module `hotstart._core` (the engine binding). Private: use
 `hotstart.Checkpointer` and `hotstart.torch`."""
 
-from typing import Dict, List, Optional, Sequence, Tuple, TypedDict, final
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypedDict, final
 
 __all__ = ["CUDA_BUILT", "Engine", "SaveHandle", "__version__"]
 
@@ -43,6 +43,7 @@ class Engine:
         *,
         store: Optional[str] = None,
         local_dir: Optional[str] = None,
+        sidecar: Optional[str] = None,
         keep: int = 3,
         max_inflight: int = 2,
         when_full: str = "block",
@@ -69,6 +70,11 @@ class Engine:
     ) -> SaveHandle: ...
     def manifest(self, step: int, rank: Optional[int] = None) -> _Manifest: ...
     def load(self, step: int, destinations: Sequence[_DestSpec]) -> List[str]: ...
+    def restore(
+        self,
+        step: Optional[int],
+        plan: Callable[[_Manifest], Sequence[_DestSpec]],
+    ) -> Tuple[int, List[str]]: ...
     def latest_step(self) -> Optional[int]: ...
     def complete_steps(self) -> List[int]: ...
     def wait(self) -> None: ...
