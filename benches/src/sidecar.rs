@@ -221,7 +221,6 @@ fn restart(args: &[String], env: &[(String, String)]) -> anyhow::Result<Duration
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .output()?;
     let took = t.elapsed();
-    eprintln!("{} {:?}", String::from_utf8_lossy(&out.stderr), took);
     if !out.status.success() {
         bail!(
             "restarted process failed: {}",
