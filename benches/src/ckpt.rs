@@ -273,12 +273,12 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
 
     let bytes = total as u64;
     let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| {
-        Row::rate(
+        Row::rate_medians(
             format!("{what}, {label}"),
             bytes,
-            median(ours.to_vec()),
+            ours,
             peer,
-            median(theirs.to_vec()),
+            theirs,
             target,
         )
     };

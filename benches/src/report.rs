@@ -75,6 +75,19 @@ impl Row {
         }
     }
 
+    /// [`Row::rate`] of the medians of several runs of each.
+    pub fn rate_medians(
+        what: impl Into<String>,
+        bytes: u64,
+        ours: &[Duration],
+        peer: impl Into<String>,
+        theirs: &[Duration],
+        target: Option<f64>,
+    ) -> Row {
+        let (ours, theirs) = (median(ours.to_vec()), median(theirs.to_vec()));
+        Row::rate(what, bytes, ours, peer, theirs, target)
+    }
+
     /// A time comparison: the same work took `ours` and `theirs`.
     pub fn time(
         what: impl Into<String>,

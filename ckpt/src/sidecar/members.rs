@@ -68,6 +68,17 @@ impl Members {
         v
     }
 
+    /// The peers that answered the last probe.
+    pub fn up(&self) -> Vec<Member> {
+        self.table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .filter(|m| m.up)
+            .cloned()
+            .collect()
+    }
+
     /// Peers up and down.
     pub fn counts(&self) -> (u64, u64) {
         let t = self.table.lock().unwrap_or_else(PoisonError::into_inner);

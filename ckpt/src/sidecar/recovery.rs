@@ -39,12 +39,7 @@ impl Core {
         let mut tried: Vec<ShardKey> = Vec::new();
         loop {
             self.probe();
-            let members: Vec<Member> = self
-                .members
-                .snapshot()
-                .into_iter()
-                .filter(|m| m.up)
-                .collect();
+            let members = self.members.up();
             // Newest step held for this node per (job, rank), and who holds it.
             let mut wanted: BTreeMap<(String, u32), (ShardKey, Vec<Member>)> = BTreeMap::new();
             for m in &members {

@@ -6,7 +6,8 @@
 //! complete there is the object store listed (with a deadline, so a store that is down cannot
 //! stall a restart): memory never evicts a rank's newest step, so the store holds a newer
 //! complete step than the peers only when nodes lost memory they had not yet replicated. Every
-//! sidecar asks every peer, so sidecars that can reach each other agree on the step.
+//! sidecar asks every peer that answered its last probe (a dead peer is not waited for), so
+//! sidecars that can reach each other agree on the step.
 //!
 //! **From where.** The shard of the asked rank is served from the nearest tier that holds it:
 //! this node's memory; else a peer's memory (fetched, verified chunk by chunk as it arrives);
@@ -98,7 +99,9 @@ impl Core {
             }
         };
         add(&self.inventory(Some(job)));
-        let members = self.members.snapshot();
+        // Only peers that answered the last probe: a dead peer whose address swallows
+        // packets would hold every restart for a connect timeout.
+        let members = self.members.up();
         let listed = Mutex::new(Vec::new());
         std::thread::scope(|scope| {
             for m in &members {
@@ -186,7 +189,7 @@ impl Core {
         let (shard, source, chunk_sources) = if let Some(s) = self.memory.get(&key) {
             let n = s.manifest.chunks.len();
             (s, TierKind::Memory, vec![TierKind::Memory; n])
-        } else if let Some((s, from)) = self.fetch_from_peers(&key, &self.members.snapshot()) {
+        } else if let Some((s, from)) = self.fetch_from_peers(&key, &self.members.up()) {
             info!(shard = %key, peer = %from, "fetched from a peer");
             self.memory.insert(s.clone());
             let n = s.manifest.chunks.len();
