@@ -110,6 +110,14 @@ fn uniform(key: u64, scale: f32) -> f32 {
 }
 
 impl Model {
+    /// A model of `rows` embedding rows whose every parameter and moment is zero, for a
+    /// restore to fill (the zeroed memory is mapped lazily: nothing is written twice).
+    pub fn zeroed(rows: usize) -> Model {
+        let mut m = Model::new(0, 0);
+        m.emb = Param::new("emb", vec![rows, DIM], vec![0.0; rows * DIM]);
+        m
+    }
+
     /// Rows of an embedding table such that the whole state takes about `state_bytes`.
     pub fn rows_for(state_bytes: u64) -> usize {
         let mlp = DIM * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES;

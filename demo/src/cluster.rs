@@ -1,0 +1,429 @@
+//! The demo's processes: one sidecar (`hotstart serve`) per node and one trainer per rank, all
+//! children of the demo, on loopback ports of their own.
+//!
+//! Each node has a socket, a disk-tier directory and a log file under the demo's directory; a
+//! replaced node (its sidecar started again after it was killed) gets a new, empty disk
+//! directory, as a new machine would. Every sidecar shares one cluster token (generated per
+//! run), lists the other nodes as static peers and keeps one replica of each shard on a peer.
+//! Trainers run the same binary (`hotstart demo --trainer ...`); their stdout is a stream of
+//! [`Event`]s, read by one thread per trainer into one channel, and their stderr goes to a log
+//! file. Every child dies with the demo (`PR_SET_PDEATHSIG`), so an interrupted demo leaves
+//! nothing running.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::time::{Duration, Instant};
+
+use crate::event::Event;
+use crate::{Error, Result};
+
+/// What the cluster is made of.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// The `hotstart` binary (the demo runs itself as trainers, and as sidecars).
+    pub exe: PathBuf,
+    /// Sockets, disk tiers and logs go here.
+    pub dir: PathBuf,
+    /// Nodes, one rank each.
+    pub nodes: usize,
+    /// The store tier's URL.
+    pub store: String,
+    /// Each sidecar's memory budget, in bytes.
+    pub memory_budget: u64,
+    pub job: String,
+    pub state_bytes: u64,
+    pub seed: u64,
+    pub every: u64,
+}
+
+/// A message from the trainers' reader threads.
+#[derive(Debug)]
+pub enum Msg {
+    /// An event a trainer reported.
+    Event(Event),
+    /// A trainer's stdout closed (it exited or was killed); `generation` tells which start.
+    Closed { rank: u32, generation: u32 },
+}
+
+/// A running sidecar.
+pub struct Node {
+    pub id: String,
+    pub http: SocketAddr,
+    pub socket: PathBuf,
+    pub disk: PathBuf,
+    pub log: PathBuf,
+    child: Child,
+}
+
+/// A running trainer.
+pub struct Trainer {
+    pub rank: u32,
+    pub generation: u32,
+    child: Child,
+}
+
+/// The whole cluster; children are killed when it is dropped.
+pub struct Cluster {
+    pub layout: Layout,
+    token: String,
+    peer_ports: Vec<u16>,
+    http_ports: Vec<u16>,
+    /// Starts of each node so far (a new start after a kill is a replacement node).
+    node_generations: Vec<u32>,
+    trainer_generations: Vec<u32>,
+    pub nodes: Vec<Option<Node>>,
+    pub trainers: Vec<Option<Trainer>>,
+    tx: Sender<Msg>,
+    pub rx: Receiver<Msg>,
+}
+
+/// Free TCP ports on 127.0.0.1 (bound at once, then released for the children to take).
+fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let listeners = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| Error::io("pick free ports", e))?;
+    listeners
+        .iter()
+        .map(|l| {
+            Ok(l.local_addr()
+                .map_err(|e| Error::io("pick free ports", e))?
+                .port())
+        })
+        .collect()
+}
+
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag of the calling (child) process and is
+    // async-signal-safe, as a pre_exec hook must be.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+}
+
+impl Cluster {
+    /// A cluster of `layout.nodes` nodes, none started yet.
+    pub fn new(layout: Layout) -> Result<Cluster> {
+        std::fs::create_dir_all(&layout.dir)
+            .map_err(|e| Error::io("create the demo directory", e))?;
+        let ports = free_ports(2 * layout.nodes)?;
+        let (peer_ports, http_ports) = ports.split_at(layout.nodes);
+        let token = blake3::hash(format!("{:?}{}", Instant::now(), std::process::id()).as_bytes())
+            .to_hex()
+            .to_string();
+        let (tx, rx) = channel();
+        Ok(Cluster {
+            token,
+            peer_ports: peer_ports.to_vec(),
+            http_ports: http_ports.to_vec(),
+            node_generations: vec![0; layout.nodes],
+            trainer_generations: vec![0; layout.nodes],
+            nodes: (0..layout.nodes).map(|_| None).collect(),
+            trainers: (0..layout.nodes).map(|_| None).collect(),
+            tx,
+            rx,
+            layout,
+        })
+    }
+
+    pub fn node_id(i: usize) -> String {
+        format!("node-{i}")
+    }
+
+    /// Starts node `i`'s sidecar; `fresh_disk` gives it a new, empty disk directory (a
+    /// replacement machine). Does not wait for it to be ready.
+    pub fn start_node(&mut self, i: usize, fresh_disk: bool) -> Result<()> {
+        if fresh_disk || self.node_generations[i] == 0 {
+            self.node_generations[i] += 1;
+        }
+        let generation = self.node_generations[i];
+        let l = &self.layout;
+        let id = Self::node_id(i);
+        let socket = l.dir.join(format!("{id}.sock"));
+        let disk = l.dir.join(format!("{id}-disk-{generation}"));
+        let log = l.dir.join(format!("{id}.log"));
+        let peers: Vec<String> = (0..l.nodes)
+            .filter(|&j| j != i)
+            .map(|j| format!("{}=127.0.0.1:{}", Self::node_id(j), self.peer_ports[j]))
+            .collect();
+        let http = SocketAddr::from(([127, 0, 0, 1], self.http_ports[i]));
+        let mut cmd = Command::new(&l.exe);
+        cmd.arg("serve")
+            .args(["--node-id", &id])
+            .args(["--listen", &format!("127.0.0.1:{}", self.peer_ports[i])])
+            .args(["--http", &http.to_string()])
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--disk-dir")
+            .arg(&disk)
+            .args(["--store", &l.store])
+            .args(["--peers", &peers.join(",")])
+            .args(["--replicas", "1"])
+            .args(["--memory-budget", &l.memory_budget.to_string()])
+            .args([
+                "--probe-interval",
+                "1s",
+                "--recovery-timeout",
+                "20s",
+                "--grace",
+                "60s",
+            ])
+            .env("HOTSTART_CLUSTER_TOKEN", &self.token)
+            .env("HOTSTART_LOG", "info")
+            .env_remove("HOTSTART_SOCKET")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Self::append(&log)?);
+        die_with_parent(&mut cmd);
+        let child = cmd
+            .spawn()
+            .map_err(|e| Error::io("start hotstart serve", e))?;
+        self.nodes[i] = Some(Node {
+            id,
+            http,
+            socket,
+            disk,
+            log,
+            child,
+        });
+        Ok(())
+    }
+
+    fn append(log: &Path) -> Result<File> {
+        File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| Error::io("open a log file", e))
+    }
+
+    /// Waits until every running node answers `/readyz` with 200.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut waiting = None;
+            for node in self.nodes.iter_mut().flatten() {
+                if let Some(status) = node.child.try_wait().map_err(|e| Error::io("wait", e))? {
+                    return Err(Error::Exited {
+                        what: format!("sidecar {}", node.id),
+                        status: status.to_string(),
+                        log: node.log.clone(),
+                    });
+                }
+                if !matches!(get(node.http, "/readyz"), Ok((200, _))) {
+                    waiting = Some(node.id.clone());
+                }
+            }
+            let Some(id) = waiting else { return Ok(()) };
+            if Instant::now() > deadline {
+                return Err(Error::Timeout(format!("sidecar {id} to become ready")));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts rank `rank`'s trainer on its node's sidecar; it trains until `until` (or until
+    /// killed).
+    pub fn start_trainer(&mut self, rank: usize, until: Option<u64>) -> Result<()> {
+        self.trainer_generations[rank] += 1;
+        let generation = self.trainer_generations[rank];
+        let l = &self.layout;
+        let socket = l.dir.join(format!("{}.sock", Self::node_id(rank)));
+        let log = l.dir.join(format!("trainer-{rank}.log"));
+        let mut cmd = Command::new(&l.exe);
+        cmd.args(["demo", "--trainer"])
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--job", &l.job])
+            .args(["--rank", &rank.to_string()])
+            .args(["--world-size", &l.nodes.to_string()])
+            .args(["--size", &l.state_bytes.to_string()])
+            .args(["--seed", &l.seed.to_string()])
+            .args(["--every", &l.every.to_string()])
+            .env("HOTSTART_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Self::append(&log)?);
+        if let Some(u) = until {
+            cmd.args(["--until", &u.to_string()]);
+        }
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().map_err(|e| Error::io("start a trainer", e))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::Protocol("no trainer stdout".into()))?;
+        let tx = self.tx.clone();
+        let rank = rank as u32;
+        std::thread::Builder::new()
+            .name(format!("demo-trainer-{rank}"))
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    match serde_json::from_str::<Event>(&line) {
+                        Ok(e) if e.rank() == rank => {
+                            if tx.send(Msg::Event(e)).is_err() {
+                                return;
+                            }
+                        }
+                        _ => eprintln!("demo: trainer {rank} said something unexpected: {line}"),
+                    }
+                }
+                let _ = tx.send(Msg::Closed { rank, generation });
+            })
+            .map_err(|e| Error::io("start a reader thread", e))?;
+        self.trainers[rank as usize] = Some(Trainer {
+            rank,
+            generation,
+            child,
+        });
+        Ok(())
+    }
+
+    /// The generation of rank `rank`'s current trainer.
+    pub fn trainer_generation(&self, rank: usize) -> u32 {
+        self.trainer_generations[rank]
+    }
+
+    /// SIGKILLs rank `rank`'s trainer and reaps it.
+    pub fn kill_trainer(&mut self, rank: usize) -> Result<()> {
+        if let Some(mut t) = self.trainers[rank].take() {
+            kill(&mut t.child)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for rank `rank`'s trainer to exit on its own; its exit status.
+    pub fn wait_trainer(&mut self, rank: usize, timeout: Duration) -> Result<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        let Some(t) = self.trainers[rank].as_mut() else {
+            return Err(Error::Protocol(format!("trainer {rank} is not running")));
+        };
+        loop {
+            if let Some(s) = t.child.try_wait().map_err(|e| Error::io("wait", e))? {
+                self.trainers[rank] = None;
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout(format!("trainer {rank} to finish")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILLs node `i`'s sidecar and reaps it.
+    pub fn kill_node(&mut self, i: usize) -> Result<()> {
+        if let Some(mut n) = self.nodes[i].take() {
+            kill(&mut n.child)?;
+        }
+        Ok(())
+    }
+
+    /// SIGTERMs every sidecar (they drain persistence) and waits for them to exit.
+    pub fn stop_nodes(&mut self, timeout: Duration) -> Result<Vec<(String, ExitStatus)>> {
+        let mut out = Vec::new();
+        for n in self.nodes.iter_mut().flatten() {
+            // SAFETY: kill(2) with the pid of our own unreaped child: it cannot be recycled.
+            unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + timeout;
+        for slot in &mut self.nodes {
+            let Some(mut n) = slot.take() else { continue };
+            let status = loop {
+                if let Some(s) = n.child.try_wait().map_err(|e| Error::io("wait", e))? {
+                    break s;
+                }
+                if Instant::now() > deadline {
+                    kill(&mut n.child)?;
+                    return Err(Error::Timeout(format!("sidecar {} to drain", n.id)));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            out.push((n.id, status));
+        }
+        Ok(out)
+    }
+
+    /// Node `i`'s metrics, or `None` when it is not running or does not answer.
+    pub fn metrics(&self, i: usize) -> Option<Metrics> {
+        let node = self.nodes[i].as_ref()?;
+        match get(node.http, "/metrics") {
+            Ok((200, body)) => Some(Metrics::parse(&body)),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for t in self.trainers.iter_mut().flatten() {
+            let _ = kill(&mut t.child);
+        }
+        for n in self.nodes.iter_mut().flatten() {
+            let _ = kill(&mut n.child);
+        }
+    }
+}
+
+fn kill(child: &mut Child) -> Result<()> {
+    // Already gone is fine: kill only fails for a reaped child, which wait below reports.
+    let _ = child.kill();
+    child.wait().map_err(|e| Error::io("reap a child", e))?;
+    Ok(())
+}
+
+/// One plain HTTP/1.1 GET; the status and body.
+pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    s.take(16 << 20).read_to_string(&mut text)?;
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP response from {addr}")))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    Ok((status, body))
+}
+
+/// A sidecar's metrics: `name{labels}` → value, as exported in Prometheus text format.
+#[derive(Debug, Default, Clone)]
+pub struct Metrics(std::collections::HashMap<String, f64>);
+
+impl Metrics {
+    pub fn parse(text: &str) -> Metrics {
+        Metrics(
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter_map(|l| {
+                    let (k, v) = l.rsplit_once(' ')?;
+                    Some((k.to_string(), v.parse().ok()?))
+                })
+                .collect(),
+        )
+    }
+
+    /// The value of `series` (`name` or `name{label="value"}`), 0 when absent.
+    pub fn get(&self, series: &str) -> f64 {
+        self.0.get(series).copied().unwrap_or(0.0)
+    }
+}

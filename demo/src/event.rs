@@ -1,0 +1,58 @@
+//! What a demo trainer tells the orchestrator: one JSON object per line on its stdout.
+
+use serde::{Deserialize, Serialize};
+
+/// One thing a trainer did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// Attached to its sidecar, with a state of this many bytes.
+    Started { rank: u32, state_bytes: u64 },
+    /// No checkpoint to restore: a freshly initialised model.
+    Fresh { rank: u32 },
+    /// State restored from `step`: the tier each chunk came from, how long the load took (from
+    /// the request to the state in place), and the blake3 of the restored state.
+    Restored {
+        rank: u32,
+        step: u64,
+        sources: Vec<String>,
+        seconds: f64,
+        hash: String,
+    },
+    /// One training step and its loss (the bits of the `f32`, so replays compare exactly).
+    Step {
+        rank: u32,
+        step: u64,
+        loss_bits: u32,
+    },
+    /// A checkpoint staged: how long training waited (`save` to `wait_staged`), and the blake3
+    /// of the state it holds.
+    Saved {
+        rank: u32,
+        step: u64,
+        stall_seconds: f64,
+        hash: String,
+    },
+    /// A tier finished a checkpoint, `seconds` after its save began (`error` if it failed).
+    Persisted {
+        rank: u32,
+        step: u64,
+        tier: String,
+        seconds: f64,
+        error: Option<String>,
+    },
+}
+
+impl Event {
+    /// The rank that sent it.
+    pub fn rank(&self) -> u32 {
+        match self {
+            Event::Started { rank, .. }
+            | Event::Fresh { rank }
+            | Event::Restored { rank, .. }
+            | Event::Step { rank, .. }
+            | Event::Saved { rank, .. }
+            | Event::Persisted { rank, .. } => *rank,
+        }
+    }
+}

@@ -1,0 +1,508 @@
+//! The story the demo tells: a job trains and checkpoints, then meets the faults a real job
+//! meets, and after each one resumes from the nearest tier with its state bit-exact.
+//!
+//! With `E` steps between checkpoints:
+//!
+//! 1. **Train.** Every node's sidecar starts, then every trainer; they train from scratch and
+//!    checkpoint every `E` steps.
+//! 2. **kill -9 a trainer.** Once every rank holds step `2E` in its sidecar's memory and rank 1
+//!    is a few steps past it, rank 1 is SIGKILLed. As a launcher does when one rank of a job
+//!    dies, the other trainers are stopped too, and all start again: each restores the newest
+//!    step complete for every rank from its node's sidecar memory, then trains again the steps
+//!    it had already trained, which must give the same losses to the bit.
+//! 3. **kill -9 a node.** Once step `4E` is on the peers, node 2's sidecar and trainer are
+//!    SIGKILLed (its memory is gone, and its disk with it: the replacement starts with an empty
+//!    one). A new sidecar with the same node id pulls node 2's shards back from its peers before
+//!    it reports ready; then the job restarts and every rank restores, rank 2 from what its
+//!    node recovered.
+//! 4. **A corrupt chunk, and every node restarted.** The trainers run to step `6E` and stop once
+//!    it is persisted to disk and store; every sidecar is SIGKILLed (no memory survives), one
+//!    byte of rank 0's file of step `6E` on node 0's disk is flipped, and the sidecars start
+//!    again on their disks. Each rank restores from disk; rank 0's sidecar finds the bad chunk
+//!    by its checksum and reads that chunk from the store instead.
+//! 5. **Drain.** The trainers run one more checkpoint and stop; SIGTERM drains the sidecars.
+//!
+//! Every restore is checked against the hash the rank reported when it saved that step, and the
+//! summary reports the stall of each checkpoint, how fast each tier persisted, and each fault's
+//! recovery time with the tiers its bytes came from.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::cluster::{Cluster, Msg};
+use crate::view::{TIERS, View};
+use crate::{DemoConfig, Error, Result};
+
+const JOB: &str = "demo";
+/// The steps a trainer is past a checkpoint when it is killed.
+const PAST: u64 = 3;
+
+/// Medians and extremes of a set of figures.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub max: f64,
+    pub count: usize,
+}
+
+impl Spread {
+    fn of(mut xs: Vec<f64>) -> Spread {
+        xs.sort_by(f64::total_cmp);
+        Spread {
+            median: xs.get(xs.len() / 2).copied().unwrap_or(0.0),
+            max: xs.last().copied().unwrap_or(0.0),
+            count: xs.len(),
+        }
+    }
+}
+
+/// How one tier persisted checkpoints.
+#[derive(Debug, Clone, Serialize)]
+pub struct TierFigures {
+    pub tier: String,
+    /// Seconds from a save's start to the tier holding it.
+    pub seconds: Spread,
+    /// One rank's state over the median time.
+    pub bytes_per_second: f64,
+}
+
+/// One fault and the job's recovery from it.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultReport {
+    pub fault: String,
+    /// From the fault to every rank's state restored (processes started again included).
+    pub recovery_seconds: f64,
+    /// The step every rank resumed from.
+    pub step: u64,
+    /// Per rank: where its bytes came from, e.g. "memory" or "disk + store (1 of 17 chunks)".
+    pub sources: Vec<String>,
+    /// Per rank: how long its load took.
+    pub restore_seconds: Vec<f64>,
+    /// Every restored state equals the state saved, and every step trained again gave the same
+    /// loss.
+    pub exact: bool,
+    /// Losses of steps trained again after this restore, all compared bit for bit.
+    pub replayed_steps: u64,
+}
+
+/// What the demo measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub nodes: usize,
+    pub state_bytes_per_rank: u64,
+    pub store: String,
+    pub dir: PathBuf,
+    /// Training's wait per checkpoint (`save` to `wait_staged`), in seconds.
+    pub stall_seconds: Spread,
+    pub tiers: Vec<TierFigures>,
+    pub faults: Vec<FaultReport>,
+    pub problems: Vec<String>,
+    pub seconds: f64,
+}
+
+struct Demo {
+    cluster: Cluster,
+    view: View,
+    faults: Vec<FaultReport>,
+    every: u64,
+    /// Trainers that will exit on their own (they were given a last step).
+    finishing: Vec<bool>,
+}
+
+impl Demo {
+    /// Takes in events and metrics until `done(view)`, failing after `timeout` or when a trainer
+    /// exits that was not told to.
+    fn until(&mut self, what: &str, timeout: Duration, done: impl Fn(&View) -> bool) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut drawn = Instant::now() - Duration::from_secs(1);
+        loop {
+            if done(&self.view) {
+                self.refresh();
+                return Ok(());
+            }
+            if let Some(p) = self.view.problems.first() {
+                return Err(Error::Check(p.clone()));
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout(what.to_string()));
+            }
+            match self.cluster.rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(Msg::Event(e)) => self.view.apply(e),
+                Ok(Msg::Closed { rank, generation }) => {
+                    let r = rank as usize;
+                    if generation == self.cluster.trainer_generation(r)
+                        && self.cluster.trainers[r].is_some()
+                    {
+                        self.view.ranks[r].running = false;
+                        if !self.finishing[r] {
+                            let status = self.cluster.wait_trainer(r, Duration::from_secs(10))?;
+                            return Err(Error::Exited {
+                                what: format!("trainer {rank}"),
+                                status: status.to_string(),
+                                log: self.cluster.layout.dir.join(format!("trainer-{rank}.log")),
+                            });
+                        }
+                    }
+                }
+                Err(_) => {}
+            }
+            if drawn.elapsed() > Duration::from_millis(500) {
+                self.refresh();
+                drawn = Instant::now();
+            }
+        }
+    }
+
+    fn refresh(&mut self) {
+        for i in 0..self.view.metrics.len() {
+            self.view.metrics[i] = self.cluster.metrics(i);
+        }
+        self.view.draw();
+    }
+
+    fn ranks(&self) -> usize {
+        self.view.ranks.len()
+    }
+
+    /// Starts every trainer (to `until`, or until killed).
+    fn start_trainers(&mut self, until: Option<u64>) -> Result<()> {
+        for r in 0..self.ranks() {
+            self.finishing[r] = until.is_some();
+            self.cluster.start_trainer(r, until)?;
+        }
+        Ok(())
+    }
+
+    fn kill_trainers(&mut self) -> Result<()> {
+        for r in 0..self.ranks() {
+            self.cluster.kill_trainer(r)?;
+            self.view.ranks[r].running = false;
+        }
+        Ok(())
+    }
+
+    /// Waits until every rank has restored after `since`, then records the fault.
+    fn recovered(&mut self, fault: &str, since: Instant) -> Result<()> {
+        let n = self.ranks();
+        self.until(
+            &format!("every rank to restore after: {fault}"),
+            Duration::from_secs(300),
+            |v| {
+                v.ranks
+                    .iter()
+                    .all(|r| r.restores.last().is_some_and(|x| x.at > since))
+            },
+        )?;
+        let restores: Vec<_> = (0..n)
+            .map(|r| self.view.ranks[r].restores.last().cloned())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::Check("a rank has no restore".into()))?;
+        let step = restores[0].step;
+        if let Some(r) = restores.iter().position(|x| x.step != step) {
+            return Err(Error::Check(format!(
+                "rank {r} resumed from step {} and rank 0 from step {step}",
+                restores[r].step
+            )));
+        }
+        let recovery = restores.iter().map(|x| x.at).max().unwrap_or(since) - since;
+        let sources: Vec<String> = restores
+            .iter()
+            .map(|x| describe_sources(&x.sources))
+            .collect();
+        self.view.say(format!(
+            "recovered in {:.1} s: every rank resumed from step {step} ({}); state bit-exact: {}",
+            recovery.as_secs_f64(),
+            sources
+                .iter()
+                .enumerate()
+                .map(|(r, s)| format!("rank {r}: {s}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if restores.iter().all(|x| x.exact) {
+                "yes"
+            } else {
+                "NO"
+            }
+        ));
+        self.faults.push(FaultReport {
+            fault: fault.to_string(),
+            recovery_seconds: recovery.as_secs_f64(),
+            step,
+            sources,
+            restore_seconds: restores.iter().map(|x| x.seconds).collect(),
+            exact: restores.iter().all(|x| x.exact),
+            replayed_steps: 0,
+        });
+        Ok(())
+    }
+
+    /// Trains until every rank has trained again every step it had trained before the last
+    /// fault (each loss compared), and records how many there were.
+    fn replayed(&mut self, before: &[u64]) -> Result<()> {
+        let counted: Vec<u64> = self.view.ranks.iter().map(|r| r.replayed).collect();
+        let want = before.to_vec();
+        self.until(
+            "the steps trained before the fault to be trained again",
+            Duration::from_secs(300),
+            move |v| v.ranks.iter().zip(&want).all(|(r, &w)| r.step >= w),
+        )?;
+        let replayed: u64 = self
+            .view
+            .ranks
+            .iter()
+            .zip(&counted)
+            .map(|(r, c)| r.replayed - c)
+            .sum();
+        if let Some(f) = self.faults.last_mut() {
+            f.replayed_steps = replayed;
+        }
+        self.view.say(format!(
+            "{replayed} steps trained again after the restore: every loss equal to the bit"
+        ));
+        Ok(())
+    }
+
+    fn steps(&self) -> Vec<u64> {
+        self.view.ranks.iter().map(|r| r.step).collect()
+    }
+}
+
+/// Where a rank's chunks came from, in words.
+fn describe_sources(chunks: &[String]) -> String {
+    let mut counts: BTreeMap<usize, (&str, usize)> = BTreeMap::new();
+    for c in chunks {
+        let order = TIERS.iter().position(|t| t == c).unwrap_or(TIERS.len());
+        counts.entry(order).or_insert((c.as_str(), 0)).1 += 1;
+    }
+    match counts.len() {
+        0 => "nothing".into(),
+        1 => counts
+            .values()
+            .next()
+            .map_or(String::new(), |(t, _)| t.to_string()),
+        _ => counts
+            .values()
+            .map(|(t, n)| format!("{t} ({n} of {} chunks)", chunks.len()))
+            .collect::<Vec<_>>()
+            .join(" + "),
+    }
+}
+
+/// Flips one byte in the middle of `file`; the offset.
+fn corrupt(file: &std::path::Path) -> Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .map_err(|e| Error::io("open the file to corrupt", e))?;
+    let len = f.metadata().map_err(|e| Error::io("stat", e))?.len();
+    let at = len / 2;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at)
+        .map_err(|e| Error::io("read", e))?;
+    f.write_all_at(&[b[0] ^ 0x5A], at)
+        .map_err(|e| Error::io("write", e))?;
+    f.sync_all().map_err(|e| Error::io("sync", e))?;
+    Ok(at)
+}
+
+/// Runs the whole demo.
+pub fn run(cfg: &DemoConfig) -> Result<Summary> {
+    let started = Instant::now();
+    let n = cfg.nodes;
+    let e = cfg.every;
+    let store = match &cfg.store {
+        Some(s) => s.clone(),
+        None => cfg.dir.join("store").display().to_string(),
+    };
+    let layout = crate::cluster::Layout {
+        exe: cfg.exe.clone(),
+        dir: cfg.dir.clone(),
+        nodes: n,
+        store: store.clone(),
+        // The newest committed step of the node's own rank and one being staged, and the same
+        // for each of the (at most two) ranks whose replicas the ring places on this node.
+        memory_budget: cfg.state_bytes.saturating_mul(6) + (512 << 20),
+        job: JOB.into(),
+        state_bytes: cfg.state_bytes,
+        seed: cfg.seed,
+        every: e,
+    };
+    let mut demo = Demo {
+        cluster: Cluster::new(layout)?,
+        view: View::new(n, cfg.live),
+        faults: Vec::new(),
+        every: e,
+        finishing: vec![false; n],
+    };
+    let res = story(&mut demo, cfg);
+    demo.view.finish();
+    res?;
+    let v = &demo.view;
+    let mut stalls = Vec::new();
+    let mut per_tier: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in &v.ranks {
+        for s in r.saved.values() {
+            stalls.push(s.stall);
+            for (t, secs) in &s.done {
+                if let Some(tier) = TIERS.iter().find(|x| *x == t) {
+                    per_tier.entry(tier).or_default().push(*secs);
+                }
+            }
+        }
+    }
+    let bytes = v.ranks.first().map_or(0, |r| r.state_bytes);
+    let tiers = TIERS
+        .iter()
+        .filter_map(|t| {
+            let s = Spread::of(per_tier.remove(t)?);
+            Some(TierFigures {
+                tier: t.to_string(),
+                bytes_per_second: bytes as f64 / s.median.max(1e-9),
+                seconds: s,
+            })
+        })
+        .collect();
+    Ok(Summary {
+        nodes: n,
+        state_bytes_per_rank: bytes,
+        store,
+        dir: cfg.dir.clone(),
+        stall_seconds: Spread::of(stalls),
+        tiers,
+        faults: demo.faults.clone(),
+        problems: v.problems.clone(),
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn story(d: &mut Demo, cfg: &DemoConfig) -> Result<()> {
+    let n = d.ranks();
+    let e = d.every;
+    let ready = Duration::from_secs(120);
+    let long = Duration::from_secs(600);
+    d.view.say(format!(
+        "starting {n} sidecars (hotstart serve) and {n} trainers with {} of state each; a checkpoint every {e} steps; store {}",
+        crate::bytes(cfg.state_bytes),
+        d.cluster.layout.store
+    ));
+    for i in 0..n {
+        d.cluster.start_node(i, false)?;
+    }
+    d.cluster.wait_ready(ready)?;
+    d.start_trainers(None)?;
+
+    // Fault 1: a training process dies.
+    d.view.say(format!(
+        "training; fault 1 comes once step {} is in every sidecar's memory",
+        2 * e
+    ));
+    d.until("step 2E in memory and rank 1 past it", long, |v| {
+        v.ranks
+            .iter()
+            .all(|r| r.newest_in(&["memory"]).is_some_and(|s| s >= 2 * e))
+            && v.ranks[1].step >= 2 * e + PAST
+    })?;
+    let before = d.steps();
+    let fault = "kill -9 of the trainer of rank 1";
+    d.cluster.kill_trainer(1)?;
+    let t = Instant::now();
+    d.view.say(format!(
+        "FAULT 1: {fault} at step {}; the job restarts",
+        before[1]
+    ));
+    d.kill_trainers()?;
+    d.start_trainers(None)?;
+    d.recovered(fault, t)?;
+    d.replayed(&before)?;
+
+    // Fault 2: a node dies, sidecar and trainer.
+    d.view
+        .say(format!("fault 2 comes once step {} is on the peers", 4 * e));
+    d.until(
+        "step 4E replicated to peers and rank 2 past it",
+        long,
+        |v| {
+            v.ranks
+                .iter()
+                .all(|r| r.newest_in(&["memory", "peer"]).is_some_and(|s| s >= 4 * e))
+                && v.ranks[2].step >= 4 * e + PAST
+        },
+    )?;
+    let before = d.steps();
+    let fault = "kill -9 of node 2 (sidecar and trainer; its memory and disk are lost)";
+    d.cluster.kill_node(2)?;
+    d.cluster.kill_trainer(2)?;
+    let t = Instant::now();
+    d.view.say(format!(
+        "FAULT 2: {fault}; a replacement node-2 starts with an empty disk"
+    ));
+    d.kill_trainers()?;
+    d.cluster.start_node(2, true)?;
+    d.cluster.wait_ready(ready)?;
+    d.view
+        .say("node-2 is ready: it pulled its shards back from its peers; the job restarts");
+    d.start_trainers(None)?;
+    d.recovered(fault, t)?;
+    d.replayed(&before)?;
+
+    // Fault 3: a corrupt chunk on disk, found when every node restarts.
+    let last = (d.steps().into_iter().max().unwrap_or(0) / e + 2) * e;
+    d.view.say(format!(
+        "the trainers run to step {last} and stop once it is on disk and in the store"
+    ));
+    d.kill_trainers()?;
+    d.start_trainers(Some(last))?;
+    d.until("the last step persisted everywhere", long, |v| {
+        v.ranks
+            .iter()
+            .all(|r| r.newest_in(&["memory", "peer", "disk", "store"]) == Some(last))
+    })?;
+    for r in 0..n {
+        d.cluster.wait_trainer(r, Duration::from_secs(120))?;
+    }
+    let disk = d.cluster.nodes[0]
+        .as_ref()
+        .map(|node| node.disk.clone())
+        .ok_or_else(|| Error::Check("node 0 is not running".into()))?;
+    for i in 0..n {
+        d.cluster.kill_node(i)?;
+    }
+    let file = disk.join(format!("{JOB}/step-{last}/rank-0.safetensors"));
+    let at = corrupt(&file)?;
+    let fault = "every node killed (no memory survives) and one byte flipped in rank 0's file on node 0's disk";
+    let t = Instant::now();
+    d.view.say(format!(
+        "FAULT 3: every sidecar SIGKILLed; byte {at} of {} flipped; the nodes and the job restart",
+        file.display()
+    ));
+    for i in 0..n {
+        d.cluster.start_node(i, false)?;
+    }
+    d.cluster.wait_ready(ready)?;
+    d.start_trainers(Some(last + e))?;
+    d.recovered(fault, t)?;
+
+    // Drain.
+    d.until("one more checkpoint persisted everywhere", long, |v| {
+        v.ranks
+            .iter()
+            .all(|r| r.newest_in(&["memory", "peer", "disk", "store"]) == Some(last + e))
+    })?;
+    for r in 0..n {
+        d.cluster.wait_trainer(r, Duration::from_secs(120))?;
+    }
+    d.view.say("SIGTERM to every sidecar: they drain and exit");
+    for (id, status) in d.cluster.stop_nodes(Duration::from_secs(90))? {
+        if !status.success() {
+            return Err(Error::Check(format!(
+                "sidecar {id} exited with {status} after SIGTERM"
+            )));
+        }
+    }
+    Ok(())
+}

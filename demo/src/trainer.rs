@@ -1,0 +1,274 @@
+//! A demo trainer: one rank of the job, attached to its node's sidecar.
+//!
+//! It restores the newest step complete for every rank (through the sidecar: from this node's
+//! memory, a peer, disk or the store), or starts fresh; then trains, checkpointing every
+//! `every` steps. A checkpoint saves the model's parameters and Adam moments straight from the
+//! model's own memory (no copy of its own: the trainer waits for `wait_staged` before the next
+//! step changes them), and the trainer reports how long it waited, the blake3 of the state it
+//! saved, and each tier as it finishes. Everything is reported as [`Event`]s on stdout, one JSON
+//! object per line; nothing else is written there.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use hotstart_ckpt::{
+    Destination, Dtype, Engine, EngineConfig, Phase, SaveHandle, StepSel, Tensor, TierKind,
+};
+
+use crate::event::Event;
+use crate::model::{Model, Param};
+use crate::{Error, Result};
+
+/// What a trainer process is told.
+#[derive(Debug, Clone)]
+pub struct TrainerConfig {
+    pub socket: PathBuf,
+    pub job: String,
+    pub rank: u32,
+    pub world_size: u32,
+    /// Bytes of parameters and Adam moments.
+    pub state_bytes: u64,
+    pub seed: u64,
+    /// Steps between checkpoints.
+    pub every: u64,
+    /// Stop after this step (run until killed when `None`).
+    pub until: Option<u64>,
+}
+
+const STEP_EXTRA: &str = "demo.step";
+
+/// The model's bytes as safetensors tensors: every parameter and both its moments.
+fn views(model: &Model) -> Vec<(String, &[f32], Vec<u64>)> {
+    let mut out = Vec::new();
+    for p in model.params() {
+        let shape: Vec<u64> = p.shape.iter().map(|&d| d as u64).collect();
+        out.push((p.name.to_string(), &p.value[..], shape.clone()));
+        out.push((format!("{}.adam_m", p.name), &p.m[..], shape.clone()));
+        out.push((format!("{}.adam_v", p.name), &p.v[..], shape));
+    }
+    out
+}
+
+fn bytes_of(x: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte pattern is a valid u8; the slice covers exactly
+    // the same memory, borrowed for the same lifetime.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
+fn bytes_of_mut(x: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as in `bytes_of`; every byte pattern is also a valid f32, so writing any bytes
+    // through the returned slice leaves valid floats, and the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
+/// blake3 of the whole training state (step, then every tensor in order): what the demo
+/// compares after a restore.
+pub fn state_hash(model: &Model) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(&model.step.to_le_bytes());
+    for (_, data, _) in views(model) {
+        h.update(bytes_of(data));
+    }
+    h.finalize().to_hex().to_string()
+}
+
+fn emit(event: &Event) {
+    let mut out = std::io::stdout().lock();
+    // A trainer whose orchestrator went away has nobody to tell; it is killed soon anyway.
+    let _ = serde_json::to_writer(&mut out, event);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+}
+
+/// Restores the newest step complete for every rank: a model shaped after the checkpoint,
+/// loaded straight into its memory, and the event reporting it; `None` when there is none.
+fn restore(engine: &Engine, rank: u32) -> Result<Option<(Model, Event)>> {
+    let started = Instant::now();
+    let mut model: Option<Model> = None;
+    let slot = &mut model;
+    // The model is made once the checkpoint's manifest names its shapes, before any byte is
+    // read, so its memory is written once, by the load.
+    let plan = Destination::Planned(Box::new(move |m| {
+        let rows = m
+            .tensors
+            .iter()
+            .find(|t| t.name == "emb")
+            .and_then(|t| t.shape.first())
+            .ok_or_else(|| hotstart_ckpt::Error::Config {
+                reason: format!("step {} has no embedding table", m.step),
+            })?;
+        let model = slot.insert(Model::zeroed(*rows as usize));
+        let mut buffers: HashMap<String, &mut [u8]> = HashMap::new();
+        for p in model.params_mut() {
+            let Param {
+                name, value, m, v, ..
+            } = p;
+            buffers.insert(name.to_string(), bytes_of_mut(value));
+            buffers.insert(format!("{name}.adam_m"), bytes_of_mut(m));
+            buffers.insert(format!("{name}.adam_v"), bytes_of_mut(v));
+        }
+        Ok(Destination::Buffers(buffers))
+    }));
+    let loaded = match engine.load(StepSel::Latest, plan) {
+        Ok(l) => l,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let mut model = model.ok_or_else(|| Error::Protocol("a load without its plan".into()))?;
+    let step = loaded
+        .extras
+        .get(STEP_EXTRA)
+        .and_then(|b| <[u8; 8]>::try_from(&b[..]).ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| {
+            Error::Protocol(format!("step {} has no {STEP_EXTRA} extra", loaded.step))
+        })?;
+    if step != loaded.step || !loaded.tensors.is_empty() {
+        return Err(Error::Protocol(format!(
+            "step {} holds the state of step {step} and {} tensors the model does not have",
+            loaded.step,
+            loaded.tensors.len()
+        )));
+    }
+    model.step = step;
+    let seconds = started.elapsed().as_secs_f64();
+    let event = Event::Restored {
+        rank,
+        step,
+        sources: loaded
+            .chunk_sources
+            .iter()
+            .map(TierKind::to_string)
+            .collect(),
+        seconds,
+        hash: state_hash(&model),
+    };
+    Ok(Some((model, event)))
+}
+
+/// Starts a checkpoint of `model` and waits until it is staged.
+fn save(engine: &Engine, model: &Model, rank: u32) -> Result<(SaveHandle, Instant)> {
+    let started = Instant::now();
+    let mut tensors = Vec::new();
+    for (name, data, shape) in views(model) {
+        let bytes = bytes_of(data);
+        // SAFETY: the model is not changed until `wait_staged` below returns (the training loop
+        // is this thread, and it waits here), and it outlives the save.
+        let t = unsafe { Tensor::from_raw(name, Dtype::F32, shape, bytes.as_ptr(), bytes.len()) }?;
+        tensors.push(t);
+    }
+    let extras = [(STEP_EXTRA.to_string(), model.step.to_le_bytes().to_vec())].into();
+    let handle = engine.save(model.step, tensors, extras)?;
+    handle.wait_staged()?;
+    emit(&Event::Saved {
+        rank,
+        step: model.step,
+        stall_seconds: started.elapsed().as_secs_f64(),
+        hash: state_hash(model),
+    });
+    Ok((handle, started))
+}
+
+/// A save whose tiers are still being reported.
+struct Pending {
+    handle: SaveHandle,
+    started: Instant,
+    reported: Vec<TierKind>,
+}
+
+impl Pending {
+    /// Reports the tiers that finished since the last call; true once every tier has.
+    fn report(&mut self, rank: u32) -> bool {
+        let status = self.handle.status();
+        let mut open = false;
+        for tier in [
+            TierKind::Memory,
+            TierKind::Peer,
+            TierKind::Disk,
+            TierKind::Store,
+        ] {
+            if self.reported.contains(&tier) {
+                continue;
+            }
+            let error = match status.tier(tier) {
+                Phase::Pending => {
+                    open = true;
+                    continue;
+                }
+                Phase::Off | Phase::Skipped => {
+                    self.reported.push(tier);
+                    continue;
+                }
+                Phase::Done => None,
+                Phase::Failed(e) => Some(e.to_string()),
+            };
+            self.reported.push(tier);
+            emit(&Event::Persisted {
+                rank,
+                step: status.step,
+                tier: tier.to_string(),
+                seconds: self.started.elapsed().as_secs_f64(),
+                error,
+            });
+        }
+        !open
+    }
+}
+
+/// Runs a trainer until `until` (or until killed).
+pub fn run(cfg: &TrainerConfig) -> Result<()> {
+    let engine = Engine::new(
+        EngineConfig::new(cfg.job.clone(), cfg.rank, cfg.world_size).sidecar(&cfg.socket),
+    )?;
+    let mut model = match restore(&engine, cfg.rank)? {
+        Some((model, event)) => {
+            emit(&Event::Started {
+                rank: cfg.rank,
+                state_bytes: model.state_bytes(),
+            });
+            emit(&event);
+            model
+        }
+        None => {
+            let model = Model::new(
+                Model::rows_for(cfg.state_bytes),
+                cfg.seed ^ u64::from(cfg.rank),
+            );
+            emit(&Event::Started {
+                rank: cfg.rank,
+                state_bytes: model.state_bytes(),
+            });
+            emit(&Event::Fresh { rank: cfg.rank });
+            model
+        }
+    };
+    let mut pending: Vec<Pending> = Vec::new();
+    loop {
+        if cfg.until.is_some_and(|u| model.step >= u) {
+            break;
+        }
+        let batch = model.batch(cfg.seed, cfg.rank, model.step);
+        let loss = model.train_step(&batch);
+        emit(&Event::Step {
+            rank: cfg.rank,
+            step: model.step,
+            loss_bits: loss.to_bits(),
+        });
+        if model.step.is_multiple_of(cfg.every.max(1)) {
+            let (handle, started) = save(&engine, &model, cfg.rank)?;
+            pending.push(Pending {
+                handle,
+                started,
+                reported: Vec::new(),
+            });
+        }
+        pending.retain_mut(|p| !p.report(cfg.rank));
+    }
+    for mut p in pending {
+        let _ = p.handle.wait();
+        p.report(cfg.rank);
+    }
+    Ok(())
+}

@@ -1,0 +1,291 @@
+//! What the demo knows, from the trainers' events and the sidecars' metrics, and how it shows
+//! it: a live block of lines on a terminal (one per node and per rank, under the current
+//! phase), plain log lines otherwise.
+//!
+//! It also checks as events arrive: a restored state's hash must equal the hash the rank
+//! reported when it saved that step, and a loss of a step trained again after a restore must
+//! have the same bits as the first time that step was trained.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::cluster::Metrics;
+use crate::event::Event;
+
+/// The tiers in the order a restore tries them.
+pub const TIERS: [&str; 4] = ["memory", "peer", "disk", "store"];
+
+/// One checkpoint of one rank.
+#[derive(Debug, Default, Clone)]
+pub struct Saved {
+    pub hash: String,
+    pub stall: f64,
+    /// Tier → seconds from the save's start to that tier holding it.
+    pub done: BTreeMap<String, f64>,
+    /// Tier → error.
+    pub failed: BTreeMap<String, String>,
+}
+
+/// One restore of one rank.
+#[derive(Debug, Clone)]
+pub struct Restore {
+    pub step: u64,
+    /// The tier of each chunk.
+    pub sources: Vec<String>,
+    pub seconds: f64,
+    /// When the demo heard of it.
+    pub at: Instant,
+    /// The hash equals the one reported when the step was saved.
+    pub exact: bool,
+}
+
+/// Everything about one rank.
+#[derive(Debug, Default)]
+pub struct Rank {
+    pub step: u64,
+    pub loss: f32,
+    pub state_bytes: u64,
+    pub running: bool,
+    /// Step → loss bits, as first trained.
+    pub losses: BTreeMap<u64, u32>,
+    pub saved: BTreeMap<u64, Saved>,
+    pub restores: Vec<Restore>,
+    /// Losses of steps trained again after a restore, compared with the first time.
+    pub replayed: u64,
+}
+
+impl Rank {
+    /// The newest step saved with every tier in `tiers` done.
+    pub fn newest_in(&self, tiers: &[&str]) -> Option<u64> {
+        self.saved
+            .iter()
+            .rev()
+            .find(|(_, s)| tiers.iter().all(|t| s.done.contains_key(*t)))
+            .map(|(&step, _)| step)
+    }
+}
+
+/// The demo's view of the job.
+pub struct View {
+    pub ranks: Vec<Rank>,
+    /// Problems found: wrong restored state, replayed losses that differ, failed tiers.
+    pub problems: Vec<String>,
+    pub metrics: Vec<Option<Metrics>>,
+    lines: Option<Lines>,
+    started: Instant,
+}
+
+/// The live block on a terminal.
+struct Lines {
+    _multi: MultiProgress,
+    phase: ProgressBar,
+    nodes: Vec<ProgressBar>,
+    ranks: Vec<ProgressBar>,
+}
+
+fn gib(bytes: f64) -> String {
+    format!("{:.2} GiB", bytes / (1u64 << 30) as f64)
+}
+
+impl View {
+    /// A view of `ranks` ranks; live lines when `live` and stderr is a terminal.
+    pub fn new(ranks: usize, live: bool) -> View {
+        let lines = (live && std::io::stderr().is_terminal()).then(|| {
+            let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr_with_hz(8));
+            let style = ProgressStyle::with_template("{prefix:>8} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner());
+            let bar = |prefix: String| {
+                let b = multi.add(ProgressBar::new_spinner());
+                b.set_style(style.clone());
+                b.set_prefix(prefix);
+                b
+            };
+            Lines {
+                phase: bar("demo".into()),
+                nodes: (0..ranks).map(|i| bar(format!("node-{i}"))).collect(),
+                ranks: (0..ranks).map(|r| bar(format!("rank {r}"))).collect(),
+                _multi: multi,
+            }
+        });
+        View {
+            ranks: (0..ranks).map(|_| Rank::default()).collect(),
+            problems: Vec::new(),
+            metrics: vec![None; ranks],
+            lines,
+            started: Instant::now(),
+        }
+    }
+
+    /// A line of the demo's story: the phase line on a terminal (and printed above the live
+    /// block), a log line otherwise.
+    pub fn say(&self, text: impl AsRef<str>) {
+        let t = self.started.elapsed().as_secs_f64();
+        let line = format!("[{t:7.1}s] {}", text.as_ref());
+        match &self.lines {
+            Some(l) => {
+                l.phase.println(&line);
+                l.phase.set_message(text.as_ref().to_string());
+            }
+            None => eprintln!("{line}"),
+        }
+    }
+
+    /// Takes one trainer event into account.
+    pub fn apply(&mut self, event: Event) {
+        let r = event.rank() as usize;
+        let Some(rank) = self.ranks.get_mut(r) else {
+            return;
+        };
+        match event {
+            Event::Started { state_bytes, .. } => {
+                rank.state_bytes = state_bytes;
+                rank.running = true;
+            }
+            Event::Fresh { .. } => {}
+            Event::Restored {
+                step,
+                sources,
+                seconds,
+                hash,
+                ..
+            } => {
+                let exact = rank.saved.get(&step).is_some_and(|s| s.hash == hash);
+                if !exact {
+                    self.problems.push(format!(
+                        "rank {r}: the state restored from step {step} differs from the state saved"
+                    ));
+                }
+                rank.step = step;
+                rank.restores.push(Restore {
+                    step,
+                    sources,
+                    seconds,
+                    at: Instant::now(),
+                    exact,
+                });
+            }
+            Event::Step {
+                step, loss_bits, ..
+            } => {
+                rank.step = step;
+                rank.loss = f32::from_bits(loss_bits);
+                match rank.losses.get(&step) {
+                    Some(&first) if first == loss_bits => rank.replayed += 1,
+                    Some(&first) => self.problems.push(format!(
+                        "rank {r}: step {step} trained again after a restore has loss {} instead of {}",
+                        f32::from_bits(loss_bits),
+                        f32::from_bits(first)
+                    )),
+                    None => {
+                        rank.losses.insert(step, loss_bits);
+                    }
+                }
+            }
+            Event::Saved {
+                step,
+                stall_seconds,
+                hash,
+                ..
+            } => {
+                let saved = rank.saved.entry(step).or_default();
+                // A step saved again after a restore holds the same state.
+                if !saved.hash.is_empty() && saved.hash != hash {
+                    self.problems.push(format!(
+                        "rank {r}: step {step} saved again with a different state"
+                    ));
+                }
+                saved.hash = hash;
+                saved.stall = stall_seconds;
+            }
+            Event::Persisted {
+                step,
+                tier,
+                seconds,
+                error,
+                ..
+            } => {
+                let saved = rank.saved.entry(step).or_default();
+                match error {
+                    None => {
+                        saved.done.insert(tier, seconds);
+                    }
+                    Some(e) => {
+                        saved.failed.insert(tier, e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Redraws the live block (no-op without a terminal).
+    pub fn draw(&self) {
+        let Some(l) = &self.lines else { return };
+        for (i, bar) in l.nodes.iter().enumerate() {
+            bar.set_message(match &self.metrics[i] {
+                None => "down".to_string(),
+                Some(m) => {
+                    let state = ["starting", "recovering", "ready", "draining"]
+                        .into_iter()
+                        .find(|s| m.get(&format!("hotstart_sidecar_state{{state=\"{s}\"}}")) == 1.0)
+                        .unwrap_or("?");
+                    format!(
+                        "{state:<10} memory {} of {} (own {}, replicas {})  replication lag {:.1} s  peers up {}",
+                        gib(m.get("hotstart_memory_used_bytes")),
+                        gib(m.get("hotstart_memory_budget_bytes")),
+                        gib(m.get("hotstart_memory_shard_bytes{origin=\"local\"}")),
+                        gib(m.get("hotstart_memory_shard_bytes{origin=\"replica\"}")),
+                        m.get("hotstart_replication_lag_seconds"),
+                        m.get("hotstart_peers{state=\"up\"}"),
+                    )
+                }
+            });
+        }
+        for (r, bar) in l.ranks.iter().enumerate() {
+            let rank = &self.ranks[r];
+            let last = rank.saved.iter().next_back().map(|(step, s)| {
+                let tiers: Vec<String> = TIERS
+                    .iter()
+                    .map(|t| {
+                        let mark = if s.done.contains_key(*t) {
+                            "✓"
+                        } else if s.failed.contains_key(*t) {
+                            "✗"
+                        } else {
+                            "…"
+                        };
+                        format!("{t} {mark}")
+                    })
+                    .collect();
+                format!(
+                    "checkpoint {step} ({} ms stall): {}",
+                    (s.stall * 1e3).round(),
+                    tiers.join("  ")
+                )
+            });
+            bar.set_message(format!(
+                "step {:>6}  loss {:.4}  {}",
+                rank.step,
+                rank.loss,
+                last.unwrap_or_default()
+            ));
+        }
+    }
+
+    /// Clears the live block.
+    pub fn finish(&self) {
+        if let Some(l) = &self.lines {
+            l.phase.finish_and_clear();
+            for b in l.nodes.iter().chain(&l.ranks) {
+                b.finish_and_clear();
+            }
+        }
+    }
+
+    /// Time since the demo began.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+}

@@ -1,0 +1,133 @@
+//! `hotstart demo`: the main job. Thin: flags become a `hotstart_demo::DemoConfig` (or, for the
+//! trainer processes the demo starts, a `TrainerConfig`).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use hotstart_ckpt::sidecar::config::Size;
+
+/// Runs a 3-node training job on this machine (3 sidecars and 3 trainers), checkpointing
+/// through hotstart, and injects the faults a real job meets: a trainer killed with kill -9, a
+/// whole node killed (sidecar and trainer, memory and disk lost), and a corrupt chunk on disk
+/// found when every node restarts. After each, the job resumes from the nearest tier that holds
+/// its newest checkpoint and the demo proves the state bit-exact: the restored state's hash
+/// equals the hash taken when it was saved, and the steps trained again give the same losses to
+/// the bit. At the end: the training stall per checkpoint, how fast each tier persisted, and
+/// each fault's recovery time with the tiers its bytes came from.
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:\n  \
+    hotstart demo                         # 1 GiB of state per trainer, a local directory as the store\n  \
+    hotstart demo --size 256MiB --json    # smaller, with a JSON summary on stdout\n  \
+    AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ALLOW_HTTP=true hotstart demo --store s3://ckpt/demo\n\n\
+    Each sidecar may hold up to 6 times --size of shared memory (its own rank's newest\n\
+    checkpoint and the one being saved, and the same for the replicas it holds), so the default\n\
+    1 GiB needs about 20 GiB of memory in all; each checkpoint is also written to the disk tier\n\
+    and to the store (about 12 GiB of disk at any time for the default).")]
+pub struct DemoArgs {
+    /// Object store of the store tier (s3://bucket/prefix, a directory, ...) [default: a
+    /// directory in the demo's working directory].
+    #[arg(long)]
+    store: Option<String>,
+    /// Training state (parameters and Adam moments) per trainer, e.g. 1GiB or 256MiB.
+    #[arg(long, default_value = "1GiB")]
+    size: Size,
+    /// Training steps between checkpoints.
+    #[arg(long, default_value_t = 100)]
+    every: u64,
+    /// Nodes, one sidecar and one trainer each (at least 3: a node is lost and its peers must
+    /// hold its replicas).
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Seed of the model's initialisation and of the synthetic data.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Working directory for sockets, disk tiers, logs and the default store [default: a new
+    /// temporary directory, removed at the end unless --keep].
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Keep the working directory (logs, disk tiers, store) at the end.
+    #[arg(long)]
+    keep: bool,
+    /// Print the summary as JSON on stdout (progress still goes to stderr).
+    #[arg(long)]
+    json: bool,
+
+    /// (internal) Run as one of the demo's trainer processes.
+    #[arg(long, hide = true)]
+    trainer: bool,
+    #[arg(long, hide = true)]
+    socket: Option<PathBuf>,
+    #[arg(long, hide = true, default_value = "demo")]
+    job: String,
+    #[arg(long, hide = true, default_value_t = 0)]
+    rank: u32,
+    #[arg(long, hide = true, default_value_t = 1)]
+    world_size: u32,
+    #[arg(long, hide = true)]
+    until: Option<u64>,
+}
+
+pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if args.trainer {
+        let socket = args.socket.context("--trainer needs --socket")?;
+        return Ok(hotstart_demo::trainer::run(
+            &hotstart_demo::TrainerConfig {
+                socket,
+                job: args.job,
+                rank: args.rank,
+                world_size: args.world_size,
+                state_bytes: args.size.0,
+                seed: args.seed,
+                every: args.every,
+                until: args.until,
+            },
+        )?);
+    }
+    anyhow::ensure!(args.nodes >= 3, "--nodes must be at least 3");
+    anyhow::ensure!(args.every >= 4, "--every must be at least 4 steps");
+    let (dir, temp) = match &args.dir {
+        Some(d) => (d.clone(), None),
+        None => {
+            let t = tempfile::Builder::new()
+                .prefix("hotstart-demo-")
+                .tempdir_in("/var/tmp")
+                .or_else(|_| tempfile::tempdir())
+                .context("create the demo's working directory")?;
+            (t.path().to_path_buf(), Some(t))
+        }
+    };
+    let cfg = hotstart_demo::DemoConfig {
+        exe: std::env::current_exe().context("find the hotstart binary")?,
+        dir: dir.clone(),
+        store: args.store,
+        nodes: args.nodes,
+        state_bytes: args.size.0,
+        every: args.every,
+        seed: args.seed,
+        live: !args.json,
+    };
+    let result = hotstart_demo::run(&cfg);
+    let keep = args.keep || result.is_err();
+    if let Some(t) = temp
+        && keep
+    {
+        let kept = t.keep();
+        eprintln!(
+            "hotstart demo: logs, disk tiers and store kept in {}",
+            kept.display()
+        );
+    }
+    let summary = result.with_context(|| format!("the demo failed; logs in {}", dir.display()))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        eprintln!();
+        eprint!("{}", hotstart_demo::table(&summary));
+    }
+    anyhow::ensure!(
+        summary.problems.is_empty() && summary.faults.iter().all(|f| f.exact),
+        "the demo found problems (see above)"
+    );
+    Ok(())
+}
