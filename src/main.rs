@@ -1,6 +1,7 @@
 //! The `hotstart` binary: argument parsing that turns into the library crates' config structs.
 
 mod ckpt_cmd;
+mod image_cmd;
 mod mount_cmd;
 mod store_cmd;
 
@@ -32,6 +33,10 @@ enum Command {
     Ckpt(ckpt_cmd::CkptCommand),
     /// Mount a store as a directory: striped parallel reads and writes of plain objects.
     Mount(mount_cmd::MountArgs),
+    /// Lazy images: build from a directory, tarball or OCI layout; mount read-only with
+    /// hot-chunk record and prefetch; pull; list, inspect and report.
+    #[command(subcommand)]
+    Image(image_cmd::ImageCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -58,6 +63,7 @@ fn main() -> std::process::ExitCode {
             Command::Store(cmd) => store_cmd::run(cmd).await,
             Command::Ckpt(cmd) => ckpt_cmd::run(cmd).await,
             Command::Mount(args) => mount_cmd::run(args).await,
+            Command::Image(cmd) => image_cmd::run(cmd).await,
         }
     });
     match result {
