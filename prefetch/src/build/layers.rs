@@ -14,8 +14,9 @@
 //! 1. `p` is normalised (`./` prefix and trailing `/` dropped) and must be a safe relative path:
 //!    absolute names, `..`, empty components and NUL are refused with [`Error::Hostile`] naming
 //!    the entry.
-//! 2. A whiteout `dir/.wh.name` removes `dir/name` and everything under it; an opaque marker
-//!    `dir/.wh..wh..opq` removes every entry under `dir` that came from a layer below `L`.
+//! 2. A whiteout `dir/.wh.name` removes `dir/name` and everything under it, and an opaque marker
+//!    `dir/.wh..wh..opq` everything under `dir`, that came from layers below `L` (as the OCI
+//!    spec says, entries of the same layer stay). Neither marker appears in the image.
 //! 3. Every ancestor of `p` must be a directory: an ancestor that is a symlink (a layer that
 //!    makes `lib -> /etc` and then writes `lib/passwd`) or a file is refused; a missing ancestor
 //!    is created as a `0755` directory.
@@ -267,7 +268,10 @@ fn apply_layer(
                 format!("{dir}/{hidden}")
             };
             check_entry_path(&target).map_err(|e| hostile(path, &raw, root_reason(e)))?;
-            model.remove(&target);
+            if model.nodes.get(&target).is_some_and(|n| n.layer < index) {
+                model.nodes.remove(&target);
+            }
+            model.remove_below(&target, Some(index));
             continue;
         }
 
