@@ -4,11 +4,17 @@
 //! library; nothing here knows how images are stored.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use hotstart_prefetch::{BuildConfig, ImageRecord, ImageRef, Images};
+use hotstart_fuse::MountOptions;
+use hotstart_prefetch::{
+    BuildConfig, ImageRecord, ImageRef, Images, LazyConfig, MountReport, PrefetchConfig,
+};
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
+
+use crate::mount_cmd::Signals;
 
 /// `hotstart image` subcommands.
 #[derive(Debug, Subcommand)]
@@ -20,6 +26,14 @@ pub enum ImageCommand {
     Ls(LsArgs),
     /// Show an image's files, bytes, chunks and how much it shares with other images.
     Inspect(InspectArgs),
+    /// Mount an image read-only and lazily: chunks are fetched at first read into a local cache,
+    /// the chunks this run reads are recorded into the image's profile, and the profile of
+    /// earlier runs is prefetched ahead of the job. Runs until SIGINT or SIGTERM.
+    Mount(MountArgs),
+    /// Extract a whole image into a new directory, fetching chunks in parallel.
+    Pull(PullArgs),
+    /// Show an image's profile and the reports of its past mounts (hit rate, stall, waste).
+    Stats(StatsArgs),
 }
 
 /// Where the images are.
@@ -88,13 +102,227 @@ pub struct InspectArgs {
     json: bool,
 }
 
+/// The local chunk cache of mounts and pulls.
+#[derive(Debug, Args)]
+pub struct CacheArgs {
+    /// Directory of the local chunk cache (verified chunks, shared by every image and mount on
+    /// this machine).
+    #[arg(
+        long,
+        env = "HOTSTART_CHUNK_CACHE",
+        default_value = "/var/tmp/hotstart/chunks"
+    )]
+    cache_dir: PathBuf,
+    /// Disk the chunk cache may use, in MiB (least recently used chunks are evicted).
+    #[arg(long, default_value_t = 10240)]
+    cache_mib: u64,
+}
+
+/// Options of `hotstart image mount`.
+#[derive(Debug, Args)]
+pub struct MountArgs {
+    /// The image, NAME[:TAG].
+    name: ImageRef,
+    /// An existing directory to mount on.
+    mountpoint: PathBuf,
+    #[command(flatten)]
+    store: StoreArg,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Do not prefetch the image's profile.
+    #[arg(long)]
+    no_prefetch: bool,
+    /// Do not record this run's reads into the profile.
+    #[arg(long)]
+    no_record: bool,
+    /// Memory for verified chunks, in MiB (prefetched chunks wait here to be read).
+    #[arg(long, default_value_t = 1024)]
+    memory_mib: u64,
+    /// Prefetch fetches in flight at the start (the window then adapts to the link).
+    #[arg(long, default_value_t = 16)]
+    window: usize,
+    /// The most prefetch fetches in flight.
+    #[arg(long, default_value_t = 128)]
+    max_window: usize,
+    /// Runs a chunk may go unread before it leaves the profile.
+    #[arg(long, default_value_t = 5)]
+    decay_runs: u32,
+    /// Seconds between writes of this run's trace to the store.
+    #[arg(long, default_value_t = 30.0)]
+    flush_secs: f64,
+    /// Seconds the kernel may cache names, attributes and negative lookups (the image cannot
+    /// change while mounted).
+    #[arg(long, default_value_t = 3600.0)]
+    ttl_secs: f64,
+    /// Let other users access the mount (needs user_allow_other in /etc/fuse.conf unless root).
+    #[arg(long)]
+    allow_other: bool,
+    /// Write this run's report (JSON) to this file at unmount.
+    #[arg(long)]
+    report: Option<PathBuf>,
+}
+
+/// Options of `hotstart image pull`.
+#[derive(Debug, Args)]
+pub struct PullArgs {
+    /// The image, NAME[:TAG].
+    name: ImageRef,
+    /// The directory to create (it must not exist, or be empty).
+    dest: PathBuf,
+    #[command(flatten)]
+    store: StoreArg,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Fetch through no local chunk cache.
+    #[arg(long)]
+    no_cache: bool,
+}
+
+/// Options of `hotstart image stats`.
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// The image, NAME[:TAG].
+    name: ImageRef,
+    #[command(flatten)]
+    store: StoreArg,
+    /// Print JSON (the profile summary and every run report) instead of text.
+    #[arg(long, conflicts_with = "prometheus")]
+    json: bool,
+    /// Print the latest run's report as Prometheus metrics.
+    #[arg(long)]
+    prometheus: bool,
+}
+
 /// Runs one `hotstart image` subcommand.
 pub async fn run(cmd: ImageCommand) -> anyhow::Result<()> {
     match cmd {
         ImageCommand::Build(a) => build(a).await,
         ImageCommand::Ls(a) => ls(a).await,
         ImageCommand::Inspect(a) => inspect(a).await,
+        ImageCommand::Mount(a) => mount(a).await,
+        ImageCommand::Pull(a) => pull(a).await,
+        ImageCommand::Stats(a) => stats(a).await,
     }
+}
+
+fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v).with_context(|| format!("--{flag} {v}"))
+}
+
+async fn mount(a: MountArgs) -> anyhow::Result<()> {
+    let images = a
+        .store
+        .images(Some(a.cache.cache_dir.clone()), a.cache.cache_mib)?;
+    let defaults = LazyConfig::default();
+    let cfg = LazyConfig {
+        memory_cache: a.memory_mib << 20,
+        prefetch: !a.no_prefetch,
+        record: !a.no_record,
+        replay: PrefetchConfig {
+            initial_window: a.window.max(1),
+            max_window: a.max_window.max(1),
+            ..PrefetchConfig::default()
+        },
+        decay_runs: a.decay_runs.max(1),
+        flush_every: seconds("flush-secs", a.flush_secs)?,
+        ttl: seconds("ttl-secs", a.ttl_secs)?,
+        mount: MountOptions {
+            allow_other: a.allow_other,
+            fs_name: format!("hotstart-image:{}", a.name),
+            ..defaults.mount.clone()
+        },
+        ..defaults
+    };
+    let mut signals = Signals::install()?;
+    let mounted = images
+        .mount(&a.name, &a.mountpoint, cfg)
+        .await
+        .with_context(|| format!("mount {} at {}", a.name, a.mountpoint.display()))?;
+    eprintln!(
+        "hotstart: serving image {} at {} (run {}; Ctrl-C or SIGTERM unmounts)",
+        a.name,
+        a.mountpoint.display(),
+        mounted.run()
+    );
+    signals
+        .wait_or(|| mounted.is_finished(), &a.mountpoint)
+        .await?;
+    let report = mounted.unmount().await?;
+    eprintln!("hotstart: {}: {}", a.name, report.summary());
+    if let Some(path) = &a.report {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+async fn pull(a: PullArgs) -> anyhow::Result<()> {
+    let cache = (!a.no_cache).then(|| a.cache.cache_dir.clone());
+    let images = a.store.images(cache, a.cache.cache_mib)?;
+    let r = images
+        .pull(&a.name, &a.dest)
+        .await
+        .with_context(|| format!("pull {} into {}", a.name, a.dest.display()))?;
+    println!(
+        "pulled {} into {}: {} files, {} in {:.2} s; {} chunks fetched ({} compressed)",
+        a.name,
+        a.dest.display(),
+        r.counts.files,
+        human(r.counts.bytes),
+        r.seconds,
+        r.fetched_chunks,
+        human(r.fetched_bytes)
+    );
+    Ok(())
+}
+
+async fn stats(a: StatsArgs) -> anyhow::Result<()> {
+    let images = a.store.images(None, 0)?;
+    let (profile, runs) = images.stats(&a.name).await?;
+    if a.prometheus {
+        match runs.last() {
+            Some(r) => print!("{}", r.prometheus()),
+            None => anyhow::bail!("{} has no recorded mounts", a.name),
+        }
+        return Ok(());
+    }
+    if a.json {
+        let out = serde_json::json!({
+            "image": a.name.to_string(),
+            "profile": {"runs": profile.runs, "chunks": profile.entries.len(), "bytes": profile.bytes()},
+            "mounts": runs,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "profile: {} runs merged, {} hot chunks ({})",
+        profile.runs,
+        profile.entries.len(),
+        human(profile.bytes())
+    );
+    println!(
+        "{:<30} {:>8} {:>10} {:>7} {:>9} {:>8} {:>10} {:>7}",
+        "RUN", "CHUNKS", "READ", "HIT%", "STALL s", "FETCHED", "WASTED", "WASTE%"
+    );
+    for r in &runs {
+        print_run(r);
+    }
+    Ok(())
+}
+
+fn print_run(r: &MountReport) {
+    println!(
+        "{:<30} {:>8} {:>10} {:>6.1}% {:>9.3} {:>8} {:>10} {:>6.1}%",
+        r.run,
+        r.chunks_read,
+        human(r.chunk_bytes_read),
+        r.hit_rate * 100.0,
+        r.stall_seconds,
+        r.demand_fetches,
+        human(r.wasted_bytes),
+        r.waste_ratio() * 100.0
+    );
 }
 
 async fn build(a: BuildArgs) -> anyhow::Result<()> {

@@ -17,7 +17,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::build::{BuildConfig, Source, build_tree};
 use crate::error::{Error, Result};
-use crate::layout::ImageRef;
+use crate::layout::{ArtifactDir, ImageRef};
+use crate::mount::{LazyConfig, LazyMount, load_profile};
+use crate::profile::Profile;
+use crate::report::MountReport;
 
 /// The version of `image.json` this build writes and reads.
 pub const RECORD_FORMAT: u32 = 1;
@@ -273,6 +276,32 @@ impl Images {
         })
     }
 
+    /// Mounts `image` read-only and lazily at `mountpoint`, with its profile (see
+    /// [`LazyMount`]).
+    pub async fn mount(
+        &self,
+        image: &ImageRef,
+        mountpoint: &Path,
+        cfg: LazyConfig,
+    ) -> Result<LazyMount> {
+        let (_, tree) = self.open(image).await?;
+        LazyMount::mount(
+            self.chunks.clone(),
+            &tree,
+            &image.to_string(),
+            Some(image.artifacts()),
+            mountpoint,
+            cfg,
+        )
+        .await
+    }
+
+    /// The profile and the reports of past mounts of `image` (oldest first).
+    pub async fn stats(&self, image: &ImageRef) -> Result<(Profile, Vec<MountReport>)> {
+        self.record(image).await?;
+        artifact_stats(self.store(), &image.artifacts()).await
+    }
+
     /// Extracts `image` into `dest` (which must not exist, or be empty) with parallel chunk
     /// fetches. The tree is written into a temporary directory beside `dest` and renamed into
     /// place, so `dest` is either absent or complete.
@@ -324,6 +353,31 @@ pub async fn pull_tree(tree: &Tree, chunks: &ChunkStore, dest: &Path) -> Result<
         fetched_bytes: after.fetched_bytes - before.fetched_bytes,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The profile and run reports under `dir` (reports oldest first; unreadable ones skipped with a
+/// warning).
+pub async fn artifact_stats(
+    store: &Store,
+    dir: &ArtifactDir,
+) -> Result<(Profile, Vec<MountReport>)> {
+    let profile = load_profile(store, dir).await?;
+    let runs = store.list(&dir.runs_prefix()).await?;
+    let reports: Vec<Option<MountReport>> = futures::stream::iter(runs)
+        .map(|o| async move {
+            let bytes = store.get(&o.key).await?;
+            Ok::<_, Error>(match serde_json::from_slice(&bytes) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    tracing::warn!(key = %o.key, error = %e, "skipping an unreadable run report");
+                    None
+                }
+            })
+        })
+        .buffered(16)
+        .try_collect()
+        .await?;
+    Ok((profile, reports.into_iter().flatten().collect()))
 }
 
 fn chunk_lens(tree: &Tree) -> HashMap<hotstart_store::ChunkId, u32> {
