@@ -137,7 +137,7 @@ async fn an_oci_layout_builds_its_layers_in_order() {
     images.pull(&image, &dest).await.unwrap();
     let want = work.path().join("want");
     expected(&want);
-    assert_same_tree(&want, &dest);
+    assert_trees_equal_but_mtimes(&want, &dest);
 }
 
 #[tokio::test]
@@ -187,7 +187,7 @@ async fn a_multi_platform_index_takes_the_asked_platform() {
     expected(&want);
     let dest = work.path().join("host");
     images.pull(&mine, &dest).await.unwrap();
-    assert_same_tree(&want, &dest);
+    assert_trees_equal_but_mtimes(&want, &dest);
     let (_, tree) = images.open(&theirs).await.unwrap();
     let paths: Vec<&str> = tree.entries.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(paths, ["other-arch"]);

@@ -21,6 +21,9 @@
 //! orphaned directory. [`SeaweedFs::start`] gives a private server, stopped on drop, and
 //! [`SeaweedFs::start_in_netns`] one behind the emulated remote link of `benches/netem.sh`.
 //!
+//! [`tree`] has a sample directory with every kind of entry and a walk that compares two
+//! trees, for the tests of trees, images and snapshots.
+//!
 //! Only std, libc and tempfile are used: the helpers speak plain HTTP/1.1 over `TcpStream`
 //! (unsigned requests, which SeaweedFS accepts when it has no identities configured).
 
@@ -29,6 +32,7 @@ mod http;
 mod locate;
 mod seaweedfs;
 mod spawn;
+pub mod tree;
 
 pub use data::pattern;
 pub use http::Response;

@@ -1,15 +1,15 @@
 //! Helpers shared by the image tests: raw tar entries (so hostile headers can be written as
-//! they are), a sample source tree, and a walk that compares two trees entry by entry.
+//! they are), a tarball of a directory, and stores.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::collections::{BTreeMap, HashMap};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use hotstart_prefetch::Images;
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
-use hotstart_testkit::pattern;
+pub use hotstart_testkit::tree::{assert_trees_equal, assert_trees_equal_but_mtimes, sample_dir};
 
 /// Entry types of the tar format.
 pub const REGULAR: u8 = b'0';
@@ -17,6 +17,7 @@ pub const HARDLINK: u8 = b'1';
 pub const SYMLINK: u8 = b'2';
 pub const DIR: u8 = b'5';
 pub const FIFO: u8 = b'6';
+pub const PAX: u8 = b'x';
 
 /// One ustar header block plus the data padded to 512 bytes. `size` overrides the size field
 /// (octal text written as given), so a header can lie about its size.
@@ -80,146 +81,89 @@ pub fn local_images(dir: &Path) -> Images {
     Images::new(ChunkStore::new(store, ChunkStoreConfig::default()).unwrap())
 }
 
-/// A source tree with every kind of entry: nested directories with several modes, files of
-/// many sizes (empty, small, several chunks), duplicate content, a hard link, relative and
-/// absolute symlinks, a dangling symlink, a non-ASCII name and an xattr where supported.
-pub fn sample_tree(root: &Path) {
-    let w = |p: &str, data: &[u8], mode: u32| {
-        let path = root.join(p);
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, data).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
-    };
-    w("bin/tool", b"#!/bin/sh\necho tool\n", 0o755);
-    w("etc/conf", b"key = value\n", 0o640);
-    w("lib/libbig.so", &pattern((2 << 20) + 12_345, 1), 0o644);
-    w("lib/copy.so", &pattern((2 << 20) + 12_345, 1), 0o644);
-    w("lib/python/mod.py", &pattern(70_000, 2), 0o644);
-    w("lib/python/pkg/__init__.py", b"", 0o644);
-    w(
-        "share/dir with space/\u{fc}n\u{ef}code.txt",
-        b"unicode\n",
-        0o600,
-    );
-    w("setuid", b"s", 0o4755);
-    std::fs::hard_link(root.join("lib/libbig.so"), root.join("lib/libbig.so.1")).unwrap();
-    std::os::unix::fs::symlink("libbig.so", root.join("lib/link.so")).unwrap();
-    std::os::unix::fs::symlink("/usr/bin/env", root.join("bin/env")).unwrap();
-    std::os::unix::fs::symlink("missing/target", root.join("dangling")).unwrap();
-    std::fs::create_dir_all(root.join("empty/dir")).unwrap();
-    std::fs::set_permissions(root.join("empty"), std::fs::Permissions::from_mode(0o700)).unwrap();
-    // user.* xattrs need a filesystem that takes them; where it does not, none is kept.
-    set_xattr(&root.join("etc/conf"), "user.origin", b"sample");
-}
-
-fn c_path(path: &Path) -> std::ffi::CString {
-    std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap()
-}
-
-/// Sets an xattr; returns whether the filesystem took it.
-pub fn set_xattr(path: &Path, name: &str, value: &[u8]) -> bool {
-    let (p, n) = (c_path(path), std::ffi::CString::new(name).unwrap());
-    // SAFETY: NUL-terminated strings and a valid buffer, all alive for the call.
-    unsafe {
-        libc::setxattr(
-            p.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        ) == 0
+/// A PAX extended header carrying `records` (key, value) for the entry that follows.
+pub fn pax(records: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (k, v) in records {
+        // "<len> <key>=<value>\n", where <len> counts itself.
+        let rest = k.len() + v.len() + 3;
+        let mut len = rest + 1;
+        while len.to_string().len() + rest != len {
+            len += 1;
+        }
+        body.extend_from_slice(format!("{len} {k}=").as_bytes());
+        body.extend_from_slice(v);
+        body.push(b'\n');
     }
+    tar_entry(b"././@PaxHeader", PAX, 0o644, b"", &body, None)
 }
 
-/// What one path is, as compared.
-#[derive(Debug, PartialEq, Eq)]
-enum Node {
-    Dir {
-        mode: u32,
-    },
-    File {
-        mode: u32,
-        blake3: String,
-        size: u64,
-    },
-    Symlink {
-        target: String,
-    },
-}
-
-fn walk(root: &Path) -> (BTreeMap<String, Node>, Vec<Vec<String>>) {
-    let mut out = BTreeMap::new();
-    let mut inodes: HashMap<u64, Vec<String>> = HashMap::new();
+/// A tar of the directory `root`: entries in path order with `./` names, hard links as link
+/// entries, and PAX records for nanosecond mtimes and xattrs, as GNU tar `--xattrs` writes them.
+pub fn tar_of(root: &Path) -> Vec<u8> {
+    let mut paths = Vec::new();
     let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let e = e.unwrap();
-            let p = e.path();
-            let rel = p.strip_prefix(root).unwrap().to_str().unwrap().to_string();
-            let m = std::fs::symlink_metadata(&p).unwrap();
-            let node = if m.file_type().is_symlink() {
-                Node::Symlink {
-                    target: std::fs::read_link(&p)
-                        .unwrap()
-                        .to_str()
-                        .unwrap()
-                        .to_string(),
-                }
-            } else if m.is_dir() {
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if std::fs::symlink_metadata(&p).unwrap().is_dir() {
                 stack.push(p.clone());
-                Node::Dir {
-                    mode: m.mode() & 0o7777,
-                }
-            } else {
-                inodes.entry(m.ino()).or_default().push(rel.clone());
-                Node::File {
-                    mode: m.mode() & 0o7777,
-                    blake3: blake3::hash(&std::fs::read(&p).unwrap())
-                        .to_hex()
-                        .to_string(),
-                    size: m.len(),
-                }
-            };
-            out.insert(rel, node);
+            }
+            paths.push(p);
         }
     }
-    let mut links: Vec<Vec<String>> = inodes
-        .into_values()
-        .filter(|v| v.len() > 1)
-        .map(|mut v| {
-            v.sort();
-            v
-        })
-        .collect();
-    links.sort();
-    (out, links)
-}
-
-/// Walks both trees and asserts every path has the same kind, mode, bytes and link target, and
-/// that the same paths share an inode (hard links).
-pub fn assert_same_tree(expected: &Path, actual: &Path) {
-    let (want, want_links) = walk(expected);
-    let (got, got_links) = walk(actual);
-    let missing: Vec<_> = want.keys().filter(|k| !got.contains_key(*k)).collect();
-    let extra: Vec<_> = got.keys().filter(|k| !want.contains_key(*k)).collect();
-    assert!(
-        missing.is_empty() && extra.is_empty(),
-        "missing {missing:?}, extra {extra:?}"
-    );
-    for (path, node) in &want {
-        assert_eq!(&got[path], node, "{path}");
+    paths.sort();
+    let mut first: HashMap<u64, String> = HashMap::new();
+    let mut entries = Vec::new();
+    for p in paths {
+        let rel = p.strip_prefix(root).unwrap().to_str().unwrap().to_string();
+        let m = std::fs::symlink_metadata(&p).unwrap();
+        let mode = m.mode() & 0o7777;
+        let name = format!("./{rel}");
+        let mtime = format!("{}.{:09}", m.mtime(), m.mtime_nsec());
+        let xattrs = hotstart_testkit::tree::xattrs(&p);
+        let mut records: Vec<(String, Vec<u8>)> = vec![("mtime".into(), mtime.into_bytes())];
+        for (k, v) in xattrs {
+            records.push((format!("SCHILY.xattr.{k}"), v));
+        }
+        let records: Vec<(&str, &[u8])> = records
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_slice()))
+            .collect();
+        entries.push(pax(&records));
+        let e = if m.file_type().is_symlink() {
+            let t = std::fs::read_link(&p).unwrap();
+            tar_entry(
+                name.as_bytes(),
+                SYMLINK,
+                mode,
+                t.to_str().unwrap().as_bytes(),
+                b"",
+                None,
+            )
+        } else if m.is_dir() {
+            tar_entry(format!("{name}/").as_bytes(), DIR, mode, b"", b"", None)
+        } else if let Some(target) = first.get(&m.ino()) {
+            tar_entry(
+                name.as_bytes(),
+                HARDLINK,
+                mode,
+                target.as_bytes(),
+                b"",
+                None,
+            )
+        } else {
+            first.insert(m.ino(), rel.clone());
+            tar_entry(
+                name.as_bytes(),
+                REGULAR,
+                mode,
+                b"",
+                &std::fs::read(&p).unwrap(),
+                None,
+            )
+        };
+        entries.push(e);
     }
-    assert_eq!(got_links, want_links, "hard links");
-}
-
-/// The xattr `name` of `path`, if the filesystem keeps it.
-pub fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
-    let (p, n) = (c_path(path), std::ffi::CString::new(name).unwrap());
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: NUL-terminated strings and a buffer valid for its length, all alive for the call.
-    let got = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    (got >= 0).then(|| {
-        buf.truncate(got as usize);
-        buf
-    })
+    tar(&entries)
 }
