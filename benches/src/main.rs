@@ -6,12 +6,14 @@
 //! cargo run --profile bench -p hotstart-benches -- store --only uring
 //! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
 //! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
+//! cargo run --profile bench -p hotstart-benches -- image            # lazy images vs local copy and pull
 //! ```
 //!
 //! Each benchmark repeats its measurements (`--runs`, default 3) and reports medians.
 
 mod ckpt;
 mod fuse;
+mod image;
 mod report;
 mod store_striped;
 mod store_uring;
@@ -36,6 +38,8 @@ enum Command {
     Ckpt(ckpt::CkptArgs),
     /// `hotstart mount` against direct striped I/O, weed mount, s3fs and rclone mount.
     Fuse(fuse::FuseArgs),
+    /// Starting Python with numpy from a lazy image, against a local copy and a full pull.
+    Image(image::ImageArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -101,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Ckpt(args) => ckpt::run(&args)?,
         Command::Fuse(args) => fuse::run(&args)?,
+        Command::Image(args) => image::run(&args)?,
     }
     Ok(())
 }
