@@ -139,7 +139,7 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 1024)]
     memory_mib: u64,
     /// Prefetch fetches in flight at the start (the window then adapts to the link).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 32)]
     window: usize,
     /// The most prefetch fetches in flight.
     #[arg(long, default_value_t = 128)]

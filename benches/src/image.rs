@@ -7,7 +7,9 @@
 //! - **(c) lazy mount, no profile**: `hotstart image mount --no-prefetch`, every chunk fetched at
 //!   its first read;
 //! - **(d) lazy mount with a profile**: the profile recorded by earlier mounts replayed ahead of
-//!   the program.
+//!   the program;
+//! - **(e)**, for reference: the program alone on a mount whose profile was fully prefetched
+//!   before it started: what FUSE itself costs over (a).
 //!
 //! **The link.** The store is a local directory behind hotstart-store's throttled wrapper
 //! (`wrap::Throttle`, in this process): every request waits `--latency-ms` (20 ms) before it is
@@ -15,7 +17,7 @@
 //! than `benches/netem.sh` so the benchmark needs no network namespaces or SeaweedFS; the
 //! figures are for a store behind that link, whatever the store is.
 //!
-//! **What is timed.** (a): the program. (b): the pull plus the program. (c), (d): mounting
+//! **What is timed.** (a), (e): the program. (b): the pull plus the program. (c), (d): mounting
 //! (reading the image record and manifest over the link, building the namespace, the FUSE mount)
 //! plus the program; the unmount after it is not timed. Every run starts with a fresh local
 //! chunk cache and, unless `--keep-page-cache`, a dropped page cache (so (a) reads its files
@@ -234,13 +236,23 @@ impl Bench<'_> {
     }
 
     /// Mounts with `cfg`, runs `code`, unmounts; returns the time to mount and run, stdout and
-    /// the mount's report.
-    fn lazy(&self, cfg: LazyConfig, code: &str) -> anyhow::Result<(Duration, String, MountReport)> {
+    /// the mount's report. With `prefetched`, the prefetcher finishes before the program starts
+    /// and only the program is timed.
+    fn lazy(
+        &self,
+        cfg: LazyConfig,
+        code: &str,
+        prefetched: bool,
+    ) -> anyhow::Result<(Duration, String, MountReport)> {
         let images = self.images()?;
         let mp = self.fresh("mnt")?;
         self.settle()?;
-        let start = Instant::now();
-        let m = self.rt.block_on(images.mount(&self.image, &mp, cfg))?;
+        let mut start = Instant::now();
+        let mut m = self.rt.block_on(images.mount(&self.image, &mp, cfg))?;
+        if prefetched {
+            self.rt.block_on(m.prefetch_done());
+            start = Instant::now();
+        }
         let run = run_python(&mp, &self.version, code);
         let took = start.elapsed();
         let report = self.rt.block_on(m.unmount())?;
@@ -338,7 +350,7 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
     };
 
     // The program runs from the image, not from this machine's Python.
-    let (_, probe, _) = bench.lazy(cfg(false, false), PROBE)?;
+    let (_, probe, _) = bench.lazy(cfg(false, false), PROBE, false)?;
     let lines: Vec<&str> = probe.lines().collect();
     let mp = bench.scratch.path().join("mnt");
     if lines.len() != 3 || !lines.iter().all(|l| Path::new(l).starts_with(&mp)) {
@@ -350,34 +362,37 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
     run_python(&local, &bench.version, &bench.program)?;
 
     for i in 0..args.record_runs {
-        let (t, _, r) = bench.lazy(cfg(i > 0, true), &bench.program)?;
+        let (t, _, r) = bench.lazy(cfg(i > 0, true), &bench.program, false)?;
         eprintln!("  recording run {}: {}: {}", i + 1, secs(t), r.summary());
     }
 
-    let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut a, mut b, mut c, mut d, mut e) = (vec![], vec![], vec![], vec![], vec![]);
     let (mut c_reports, mut d_reports) = (Vec::new(), Vec::new());
     for i in 0..args.runs {
         bench.settle()?;
         let (t, _) = run_python(&local, &bench.version, &bench.program)?;
         a.push(t);
         b.push(bench.pull_and_run()?);
-        let (t, _, r) = bench.lazy(cfg(false, false), &bench.program)?;
+        let (t, _, r) = bench.lazy(cfg(false, false), &bench.program, false)?;
         c.push(t);
         c_reports.push(r);
-        let (t, _, r) = bench.lazy(cfg(true, false), &bench.program)?;
+        let (t, _, r) = bench.lazy(cfg(true, false), &bench.program, false)?;
         d.push(t);
+        let (t, _, _) = bench.lazy(cfg(true, false), &bench.program, true)?;
+        e.push(t);
         eprintln!(
-            "  run {}: (a) {} (b) {} (c) {} (d) {}; (d): {}",
+            "  run {}: (a) {} (b) {} (c) {} (d) {} (e) {}; (d): {}",
             i + 1,
             secs(a[i]),
             secs(b[i]),
             secs(c[i]),
             secs(d[i]),
+            secs(e[i]),
             r.summary()
         );
         d_reports.push(r);
     }
-    let (a, b, c, d) = (median(a), median(b), median(c), median(d));
+    let (a, b, c, d, e) = (median(a), median(b), median(c), median(d), median(e));
     let mid = |rs: &[MountReport], f: fn(&MountReport) -> f64| {
         let mut v: Vec<f64> = rs.iter().map(f).collect();
         v.sort_by(f64::total_cmp);
@@ -413,6 +428,10 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
         ("(b) full pull, then run", b),
         ("(c) lazy mount, no profile", c),
         ("(d) lazy mount with profile", d),
+        (
+            "(e) the program alone on a mount whose profile was fully prefetched (FUSE floor)",
+            e,
+        ),
     ] {
         md.push_str(&format!(
             "| {what} | {} | {:.2}× |\n",

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::build::{BuildConfig, Source, build_tree};
 use crate::error::{Error, Result};
 use crate::layout::{ArtifactDir, ImageRef};
-use crate::mount::{LazyConfig, LazyMount, load_profile};
+use crate::mount::{LazyConfig, LazyMount, load_profile, read_profile};
 use crate::profile::Profile;
 use crate::report::MountReport;
 
@@ -184,17 +184,19 @@ impl Images {
         Ok(record)
     }
 
+    fn no_image(&self, image: &ImageRef) -> Error {
+        Error::NoImage {
+            image: image.to_string(),
+            store: self.store().url().to_string(),
+        }
+    }
+
     /// The record of `image`.
     pub async fn record(&self, image: &ImageRef) -> Result<ImageRecord> {
         let key = image.record_key();
         let bytes = match self.store().get(&key).await {
             Ok(b) => b,
-            Err(e) if e.is_not_found() => {
-                return Err(Error::NoImage {
-                    image: image.to_string(),
-                    store: self.store().url().to_string(),
-                });
-            }
+            Err(e) if e.is_not_found() => return Err(self.no_image(image)),
             Err(e) => return Err(e.into()),
         };
         parse_record(&key, &bytes)
@@ -204,8 +206,16 @@ impl Images {
     pub async fn open(&self, image: &ImageRef) -> Result<(ImageRecord, Tree)> {
         let mut last = String::new();
         for _ in 0..3 {
-            let record = self.record(image).await?;
-            let encoded = self.store().get(&image.tree_key()).await?;
+            // Both at once (a round trip saved); a tree from another build than the record is
+            // caught by the hash and read again.
+            let tree_key = image.tree_key();
+            let (record, encoded) = tokio::try_join!(self.record(image), async {
+                match self.store().get(&tree_key).await {
+                    Ok(b) => Ok(b),
+                    Err(e) if e.is_not_found() => Err(self.no_image(image)),
+                    Err(e) => Err(e.into()),
+                }
+            })?;
             let got = blake3::hash(&encoded).to_hex().to_string();
             if got == record.tree_blake3 {
                 let tree = tokio::task::spawn_blocking(move || Tree::decode(&encoded))
@@ -284,14 +294,28 @@ impl Images {
         mountpoint: &Path,
         cfg: LazyConfig,
     ) -> Result<LazyMount> {
-        let (_, tree) = self.open(image).await?;
-        LazyMount::mount(
+        let artifacts = image.artifacts();
+        // The profile is read while the record and tree are.
+        let profile = read_profile(self.store(), Some(&artifacts), &cfg);
+        let t0 = std::time::Instant::now();
+        let (_, tree) = match self.open(image).await {
+            Ok(t) => t,
+            Err(e) => {
+                if let Some(p) = profile {
+                    p.abort();
+                }
+                return Err(e);
+            }
+        };
+        eprintln!("DEBUG open {:?}", t0.elapsed());
+        LazyMount::mount_with(
             self.chunks.clone(),
             &tree,
             &image.to_string(),
-            Some(image.artifacts()),
+            Some(artifacts),
             mountpoint,
             cfg,
+            profile,
         )
         .await
     }

@@ -1,11 +1,11 @@
 //! [`LazyMount`]: any [`Tree`] in a store mounted read-only and lazily, with its profile
 //! recorded and replayed.
 //!
-//! **Mounting** (`LazyMount::mount`): the tree's namespace is built in memory ([`ImageFs`]);
-//! with an [`ArtifactDir`], the profile is read (traces that crashed mounts left behind are
-//! merged into it first) and, unless prefetch is off, its chunks that the tree still contains
-//! become the prefetch plan, replayed in the background (see `prefetch.rs`). The filesystem is
-//! mounted through `hotstart-fuse`'s adapter, read-only.
+//! **Mounting** (`LazyMount::mount`): the tree's namespace is built in memory ([`ImageFs`]) and
+//! mounted through `hotstart-fuse`'s adapter, read-only. Meanwhile, with an [`ArtifactDir`], a
+//! background task merges traces that crashed mounts left behind into the profile, reads the
+//! profile and, unless prefetch is off, replays its chunks that the tree still contains (see
+//! `prefetch.rs`). A profile that cannot be read costs the mount its prefetch, not the mount.
 //!
 //! **While mounted** every first read of a chunk is recorded (see `loader.rs`); unless recording
 //! is off, the trace so far is written to `traces/<run>` every `flush_every`, so a mount that is
@@ -23,7 +23,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use hotstart_fuse::{MountHandle, MountOptions};
-use hotstart_store::{ChunkStore, Store, Tree};
+use hotstart_store::{ChunkId, ChunkStore, Store, Tree};
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result};
@@ -202,39 +202,68 @@ impl LazyMount {
         mountpoint: &Path,
         cfg: LazyConfig,
     ) -> Result<LazyMount> {
+        let profile = read_profile(chunks.store(), artifacts.as_ref(), &cfg);
+        Self::mount_with(chunks, tree, label, artifacts, mountpoint, cfg, profile).await
+    }
+
+    /// [`LazyMount::mount`] with the profile already being read (by [`read_profile`]), so that
+    /// reading it overlaps with reading the tree.
+    pub(crate) async fn mount_with(
+        chunks: ChunkStore,
+        tree: &Tree,
+        label: &str,
+        artifacts: Option<ArtifactDir>,
+        mountpoint: &Path,
+        cfg: LazyConfig,
+        profile: Option<ProfileRead>,
+    ) -> Result<LazyMount> {
         let store = chunks.store().clone();
-        let disk_cache = chunks.cache().map(|c| c.capacity());
-        let mut plan = Vec::new();
-        if let Some(dir) = &artifacts {
-            if cfg.record {
-                merge_leftover_traces(&store, dir, cfg.stale_trace_after, cfg.decay_runs).await?;
-            }
-            if cfg.prefetch {
-                let profile = load_profile(&store, dir).await?;
-                let present: HashSet<_> = tree.chunk_ids().into_iter().collect();
-                // Prefetched chunks wait in memory, and in the disk cache when there is one.
-                let budget = disk_cache.unwrap_or(0).max(cfg.memory_cache);
-                plan = profile.plan(&present, budget);
-                tracing::info!(runs = profile.runs, planned = plan.len(), "profile loaded");
-            }
-        }
+        // Prefetched chunks wait in memory, and in the disk cache when there is one.
+        let budget = chunks
+            .cache()
+            .map_or(0, |c| c.capacity())
+            .max(cfg.memory_cache);
         let loader = Arc::new(Loader::new(chunks, cfg.memory_cache));
         let started_ms = now_ms();
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        // The profile is read, and replayed, while the filesystem mounts.
+        let replay = artifacts.as_ref().map(|dir| {
+            tokio::spawn(prepare_and_replay(
+                store.clone(),
+                dir.clone(),
+                profile,
+                tree.chunk_ids().into_iter().collect(),
+                budget,
+                cfg.clone(),
+                loader.clone(),
+                stop_rx.clone(),
+            ))
+        });
+        let t0 = std::time::Instant::now();
         let fs = Arc::new(ImageFs::new(tree, loader.clone(), cfg.ttl));
+        eprintln!("DEBUG fs {:?}", t0.elapsed());
         let opts = MountOptions {
             read_only: true,
             ..cfg.mount.clone()
         };
         let rt = tokio::runtime::Handle::current();
         let mp = mountpoint.to_path_buf();
-        let handle =
+        let mounted =
             tokio::task::spawn_blocking(move || hotstart_fuse::mount_fs(fs, &mp, &opts, rt))
                 .await
-                .map_err(|e| Error::task("mount", e))?
-                .map_err(|e| Error::io("mount", mountpoint, e))?;
-        let (stop, stop_rx) = tokio::sync::watch::channel(false);
-        let replay = (!plan.is_empty())
-            .then(|| tokio::spawn(replay(loader.clone(), plan, cfg.replay, stop_rx.clone())));
+                .map_err(|e| Error::task("mount", e))
+                .and_then(|r| r.map_err(|e| Error::io("mount", mountpoint, e)));
+        eprintln!("DEBUG fs+mount {:?}", t0.elapsed());
+        let handle = match mounted {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = stop.send(true);
+                if let Some(t) = replay {
+                    t.abort();
+                }
+                return Err(e);
+            }
+        };
         let run = new_run_id();
         let flusher = match (&artifacts, cfg.record) {
             (Some(dir), true) => Some(tokio::spawn(flush_periodically(
@@ -377,6 +406,68 @@ impl Drop for LazyMount {
         }
         // The handle unmounts when dropped.
     }
+}
+
+/// The profile of a mount, being read in the background.
+pub(crate) type ProfileRead = JoinHandle<Result<Profile>>;
+
+/// Starts reading the profile under `artifacts` if `cfg` prefetches.
+pub(crate) fn read_profile(
+    store: &Store,
+    artifacts: Option<&ArtifactDir>,
+    cfg: &LazyConfig,
+) -> Option<ProfileRead> {
+    let dir = artifacts?.clone();
+    let store = store.clone();
+    cfg.prefetch
+        .then(|| tokio::spawn(async move { load_profile(&store, &dir).await }))
+}
+
+/// Replays the profile's plan (when prefetching) while merging traces that dead mounts left
+/// (when recording; they count from the next mount on). Runs in the background: a store that
+/// fails here, or a profile that cannot be read, costs this mount its prefetch (with a
+/// warning), never the mount itself.
+#[allow(clippy::too_many_arguments)]
+async fn prepare_and_replay(
+    store: Store,
+    dir: ArtifactDir,
+    profile: Option<ProfileRead>,
+    present: HashSet<ChunkId>,
+    budget: u64,
+    cfg: LazyConfig,
+    loader: Arc<Loader>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> ReplayStats {
+    let replaying = async {
+        let Some(profile) = profile else {
+            return ReplayStats::default();
+        };
+        let plan = match profile.await {
+            Ok(Ok(profile)) => {
+                let plan = profile.plan(&present, budget);
+                tracing::info!(runs = profile.runs, planned = plan.len(), "profile loaded");
+                plan
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not read the profile; not prefetching");
+                return ReplayStats::default();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "profile task failed; not prefetching");
+                return ReplayStats::default();
+            }
+        };
+        replay(loader, plan, cfg.replay, stop).await
+    };
+    let merging = async {
+        if cfg.record
+            && let Err(e) =
+                merge_leftover_traces(&store, &dir, cfg.stale_trace_after, cfg.decay_runs).await
+        {
+            tracing::warn!(error = %e, "could not merge the traces of earlier mounts");
+        }
+    };
+    tokio::join!(replaying, merging).0
 }
 
 /// Writes the trace so far every `every` while it grows, and at least every `heartbeat` (so

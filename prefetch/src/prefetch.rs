@@ -9,12 +9,14 @@
 //!
 //! **Concurrency.** A fetch is started only while the fetches in flight, **demand reads
 //! included**, are fewer than the window, so reads always have the first slots and prefetch only
-//! uses what they leave. The window adapts to the link, additive-increase/multiplicative-decrease
-//! on latency (like TCP Vegas): each completion's latency is compared with the lowest seen (the
-//! link's base round trip); while it stays within `slack` times that, requests are not queueing
-//! and the window grows by one per window's worth of completions; once latency passes it, the
-//! link is saturated and the window shrinks by a quarter (once per window of completions). A
-//! failed fetch halves it. It stays within `[min_window, max_window]`.
+//! uses what they leave. The window adapts to the link on latency, as TCP does: each
+//! completion's latency is compared with the lowest seen (the link's base round trip); while it
+//! stays within `slack` times that, requests are not queueing and the window grows, by one per
+//! completion at first (**slow start**: it doubles every round trip, so a long-latency link is
+//! filled within a few round trips) and, after the first sign of queueing, by one per window's
+//! worth of completions; once latency passes the bound, the link is saturated and the window
+//! shrinks by a quarter (once per window of completions). A failed fetch halves it. It stays
+//! within `[min_window, max_window]`.
 //!
 //! **Staying ahead, but not too far.** Chunks prefetched but not yet read are held in memory; the
 //! prefetcher pauses while they pass `max_ahead` bytes, so it cannot evict its own work before
@@ -45,7 +47,7 @@ pub struct PrefetchConfig {
 impl Default for PrefetchConfig {
     fn default() -> Self {
         PrefetchConfig {
-            initial_window: 16,
+            initial_window: 32,
             min_window: 2,
             max_window: 128,
             slack: 4.0,
@@ -65,6 +67,8 @@ pub struct Window {
     /// Completions left before another decrease may happen.
     hold: f64,
     peak: f64,
+    /// Growing by one per completion until the first sign of queueing.
+    slow_start: bool,
 }
 
 impl Window {
@@ -80,6 +84,7 @@ impl Window {
             base: None,
             hold: 0.0,
             peak: cur,
+            slow_start: true,
         }
     }
 
@@ -100,9 +105,11 @@ impl Window {
         self.base = Some(base);
         self.hold -= 1.0;
         if latency.as_secs_f64() <= base.as_secs_f64() * self.slack {
-            self.cur = (self.cur + 1.0 / self.cur).min(self.max);
+            let step = if self.slow_start { 1.0 } else { 1.0 / self.cur };
+            self.cur = (self.cur + step).min(self.max);
             self.peak = self.peak.max(self.cur);
         } else if self.hold <= 0.0 {
+            self.slow_start = false;
             self.cur = (self.cur * 0.75).max(self.min);
             self.hold = self.cur;
         }
@@ -110,6 +117,7 @@ impl Window {
 
     /// One fetch failed.
     pub fn on_error(&mut self) {
+        self.slow_start = false;
         self.cur = (self.cur / 2.0).max(self.min);
         self.hold = self.cur;
     }
@@ -214,6 +222,11 @@ mod tests {
         };
         let mut w = Window::new(&cfg);
         let ms = Duration::from_millis;
+        // Slow start: one more per completion, so 4 completions double a window of 4.
+        for _ in 0..4 {
+            w.on_complete(ms(20));
+        }
+        assert_eq!(w.size(), 8);
         for _ in 0..200 {
             w.on_complete(ms(20));
         }
