@@ -3,7 +3,9 @@
 //! [`mount_fs`] mounts any [`Filesystem`] through fuser (pure Rust, through `fusermount3`: no
 //! libfuse needed) on a background session thread, and returns a [`MountHandle`] that unmounts
 //! when told to or when dropped, so a test or a CLI that panics still leaves no mount behind.
-//! [`mount`] does that for a store wrapped in [`StripedFs`].
+//! [`mount`] does that for a store wrapped in [`StripedFs`]. With
+//! [`MountOptions::kernel_read_ahead`], the kernel's read-ahead window for the new mount is
+//! raised right after mounting (see `bdi.rs`).
 //!
 //! **Crash recovery.** A process killed while mounted leaves the kernel mount in place with
 //! nobody serving it: every access to the mount point fails with ENOTCONN ("Transport endpoint is
@@ -38,6 +40,10 @@ pub struct MountConfig {
     pub max_background: u16,
     /// The source name shown in /proc/mounts.
     pub fs_name: String,
+    /// The kernel's read-ahead window for the mount, in bytes (`None` keeps the kernel's
+    /// default of 128 KiB). Setting it needs root; without root the default stays, with a log
+    /// line. See `bdi.rs`.
+    pub kernel_read_ahead: Option<u64>,
 }
 
 impl Default for MountConfig {
@@ -48,6 +54,7 @@ impl Default for MountConfig {
             threads: 1,
             max_background: 64,
             fs_name: "hotstart".to_string(),
+            kernel_read_ahead: Some(4 << 20),
         }
     }
 }
@@ -61,6 +68,7 @@ impl MountConfig {
             threads: self.threads,
             max_background: self.max_background,
             fs_name: self.fs_name.clone(),
+            kernel_read_ahead: self.kernel_read_ahead,
         }
     }
 }
@@ -78,6 +86,10 @@ pub struct MountOptions {
     pub max_background: u16,
     /// The source name shown in /proc/mounts.
     pub fs_name: String,
+    /// The kernel's read-ahead window for the mount, in bytes (`None` keeps the kernel's
+    /// default of 128 KiB). Setting it needs root; without root the default stays, with a log
+    /// line. See `bdi.rs`.
+    pub kernel_read_ahead: Option<u64>,
 }
 
 impl Default for MountOptions {
@@ -222,6 +234,10 @@ pub fn mount_fs<F: Filesystem>(
     rt: tokio::runtime::Handle,
 ) -> io::Result<MountHandle<F>> {
     check_mountpoint(mountpoint)?;
+    // As /proc/self/mountinfo will name it; resolved now, while it is still a plain directory.
+    let canonical = mountpoint.canonicalize().map_err(|e| {
+        io::Error::new(e.kind(), format!("mount point {}: {e}", mountpoint.display()))
+    })?;
     let adapter = FuseAdapter::new(fs.clone(), rt, opts.max_background.max(1));
     let mut options = vec![
         MountOption::FSName(opts.fs_name.clone()),
@@ -245,6 +261,12 @@ pub fn mount_fs<F: Filesystem>(
     config.n_threads = Some(opts.threads.max(1));
     let session = fuser::spawn_mount(adapter, mountpoint, &config)
         .map_err(|e| io::Error::new(e.kind(), format!("mount {}: {e}", mountpoint.display())))?;
+    if let Some(bytes) = opts.kernel_read_ahead
+        && let Err(e) = crate::bdi::set_read_ahead(&canonical, bytes)
+    {
+        tracing::warn!(mountpoint = %mountpoint.display(), error = %e,
+            "cannot set the kernel read-ahead (needs root); sequential reads will be slower");
+    }
     Ok(MountHandle {
         session: Some(session),
         mountpoint: mountpoint.to_path_buf(),
