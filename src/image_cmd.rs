@@ -157,6 +157,11 @@ pub struct MountArgs {
     /// Let other users access the mount (needs user_allow_other in /etc/fuse.conf unless root).
     #[arg(long)]
     allow_other: bool,
+    /// The kernel's own read-ahead for the mount, in KiB: how far ahead of a sequential reader
+    /// (or around a page fault in a mapped file) the kernel asks for pages. Setting it needs
+    /// root; 0 keeps the kernel's default (128 KiB).
+    #[arg(long, default_value_t = hotstart_prefetch::mount::KERNEL_READ_AHEAD >> 10)]
+    kernel_read_ahead_kib: u64,
     /// Write this run's report (JSON) to this file at unmount.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -229,6 +234,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         mount: MountOptions {
             allow_other: a.allow_other,
             fs_name: format!("hotstart-image:{}", a.name),
+            kernel_read_ahead: (a.kernel_read_ahead_kib > 0)
+                .then_some(a.kernel_read_ahead_kib << 10),
             ..defaults.mount.clone()
         },
         ..defaults

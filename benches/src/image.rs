@@ -1,4 +1,5 @@
-//! Starting a real program from an image: a Python installation with numpy, run as
+//! Starting a real program from an image: a Python installation (the interpreter, libpython, the
+//! standard library) with numpy (`--packages`, taken from the virtualenv), run as
 //! `python -c "import numpy, json, decimal, email, ..."`, four ways over the same store:
 //!
 //! - **(a) local copy**: the installation on local disk (the floor);
@@ -53,6 +54,10 @@ pub struct ImageArgs {
     /// (default: the workspace's .venv).
     #[arg(long)]
     python: Option<PathBuf>,
+    /// Packages of the virtualenv's site-packages that go into the image (with the
+    /// interpreter and its standard library).
+    #[arg(long, default_value = "numpy")]
+    packages: String,
     /// Modules the program imports.
     #[arg(
         long,
@@ -74,6 +79,9 @@ pub struct ImageArgs {
     /// Chunk size of the image, in KiB.
     #[arg(long, default_value_t = 1024)]
     chunk_kib: usize,
+    /// The kernel read-ahead of the lazy mounts, in KiB (0: the kernel's default, 128 KiB).
+    #[arg(long, default_value_t = hotstart_prefetch::mount::KERNEL_READ_AHEAD >> 10)]
+    kernel_read_ahead_kib: u64,
     /// Do not drop the page cache before each run.
     #[arg(long)]
     keep_page_cache: bool,
@@ -139,9 +147,9 @@ fn cp(from: &Path, to: &Path) -> anyhow::Result<()> {
 }
 
 /// A self-contained installation at `root`: the interpreter, libpython, the standard library
-/// (without its test suite, static library and the base site-packages) and the virtualenv's
-/// site-packages (numpy and the rest).
-fn install_tree(py: &Python, root: &Path) -> anyhow::Result<()> {
+/// (without its test suite, static library and the base site-packages) and `packages` from the
+/// virtualenv's site-packages (each with its `.libs` directory and metadata).
+fn install_tree(py: &Python, root: &Path, packages: &[&str]) -> anyhow::Result<()> {
     let ver = format!("python{}", py.version);
     let (bin, lib) = (root.join("bin"), root.join("lib"));
     std::fs::create_dir_all(&bin)?;
@@ -170,7 +178,24 @@ fn install_tree(py: &Python, root: &Path) -> anyhow::Result<()> {
         }
         cp(&e.path(), &dest.join(&name))?;
     }
-    cp(&py.purelib, &dest.join("site-packages"))?;
+    let site = dest.join("site-packages");
+    std::fs::create_dir_all(&site)?;
+    for pkg in packages {
+        let mut found = false;
+        for e in std::fs::read_dir(&py.purelib)? {
+            let e = e?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            let dist = name
+                .strip_suffix(".dist-info")
+                .and_then(|n| n.split_once('-'))
+                .is_some_and(|(n, _)| n.eq_ignore_ascii_case(&pkg.replace('-', "_")));
+            if name == *pkg || name == format!("{pkg}.libs") || dist {
+                cp(&e.path(), &site.join(&name))?;
+                found |= name == *pkg;
+            }
+        }
+        ensure!(found, "no package {pkg} in {}", py.purelib.display());
+    }
     Ok(())
 }
 
@@ -274,14 +299,6 @@ impl Bench<'_> {
     }
 }
 
-fn cfg(prefetch: bool, record: bool) -> LazyConfig {
-    LazyConfig {
-        prefetch,
-        record,
-        ..LazyConfig::default()
-    }
-}
-
 fn secs(d: Duration) -> String {
     format!("{:.3} s", d.as_secs_f64())
 }
@@ -293,12 +310,14 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
             .context("no workspace root; give --python")?
             .join(".venv/bin/python"),
     };
+    ensure!(args.runs >= 1, "--runs must be at least 1");
     let py = python_info(&python)?;
     let scratch = tempfile::Builder::new()
         .prefix("hotstart-bench-image-")
         .tempdir_in(&args.dir)?;
     let local = scratch.path().join("python");
-    install_tree(&py, &local)?;
+    let packages: Vec<&str> = args.packages.split(',').map(str::trim).collect();
+    install_tree(&py, &local, &packages)?;
     let modules: Vec<&str> = args.modules.split(',').map(str::trim).collect();
     let program = format!(
         "import {}\nnumpy.linalg.inv(numpy.eye(4) * 2.0)\nprint('ok')",
@@ -347,6 +366,20 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
         image,
         version: py.version.clone(),
         program,
+    };
+
+    let cfg = |prefetch: bool, record: bool| {
+        let d = LazyConfig::default();
+        LazyConfig {
+            prefetch,
+            record,
+            mount: hotstart_fuse::MountOptions {
+                kernel_read_ahead: (args.kernel_read_ahead_kib > 0)
+                    .then_some(args.kernel_read_ahead_kib << 10),
+                ..d.mount.clone()
+            },
+            ..d
+        }
     };
 
     // The program runs from the image, not from this machine's Python.
@@ -406,16 +439,22 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
     let ratio_bd = b.as_secs_f64() / d.as_secs_f64();
     let mut md = format!(
         "### Lazy images (`hotstart image`)\n\n\
-         Python {} with numpy, {} files, {:.0} MiB; the program imports {}.\n\
+         Python {} with {}: {} files, {:.0} MiB; the program imports {} modules.\n\
          Store behind an emulated link: {} ms per request, {} MB/s (hotstart-store's throttled \
-         wrapper). Medians of {} runs, page cache dropped before each{}.\n\n\
+         wrapper). Kernel read-ahead of the mounts: {}. Medians of {} runs, page cache dropped \
+         before each{}.\n\n\
          | start | median | vs (a) local copy |\n|---|---:|---:|\n",
         py.version,
+        packages.join(", "),
         record.counts.files,
         record.counts.bytes as f64 / (1 << 20) as f64,
         modules.len(),
         args.latency_ms,
         args.mbps,
+        match args.kernel_read_ahead_kib {
+            0 => "the kernel's default (128 KiB)".to_string(),
+            k => format!("{k} KiB"),
+        },
         args.runs,
         if args.keep_page_cache {
             " (not: --keep-page-cache)"

@@ -236,7 +236,10 @@ pub fn mount_fs<F: Filesystem>(
     check_mountpoint(mountpoint)?;
     // As /proc/self/mountinfo will name it; resolved now, while it is still a plain directory.
     let canonical = mountpoint.canonicalize().map_err(|e| {
-        io::Error::new(e.kind(), format!("mount point {}: {e}", mountpoint.display()))
+        io::Error::new(
+            e.kind(),
+            format!("mount point {}: {e}", mountpoint.display()),
+        )
     })?;
     let adapter = FuseAdapter::new(fs.clone(), rt, opts.max_background.max(1));
     let mut options = vec![

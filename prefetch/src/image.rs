@@ -297,7 +297,6 @@ impl Images {
         let artifacts = image.artifacts();
         // The profile is read while the record and tree are.
         let profile = read_profile(self.store(), Some(&artifacts), &cfg);
-        let t0 = std::time::Instant::now();
         let (_, tree) = match self.open(image).await {
             Ok(t) => t,
             Err(e) => {
@@ -307,7 +306,6 @@ impl Images {
                 return Err(e);
             }
         };
-        eprintln!("DEBUG open {:?}", t0.elapsed());
         LazyMount::mount_with(
             self.chunks.clone(),
             &tree,

@@ -129,6 +129,9 @@ pub struct Loader {
     seen: Mutex<HashMap<ChunkId, (Duration, u32)>>,
     /// Chunks the prefetcher brought in, with their lengths.
     prefetched: Mutex<HashMap<ChunkId, u32>>,
+    /// Bytes of `prefetched` not demanded yet. Changed only under the `seen` lock (taken
+    /// before `prefetched`), so it always equals what `seen` and `prefetched` say.
+    ahead: AtomicU64,
     demand_inflight: AtomicUsize,
     prefetch_inflight: AtomicUsize,
     /// Signalled whenever a fetch ends or a demand read starts or ends.
@@ -169,6 +172,7 @@ impl Loader {
             inflight: Mutex::new(HashMap::new()),
             seen: Mutex::new(HashMap::new()),
             prefetched: Mutex::new(HashMap::new()),
+            ahead: AtomicU64::new(0),
             demand_inflight: AtomicUsize::new(0),
             prefetch_inflight: AtomicUsize::new(0),
             changed: tokio::sync::Notify::new(),
@@ -201,6 +205,9 @@ impl Loader {
                 std::collections::hash_map::Entry::Occupied(_) => false,
                 std::collections::hash_map::Entry::Vacant(v) => {
                     v.insert((self.start.elapsed(), len));
+                    if let Some(&l) = self.prefetched.lock().get(&id) {
+                        self.ahead.fetch_sub(l as u64, Ordering::AcqRel);
+                    }
                     true
                 }
             }
@@ -268,19 +275,21 @@ impl Loader {
     ) -> Option<BoxFuture<'static, PrefetchDone>> {
         let flight = {
             let mut inflight = self.inflight.lock();
-            if inflight.contains_key(&id)
-                || self.mem.lock().contains(&id)
-                || self.seen.lock().contains_key(&id)
-                || self.on_disk(&id)
-            {
+            if inflight.contains_key(&id) || self.mem.lock().contains(&id) || self.on_disk(&id) {
                 return None;
             }
+            let seen = self.seen.lock();
+            if seen.contains_key(&id) {
+                return None;
+            }
+            // Counted before the fetch can end (and fail, which uncounts it).
+            self.prefetched.lock().insert(id, len);
+            self.ahead.fetch_add(len as u64, Ordering::AcqRel);
+            self.prefetch_inflight.fetch_add(1, Ordering::AcqRel);
             let f = self.spawn_fetch(id, Origin::Prefetch);
             inflight.insert(id, (Origin::Prefetch, f.clone()));
             f
         };
-        self.prefetch_inflight.fetch_add(1, Ordering::AcqRel);
-        self.prefetched.lock().insert(id, len);
         let started = Instant::now();
         Some(
             async move {
@@ -308,15 +317,9 @@ impl Loader {
         let _ = tokio::time::timeout(timeout, self.changed.notified()).await;
     }
 
-    /// Prefetched bytes not demanded yet.
+    /// Prefetched bytes not demanded yet (fetched or still arriving).
     pub fn ahead_bytes(&self) -> u64 {
-        let seen = self.seen.lock();
-        self.prefetched
-            .lock()
-            .iter()
-            .filter(|(id, _)| !seen.contains_key(*id))
-            .map(|(_, len)| *len as u64)
-            .sum()
+        self.ahead.load(Ordering::Acquire)
     }
 
     /// Every first demand so far, in the order they happened.
@@ -405,7 +408,12 @@ impl Loader {
                     self.counters
                         .prefetch_errors
                         .fetch_add(1, Ordering::Relaxed);
-                    self.prefetched.lock().remove(&id);
+                    let seen = self.seen.lock();
+                    if let Some(l) = self.prefetched.lock().remove(&id)
+                        && !seen.contains_key(&id)
+                    {
+                        self.ahead.fetch_sub(l as u64, Ordering::AcqRel);
+                    }
                     tracing::warn!(chunk = %id, error = %e, "prefetch failed; a read will retry");
                 }
             }

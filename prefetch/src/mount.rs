@@ -34,6 +34,10 @@ use crate::prefetch::{PrefetchConfig, ReplayStats, replay};
 use crate::profile::{DEFAULT_DECAY_RUNS, Profile, Trace};
 use crate::report::MountReport;
 
+/// The kernel read-ahead of an image mount by default, in bytes: one chunk of the default size
+/// (see [`MountOptions::kernel_read_ahead`]).
+pub const KERNEL_READ_AHEAD: u64 = 1 << 20;
+
 /// How a lazy mount behaves.
 #[derive(Debug, Clone)]
 pub struct LazyConfig {
@@ -69,6 +73,7 @@ impl Default for LazyConfig {
             ttl: Duration::from_secs(3600),
             mount: MountOptions {
                 fs_name: "hotstart-image".to_string(),
+                kernel_read_ahead: Some(KERNEL_READ_AHEAD),
                 ..MountOptions::default()
             },
         }
@@ -105,14 +110,23 @@ pub async fn load_profile(store: &Store, dir: &ArtifactDir) -> Result<Profile> {
     }
 }
 
-/// Merges `traces` into the profile under `dir` and writes it back; returns it.
+/// Merges `traces` into the profile under `dir` and writes it back; returns it. A profile that
+/// cannot be decoded (damaged, or of another format version) is replaced: it is only a hint,
+/// and keeping it would stop every later run from being recorded.
 async fn merge_traces(
     store: &Store,
     dir: &ArtifactDir,
     traces: &[Trace],
     decay_runs: u32,
 ) -> Result<Profile> {
-    let mut profile = load_profile(store, dir).await?;
+    let mut profile = match load_profile(store, dir).await {
+        Ok(p) => p,
+        Err(e @ Error::Format { .. }) => {
+            tracing::warn!(error = %e, "replacing an unreadable profile");
+            Profile::default()
+        }
+        Err(e) => return Err(e),
+    };
     for t in traces {
         profile.merge(t, decay_runs);
     }
@@ -239,9 +253,7 @@ impl LazyMount {
                 stop_rx.clone(),
             ))
         });
-        let t0 = std::time::Instant::now();
         let fs = Arc::new(ImageFs::new(tree, loader.clone(), cfg.ttl));
-        eprintln!("DEBUG fs {:?}", t0.elapsed());
         let opts = MountOptions {
             read_only: true,
             ..cfg.mount.clone()
@@ -253,7 +265,6 @@ impl LazyMount {
                 .await
                 .map_err(|e| Error::task("mount", e))
                 .and_then(|r| r.map_err(|e| Error::io("mount", mountpoint, e)));
-        eprintln!("DEBUG fs+mount {:?}", t0.elapsed());
         let handle = match mounted {
             Ok(h) => h,
             Err(e) => {

@@ -126,6 +126,11 @@ fn images_mount_identical(env: &Env) {
 
     for name in ["sample:dir", "sample:tar"] {
         let ((), report) = env.with_mount(&images, name, LazyConfig::default(), false, |mp| {
+            assert_eq!(
+                hotstart_fuse::bdi::read_ahead(&mp.canonicalize().unwrap()).unwrap(),
+                hotstart_prefetch::mount::KERNEL_READ_AHEAD,
+                "the image mount sets its kernel read-ahead"
+            );
             assert_trees_equal(&src, mp);
             // Read-only, and names that are not there are not there.
             let err = std::fs::write(mp.join("new"), b"x").unwrap_err();
@@ -268,6 +273,34 @@ fn record_then_prefetch_seaweedfs() {
     if let Some(env) = Env::seaweedfs("image-profile") {
         record_then_prefetch(&env);
     }
+}
+
+/// A damaged profile costs a mount its prefetch, never the mount, and that mount's unmount
+/// replaces it with one made from its own trace, which the next mount replays.
+#[test]
+fn a_damaged_profile_costs_only_the_prefetch() {
+    let env = Env::local();
+    let src = env.path("job");
+    write_job_tree(&src);
+    let images = env.images("cache-0");
+    env.build(&images, &src, "job:v1", 64 << 10);
+    let image = ImageRef::parse("job:v1").unwrap();
+    let key = image.artifacts().profile_key();
+    env.rt
+        .block_on(
+            env.store
+                .put(&key, Bytes::from_static(b"HSPROF\x01\x00not zstd")),
+        )
+        .unwrap();
+    let ((), first) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    assert_eq!((first.planned_chunks, first.hits), (0, 0), "{first:?}");
+    assert_eq!(first.demand_fetches, first.chunks_read, "{first:?}");
+    let images = env.images("cache-1");
+    let ((), second) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    assert_eq!(second.prefetched_chunks, first.chunks_read, "{second:?}");
+    assert_eq!(second.demand_fetches, 0, "{second:?}");
+    let (profile, runs) = env.rt.block_on(images.stats(&image)).unwrap();
+    assert_eq!((profile.runs, runs.len()), (2, 2));
 }
 
 /// A chunk of `a` whose stored bytes were replaced: reading `a` is EIO, `b` reads fine.
