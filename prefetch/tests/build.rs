@@ -62,26 +62,7 @@ async fn tarballs_plain_gzip_and_zstd_build_the_same_image() {
     let src = work.path().join("src");
     sample_dir(&src);
     // Whiteouts in a single layer hide nothing of that layer and never appear in the image.
-    let mut raw = tar_of(&src);
-    raw.truncate(raw.len() - 1024);
-    raw.extend(tar_entry(
-        b"./lib/.wh.libbig.so",
-        REGULAR,
-        0o644,
-        b"",
-        b"",
-        None,
-    ));
-    raw.extend(tar_entry(
-        b"./share/.wh..wh..opq",
-        REGULAR,
-        0o644,
-        b"",
-        b"",
-        None,
-    ));
-    raw.extend(tar_entry(b"./fifo", FIFO, 0o644, b"", b"", None));
-    raw.extend_from_slice(&[0u8; 1024]);
+    let raw = tar_with_markers(&src, "lib/libhuge.so", "share");
     let images = local_images(&work.path().join("store"));
     let mut trees = Vec::new();
     for (i, (ext, bytes)) in [

@@ -108,19 +108,7 @@ fn images_mount_identical(env: &Env) {
     sample_dir(&src);
     let images = env.images("cache");
     env.build(&images, &src, "sample:dir", 64 << 10);
-    let mut raw = tar_of(&src);
-    raw.truncate(raw.len() - 1024);
-    raw.extend(tar_entry(b"./data/.wh.big", REGULAR, 0o644, b"", b"", None));
-    raw.extend(tar_entry(
-        b"./deep/.wh..wh..opq",
-        REGULAR,
-        0o644,
-        b"",
-        b"",
-        None,
-    ));
-    raw.extend(tar_entry(b"./fifo", FIFO, 0o644, b"", b"", None));
-    raw.extend_from_slice(&[0u8; 1024]);
+    let raw = tar_with_markers(&src, "data/big", "deep");
     std::fs::write(env.path("layer.tar.zst"), zstd(&raw)).unwrap();
     env.build(&images, &env.path("layer.tar.zst"), "sample:tar", 64 << 10);
 

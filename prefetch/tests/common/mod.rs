@@ -167,3 +167,26 @@ pub fn tar_of(root: &Path) -> Vec<u8> {
     }
     tar(&entries)
 }
+
+/// [`tar_of`] `root`, plus a whiteout of `hidden`, an opaque marker in `opaque` and a FIFO:
+/// markers that, in a single layer, hide nothing and must not appear in the image, and a
+/// special file that is skipped.
+pub fn tar_with_markers(root: &Path, hidden: &str, opaque: &str) -> Vec<u8> {
+    let mut raw = tar_of(root);
+    raw.truncate(raw.len() - 1024);
+    let (dir, name) = hidden.rsplit_once('/').unwrap_or(("", hidden));
+    let whiteout = format!("./{dir}/.wh.{name}");
+    raw.extend(tar_entry(
+        whiteout.as_bytes(),
+        REGULAR,
+        0o644,
+        b"",
+        b"",
+        None,
+    ));
+    let marker = format!("./{opaque}/.wh..wh..opq");
+    raw.extend(tar_entry(marker.as_bytes(), REGULAR, 0o644, b"", b"", None));
+    raw.extend(tar_entry(b"./fifo", FIFO, 0o644, b"", b"", None));
+    raw.extend_from_slice(&[0u8; 1024]);
+    raw
+}
