@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::{Bytes, BytesMut};
 use hotstart_fuse::{CachePolicy, Filesystem, FsError, FsResult, NodeAttr, NodeEntry, NodeKind};
 use hotstart_store::tree::ChunkRef;
-use hotstart_store::{EntryKind, Tree};
+use hotstart_store::{Entry, EntryKind, Tree};
 
 use crate::loader::Loader;
 
@@ -111,42 +111,37 @@ impl ImageFs {
                     }
                     None => continue,
                 },
-                kind => {
-                    let data = match kind {
-                        EntryKind::Dir => Data::Dir {
-                            children: BTreeMap::new(),
+                EntryKind::Dir => push_node(
+                    &mut nodes,
+                    e,
+                    Data::Dir {
+                        children: BTreeMap::new(),
+                    },
+                ),
+                EntryKind::File { size, chunks } => {
+                    let mut offsets = Vec::with_capacity(chunks.len());
+                    let mut at = 0u64;
+                    for c in chunks {
+                        offsets.push(at);
+                        at += c.len as u64;
+                    }
+                    push_node(
+                        &mut nodes,
+                        e,
+                        Data::File {
+                            size: *size,
+                            chunks: chunks.clone(),
+                            offsets,
                         },
-                        EntryKind::File { size, chunks } => {
-                            let mut offsets = Vec::with_capacity(chunks.len());
-                            let mut at = 0u64;
-                            for c in chunks {
-                                offsets.push(at);
-                                at += c.len as u64;
-                            }
-                            Data::File {
-                                size: *size,
-                                chunks: chunks.clone(),
-                                offsets,
-                            }
-                        }
-                        EntryKind::Symlink { target } => Data::Symlink {
-                            target: target.clone(),
-                        },
-                        EntryKind::Hardlink { .. } => unreachable!("matched above"),
-                    };
-                    let is_dir = matches!(data, Data::Dir { .. });
-                    nodes.push(Node {
-                        path: e.path.clone(),
-                        data,
-                        perm: (e.mode & 0o7777) as u16,
-                        uid: e.uid,
-                        gid: e.gid,
-                        mtime: time(e.mtime_ns),
-                        nlink: if is_dir { 2 } else { 1 },
-                        xattrs: e.xattrs.clone(),
-                    });
-                    nodes.len() as u64
+                    )
                 }
+                EntryKind::Symlink { target } => push_node(
+                    &mut nodes,
+                    e,
+                    Data::Symlink {
+                        target: target.clone(),
+                    },
+                ),
             };
             ino_of.insert(&e.path, ino);
             let parent_node = &mut nodes[parent as usize - 1];
@@ -356,6 +351,22 @@ impl Filesystem for ImageFs {
     async fn listxattr(&self, ino: u64) -> FsResult<Vec<String>> {
         Ok(self.node(ino)?.xattrs.keys().cloned().collect())
     }
+}
+
+/// Adds the inode of entry `e` holding `data`; returns its number.
+fn push_node(nodes: &mut Vec<Node>, e: &Entry, data: Data) -> u64 {
+    let is_dir = matches!(data, Data::Dir { .. });
+    nodes.push(Node {
+        path: e.path.clone(),
+        data,
+        perm: (e.mode & 0o7777) as u16,
+        uid: e.uid,
+        gid: e.gid,
+        mtime: time(e.mtime_ns),
+        nlink: if is_dir { 2 } else { 1 },
+        xattrs: e.xattrs.clone(),
+    });
+    nodes.len() as u64
 }
 
 fn join(dir: &str, name: &str) -> String {
