@@ -2,6 +2,7 @@
 
 mod ckpt_cmd;
 mod demo_cmd;
+mod image_cmd;
 mod mount_cmd;
 mod serve_cmd;
 mod store_cmd;
@@ -41,6 +42,10 @@ enum Command {
     /// The main job: 3 sidecars and 3 trainers on this machine, faults injected (kill -9 of a
     /// trainer, of a node, a corrupt chunk) and recovered, the state proved bit-exact.
     Demo(Box<demo_cmd::DemoArgs>),
+    /// Lazy images: build from a directory, tarball or OCI layout; mount read-only with
+    /// hot-chunk record and prefetch; pull; list, inspect and report.
+    #[command(subcommand)]
+    Image(image_cmd::ImageCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -81,6 +86,7 @@ fn main() -> std::process::ExitCode {
             Command::Serve(args) => serve_cmd::run(*args).await,
             // Handled above, before the runtime started.
             Command::Demo(_) => Err(anyhow::anyhow!("the demo runs without an async runtime")),
+            Command::Image(cmd) => image_cmd::run(cmd).await,
         }
     });
     exit(result)

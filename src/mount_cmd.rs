@@ -121,8 +121,7 @@ impl MountArgs {
 pub async fn run(args: MountArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
     let store = Store::open(&args.store).with_context(|| format!("open store {}", args.store))?;
-    let mut sigint = signal(SignalKind::interrupt()).context("install SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("install SIGTERM handler")?;
+    let mut signals = Signals::install()?;
     let mp = args.mountpoint.clone();
     let rt = tokio::runtime::Handle::current();
     let handle = tokio::task::spawn_blocking(move || hotstart_fuse::mount(store, &mp, cfg, rt))
@@ -133,20 +132,48 @@ pub async fn run(args: MountArgs) -> anyhow::Result<()> {
         args.store,
         args.mountpoint.display()
     );
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    loop {
-        tokio::select! {
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
-            _ = tick.tick() => if handle.is_finished() {
-                eprintln!("hotstart: {} was unmounted from outside", args.mountpoint.display());
-                break;
-            },
-        }
-    }
+    signals
+        .wait_or(|| handle.is_finished(), &args.mountpoint)
+        .await?;
     tokio::task::spawn_blocking(move || handle.unmount())
         .await
         .context("unmount task")?
         .with_context(|| format!("unmount {}", args.mountpoint.display()))?;
     Ok(())
+}
+
+/// SIGINT and SIGTERM, caught from the moment this is made (before mounting, so a signal
+/// during the mount is not lost).
+pub struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    pub fn install() -> anyhow::Result<Signals> {
+        Ok(Signals {
+            int: signal(SignalKind::interrupt()).context("install SIGINT handler")?,
+            term: signal(SignalKind::terminate()).context("install SIGTERM handler")?,
+        })
+    }
+
+    /// Waits for a signal, or until `unmounted()` says the mount at `mountpoint` was removed
+    /// from outside.
+    pub async fn wait_or(
+        &mut self,
+        unmounted: impl Fn() -> bool,
+        mountpoint: &std::path::Path,
+    ) -> anyhow::Result<()> {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = self.int.recv() => return Ok(()),
+                _ = self.term.recv() => return Ok(()),
+                _ = tick.tick() => if unmounted() {
+                    eprintln!("hotstart: {} was unmounted from outside", mountpoint.display());
+                    return Ok(());
+                },
+            }
+        }
+    }
 }

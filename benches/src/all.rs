@@ -112,6 +112,11 @@ const BENCHES: &[Bench] = &[
         quick: Runner::Own(&["sidecar", "--gib", "0.125", "--runs", "1"]),
     },
     Bench {
+        name: "image",
+        full: Runner::Own(&["image", "--runs", "3"]),
+        quick: Runner::Own(&["image", "--runs", "1", "--record-runs", "1"]),
+    },
+    Bench {
         name: "python",
         full: Runner::Python(&["--gib", "2", "--runs", "3"]),
         quick: Runner::Python(&["--gib", "0.125", "--tensors", "8", "--runs", "1"]),

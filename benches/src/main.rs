@@ -7,6 +7,7 @@
 //! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
 //! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
 //! cargo run --profile bench -p hotstart-benches -- sidecar --gib 4  # sidecar restores
+//! cargo run --profile bench -p hotstart-benches -- image            # lazy images vs local copy and pull
 //! cargo run --profile bench -p hotstart-benches -- all              # everything, results page
 //! ```
 //!
@@ -16,6 +17,7 @@ mod all;
 mod chart;
 mod ckpt;
 mod fuse;
+mod image;
 mod report;
 mod sidecar;
 mod store_striped;
@@ -46,6 +48,9 @@ enum Command {
     /// (internal) The restarted training process of the sidecar benchmark.
     #[command(hide = true)]
     SidecarRestore(sidecar::RestoreChild),
+
+    /// Starting Python with numpy from a lazy image, against a local copy and a full pull.
+    Image(image::ImageArgs),
 
     /// Every benchmark above (and the Python package's), then benches/results/BENCHMARKS.md,
     /// charts, and the README's performance summary.
@@ -114,6 +119,7 @@ fn main() -> anyhow::Result<()> {
         Command::Fuse(args) => fuse::run(&args)?,
         Command::Sidecar(args) => sidecar::run(&args)?,
         Command::SidecarRestore(args) => sidecar::restore_child(&args)?,
+        Command::Image(args) => image::run(&args)?,
         Command::All(args) => all::all(&args)?,
     }
     Ok(())

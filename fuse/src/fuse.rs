@@ -1,5 +1,6 @@
-//! The thin `fuser` adapter: each FUSE request becomes one task on a tokio runtime that calls
-//! [`StripedFs`] and replies from there.
+//! The thin `fuser` adapter: each FUSE request becomes one task on a tokio runtime that calls a
+//! [`Filesystem`] ([`StripedFs`](crate::StripedFs), or the lazy image filesystem) and replies
+//! from there.
 //!
 //! fuser reads requests on its session thread(s) and calls these methods; none of them blocks:
 //! they convert arguments (names must be UTF-8, as object keys are), spawn the operation through
@@ -11,33 +12,38 @@
 //! At `init` the kernel is asked for 1 MiB reads and writes per request, atomic `O_TRUNC` on
 //! open (so "open existing without truncation" can be told apart), and a `max_background` large
 //! enough for many parallel reads.
+//!
+//! What the kernel may cache comes from the filesystem's [`CachePolicy`]: the TTL of entries and
+//! attributes, whether "no such name" is cached too (a negative entry), and whether an open keeps
+//! the inode's page cache. Symlinks and extended attributes are passed through; a filesystem
+//! without xattrs answers ENOSYS once, so the kernel stops asking.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
-    WriteFlags,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
+    Request, TimeOrNow, WriteFlags,
 };
 use parking_lot::Mutex;
 
 use crate::error::FsError;
-use crate::fs::{Attr, DirEntry, FileKind, StripedFs};
+use crate::filesystem::{CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
 
 /// Bytes per FUSE read or write request asked of the kernel.
 pub const MAX_IO: u32 = 1 << 20;
 
-pub(crate) struct FuseAdapter {
-    fs: Arc<StripedFs>,
+pub(crate) struct FuseAdapter<F> {
+    fs: Arc<F>,
     rt: tokio::runtime::Handle,
-    ttl: Duration,
+    policy: CachePolicy,
     max_background: u16,
-    dirs: Arc<Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>>,
+    dirs: Arc<Mutex<HashMap<u64, Arc<Vec<NodeEntry>>>>>,
     next_dir: AtomicU64,
 }
 
@@ -63,10 +69,11 @@ error_reply!(
     ReplyEmpty,
     ReplyEntry,
     ReplyOpen,
-    ReplyWrite
+    ReplyWrite,
+    ReplyXattr
 );
 
-impl FuseAdapter {
+impl<F: Filesystem> FuseAdapter<F> {
     /// Runs `op` as a task on the runtime, then replies with `ok` and its value, or with the
     /// errno of its error (logged under `what`).
     fn serve<R, T>(
@@ -87,9 +94,9 @@ impl FuseAdapter {
         });
     }
 
-    pub(crate) fn new(fs: Arc<StripedFs>, rt: tokio::runtime::Handle, max_background: u16) -> Self {
+    pub(crate) fn new(fs: Arc<F>, rt: tokio::runtime::Handle, max_background: u16) -> Self {
         FuseAdapter {
-            ttl: fs.config().stat_ttl,
+            policy: fs.cache_policy(),
             fs,
             rt,
             max_background,
@@ -99,11 +106,15 @@ impl FuseAdapter {
     }
 }
 
-fn file_attr(a: &Attr) -> FileAttr {
-    let (kind, nlink) = match a.kind {
-        FileKind::File => (FileType::RegularFile, 1),
-        FileKind::Dir => (FileType::Directory, 2),
-    };
+fn file_type(kind: NodeKind) -> FileType {
+    match kind {
+        NodeKind::File => FileType::RegularFile,
+        NodeKind::Dir => FileType::Directory,
+        NodeKind::Symlink => FileType::Symlink,
+    }
+}
+
+fn file_attr(a: &NodeAttr) -> FileAttr {
     FileAttr {
         ino: INodeNo(a.ino),
         size: a.size,
@@ -112,9 +123,9 @@ fn file_attr(a: &Attr) -> FileAttr {
         mtime: a.mtime,
         ctime: a.mtime,
         crtime: a.mtime,
-        kind,
+        kind: file_type(a.kind),
         perm: a.perm,
-        nlink,
+        nlink: a.nlink,
         uid: a.uid,
         gid: a.gid,
         rdev: 0,
@@ -131,6 +142,17 @@ fn errno(op: &'static str, e: &FsError) -> Errno {
         tracing::warn!(op, errno = code, error = %e, "request failed");
     }
     Errno::from_i32(code)
+}
+
+/// An xattr value or name list: its size when asked for the size, else the bytes if they fit.
+fn xattr_reply(reply: ReplyXattr, size: u32, bytes: &[u8]) {
+    if size == 0 {
+        reply.size(bytes.len() as u32);
+    } else if bytes.len() > size as usize {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(bytes);
+    }
 }
 
 /// A name as UTF-8, or EINVAL (object keys are UTF-8).
@@ -150,7 +172,7 @@ macro_rules! name_or_reply {
     };
 }
 
-impl Filesystem for FuseAdapter {
+impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let wanted = InitFlags::FUSE_ATOMIC_O_TRUNC
             | InitFlags::FUSE_ASYNC_READ
@@ -168,13 +190,35 @@ impl Filesystem for FuseAdapter {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let name = name_or_reply!(name, reply);
-        let (fs, ttl) = (self.fs.clone(), self.ttl);
-        self.serve(
-            "lookup",
-            reply,
-            async move { fs.lookup(parent.0, &name).await },
-            move |r, a| r.entry(&ttl, &file_attr(&a), Generation(0)),
-        );
+        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
+        let Some(negative) = self.policy.negative_ttl else {
+            return self.serve(
+                "lookup",
+                reply,
+                async move { fs.lookup(parent.0, &name).await },
+                move |r, a| r.entry(&ttl, &file_attr(&a), Generation(0)),
+            );
+        };
+        // A cached "no such name": an entry reply for inode 0, valid for `negative`.
+        self.rt.spawn(async move {
+            match fs.lookup(parent.0, &name).await {
+                Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
+                Err(e) if e.errno() == libc::ENOENT => {
+                    let none = NodeAttr {
+                        ino: 0,
+                        kind: NodeKind::File,
+                        size: 0,
+                        mtime: SystemTime::UNIX_EPOCH,
+                        perm: 0,
+                        nlink: 0,
+                        uid: 0,
+                        gid: 0,
+                    };
+                    reply.entry(&negative, &file_attr(&none), Generation(0));
+                }
+                Err(e) => reply.error(errno("lookup", &e)),
+            }
+        });
     }
 
     // fuser's default `batch_forget` calls this once per inode (its element type is not public,
@@ -184,7 +228,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
         self.serve(
             "getattr",
             reply,
@@ -211,7 +255,7 @@ impl Filesystem for FuseAdapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
         self.serve(
             "setattr",
             reply,
@@ -230,7 +274,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         let name = name_or_reply!(name, reply);
-        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
         self.serve(
             "mkdir",
             reply,
@@ -288,11 +332,61 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
+        let open_flags = if self.policy.keep_page_cache {
+            FopenFlags::FOPEN_KEEP_CACHE
+        } else {
+            FopenFlags::empty()
+        };
         self.serve(
             "open",
             reply,
             async move { fs.open(ino.0, flags.0).await },
-            move |r, fh| r.opened(FileHandle(fh), FopenFlags::empty()),
+            move |r, fh| r.opened(FileHandle(fh), open_flags),
+        );
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let fs = self.fs.clone();
+        self.serve(
+            "readlink",
+            reply,
+            async move { fs.readlink(ino.0).await },
+            move |r, target| r.data(&target),
+        );
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        if !self.fs.has_xattrs() {
+            return reply.error(Errno::ENOSYS);
+        }
+        let name = name_or_reply!(name, reply);
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.getxattr(ino.0, &name).await {
+                Ok(Some(value)) => xattr_reply(reply, size, &value),
+                Ok(None) => reply.error(Errno::NO_XATTR),
+                Err(e) => reply.error(errno("getxattr", &e)),
+            }
+        });
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        if !self.fs.has_xattrs() {
+            return reply.error(Errno::ENOSYS);
+        }
+        let fs = self.fs.clone();
+        self.serve(
+            "listxattr",
+            reply,
+            async move { fs.listxattr(ino.0).await },
+            move |r, names| {
+                let mut list = Vec::new();
+                for n in names {
+                    list.extend_from_slice(n.as_bytes());
+                    list.push(0);
+                }
+                xattr_reply(r, size, &list);
+            },
         );
     }
 
@@ -307,7 +401,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         let name = name_or_reply!(name, reply);
-        let (fs, ttl) = (self.fs.clone(), self.ttl);
+        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
         let op = async move { fs.create(parent.0, &name, flags).await };
         self.serve("create", reply, op, move |r, (a, fh)| {
             let attr = file_attr(&a);
@@ -324,7 +418,7 @@ impl Filesystem for FuseAdapter {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -336,7 +430,7 @@ impl Filesystem for FuseAdapter {
         self.serve(
             "read",
             reply,
-            async move { fs.read(fh.0, offset, size as usize).await },
+            async move { fs.read(ino.0, fh.0, offset, size as usize).await },
             move |r, bytes| r.data(&bytes),
         );
     }
@@ -436,13 +530,9 @@ impl Filesystem for FuseAdapter {
             (ino, FileType::Directory, "."),
             (ino, FileType::Directory, ".."),
         ];
-        let listed = entries.iter().map(|e| {
-            let kind = match e.kind {
-                FileKind::File => FileType::RegularFile,
-                FileKind::Dir => FileType::Directory,
-            };
-            (INodeNo(e.ino), kind, e.name.as_str())
-        });
+        let listed = entries
+            .iter()
+            .map(|e| (INodeNo(e.ino), file_type(e.kind), e.name.as_str()));
         for (i, (ino, kind, name)) in dots
             .into_iter()
             .chain(listed)

@@ -11,6 +11,8 @@
 //!   the optional local stripe cache (`cache.rs`).
 //! - [`mount()`] (`fuse.rs` + `mount.rs`): a thin `fuser` adapter that hands every request to a
 //!   tokio runtime and replies from there, plus mounting, unmounting and stale-mount recovery.
+//!   The adapter serves any [`Filesystem`] (`filesystem.rs`): `StripedFs` is one, the lazy
+//!   read-only image filesystem of `hotstart-prefetch` another; [`mount_fs`] mounts either.
 //!
 //! Namespace: every object is a file, `/` in keys makes directories. A directory exists when any
 //! key lies under it, or when its marker object `<dir>/.hotstart-dir` (zero bytes) does; `mkdir`
@@ -20,6 +22,7 @@
 pub mod bdi;
 mod cache;
 mod error;
+mod filesystem;
 mod fs;
 mod fuse;
 mod inode;
@@ -33,8 +36,9 @@ use std::time::Duration;
 
 pub use cache::StripeCache;
 pub use error::{FsError, FsResult};
+pub use filesystem::{CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
 pub use fs::{Attr, DirEntry, FileKind, StripedFs};
-pub use mount::{MountConfig, MountHandle, clear_stale_mount, mount};
+pub use mount::{MountConfig, MountHandle, MountOptions, clear_stale_mount, mount, mount_fs};
 pub use spill::{SpillError, SpillSpace};
 
 /// The zero-byte object that makes an empty directory exist: `<dir>/.hotstart-dir`.

@@ -1,9 +1,11 @@
 //! Mounting, unmounting, and recovering a mount point left behind by a crash.
 //!
-//! [`mount`] wraps a store in [`StripedFs`], mounts it through fuser (pure Rust, through
-//! `fusermount3`: no libfuse needed) on a background session thread, and returns a
-//! [`MountHandle`] that unmounts when told to or when dropped, so a test or a CLI that panics
-//! still leaves no mount behind.
+//! [`mount_fs`] mounts any [`Filesystem`] through fuser (pure Rust, through `fusermount3`: no
+//! libfuse needed) on a background session thread, and returns a [`MountHandle`] that unmounts
+//! when told to or when dropped, so a test or a CLI that panics still leaves no mount behind.
+//! [`mount`] does that for a store wrapped in [`StripedFs`]. With
+//! [`MountOptions::kernel_read_ahead`], the kernel's read-ahead window for the new mount is
+//! raised right after mounting (see `bdi.rs`).
 //!
 //! **Crash recovery.** A process killed while mounted leaves the kernel mount in place with
 //! nobody serving it: every access to the mount point fails with ENOTCONN ("Transport endpoint is
@@ -21,6 +23,7 @@ use fuser::{BackgroundSession, Config, MountOption, SessionACL};
 use hotstart_store::Store;
 
 use crate::FsConfig;
+use crate::filesystem::Filesystem;
 use crate::fs::StripedFs;
 use crate::fuse::FuseAdapter;
 
@@ -56,14 +59,53 @@ impl Default for MountConfig {
     }
 }
 
-/// A live mount; unmounted by [`MountHandle::unmount`] or on drop.
-pub struct MountHandle {
-    session: Option<BackgroundSession>,
-    mountpoint: PathBuf,
-    fs: Arc<StripedFs>,
+impl MountConfig {
+    /// The session options of this configuration.
+    pub fn options(&self) -> MountOptions {
+        MountOptions {
+            read_only: self.fs.read_only,
+            allow_other: self.allow_other,
+            threads: self.threads,
+            max_background: self.max_background,
+            fs_name: self.fs_name.clone(),
+            kernel_read_ahead: self.kernel_read_ahead,
+        }
+    }
 }
 
-impl std::fmt::Debug for MountHandle {
+/// How any [`Filesystem`] is mounted (the session, not the filesystem's own behaviour).
+#[derive(Debug, Clone)]
+pub struct MountOptions {
+    /// Mount read-only (the kernel refuses changes with EROFS before asking the filesystem).
+    pub read_only: bool,
+    /// Let users other than the one who mounted access the mount (FUSE `allow_other`).
+    pub allow_other: bool,
+    /// fuser session threads reading requests from the kernel (requests run on tokio).
+    pub threads: usize,
+    /// Requests the kernel keeps in flight in the background (read-ahead, async reads).
+    pub max_background: u16,
+    /// The source name shown in /proc/mounts.
+    pub fs_name: String,
+    /// The kernel's read-ahead window for the mount, in bytes (`None` keeps the kernel's
+    /// default of 128 KiB). Setting it needs root; without root the default stays, with a log
+    /// line. See `bdi.rs`.
+    pub kernel_read_ahead: Option<u64>,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountConfig::default().options()
+    }
+}
+
+/// A live mount; unmounted by [`MountHandle::unmount`] or on drop.
+pub struct MountHandle<F = StripedFs> {
+    session: Option<BackgroundSession>,
+    mountpoint: PathBuf,
+    fs: Arc<F>,
+}
+
+impl<F> std::fmt::Debug for MountHandle<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MountHandle")
             .field("mountpoint", &self.mountpoint)
@@ -71,9 +113,9 @@ impl std::fmt::Debug for MountHandle {
     }
 }
 
-impl MountHandle {
-    /// The filesystem being served (for its budget and store).
-    pub fn fs(&self) -> &Arc<StripedFs> {
+impl<F> MountHandle<F> {
+    /// The filesystem being served.
+    pub fn fs(&self) -> &Arc<F> {
         &self.fs
     }
 
@@ -107,7 +149,7 @@ impl MountHandle {
     }
 }
 
-impl Drop for MountHandle {
+impl<F> Drop for MountHandle<F> {
     fn drop(&mut self) {
         if let Err(e) = self.unmount_inner() {
             tracing::error!(mountpoint = %self.mountpoint.display(), error = %e, "could not unmount");
@@ -147,13 +189,26 @@ pub fn clear_stale_mount(mountpoint: &Path) -> io::Result<bool> {
     }
 }
 
-/// Mounts `store` at `mountpoint`; requests run on `rt`.
+/// Mounts `store` at `mountpoint` as a [`StripedFs`]; requests run on `rt`.
 pub fn mount(
     store: Store,
     mountpoint: &Path,
     cfg: MountConfig,
     rt: tokio::runtime::Handle,
 ) -> io::Result<MountHandle> {
+    if let Some(dir) = &cfg.fs.cache_dir {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            io::Error::new(e.kind(), format!("cache directory {}: {e}", dir.display()))
+        })?;
+    }
+    let fs = Arc::new(StripedFs::new(store, cfg.fs.clone()));
+    let handle = mount_fs(fs, mountpoint, &cfg.options(), rt)?;
+    tracing::info!(mountpoint = %mountpoint.display(), store = handle.fs().store().url(), "mounted");
+    Ok(handle)
+}
+
+/// Clears a stale mount at `mountpoint` and checks it is a directory.
+fn check_mountpoint(mountpoint: &Path) -> io::Result<()> {
     clear_stale_mount(mountpoint)?;
     let meta = std::fs::metadata(mountpoint).map_err(|e| {
         io::Error::new(
@@ -167,44 +222,54 @@ pub fn mount(
             format!("mount point {} is not a directory", mountpoint.display()),
         ));
     }
+    Ok(())
+}
+
+/// Mounts any [`Filesystem`] at `mountpoint` (clearing a stale mount left there by a crashed
+/// process first); requests run on `rt`.
+pub fn mount_fs<F: Filesystem>(
+    fs: Arc<F>,
+    mountpoint: &Path,
+    opts: &MountOptions,
+    rt: tokio::runtime::Handle,
+) -> io::Result<MountHandle<F>> {
+    check_mountpoint(mountpoint)?;
     // As /proc/self/mountinfo will name it; resolved now, while it is still a plain directory.
-    let canonical = mountpoint.canonicalize()?;
-    if let Some(dir) = &cfg.fs.cache_dir {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            io::Error::new(e.kind(), format!("cache directory {}: {e}", dir.display()))
-        })?;
-    }
-    let fs = Arc::new(StripedFs::new(store, cfg.fs.clone()));
-    let adapter = FuseAdapter::new(fs.clone(), rt, cfg.max_background.max(1));
+    let canonical = mountpoint.canonicalize().map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("mount point {}: {e}", mountpoint.display()),
+        )
+    })?;
+    let adapter = FuseAdapter::new(fs.clone(), rt, opts.max_background.max(1));
     let mut options = vec![
-        MountOption::FSName(cfg.fs_name.clone()),
+        MountOption::FSName(opts.fs_name.clone()),
         MountOption::Subtype("hotstart".to_string()),
         MountOption::NoDev,
         MountOption::NoSuid,
         MountOption::NoAtime,
     ];
-    options.push(if cfg.fs.read_only {
+    options.push(if opts.read_only {
         MountOption::RO
     } else {
         MountOption::RW
     });
     let mut config = Config::default();
     config.mount_options = options;
-    config.acl = if cfg.allow_other {
+    config.acl = if opts.allow_other {
         SessionACL::All
     } else {
         SessionACL::Owner
     };
-    config.n_threads = Some(cfg.threads.max(1));
+    config.n_threads = Some(opts.threads.max(1));
     let session = fuser::spawn_mount(adapter, mountpoint, &config)
         .map_err(|e| io::Error::new(e.kind(), format!("mount {}: {e}", mountpoint.display())))?;
-    if let Some(bytes) = cfg.kernel_read_ahead
+    if let Some(bytes) = opts.kernel_read_ahead
         && let Err(e) = crate::bdi::set_read_ahead(&canonical, bytes)
     {
         tracing::warn!(mountpoint = %mountpoint.display(), error = %e,
             "cannot set the kernel read-ahead (needs root); sequential reads will be slower");
     }
-    tracing::info!(mountpoint = %mountpoint.display(), store = fs.store().url(), "mounted");
     Ok(MountHandle {
         session: Some(session),
         mountpoint: mountpoint.to_path_buf(),

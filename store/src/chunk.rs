@@ -119,6 +119,7 @@ impl Default for ChunkStoreConfig {
 }
 
 type SharedFetch = Shared<BoxFuture<'static, Result<Bytes, Arc<Error>>>>;
+type SharedPut = Shared<BoxFuture<'static, Result<(), Arc<Error>>>>;
 
 /// Content-addressed chunks in a store. Cheap to clone.
 #[derive(Clone)]
@@ -131,6 +132,8 @@ struct Inner {
     cfg: ChunkStoreConfig,
     cache: Option<ChunkCache>,
     fetching: Mutex<HashMap<ChunkId, SharedFetch>>,
+    /// Uploads in progress, so that two writers of the same new chunk upload it once.
+    putting: Mutex<HashMap<ChunkId, SharedPut>>,
     /// Chunks this process has seen in the store (uploaded or checked).
     present: Mutex<HashSet<ChunkId>>,
     stats: Mutex<ChunkStats>,
@@ -175,6 +178,7 @@ impl ChunkStore {
                 cfg,
                 cache,
                 fetching: Mutex::new(HashMap::new()),
+                putting: Mutex::new(HashMap::new()),
                 present: Mutex::new(HashSet::new()),
                 stats: Mutex::new(ChunkStats::default()),
             }),
@@ -184,6 +188,11 @@ impl ChunkStore {
     /// The store the chunks live in.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// How this chunk store fetches, caches and compresses.
+    pub fn config(&self) -> &ChunkStoreConfig {
+        &self.inner.cfg
     }
 
     /// The local cache, if any.
@@ -223,16 +232,59 @@ impl ChunkStore {
             .collect())
     }
 
-    /// Stores `data` unless the store already has it; returns its id.
+    /// Stores `data` unless the store already has it; returns its id. Concurrent puts of the
+    /// same new chunk upload it once.
     pub async fn put(&self, data: Bytes) -> Result<ChunkId> {
-        let level = self.inner.cfg.zstd_level;
         let (id, data) = tokio::task::spawn_blocking(move || (ChunkId::of(&data), data))
             .await
             .map_err(|e| Error::task("chunk hash", e))?;
-        if self.contains(&id).await? {
+        if self.inner.present.lock().contains(&id) {
             self.inner.stats.lock().deduplicated += 1;
             return Ok(id);
         }
+        let (upload, first) = {
+            let mut putting = self.inner.putting.lock();
+            match putting.get(&id) {
+                Some(u) => (u.clone(), false),
+                None => {
+                    let u = self.spawn_put(id, data);
+                    putting.insert(id, u.clone());
+                    (u, true)
+                }
+            }
+        };
+        upload.await.map_err(Error::Shared)?;
+        if !first {
+            self.inner.stats.lock().deduplicated += 1;
+        }
+        Ok(id)
+    }
+
+    /// Starts the one upload of `id` (unless the store has it) that every concurrent writer
+    /// waits on; it runs as its own task and leaves the map when done.
+    fn spawn_put(&self, id: ChunkId, data: Bytes) -> SharedPut {
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let res = this.upload(id, data).await;
+            this.inner.putting.lock().remove(&id);
+            res
+        });
+        async move {
+            match task.await {
+                Ok(res) => res.map_err(Arc::new),
+                Err(e) => Err(Arc::new(Error::task("chunk upload", e))),
+            }
+        }
+        .boxed()
+        .shared()
+    }
+
+    async fn upload(&self, id: ChunkId, data: Bytes) -> Result<()> {
+        if self.contains(&id).await? {
+            self.inner.stats.lock().deduplicated += 1;
+            return Ok(());
+        }
+        let level = self.inner.cfg.zstd_level;
         let frame = tokio::task::spawn_blocking(move || zstd::bulk::compress(&data, level))
             .await
             .map_err(|e| Error::task("chunk compress", e))?
@@ -243,7 +295,7 @@ impl ChunkStore {
         let mut stats = self.inner.stats.lock();
         stats.uploaded += 1;
         stats.uploaded_bytes += n;
-        Ok(id)
+        Ok(())
     }
 
     /// Stores many chunks with bounded concurrency; ids in input order.
@@ -367,6 +419,22 @@ mod tests {
         assert!(ChunkId::from_hex("zz").is_err());
         let json = serde_json::to_string(&id).unwrap();
         assert_eq!(serde_json::from_str::<ChunkId>(&json).unwrap(), id);
+    }
+
+    #[tokio::test]
+    async fn concurrent_puts_of_one_chunk_upload_once() {
+        use crate::wrap::{Counter, Interceptor, Op};
+        let counter = Arc::new(Counter::default());
+        let store = Store::open("memory://")
+            .unwrap()
+            .wrap(|inner| counter.clone().wrap(inner));
+        let chunks = ChunkStore::new(store, ChunkStoreConfig::default()).unwrap();
+        let data = Bytes::from(vec![9u8; 100_000]);
+        let ids = chunks.put_many(vec![data.clone(); 8]).await.unwrap();
+        assert!(ids.iter().all(|id| *id == ChunkId::of(&data)));
+        assert_eq!(counter.get(Op::Put).requests, 1);
+        let stats = chunks.stats();
+        assert_eq!((stats.uploaded, stats.deduplicated), (1, 7));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`ChunkStore`]: content-addressed, zstd-compressed chunks, verified on every read, with a
 //!   bounded local disk cache and single-flight fetches.
 //! - [`Tree`]: the manifest of a file tree (images and environment snapshots are trees).
+//! - [`LruIndex`]: the least-recently-used bookkeeping of caches bounded by bytes.
 //! - [`transfer`]: whole files copied between local disk and a store, striped both ways.
 //! - [`uring`]: local files written and read through io_uring with O_DIRECT.
 //! - [`wrap`]: `ObjectStore` wrappers for tests and benchmarks: throttled, fault-injecting,
@@ -15,6 +16,7 @@
 pub mod budget;
 pub mod chunk;
 pub mod error;
+pub mod lru;
 pub mod striped;
 pub mod transfer;
 pub mod tree;
@@ -25,6 +27,7 @@ pub mod wrap;
 pub use budget::ByteBudget;
 pub use chunk::{ChunkCache, ChunkId, ChunkStore, ChunkStoreConfig};
 pub use error::{Error, Result};
+pub use lru::LruIndex;
 pub use striped::{StripeConfig, StripedReader, StripedWriter};
 pub use tree::{Entry, EntryKind, Tree};
 pub use url::{ObjectInfo, Store, StoreUrl};

@@ -15,7 +15,7 @@
 //! `lib/passwd`) is refused with [`Error::UnsafePath`] naming the entry, and files are created with
 //! `O_NOFOLLOW | O_EXCL`, so nothing is ever written outside the destination.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::CString;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
@@ -28,6 +28,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::chunk::{ChunkId, ChunkStore};
 use crate::error::{Error, Result};
+
+mod xattr;
 
 /// The format version written by this build.
 pub const TREE_FORMAT_VERSION: u16 = 1;
@@ -63,6 +65,10 @@ pub struct Entry {
     /// Modification time in nanoseconds since the Unix epoch.
     #[serde(rename = "t", default)]
     pub mtime_ns: i64,
+    /// Extended attributes (name → value), where the source had any. Empty for hard links: the
+    /// file they link to carries them.
+    #[serde(rename = "x", default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, Vec<u8>>,
 }
 
 /// What an entry is.
@@ -268,7 +274,8 @@ impl Tree {
             .await
             .map_err(|e| Error::task("tree walk", e))??;
         let mut entries = Vec::with_capacity(walked.len());
-        // Files are chunked a few at a time; each file's chunks upload with the store's concurrency.
+        // Files are chunked as many at a time as the chunk store uploads (small files are one
+        // round trip each); each file's chunks upload with the store's concurrency too.
         let built: Vec<Entry> = futures::stream::iter(walked)
             .map(|w| async move {
                 match w.file {
@@ -282,7 +289,7 @@ impl Tree {
                     None => Ok(w.entry),
                 }
             })
-            .buffered(4)
+            .buffered(chunks.config().concurrency.max(1))
             .try_collect()
             .await?;
         entries.extend(built);
@@ -323,9 +330,11 @@ impl Tree {
             }
         }
         let (links, plain): (Vec<_>, Vec<_>) = files.into_iter().partition(|(_, _, t)| t.is_some());
+        // Many files at once: small files are one round trip each, so a tree of many small files
+        // is latency-bound unless their fetches overlap.
         futures::stream::iter(plain)
             .map(|(e, abs, _)| write_file(e, abs, chunks))
-            .buffer_unordered(4)
+            .buffer_unordered(chunks.config().concurrency.max(1))
             .try_collect::<()>()
             .await?;
         for (_, abs, target) in links {
@@ -337,9 +346,13 @@ impl Tree {
         for e in self.entries.iter().rev() {
             let abs = dest.join(&e.path);
             match e.kind {
-                EntryKind::Symlink { .. } => set_mtime(&abs, e.mtime_ns, true)?,
+                EntryKind::Symlink { .. } => {
+                    xattr::write(&abs, &e.xattrs)?;
+                    set_mtime(&abs, e.mtime_ns, true)?;
+                }
                 EntryKind::Hardlink { .. } => {}
                 _ => {
+                    xattr::write(&abs, &e.xattrs)?;
                     std::fs::set_permissions(
                         &abs,
                         std::fs::Permissions::from_mode(e.mode & 0o7777),
@@ -495,6 +508,7 @@ fn walk(root: &Path) -> Result<Vec<Walked>> {
                 uid: m.uid(),
                 gid: m.gid(),
                 mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+                xattrs: xattr::read(&abs)?,
             };
             let mut file = None;
             let mut inode = None;
@@ -537,6 +551,7 @@ fn walk(root: &Path) -> Result<Vec<Walked>> {
                 w.entry.kind = EntryKind::Hardlink {
                     target: first.clone(),
                 };
+                w.entry.xattrs.clear();
                 w.file = None;
             }
             None => {
@@ -643,6 +658,7 @@ mod tests {
                 uid: 0,
                 gid: 0,
                 mtime_ns: 0,
+                xattrs: BTreeMap::new(),
             }],
         };
         let enc = tree.encode().unwrap();

@@ -12,6 +12,7 @@ fn entry(path: &str, kind: EntryKind) -> Entry {
         uid: 0,
         gid: 0,
         mtime_ns: 0,
+        xattrs: Default::default(),
     }
 }
 

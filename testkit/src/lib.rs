@@ -24,6 +24,9 @@
 //! [`spawn_tied`] spawns any child that way (sidecars and trainers in end-to-end tests), and
 //! [`get`] is a plain HTTP GET (a sidecar's `/metrics`).
 //!
+//! [`tree`] has a sample directory with every kind of entry and a walk that compares two
+//! trees, for the tests of trees, images and snapshots.
+//!
 //! Only std, libc and tempfile are used: the helpers speak plain HTTP/1.1 over `TcpStream`
 //! (unsigned requests, which SeaweedFS accepts when it has no identities configured).
 
@@ -32,6 +35,7 @@ mod http;
 mod locate;
 mod seaweedfs;
 mod spawn;
+pub mod tree;
 
 pub use data::pattern;
 pub use http::{Response, get};

@@ -6,7 +6,6 @@
 //! (oldest modification first) to rebuild the LRU order; on every hit the content is re-hashed, so
 //! a cache file damaged on disk is dropped and refetched rather than returned.
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,6 +15,7 @@ use parking_lot::Mutex;
 
 use super::ChunkId;
 use crate::error::{Error, Result};
+use crate::lru::LruIndex;
 
 /// A bounded on-disk cache of verified chunk plaintext. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -27,52 +27,8 @@ pub struct ChunkCache {
 struct CacheInner {
     dir: PathBuf,
     capacity: u64,
-    lru: Mutex<Lru>,
+    lru: Mutex<LruIndex<ChunkId>>,
     tmp_counter: AtomicU64,
-}
-
-#[derive(Debug, Default)]
-struct Lru {
-    /// id → (last-use tick, size)
-    entries: HashMap<ChunkId, (u64, u64)>,
-    /// last-use tick → id
-    order: BTreeMap<u64, ChunkId>,
-    bytes: u64,
-    tick: u64,
-}
-
-impl Lru {
-    fn touch(&mut self, id: ChunkId, size: u64) {
-        self.tick += 1;
-        if let Some((old, old_size)) = self.entries.insert(id, (self.tick, size)) {
-            self.order.remove(&old);
-            self.bytes -= old_size;
-        }
-        self.order.insert(self.tick, id);
-        self.bytes += size;
-    }
-
-    fn remove(&mut self, id: &ChunkId) {
-        if let Some((tick, size)) = self.entries.remove(id) {
-            self.order.remove(&tick);
-            self.bytes -= size;
-        }
-    }
-
-    /// Pops least recently used entries until `bytes <= capacity`.
-    fn evict(&mut self, capacity: u64) -> Vec<ChunkId> {
-        let mut out = Vec::new();
-        while self.bytes > capacity {
-            let Some((_, id)) = self.order.pop_first() else {
-                break;
-            };
-            if let Some((_, size)) = self.entries.remove(&id) {
-                self.bytes -= size;
-            }
-            out.push(id);
-        }
-        out
-    }
 }
 
 impl ChunkCache {
@@ -106,7 +62,7 @@ impl ChunkCache {
             }
         }
         found.sort_by_key(|(mtime, _, _)| *mtime);
-        let mut lru = Lru::default();
+        let mut lru = LruIndex::default();
         for (_, id, size) in found {
             lru.touch(id, size);
         }
@@ -131,15 +87,13 @@ impl ChunkCache {
 
     /// The cached file of `id`, if cached, marking it used: for hard-linking chunk files.
     pub fn file(&self, id: &ChunkId) -> Option<PathBuf> {
-        let mut lru = self.inner.lru.lock();
-        let size = lru.entries.get(id)?.1;
-        lru.touch(*id, size);
+        self.inner.lru.lock().use_existing(id)?;
         Some(self.path_of(id))
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        self.inner.lru.lock().bytes
+        self.inner.lru.lock().bytes()
     }
 
     /// The capacity in bytes.
@@ -149,7 +103,7 @@ impl ChunkCache {
 
     /// Whether `id` is cached.
     pub fn contains(&self, id: &ChunkId) -> bool {
-        self.inner.lru.lock().entries.contains_key(id)
+        self.inner.lru.lock().contains(id)
     }
 
     /// The verified plaintext of `id`, if cached. A cache file that no longer matches its id is

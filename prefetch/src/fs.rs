@@ -1,0 +1,378 @@
+//! [`ImageFs`]: a [`Tree`] served read-only, its file contents read lazily through a
+//! [`Loader`]. A plain type: the FUSE adapter of `hotstart-fuse` serves it through the
+//! [`Filesystem`] trait, and tests call it directly.
+//!
+//! The whole namespace is built in memory when the filesystem is made: inode 1 is the root,
+//! every tree entry gets the next number, and a hard link is one more name of its target's inode
+//! (whose link count says how many names it has). Lookups, attributes, listings, symlink targets
+//! and xattrs never touch the store. A read finds the chunks that cover its range (by binary
+//! search over each file's chunk offsets), asks the loader for them concurrently, and returns
+//! the requested slice; a chunk that cannot be fetched or fails verification makes that read
+//! EIO, and only that file's reads that touch it.
+//!
+//! Nothing can change, so the kernel may cache everything for as long as it likes: entries,
+//! attributes and negative lookups get the configured TTL, and open files keep their page cache.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::{Bytes, BytesMut};
+use hotstart_fuse::{CachePolicy, Filesystem, FsError, FsResult, NodeAttr, NodeEntry, NodeKind};
+use hotstart_store::tree::ChunkRef;
+use hotstart_store::{Entry, EntryKind, Tree};
+
+use crate::loader::Loader;
+
+const ROOT: u64 = 1;
+
+#[derive(Debug)]
+enum Data {
+    Dir {
+        children: BTreeMap<String, u64>,
+    },
+    File {
+        size: u64,
+        chunks: Vec<ChunkRef>,
+        offsets: Vec<u64>,
+    },
+    Symlink {
+        target: String,
+    },
+}
+
+#[derive(Debug)]
+struct Node {
+    path: String,
+    data: Data,
+    perm: u16,
+    uid: u32,
+    gid: u32,
+    mtime: SystemTime,
+    nlink: u32,
+    xattrs: BTreeMap<String, Vec<u8>>,
+}
+
+/// A read-only, lazily read tree.
+pub struct ImageFs {
+    /// Inode `i` is `nodes[i - 1]`.
+    nodes: Vec<Node>,
+    loader: Arc<Loader>,
+    ttl: Duration,
+}
+
+impl std::fmt::Debug for ImageFs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageFs")
+            .field("inodes", &self.nodes.len())
+            .finish()
+    }
+}
+
+fn time(ns: i64) -> SystemTime {
+    if ns >= 0 {
+        UNIX_EPOCH + Duration::from_nanos(ns as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_nanos(ns.unsigned_abs())
+    }
+}
+
+impl ImageFs {
+    /// The filesystem of `tree` (already validated: sorted, parents first, hard links after
+    /// their targets), reading through `loader`; the kernel may cache for `ttl`.
+    pub fn new(tree: &Tree, loader: Arc<Loader>, ttl: Duration) -> ImageFs {
+        let mut nodes = vec![Node {
+            path: String::new(),
+            data: Data::Dir {
+                children: BTreeMap::new(),
+            },
+            perm: 0o755,
+            uid: 0,
+            gid: 0,
+            mtime: UNIX_EPOCH,
+            nlink: 2,
+            xattrs: BTreeMap::new(),
+        }];
+        let mut ino_of: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+        ino_of.insert("", ROOT);
+        for e in &tree.entries {
+            let (dir, name) = e.path.rsplit_once('/').unwrap_or(("", &e.path));
+            // Validation put parents first; an entry whose parent is missing or not a
+            // directory is unreachable, so it is left out rather than attached elsewhere.
+            let Some(&parent) = ino_of.get(dir) else {
+                tracing::warn!(path = %e.path, "tree entry without a parent directory; hidden");
+                continue;
+            };
+            let ino = match &e.kind {
+                EntryKind::Hardlink { target } => match ino_of.get(target.as_str()) {
+                    Some(&t) => {
+                        nodes[t as usize - 1].nlink += 1;
+                        t
+                    }
+                    None => continue,
+                },
+                EntryKind::Dir => push_node(
+                    &mut nodes,
+                    e,
+                    Data::Dir {
+                        children: BTreeMap::new(),
+                    },
+                ),
+                EntryKind::File { size, chunks } => {
+                    let mut offsets = Vec::with_capacity(chunks.len());
+                    let mut at = 0u64;
+                    for c in chunks {
+                        offsets.push(at);
+                        at += c.len as u64;
+                    }
+                    push_node(
+                        &mut nodes,
+                        e,
+                        Data::File {
+                            size: *size,
+                            chunks: chunks.clone(),
+                            offsets,
+                        },
+                    )
+                }
+                EntryKind::Symlink { target } => push_node(
+                    &mut nodes,
+                    e,
+                    Data::Symlink {
+                        target: target.clone(),
+                    },
+                ),
+            };
+            ino_of.insert(&e.path, ino);
+            let parent_node = &mut nodes[parent as usize - 1];
+            match &mut parent_node.data {
+                Data::Dir { children } => {
+                    children.insert(name.to_string(), ino);
+                }
+                _ => {
+                    tracing::warn!(path = %e.path, "tree entry under a non-directory; hidden");
+                    continue;
+                }
+            }
+            if matches!(nodes[ino as usize - 1].data, Data::Dir { .. }) && ino != parent {
+                nodes[parent as usize - 1].nlink += 1;
+            }
+        }
+        ImageFs { nodes, loader, ttl }
+    }
+
+    /// The loader reads go through.
+    pub fn loader(&self) -> &Arc<Loader> {
+        &self.loader
+    }
+
+    fn node(&self, ino: u64) -> FsResult<&Node> {
+        ino.checked_sub(1)
+            .and_then(|i| self.nodes.get(i as usize))
+            .ok_or_else(|| FsError::NotFound {
+                path: format!("<inode {ino}>"),
+            })
+    }
+
+    fn attr(&self, ino: u64, n: &Node) -> NodeAttr {
+        let (kind, size) = match &n.data {
+            Data::Dir { .. } => (NodeKind::Dir, 0),
+            Data::File { size, .. } => (NodeKind::File, *size),
+            Data::Symlink { target } => (NodeKind::Symlink, target.len() as u64),
+        };
+        NodeAttr {
+            ino,
+            kind,
+            size,
+            mtime: n.mtime,
+            perm: n.perm,
+            nlink: n.nlink,
+            uid: n.uid,
+            gid: n.gid,
+        }
+    }
+
+    fn kind(n: &Node) -> NodeKind {
+        match n.data {
+            Data::Dir { .. } => NodeKind::Dir,
+            Data::File { .. } => NodeKind::File,
+            Data::Symlink { .. } => NodeKind::Symlink,
+        }
+    }
+
+    /// Reads `len` bytes at `offset` of file `ino` (fewer at the end of the file).
+    pub async fn read_at(&self, ino: u64, offset: u64, len: usize) -> FsResult<Bytes> {
+        let n = self.node(ino)?;
+        let Data::File {
+            size,
+            chunks,
+            offsets,
+        } = &n.data
+        else {
+            return Err(match n.data {
+                Data::Dir { .. } => FsError::IsDir {
+                    path: n.path.clone(),
+                },
+                _ => FsError::Invalid {
+                    path: n.path.clone(),
+                    reason: "not a regular file".into(),
+                },
+            });
+        };
+        if offset >= *size || len == 0 {
+            self.loader.count_read(0);
+            return Ok(Bytes::new());
+        }
+        let end = (offset + len as u64).min(*size);
+        // The chunk holding `offset`, and every following one that starts before `end`.
+        let first = offsets.partition_point(|&o| o <= offset) - 1;
+        let last = offsets.partition_point(|&o| o < end) - 1;
+        let wanted = &chunks[first..=last];
+        let fetched =
+            futures::future::join_all(wanted.iter().map(|c| self.loader.demand(c.id, c.len))).await;
+        let mut parts = Vec::with_capacity(wanted.len());
+        for (i, (res, c)) in fetched.into_iter().zip(wanted).enumerate() {
+            let data = res.map_err(|source| FsError::Store {
+                path: n.path.clone(),
+                source,
+            })?;
+            if data.len() != c.len as usize {
+                return Err(FsError::Store {
+                    path: n.path.clone(),
+                    source: hotstart_store::Error::Corrupt {
+                        id: c.id.to_hex(),
+                        reason: format!("{} bytes, the tree says {}", data.len(), c.len),
+                    },
+                });
+            }
+            let start = offsets[first + i];
+            let from = offset.saturating_sub(start) as usize;
+            let to = ((end - start) as usize).min(data.len());
+            parts.push(data.slice(from..to));
+        }
+        let out = if parts.len() == 1 {
+            parts.pop().unwrap_or_default()
+        } else {
+            let mut buf = BytesMut::with_capacity((end - offset) as usize);
+            for p in parts {
+                buf.extend_from_slice(&p);
+            }
+            buf.freeze()
+        };
+        self.loader.count_read(out.len() as u64);
+        Ok(out)
+    }
+}
+
+impl Filesystem for ImageFs {
+    fn cache_policy(&self) -> CachePolicy {
+        CachePolicy {
+            ttl: self.ttl,
+            negative_ttl: Some(self.ttl),
+            keep_page_cache: true,
+        }
+    }
+
+    async fn lookup(&self, parent: u64, name: &str) -> FsResult<NodeAttr> {
+        let dir = self.node(parent)?;
+        let Data::Dir { children } = &dir.data else {
+            return Err(FsError::NotDir {
+                path: dir.path.clone(),
+            });
+        };
+        let ino = *children.get(name).ok_or_else(|| FsError::NotFound {
+            path: join(&dir.path, name),
+        })?;
+        Ok(self.attr(ino, self.node(ino)?))
+    }
+
+    async fn getattr(&self, ino: u64) -> FsResult<NodeAttr> {
+        Ok(self.attr(ino, self.node(ino)?))
+    }
+
+    async fn readdir(&self, ino: u64) -> FsResult<Vec<NodeEntry>> {
+        let dir = self.node(ino)?;
+        let Data::Dir { children } = &dir.data else {
+            return Err(FsError::NotDir {
+                path: dir.path.clone(),
+            });
+        };
+        children
+            .iter()
+            .map(|(name, &ino)| {
+                Ok(NodeEntry {
+                    ino,
+                    name: name.clone(),
+                    kind: Self::kind(self.node(ino)?),
+                })
+            })
+            .collect()
+    }
+
+    async fn open(&self, ino: u64, flags: i32) -> FsResult<u64> {
+        let n = self.node(ino)?;
+        if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
+            return Err(FsError::ReadOnly {
+                path: n.path.clone(),
+            });
+        }
+        match n.data {
+            Data::Dir { .. } => Err(FsError::IsDir {
+                path: n.path.clone(),
+            }),
+            // Reads carry the inode; the handle is the inode too.
+            _ => Ok(ino),
+        }
+    }
+
+    async fn read(&self, ino: u64, _fh: u64, offset: u64, size: usize) -> FsResult<Bytes> {
+        self.read_at(ino, offset, size).await
+    }
+
+    async fn readlink(&self, ino: u64) -> FsResult<Vec<u8>> {
+        let n = self.node(ino)?;
+        match &n.data {
+            Data::Symlink { target } => Ok(target.as_bytes().to_vec()),
+            _ => Err(FsError::Invalid {
+                path: n.path.clone(),
+                reason: "not a symlink".into(),
+            }),
+        }
+    }
+
+    fn has_xattrs(&self) -> bool {
+        true
+    }
+
+    async fn getxattr(&self, ino: u64, name: &str) -> FsResult<Option<Vec<u8>>> {
+        Ok(self.node(ino)?.xattrs.get(name).cloned())
+    }
+
+    async fn listxattr(&self, ino: u64) -> FsResult<Vec<String>> {
+        Ok(self.node(ino)?.xattrs.keys().cloned().collect())
+    }
+}
+
+/// Adds the inode of entry `e` holding `data`; returns its number.
+fn push_node(nodes: &mut Vec<Node>, e: &Entry, data: Data) -> u64 {
+    let is_dir = matches!(data, Data::Dir { .. });
+    nodes.push(Node {
+        path: e.path.clone(),
+        data,
+        perm: (e.mode & 0o7777) as u16,
+        uid: e.uid,
+        gid: e.gid,
+        mtime: time(e.mtime_ns),
+        nlink: if is_dir { 2 } else { 1 },
+        xattrs: e.xattrs.clone(),
+    });
+    nodes.len() as u64
+}
+
+fn join(dir: &str, name: &str) -> String {
+    if dir.is_empty() {
+        name.to_string()
+    } else {
+        format!("{dir}/{name}")
+    }
+}

@@ -1,0 +1,435 @@
+//! [`Loader`]: where a lazy mount gets chunks, and the counters its report is made of.
+//!
+//! **Tiers.** A chunk is looked for in a bounded **memory** cache (verified plaintext, LRU by
+//! bytes), then in the chunk store's bounded **local disk** cache, and only then fetched from the
+//! **store**. Every fetch is **single-flight**: the loader keeps one shared future per chunk in
+//! flight, whether a read or the prefetcher started it, and a fetched chunk enters the memory
+//! cache before it leaves the in-flight map, so no window exists in which a second reader would
+//! fetch it again.
+//!
+//! **Demand and prefetch.** A read ([`Loader::demand`]) never waits behind the prefetcher: if its
+//! chunk is already in flight it waits for that fetch; otherwise it starts its own fetch at once,
+//! whatever the prefetcher's queue holds (the queued chunk "jumps the queue", and the prefetcher
+//! skips it when it gets there). The prefetcher ([`Loader::prefetch`]) only starts fetches while
+//! the number of fetches in flight, demand ones included, is below its window (see
+//! `prefetch.rs`), so demand reads always come first.
+//!
+//! **What is counted** (per mount, see `report.rs`): the first demand of each chunk is recorded
+//! with its time since the mount started (this is the trace a profile is made of); it is a
+//! **hit** if the chunk was already local (memory or disk), a miss if the read had to wait for
+//! the store. **Stall** is the total time reads waited for chunks to arrive from the store.
+//! **Prefetched** chunks are those the prefetcher brought in; those never demanded by the end are
+//! **wasted**.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+use hotstart_store::{ChunkId, ChunkStore, LruIndex};
+use parking_lot::Mutex;
+
+type Flight = Shared<BoxFuture<'static, Result<Bytes, Arc<hotstart_store::Error>>>>;
+
+/// Who started a fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Demand,
+    Prefetch,
+}
+
+/// Verified chunks in memory, least recently used evicted first.
+#[derive(Debug)]
+struct MemCache {
+    index: LruIndex<ChunkId>,
+    data: HashMap<ChunkId, Bytes>,
+    capacity: u64,
+}
+
+impl MemCache {
+    fn get(&mut self, id: &ChunkId) -> Option<Bytes> {
+        self.index.use_existing(id)?;
+        self.data.get(id).cloned()
+    }
+
+    fn insert(&mut self, id: ChunkId, data: Bytes) {
+        if data.len() as u64 > self.capacity {
+            return;
+        }
+        self.index.touch(id, data.len() as u64);
+        self.data.insert(id, data);
+        for gone in self.index.evict(self.capacity) {
+            self.data.remove(&gone);
+        }
+    }
+
+    fn contains(&self, id: &ChunkId) -> bool {
+        self.index.contains(id)
+    }
+}
+
+/// The first demand of one chunk in this mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FirstAccess {
+    pub id: ChunkId,
+    pub len: u32,
+    /// Time since the mount started.
+    pub offset: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    reads: AtomicU64,
+    bytes_read: AtomicU64,
+    hits: AtomicU64,
+    stall_ns: AtomicU64,
+    demand_fetches: AtomicU64,
+    demand_fetch_bytes: AtomicU64,
+    prefetched: AtomicU64,
+    prefetched_bytes: AtomicU64,
+    prefetch_errors: AtomicU64,
+}
+
+/// A snapshot of a loader's counters (see the module documentation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoaderStats {
+    /// Read calls served.
+    pub reads: u64,
+    /// Bytes those reads returned.
+    pub bytes_read: u64,
+    /// Distinct chunks demanded.
+    pub chunks_read: u64,
+    /// Plaintext bytes of those chunks.
+    pub chunk_bytes_read: u64,
+    /// Distinct chunks that were local when first demanded.
+    pub hits: u64,
+    /// Total time reads waited for chunks from the store.
+    pub stall: Duration,
+    /// Chunks a read had to fetch itself (not found local or in flight).
+    pub demand_fetches: u64,
+    pub demand_fetch_bytes: u64,
+    /// Chunks the prefetcher brought in.
+    pub prefetched: u64,
+    pub prefetched_bytes: u64,
+    /// Of those, never demanded so far.
+    pub wasted: u64,
+    pub wasted_bytes: u64,
+    pub prefetch_errors: u64,
+}
+
+/// Chunks for one lazy mount. Cheap to share (`Arc`).
+pub struct Loader {
+    chunks: ChunkStore,
+    mem: Mutex<MemCache>,
+    inflight: Mutex<HashMap<ChunkId, (Origin, Flight)>>,
+    /// First demand of each chunk: offset since `start`, and length.
+    seen: Mutex<HashMap<ChunkId, (Duration, u32)>>,
+    /// Chunks the prefetcher brought in, with their lengths.
+    prefetched: Mutex<HashMap<ChunkId, u32>>,
+    /// Bytes of `prefetched` not demanded yet. Changed only under the `seen` lock (taken
+    /// before `prefetched`), so it always equals what `seen` and `prefetched` say.
+    ahead: AtomicU64,
+    demand_inflight: AtomicUsize,
+    prefetch_inflight: AtomicUsize,
+    /// Signalled whenever a fetch ends or a demand read starts or ends.
+    changed: tokio::sync::Notify,
+    counters: Counters,
+    start: Instant,
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader")
+            .field("chunks", &self.chunks)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// Decrements a counter when dropped (a cancelled read still leaves the count right).
+struct InFlightGuard<'a>(&'a AtomicUsize, &'a tokio::sync::Notify);
+
+impl Drop for InFlightGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.1.notify_waiters();
+    }
+}
+
+impl Loader {
+    /// A loader over `chunks` with a memory cache of `memory_bytes`; its clock starts now.
+    pub fn new(chunks: ChunkStore, memory_bytes: u64) -> Loader {
+        Loader {
+            chunks,
+            mem: Mutex::new(MemCache {
+                index: LruIndex::default(),
+                data: HashMap::new(),
+                capacity: memory_bytes,
+            }),
+            inflight: Mutex::new(HashMap::new()),
+            seen: Mutex::new(HashMap::new()),
+            prefetched: Mutex::new(HashMap::new()),
+            ahead: AtomicU64::new(0),
+            demand_inflight: AtomicUsize::new(0),
+            prefetch_inflight: AtomicUsize::new(0),
+            changed: tokio::sync::Notify::new(),
+            counters: Counters::default(),
+            start: Instant::now(),
+        }
+    }
+
+    pub fn chunks(&self) -> &ChunkStore {
+        &self.chunks
+    }
+
+    /// When the mount (and its clock) started.
+    pub fn started(&self) -> Instant {
+        self.start
+    }
+
+    /// Counts one read call that returned `bytes` (the file system calls this).
+    pub fn count_read(&self, bytes: u64) {
+        self.counters.reads.fetch_add(1, Ordering::Relaxed);
+        self.counters.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The verified bytes of chunk `id` (`len` bytes long) for a read: from memory, the disk
+    /// cache, a fetch already in flight, or a fetch started now.
+    pub async fn demand(self: &Arc<Self>, id: ChunkId, len: u32) -> hotstart_store::Result<Bytes> {
+        let first = {
+            let mut seen = self.seen.lock();
+            match seen.entry(id) {
+                std::collections::hash_map::Entry::Occupied(_) => false,
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert((self.start.elapsed(), len));
+                    if let Some(&l) = self.prefetched.lock().get(&id) {
+                        self.ahead.fetch_sub(l as u64, Ordering::AcqRel);
+                    }
+                    true
+                }
+            }
+        };
+        if let Some(b) = self.mem.lock().get(&id) {
+            if first {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok(b);
+        }
+        self.demand_inflight.fetch_add(1, Ordering::AcqRel);
+        let _guard = InFlightGuard(&self.demand_inflight, &self.changed);
+        let flight = {
+            let mut inflight = self.inflight.lock();
+            match inflight.get(&id) {
+                Some((_, f)) => Some(f.clone()),
+                None if self.on_disk(&id) => None,
+                None => {
+                    let f = self.spawn_fetch(id, Origin::Demand);
+                    inflight.insert(id, (Origin::Demand, f.clone()));
+                    self.counters.demand_fetches.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .demand_fetch_bytes
+                        .fetch_add(len as u64, Ordering::Relaxed);
+                    Some(f)
+                }
+            }
+        };
+        match flight {
+            Some(f) => {
+                let waited = Instant::now();
+                let res = f.await.map_err(hotstart_store::Error::Shared);
+                self.counters
+                    .stall_ns
+                    .fetch_add(waited.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                res
+            }
+            None => {
+                // Local disk: no store request to wait for.
+                if first {
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                }
+                let data = self.chunks.get(&id).await?;
+                self.mem.lock().insert(id, data.clone());
+                Ok(data)
+            }
+        }
+    }
+
+    /// Whether `id` is already local, in flight or was demanded: nothing for the prefetcher
+    /// to do.
+    pub fn settled(&self, id: &ChunkId) -> bool {
+        self.mem.lock().contains(id)
+            || self.inflight.lock().contains_key(id)
+            || self.seen.lock().contains_key(id)
+            || self.on_disk(id)
+    }
+
+    /// Starts a prefetch of `id` unless it is settled; the returned future ends with the fetch
+    /// (with its latency), or at once when nothing was started.
+    pub fn prefetch(
+        self: &Arc<Self>,
+        id: ChunkId,
+        len: u32,
+    ) -> Option<BoxFuture<'static, PrefetchDone>> {
+        let flight = {
+            let mut inflight = self.inflight.lock();
+            if inflight.contains_key(&id) || self.mem.lock().contains(&id) || self.on_disk(&id) {
+                return None;
+            }
+            let seen = self.seen.lock();
+            if seen.contains_key(&id) {
+                return None;
+            }
+            // Counted before the fetch can end (and fail, which uncounts it).
+            self.prefetched.lock().insert(id, len);
+            self.ahead.fetch_add(len as u64, Ordering::AcqRel);
+            self.prefetch_inflight.fetch_add(1, Ordering::AcqRel);
+            let f = self.spawn_fetch(id, Origin::Prefetch);
+            inflight.insert(id, (Origin::Prefetch, f.clone()));
+            f
+        };
+        let started = Instant::now();
+        Some(
+            async move {
+                let ok = flight.await.is_ok();
+                PrefetchDone {
+                    ok,
+                    latency: started.elapsed(),
+                    bytes: len as u64,
+                }
+            }
+            .boxed(),
+        )
+    }
+
+    /// Fetches in flight: (demand, prefetch).
+    pub fn in_flight(&self) -> (usize, usize) {
+        (
+            self.demand_inflight.load(Ordering::Acquire),
+            self.prefetch_inflight.load(Ordering::Acquire),
+        )
+    }
+
+    /// Waits until a fetch ends or a demand read starts or ends (or `timeout` passes).
+    pub async fn wait_change(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.changed.notified()).await;
+    }
+
+    /// Prefetched bytes not demanded yet (fetched or still arriving).
+    pub fn ahead_bytes(&self) -> u64 {
+        self.ahead.load(Ordering::Acquire)
+    }
+
+    /// Every first demand so far, in the order they happened.
+    pub fn trace(&self) -> Vec<FirstAccess> {
+        let mut out: Vec<FirstAccess> = self
+            .seen
+            .lock()
+            .iter()
+            .map(|(id, (offset, len))| FirstAccess {
+                id: *id,
+                len: *len,
+                offset: *offset,
+            })
+            .collect();
+        out.sort_by_key(|a| (a.offset, a.id));
+        out
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> LoaderStats {
+        let c = &self.counters;
+        let seen = self.seen.lock();
+        let (mut wasted, mut wasted_bytes) = (0, 0);
+        for (id, len) in self.prefetched.lock().iter() {
+            if !seen.contains_key(id) {
+                wasted += 1;
+                wasted_bytes += *len as u64;
+            }
+        }
+        LoaderStats {
+            reads: c.reads.load(Ordering::Relaxed),
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            chunks_read: seen.len() as u64,
+            chunk_bytes_read: seen.values().map(|(_, l)| *l as u64).sum(),
+            hits: c.hits.load(Ordering::Relaxed),
+            stall: Duration::from_nanos(c.stall_ns.load(Ordering::Relaxed)),
+            demand_fetches: c.demand_fetches.load(Ordering::Relaxed),
+            demand_fetch_bytes: c.demand_fetch_bytes.load(Ordering::Relaxed),
+            prefetched: c.prefetched.load(Ordering::Relaxed),
+            prefetched_bytes: c.prefetched_bytes.load(Ordering::Relaxed),
+            wasted,
+            wasted_bytes,
+            prefetch_errors: c.prefetch_errors.load(Ordering::Relaxed),
+        }
+    }
+
+    fn on_disk(&self, id: &ChunkId) -> bool {
+        self.chunks.cache().is_some_and(|c| c.contains(id))
+    }
+
+    /// The one fetch of `id`: from the store (through the disk cache), then into memory, then
+    /// out of the in-flight map.
+    fn spawn_fetch(self: &Arc<Self>, id: ChunkId, origin: Origin) -> Flight {
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let res = this.chunks.get(&id).await;
+            this.finish_fetch(id, origin, &res);
+            res
+        });
+        async move {
+            match task.await {
+                Ok(res) => res.map_err(Arc::new),
+                Err(e) => Err(Arc::new(hotstart_store::Error::Task {
+                    what: "chunk fetch",
+                    message: e.to_string(),
+                })),
+            }
+        }
+        .boxed()
+        .shared()
+    }
+
+    fn finish_fetch(&self, id: ChunkId, origin: Origin, res: &hotstart_store::Result<Bytes>) {
+        match res {
+            Ok(data) => {
+                self.mem.lock().insert(id, data.clone());
+                if origin == Origin::Prefetch {
+                    self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .prefetched_bytes
+                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                }
+            }
+            Err(e) => {
+                if origin == Origin::Prefetch {
+                    self.counters
+                        .prefetch_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    let seen = self.seen.lock();
+                    if let Some(l) = self.prefetched.lock().remove(&id)
+                        && !seen.contains_key(&id)
+                    {
+                        self.ahead.fetch_sub(l as u64, Ordering::AcqRel);
+                    }
+                    tracing::warn!(chunk = %id, error = %e, "prefetch failed; a read will retry");
+                }
+            }
+        }
+        self.inflight.lock().remove(&id);
+        if origin == Origin::Prefetch {
+            self.prefetch_inflight.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.changed.notify_waiters();
+    }
+}
+
+/// What one prefetch did.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefetchDone {
+    pub ok: bool,
+    pub latency: Duration,
+    pub bytes: u64,
+}

@@ -1,0 +1,415 @@
+//! Real FUSE mounts of images, on a local-directory store and on SeaweedFS: every file's bytes,
+//! mode, mtime, xattrs and link target equal the source; record → profile → the next mount
+//! prefetches (asserted on counters); a profile still applies after a rebuild that changed one
+//! file; a corrupted chunk fails only reads of its file, with EIO; concurrent readers fetch each
+//! chunk once; the local cache stays within its bound.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use hotstart_prefetch::{BuildConfig, ImageRef, Images, LazyConfig, MountReport, PrefetchConfig};
+use hotstart_store::wrap::{Counter, Interceptor, Op, Throttle, ThrottleConfig};
+use hotstart_store::{ChunkStore, ChunkStoreConfig, EntryKind, Store};
+use hotstart_testkit::{SeaweedFs, pattern};
+
+/// One backend: a runtime for the mounts, the store, and a scratch directory.
+struct Env {
+    rt: tokio::runtime::Runtime,
+    store: Store,
+    work: tempfile::TempDir,
+}
+
+impl Env {
+    fn local() -> Env {
+        let work = tempfile::tempdir().unwrap();
+        let store = Store::open(work.path().join("store").to_str().unwrap()).unwrap();
+        Env::new(store, work)
+    }
+
+    /// A fresh bucket of the shared SeaweedFS server, or `None` (printed) outside CI.
+    fn seaweedfs(test: &str) -> Option<Env> {
+        let weed = SeaweedFs::shared()?;
+        let bucket = weed.fresh_bucket(test);
+        let store = Store::open_with(&format!("{bucket}/images"), &weed.client_options()).unwrap();
+        Some(Env::new(store, tempfile::tempdir().unwrap()))
+    }
+
+    fn new(store: Store, work: tempfile::TempDir) -> Env {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .unwrap();
+        Env { rt, store, work }
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.work.path().join(rel)
+    }
+
+    /// Images over `store`, with a fresh local chunk cache of `cache` bytes in `cache_dir`.
+    fn images_over(&self, store: Store, cache_dir: &str, cache: u64) -> Images {
+        let cfg = ChunkStoreConfig {
+            cache_dir: Some(self.path(cache_dir)),
+            cache_capacity: cache,
+            ..ChunkStoreConfig::default()
+        };
+        Images::new(ChunkStore::new(store, cfg).unwrap())
+    }
+
+    fn images(&self, cache_dir: &str) -> Images {
+        self.images_over(self.store.clone(), cache_dir, 1 << 30)
+    }
+
+    fn build(&self, images: &Images, src: &Path, name: &str, chunk_size: usize) {
+        let cfg = BuildConfig {
+            chunk_size,
+            ..BuildConfig::default()
+        };
+        self.rt
+            .block_on(images.build(src, &ImageRef::parse(name).unwrap(), &cfg))
+            .unwrap();
+    }
+
+    /// Mounts `name`, runs `f` on the mount point (blocking file I/O on this thread), unmounts;
+    /// returns the report.
+    fn with_mount<T>(
+        &self,
+        images: &Images,
+        name: &str,
+        cfg: LazyConfig,
+        wait_prefetch: bool,
+        f: impl FnOnce(&Path) -> T,
+    ) -> (T, MountReport) {
+        let mp = tempfile::tempdir().unwrap();
+        let image = ImageRef::parse(name).unwrap();
+        let mut m = self
+            .rt
+            .block_on(images.mount(&image, mp.path(), cfg))
+            .expect("mount (needs /dev/fuse, fusermount3 and root)");
+        if wait_prefetch {
+            self.rt.block_on(m.prefetch_done());
+        }
+        let out = f(mp.path());
+        let report = self.rt.block_on(m.unmount()).unwrap();
+        (out, report)
+    }
+}
+
+/// Every file of the sample, built from a directory and from a tarball (whiteouts and a FIFO
+/// that must not appear), mounted and walked against the source.
+fn images_mount_identical(env: &Env) {
+    let src = env.path("src");
+    sample_dir(&src);
+    let images = env.images("cache");
+    env.build(&images, &src, "sample:dir", 64 << 10);
+    let raw = tar_with_markers(&src, "data/big", "deep");
+    std::fs::write(env.path("layer.tar.zst"), zstd(&raw)).unwrap();
+    env.build(&images, &env.path("layer.tar.zst"), "sample:tar", 64 << 10);
+
+    for name in ["sample:dir", "sample:tar"] {
+        let ((), report) = env.with_mount(&images, name, LazyConfig::default(), false, |mp| {
+            assert_eq!(
+                hotstart_fuse::bdi::read_ahead(&mp.canonicalize().unwrap()).unwrap(),
+                hotstart_prefetch::mount::KERNEL_READ_AHEAD,
+                "the image mount sets its kernel read-ahead"
+            );
+            assert_trees_equal(&src, mp);
+            // Read-only, and names that are not there are not there.
+            let err = std::fs::write(mp.join("new"), b"x").unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+            let err = std::fs::read(mp.join("missing")).unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+            let err = std::fs::read(mp.join("data")).unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EISDIR), "{err}");
+        });
+        // The walk read every byte of every distinct chunk.
+        let (_, tree) = env
+            .rt
+            .block_on(images.open(&ImageRef::parse(name).unwrap()))
+            .unwrap();
+        assert_eq!(report.chunks_read, tree.chunk_ids().len() as u64, "{name}");
+        assert!(report.bytes_read >= report.chunk_bytes_read, "{report:?}");
+    }
+}
+
+#[test]
+fn images_mount_identical_local_directory() {
+    images_mount_identical(&Env::local());
+}
+
+#[test]
+fn images_mount_identical_seaweedfs() {
+    if let Some(env) = Env::seaweedfs("image-identical") {
+        images_mount_identical(&env);
+    }
+}
+
+/// The hot files read by the "job", and a cold one it never reads.
+const HOT: [&str; 5] = [
+    "lib/a.so",
+    "lib/b.so",
+    "app/main.py",
+    "app/util.py",
+    "conf/x.json",
+];
+
+fn job(mp: &Path) {
+    for (i, f) in HOT.iter().enumerate() {
+        let data = std::fs::read(mp.join(f)).unwrap();
+        assert_eq!(data, pattern(200 << 10, i as u64 + 1), "{f}");
+    }
+}
+
+fn write_job_tree(root: &Path) {
+    for (i, f) in HOT.iter().enumerate() {
+        let p = root.join(f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, pattern(200 << 10, i as u64 + 1)).unwrap();
+    }
+    std::fs::write(root.join("cold.bin"), pattern(1 << 20, 99)).unwrap();
+}
+
+/// Record on the first mount, prefetch on the second: demand fetches and stall drop to zero and
+/// every chunk read is a hit; after a rebuild that changes one hot file, only that file's chunks
+/// are fetched on demand.
+fn record_then_prefetch(env: &Env) {
+    // Every request waits 10 ms, so the first run's stall cannot be zero.
+    let slow = env.store.wrap(|inner| {
+        Arc::new(Throttle::new(ThrottleConfig {
+            latency: Duration::from_millis(10),
+            ..ThrottleConfig::default()
+        }))
+        .wrap(inner)
+    });
+    let src = env.path("job");
+    write_job_tree(&src);
+    let chunk = 64 << 10;
+    let images = env.images_over(slow.clone(), "cache-0", 1 << 30);
+    env.build(&images, &src, "job:v1", chunk);
+    // 200 KiB files in 64 KiB chunks: four chunks each, none shared.
+    let hot_chunks = (HOT.len() * (200usize << 10).div_ceil(chunk)) as u64;
+
+    let ((), first) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    assert_eq!(first.chunks_read, hot_chunks, "{first:?}");
+    assert_eq!(first.demand_fetches, hot_chunks, "{first:?}");
+    assert_eq!(
+        (first.hits, first.prefetched_chunks, first.planned_chunks),
+        (0, 0, 0)
+    );
+    assert!(first.stall_seconds > 0.0, "{first:?}");
+
+    // A fresh cache, as on another machine: only the profile can help.
+    let images = env.images_over(slow.clone(), "cache-1", 1 << 30);
+    let ((), second) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    assert_eq!(second.planned_chunks, hot_chunks, "{second:?}");
+    assert_eq!(second.prefetched_chunks, hot_chunks, "{second:?}");
+    assert_eq!(second.demand_fetches, 0, "{second:?}");
+    assert_eq!(second.hits, second.chunks_read, "{second:?}");
+    assert_eq!(second.stall_seconds, 0.0, "{second:?}");
+    assert_eq!(second.wasted_bytes, 0, "{second:?}");
+
+    // Rebuild with lib/b.so changed: its old chunks leave the plan, its new ones are demand
+    // fetched; everything else still comes from the profile.
+    let v2 = env.path("job-v2");
+    write_job_tree(&v2);
+    let b_new = {
+        let mut d = pattern(200 << 10, 2);
+        d[0] ^= 0xff;
+        d
+    };
+    std::fs::write(v2.join("lib/b.so"), &b_new).unwrap();
+    env.build(&images, &v2, "job:v1", chunk);
+    let images = env.images_over(slow, "cache-2", 1 << 30);
+    let ((), third) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, |mp| {
+        for (i, f) in HOT.iter().enumerate() {
+            let want = if *f == "lib/b.so" {
+                b_new.clone()
+            } else {
+                pattern(200 << 10, i as u64 + 1)
+            };
+            assert_eq!(std::fs::read(mp.join(f)).unwrap(), want, "{f}");
+        }
+    });
+    // Only the first chunk of b.so changed (the byte flipped is in it).
+    assert_eq!(third.planned_chunks, hot_chunks - 1, "{third:?}");
+    assert_eq!(third.demand_fetches, 1, "{third:?}");
+    assert_eq!(third.hits, hot_chunks - 1, "{third:?}");
+    assert_eq!(third.wasted_bytes, 0, "{third:?}");
+
+    let (profile, runs) = env
+        .rt
+        .block_on(images.stats(&ImageRef::parse("job:v1").unwrap()))
+        .unwrap();
+    assert_eq!(profile.runs, 3);
+    assert_eq!(runs.len(), 3);
+    assert_eq!(runs[1], second);
+}
+
+#[test]
+fn record_then_prefetch_local_directory() {
+    record_then_prefetch(&Env::local());
+}
+
+#[test]
+fn record_then_prefetch_seaweedfs() {
+    if let Some(env) = Env::seaweedfs("image-profile") {
+        record_then_prefetch(&env);
+    }
+}
+
+/// A damaged profile costs a mount its prefetch, never the mount, and that mount's unmount
+/// replaces it with one made from its own trace, which the next mount replays.
+#[test]
+fn a_damaged_profile_costs_only_the_prefetch() {
+    let env = Env::local();
+    let src = env.path("job");
+    write_job_tree(&src);
+    let images = env.images("cache-0");
+    env.build(&images, &src, "job:v1", 64 << 10);
+    let image = ImageRef::parse("job:v1").unwrap();
+    let key = image.artifacts().profile_key();
+    env.rt
+        .block_on(
+            env.store
+                .put(&key, Bytes::from_static(b"HSPROF\x01\x00not zstd")),
+        )
+        .unwrap();
+    let ((), first) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    assert_eq!((first.planned_chunks, first.hits), (0, 0), "{first:?}");
+    assert_eq!(first.demand_fetches, first.chunks_read, "{first:?}");
+    let images = env.images("cache-1");
+    let ((), second) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    assert_eq!(second.prefetched_chunks, first.chunks_read, "{second:?}");
+    assert_eq!(second.demand_fetches, 0, "{second:?}");
+    let (profile, runs) = env.rt.block_on(images.stats(&image)).unwrap();
+    assert_eq!((profile.runs, runs.len()), (2, 2));
+}
+
+/// A chunk of `a` whose stored bytes were replaced: reading `a` is EIO, `b` reads fine.
+fn corrupt_chunk_is_eio(env: &Env) {
+    let src = env.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a"), pattern(300 << 10, 1)).unwrap();
+    std::fs::write(src.join("b"), pattern(300 << 10, 2)).unwrap();
+    let images = env.images("cache");
+    env.build(&images, &src, "bad:1", 64 << 10);
+    let (_, tree) = env
+        .rt
+        .block_on(images.open(&ImageRef::parse("bad:1").unwrap()))
+        .unwrap();
+    let EntryKind::File { chunks, .. } = &tree.entries[0].kind else {
+        panic!("a is a file");
+    };
+    let victim = chunks[2].id;
+    let other = zstd::bulk::compress(&pattern(64 << 10, 7), 3).unwrap();
+    env.rt
+        .block_on(env.store.put(&victim.key(), Bytes::from(other)))
+        .unwrap();
+    let ((), report) = env.with_mount(&images, "bad:1", LazyConfig::default(), false, |mp| {
+        let err = std::fs::read(mp.join("a")).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+        // The chunks before the bad one read fine.
+        let mut f = std::fs::File::open(mp.join("a")).unwrap();
+        let mut head = vec![0u8; 128 << 10];
+        std::io::Read::read_exact(&mut f, &mut head).unwrap();
+        assert_eq!(head, pattern(300 << 10, 1)[..128 << 10]);
+        assert_eq!(std::fs::read(mp.join("b")).unwrap(), pattern(300 << 10, 2));
+    });
+    assert!(report.chunks_read >= 7, "{report:?}");
+}
+
+#[test]
+fn a_corrupt_chunk_is_eio_for_its_file_only_local_directory() {
+    corrupt_chunk_is_eio(&Env::local());
+}
+
+#[test]
+fn a_corrupt_chunk_is_eio_for_its_file_only_seaweedfs() {
+    if let Some(env) = Env::seaweedfs("image-corrupt") {
+        corrupt_chunk_is_eio(&env);
+    }
+}
+
+#[test]
+fn concurrent_readers_fetch_each_chunk_once_and_the_cache_stays_bounded() {
+    let env = Env::local();
+    let counter = Arc::new(Counter::default());
+    let slow = Arc::new(Throttle::new(ThrottleConfig {
+        latency: Duration::from_millis(50),
+        ..ThrottleConfig::default()
+    }));
+    let store = env
+        .store
+        .wrap(|inner| counter.clone().wrap(slow.clone().wrap(inner)));
+    let src = env.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let data = pattern(1 << 20, 3);
+    std::fs::write(src.join("shared.bin"), &data).unwrap();
+    let cap = 256 << 10;
+    let images = env.images_over(store, "cache", cap);
+    env.build(&images, &src, "shared:1", 64 << 10);
+    let cfg = LazyConfig {
+        memory_cache: 128 << 10,
+        ..LazyConfig::default()
+    };
+    let ((), report) = env.with_mount(&images, "shared:1", cfg, false, |mp| {
+        counter.reset();
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| assert!(std::fs::read(mp.join("shared.bin")).unwrap() == data));
+            }
+        });
+        assert_eq!(counter.get(Op::Get).requests, 16, "one GET per chunk");
+    });
+    assert_eq!(report.chunks_read, 16);
+    let cache = images.chunks().cache().unwrap();
+    assert!(cache.bytes() <= cap, "{} > {cap}", cache.bytes());
+}
+
+/// A demand read of a chunk still queued for prefetch fetches it at once; the prefetcher finds
+/// it settled when it gets there. (No FUSE: the loader and the replay directly.)
+#[test]
+fn a_demand_read_jumps_the_prefetch_queue() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let slow = Arc::new(Throttle::new(ThrottleConfig {
+            latency: Duration::from_millis(100),
+            ..ThrottleConfig::default()
+        }));
+        let store = Store::open("memory://").unwrap().wrap(|i| slow.wrap(i));
+        let chunks = ChunkStore::new(store, ChunkStoreConfig::default()).unwrap();
+        let data: Vec<Bytes> = (0..20).map(|i| Bytes::from(pattern(1000, i))).collect();
+        let ids = chunks.put_many(data.clone()).await.unwrap();
+        let loader = Arc::new(hotstart_prefetch::Loader::new(chunks, 1 << 20));
+        let plan: Vec<_> = ids.iter().map(|id| (*id, 1000)).collect();
+        let one = PrefetchConfig {
+            initial_window: 1,
+            min_window: 1,
+            max_window: 1,
+            ..PrefetchConfig::default()
+        };
+        let (_stop, rx) = tokio::sync::watch::channel(false);
+        let replay = tokio::spawn(hotstart_prefetch::prefetch::replay(
+            loader.clone(),
+            plan,
+            one,
+            rx,
+        ));
+        // The last chunk of the plan, asked for while the prefetcher is on the first.
+        let last = loader.demand(ids[19], 1000).await.unwrap();
+        assert_eq!(last, data[19]);
+        let stats = replay.await.unwrap();
+        assert_eq!(
+            stats.started, 19,
+            "the prefetcher skipped the chunk read on demand"
+        );
+        let s = loader.stats();
+        assert_eq!((s.demand_fetches, s.prefetched, s.wasted), (1, 19, 19));
+    });
+}
