@@ -1,6 +1,7 @@
 //! The `hotstart` binary: argument parsing that turns into the library crates' config structs.
 
 mod ckpt_cmd;
+mod env_cmd;
 mod mount_cmd;
 mod store_cmd;
 
@@ -32,6 +33,9 @@ enum Command {
     Ckpt(ckpt_cmd::CkptCommand),
     /// Mount a store as a directory: striped parallel reads and writes of plain objects.
     Mount(mount_cmd::MountArgs),
+    /// Dependency snapshots: restore an installed environment instead of reinstalling it.
+    #[command(subcommand)]
+    Env(env_cmd::EnvCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -58,6 +62,7 @@ fn main() -> std::process::ExitCode {
             Command::Store(cmd) => store_cmd::run(cmd).await,
             Command::Ckpt(cmd) => ckpt_cmd::run(cmd).await,
             Command::Mount(args) => mount_cmd::run(args).await,
+            Command::Env(cmd) => env_cmd::run(cmd).await,
         }
     });
     match result {

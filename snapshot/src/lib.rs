@@ -1,5 +1,10 @@
 //! hotstart-snapshot: dependency snapshots.
 //!
-//! This crate will own the snapshot key (lock files, interpreter, platform, install command and
-//! target), capture of an installed environment as a tree of content-addressed chunks, and its
-//! atomic restore, eager or lazily mounted through the image format of `hotstart-prefetch`.
+//! Turns "install the environment" on every node into "restore the environment someone already
+//! installed". See [`key`] for what identifies an environment.
+
+pub mod error;
+pub mod key;
+
+pub use error::{Error, Result};
+pub use key::{Key, KeyInputs, KeySpec, Platform, PythonInfo};
