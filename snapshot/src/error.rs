@@ -42,6 +42,15 @@ pub enum Error {
     #[error("snapshot {key}: {reason}")]
     BadSnapshot { key: String, reason: String },
 
+    /// A restore that failed; nothing was left at the target.
+    #[error("restoring snapshot {key} into {target}: {source}", target = target.display())]
+    Restore {
+        key: String,
+        target: PathBuf,
+        #[source]
+        source: Box<Error>,
+    },
+
     /// A store-side lock that is held by someone else (gc against a running capture).
     #[error("{what} is locked by {holder}; retry once it has finished")]
     Locked { what: String, holder: String },
@@ -96,7 +105,11 @@ impl Error {
 
     /// True when stored bytes failed verification.
     pub fn is_corrupt(&self) -> bool {
-        matches!(self, Error::Store(e) if e.is_corrupt())
+        match self {
+            Error::Store(e) => e.is_corrupt(),
+            Error::Restore { source, .. } => source.is_corrupt(),
+            _ => false,
+        }
     }
 }
 

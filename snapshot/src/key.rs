@@ -341,7 +341,8 @@ mod tests {
             "the lock file's name is not part of the key"
         );
 
-        let changes: Vec<(&str, Box<dyn Fn(&mut KeyInputs)>)> = vec![
+        type Change = Box<dyn Fn(&mut KeyInputs)>;
+        let changes: Vec<(&str, Change)> = vec![
             (
                 "lock bytes",
                 Box::new(|i| {
