@@ -23,20 +23,25 @@
 //! which is all a "mount this tree from this store" API needs.
 
 pub mod capture;
+pub mod ensure;
 pub mod error;
 pub mod key;
+pub mod node;
 pub mod record;
 pub mod relocate;
+pub mod restore;
 pub mod store_lock;
 mod util;
 
 use std::path::PathBuf;
 
 pub use capture::{CaptureReport, capture};
+pub use ensure::{Action, EnsureConfig, Outcome, ensure};
 pub use error::{Error, Result};
 pub use key::{Key, KeyInputs, KeySpec, Platform, PythonInfo};
 pub use record::{EnvStore, PathRef, PathRefKind, SnapshotRecord};
 pub use relocate::RelocateReport;
+pub use restore::{RestoreOptions, RestoreReport, restore};
 
 /// The node-local cache directory: `$HOTSTART_CACHE_DIR`, else `$XDG_CACHE_HOME/hotstart`, else
 /// `$HOME/.cache/hotstart`, else `/var/tmp/hotstart-cache`.
