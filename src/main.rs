@@ -69,7 +69,10 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("hotstart: {e:#}");
-            std::process::ExitCode::FAILURE
+            match env_cmd::exit_code(&e) {
+                Some(code) => std::process::ExitCode::from(code),
+                None => std::process::ExitCode::FAILURE,
+            }
         }
     }
 }

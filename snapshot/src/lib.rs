@@ -25,6 +25,7 @@
 pub mod capture;
 pub mod ensure;
 pub mod error;
+pub mod gc;
 pub mod key;
 pub mod node;
 pub mod record;
