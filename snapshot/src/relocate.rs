@@ -77,8 +77,17 @@ pub fn rewrite(data: &[u8], old: &str, new: &str) -> Option<Vec<u8>> {
 /// Rewrites the entries `refs` of the tree materialised in `dir` from `old` to `new`.
 pub fn relocate_dir(dir: &Path, refs: &[PathRef], old: &str, new: &str) -> Result<RelocateReport> {
     let mut report = RelocateReport::default();
+    // Replacing an entry changes its directory's mtime; put back the restored one afterwards.
+    let mut parents: std::collections::BTreeMap<PathBuf, i64> = Default::default();
     for r in refs {
         let abs = checked_path(dir, &r.path)?;
+        if r.kind != PathRefKind::Binary
+            && let Some(parent) = abs.parent()
+            && !parents.contains_key(parent)
+        {
+            let m = std::fs::metadata(parent).map_err(|e| Error::io("stat", parent, e))?;
+            parents.insert(parent.to_path_buf(), util::mtime_ns(&m));
+        }
         match r.kind {
             PathRefKind::Text => {
                 if rewrite_file(&abs, old, new)? {
@@ -96,6 +105,9 @@ pub fn relocate_dir(dir: &Path, refs: &[PathRef], old: &str, new: &str) -> Resul
                 }
             }
         }
+    }
+    for (parent, mtime) in &parents {
+        util::set_mtime(parent, *mtime, false)?;
     }
     if !report.binary.is_empty() {
         tracing::warn!(
@@ -238,6 +250,11 @@ mod tests {
             .unwrap();
         std::os::unix::fs::symlink("/old/env/lib", d.join("lib64")).unwrap();
         std::fs::write(d.join("blob"), b"\0/old/env\0").unwrap();
+        let bin_mtime = std::time::UNIX_EPOCH + std::time::Duration::new(1_500_000_000, 7);
+        std::fs::File::open(d.join("bin"))
+            .unwrap()
+            .set_times(std::fs::FileTimes::new().set_modified(bin_mtime))
+            .unwrap();
         let refs = vec![
             PathRef {
                 path: "bin/tool".into(),
@@ -261,6 +278,13 @@ mod tests {
             "#!/new/place/bin/python\nimport x\n"
         );
         let m = std::fs::metadata(d.join("bin/tool")).unwrap();
+        assert_eq!(
+            std::fs::metadata(d.join("bin"))
+                .unwrap()
+                .modified()
+                .unwrap(),
+            bin_mtime
+        );
         assert_eq!(m.mode() & 0o7777, 0o751);
         assert_eq!(m.modified().unwrap(), when);
         assert_eq!(
