@@ -15,7 +15,7 @@
 //! `lib/passwd`) is refused with [`Error::UnsafePath`] naming the entry, and files are created with
 //! `O_NOFOLLOW | O_EXCL`, so nothing is ever written outside the destination.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
@@ -314,8 +314,9 @@ impl Tree {
         // Directories, symlinks and hard links are cheap and ordered; files are fetched in
         // parallel once their parent directories exist.
         let mut files = Vec::new();
+        let mut known = HashSet::from([dest.clone()]);
         for e in &self.entries {
-            let abs = safe_join(&dest, &e.path)?;
+            let abs = safe_join(&dest, &e.path, &mut known)?;
             match &e.kind {
                 EntryKind::Dir => std::fs::create_dir(&abs)
                     .or_else(|err| {
@@ -331,7 +332,7 @@ impl Tree {
                     .map_err(|err| Error::io("create symlink", &abs, err))?,
                 EntryKind::Hardlink { target } => {
                     // The target is an earlier file entry; it is linked once files are written.
-                    files.push((e, abs, Some(safe_join(&dest, target)?)));
+                    files.push((e, abs, Some(safe_join(&dest, target, &mut known)?)));
                 }
                 EntryKind::File { .. } => files.push((e, abs, None)),
             }
@@ -353,13 +354,14 @@ impl Tree {
                 .map_err(|err| Error::io("create hard link", &abs, err))?;
             stats.files += 1;
         }
-        // Metadata last, deepest first, so creating children does not disturb directory mtimes.
+        // Directory and symlink metadata last, deepest first, so creating children does not
+        // disturb directory mtimes. Files got theirs when written (or linked).
         for e in self.entries.iter().rev() {
             let abs = dest.join(&e.path);
             match e.kind {
                 EntryKind::Symlink { .. } => set_mtime(&abs, e.mtime_ns, true)?,
-                EntryKind::Hardlink { .. } => {}
-                _ => {
+                EntryKind::Hardlink { .. } | EntryKind::File { .. } => {}
+                EntryKind::Dir => {
                     std::fs::set_permissions(
                         &abs,
                         std::fs::Permissions::from_mode(e.mode & 0o7777),
@@ -406,7 +408,10 @@ pub struct MaterializeStats {
 
 /// `dest/rel`, after checking `rel` and that no existing ancestor under `dest` is a symlink or
 /// anything but a directory.
-fn safe_join(dest: &Path, rel: &str) -> Result<PathBuf> {
+///
+/// Ancestors already in `known` (directories this materialisation created or checked) are not
+/// checked again, and the ones checked are added, so a deep tree is not stat'ed over and over.
+fn safe_join(dest: &Path, rel: &str, known: &mut HashSet<PathBuf>) -> Result<PathBuf> {
     check_entry_path(rel)?;
     let mut cur = dest.to_path_buf();
     let comps: Vec<&str> = rel.split('/').collect();
@@ -414,6 +419,9 @@ fn safe_join(dest: &Path, rel: &str) -> Result<PathBuf> {
         cur.push(c);
         if i + 1 == comps.len() {
             break;
+        }
+        if known.contains(&cur) {
+            continue;
         }
         match std::fs::symlink_metadata(&cur) {
             Ok(m) if m.file_type().is_symlink() => {
@@ -434,6 +442,7 @@ fn safe_join(dest: &Path, rel: &str) -> Result<PathBuf> {
             }
             Err(e) => return Err(Error::io("stat", &cur, e)),
         }
+        known.insert(cur.clone());
     }
     Ok(cur)
 }
@@ -469,8 +478,10 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
         if cache.link_to(&only.id, &abs, e.mode, e.mtime_ns)? {
             return Ok(true);
         }
-        std::io::Write::write_all(&mut create(&abs)?, &data)
+        let mut file = create(&abs)?;
+        std::io::Write::write_all(&mut file, &data)
             .map_err(|err| Error::io("write file", &abs, err))?;
+        set_file_metadata(&file, &abs, e)?;
         return Ok(false);
     }
     let mut file = create(&abs)?;
@@ -495,7 +506,30 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             reason: format!("{}: wrote {written} bytes, expected {size}", e.path),
         });
     }
+    set_file_metadata(&file, &abs, e)?;
     Ok(false)
+}
+
+/// Gives a written file its entry's mode and mtime through its descriptor (no path lookups).
+fn set_file_metadata(file: &std::fs::File, abs: &Path, e: &Entry) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is open for as long as `file`, which outlives both calls; `times` points to two
+    // initialised timespecs that outlive the call.
+    unsafe {
+        if libc::fchmod(fd, e.mode & 0o7777) != 0 {
+            return Err(Error::io("set mode", abs, std::io::Error::last_os_error()));
+        }
+        let ts = libc::timespec {
+            tv_sec: e.mtime_ns.div_euclid(1_000_000_000),
+            tv_nsec: e.mtime_ns.rem_euclid(1_000_000_000),
+        };
+        let times = [ts, ts];
+        if libc::futimens(fd, times.as_ptr()) != 0 {
+            return Err(Error::io("set mtime", abs, std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
 }
 
 fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
