@@ -6,11 +6,13 @@
 //! cargo run --profile bench -p hotstart-benches -- store --only uring
 //! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
 //! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
+//! cargo run --profile bench -p hotstart-benches -- env              # snapshot restore vs pip, uv
 //! ```
 //!
 //! Each benchmark repeats its measurements (`--runs`, default 3) and reports medians.
 
 mod ckpt;
+mod env;
 mod fuse;
 mod report;
 mod store_striped;
@@ -36,6 +38,8 @@ enum Command {
     Ckpt(ckpt::CkptArgs),
     /// `hotstart mount` against direct striped I/O, weed mount, s3fs and rclone mount.
     Fuse(fuse::FuseArgs),
+    /// Environment snapshots: restore against pip, uv (cold and warm cache) and tar.
+    Env(env::EnvArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -101,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Ckpt(args) => ckpt::run(&args)?,
         Command::Fuse(args) => fuse::run(&args)?,
+        Command::Env(args) => env::run(&args)?,
     }
     Ok(())
 }
