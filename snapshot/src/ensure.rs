@@ -151,7 +151,7 @@ pub async fn ensure(store: &Store, cfg: &EnsureConfig) -> Result<Outcome> {
         Err(e) => return Err(Error::io("stat", &target, e)),
         Ok(m) => match node.read(&target) {
             Some(s) if s.describes(&m) => {
-                if s.phase == Phase::Ready && s.key == key.to_hex() {
+                if s.holds(&key) {
                     return Ok(done(Action::Present));
                 }
                 true
@@ -177,6 +177,7 @@ pub async fn ensure(store: &Store, cfg: &EnsureConfig) -> Result<Outcome> {
         phase: Phase::Installing,
         dev: 0,
         ino: 0,
+        boot_id: crate::node::boot_id(),
     })?;
     let install_started = Instant::now();
     if let Err(e) = run_install(&cfg.install, &target, &key, &target_lock).await {

@@ -16,7 +16,9 @@
 //! for the installer to exit rather than racing it.
 //!
 //! The state file tells an environment this node made (which `ensure` may replace or resume)
-//! from a directory someone else put there (which it never touches).
+//! from a directory someone else put there (which it never touches). It records the boot it was
+//! made in: restores are not synced to disk (they can always be redone), so after a reboot a
+//! target is restored again instead of being trusted.
 
 use std::fs::File;
 use std::io::Write;
@@ -50,6 +52,10 @@ pub struct TargetState {
     /// Device and inode of the target directory once it is ready.
     pub dev: u64,
     pub ino: u64,
+    /// The boot it was made in (`/proc/sys/kernel/random/boot_id`). Restores are not synced to
+    /// disk, so after a reboot a ready target is restored again rather than trusted.
+    #[serde(default)]
+    pub boot_id: String,
 }
 
 /// Where an ensure got to.
@@ -136,7 +142,13 @@ impl TargetState {
             phase: Phase::Ready,
             dev: m.dev(),
             ino: m.ino(),
+            boot_id: boot_id(),
         })
+    }
+
+    /// Whether the target holds `key`, made in this boot.
+    pub fn holds(&self, key: &Key) -> bool {
+        self.phase == Phase::Ready && self.key == key.to_hex() && self.boot_id == boot_id()
     }
 
     /// Whether the directory with metadata `m` is the one this state describes: the same inode
@@ -144,6 +156,13 @@ impl TargetState {
     pub fn describes(&self, m: &std::fs::Metadata) -> bool {
         self.phase == Phase::Installing || (m.dev() == self.dev && m.ino() == self.ino)
     }
+}
+
+/// This boot's id; empty where the kernel does not say.
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 async fn lock(path: PathBuf, what: String) -> Result<NodeLock> {
@@ -245,6 +264,12 @@ mod tests {
         state.write(&ready).unwrap();
         assert_eq!(state.read(&target).unwrap(), ready);
         assert!(ready.describes(&std::fs::metadata(&target).unwrap()));
+        assert!(ready.holds(&key) && !ready.holds(&Key([8; 32])));
+        let before_reboot = TargetState {
+            boot_id: "another boot".into(),
+            ..ready.clone()
+        };
+        assert!(!before_reboot.holds(&key), "made before a reboot: restored again");
         // Someone replaced the directory (the old one still exists, so the inode differs).
         std::fs::rename(&target, dir.path().join("moved")).unwrap();
         std::fs::create_dir(&target).unwrap();
