@@ -30,4 +30,12 @@ cargo clippy -p hotstart-ckpt --features cuda --all-targets -- -D warnings
 section "cargo test"
 cargo test --workspace
 
+# The Python package: build the extension (with the cuda feature, see bindings/pyproject.toml)
+# into .venv, then run its tests against it. GPU tests skip, saying so, without a GPU.
+section "python: maturin develop"
+(cd bindings && VIRTUAL_ENV="$ROOT/.venv" PATH="$ROOT/.venv/bin:$PATH" maturin develop)
+
+section "pytest"
+.venv/bin/python -m pytest bindings/tests -q -rs
+
 section "all checks passed"

@@ -34,6 +34,10 @@
 //! hotstart mount runs in this process with `hotstart mount`'s defaults (the CLI only builds the
 //! same `MountConfig`), its spill files in `--dir`.
 //!
+//! `--remote` puts the server behind the emulated remote link of the store benchmark
+//! (`benches/netem.sh`: network namespaces, 10 ms RTT, 100 MB/s per TCP connection, like S3)
+//! and measures the reads only: every mount, and the direct reader, reach it over that link.
+//!
 //! Full run (the issue's targets; on an otherwise idle machine, as root for FUSE and dropping
 //! caches; `scripts/setup.sh` installs s3fs, rclone and weed):
 //!
@@ -104,9 +108,35 @@ pub struct FuseArgs {
     /// Directory for mount points, spill files and the peers' temporary files (on disk).
     #[arg(long, default_value = "/var/tmp")]
     dir: PathBuf,
+    /// Serve the store from behind an emulated remote link (benches/netem.sh) and measure
+    /// reads only.
+    #[arg(long)]
+    remote: bool,
     /// Write the results as Markdown to this file too.
     #[arg(long)]
     markdown: Option<PathBuf>,
+}
+
+/// The emulated remote link, taken down when dropped.
+struct RemoteLink;
+
+impl RemoteLink {
+    fn up() -> anyhow::Result<(RemoteLink, SeaweedFs)> {
+        let link = RemoteLink;
+        crate::store_striped::netem("up")?;
+        let ip = crate::store_striped::netem_ip()?;
+        let weed = SeaweedFs::start_in_netns(crate::store_striped::NETNS, ip)
+            .context("start SeaweedFS behind the remote link")?;
+        Ok((link, weed))
+    }
+}
+
+impl Drop for RemoteLink {
+    fn drop(&mut self) {
+        if let Err(e) = crate::store_striped::netem("down") {
+            eprintln!("fuse: taking the remote link down: {e:#}");
+        }
+    }
 }
 
 /// Everything a measurement needs: the server, the bucket, the source's hash.
@@ -362,8 +392,15 @@ pub fn run(args: &FuseArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let weed =
-        SeaweedFs::start().context("start SeaweedFS (run scripts/setup.sh to install weed)")?;
+    // Declared before `bench`, so the link goes down only after the server has stopped.
+    let (_link, weed) = if args.remote {
+        let (link, weed) = RemoteLink::up()?;
+        (Some(link), weed)
+    } else {
+        let weed =
+            SeaweedFs::start().context("start SeaweedFS (run scripts/setup.sh to install weed)")?;
+        (None, weed)
+    };
     let url = weed.fresh_bucket("bench-fuse");
     let bucket = url.trim_start_matches("s3://").to_string();
     let store = Store::open_with(&url, &weed.client_options())?;
@@ -422,12 +459,19 @@ pub fn run(args: &FuseArgs) -> anyhow::Result<()> {
     }
 
     // Writes.
-    let data = Bytes::from(hotstart_testkit::pattern(write_size as usize, 77));
+    let data = if args.remote {
+        Bytes::new()
+    } else {
+        Bytes::from(hotstart_testkit::pattern(write_size as usize, 77))
+    };
     let mut writers = vec![Target::Direct, Target::Hotstart { tee: true }];
     if args.tee_cost {
         writers.push(Target::Hotstart { tee: false });
     }
     writers.extend(peers.iter().copied());
+    if args.remote {
+        writers.clear();
+    }
     let mut writes: Vec<(Target, Vec<Duration>, usize)> =
         writers.iter().map(|&t| (t, vec![], 0)).collect();
     for run in 0..args.runs {
@@ -483,7 +527,11 @@ fn add_rows(
             .find(|(x, _)| *x == t)
             .and_then(|(_, v)| med(v))
     };
-    let read_what = format!("sequential read, {}", label(read_size));
+    let read_what = format!(
+        "sequential read, {}{}",
+        label(read_size),
+        if args.remote { ", remote link" } else { "" }
+    );
     if let Some(mine) = of(ours) {
         for (t, _) in reads.iter().filter(|(t, _)| *t != ours) {
             let (peer, target) = match t {
@@ -548,9 +596,15 @@ fn add_rows(
         }
     }
     report.note(format!(
-        "one SeaweedFS server on loopback, {} runs (medians), a fresh mount for every \
+        "one SeaweedFS server {}, {} runs (medians), a fresh mount for every \
          measurement, page cache {} before each; reads 1 MiB per read(2), writes 1 MiB per \
          write(2); every peer's bytes checked by BLAKE3",
+        if args.remote {
+            "behind an emulated remote link (benches/netem.sh: 10 ms RTT, 100 MB/s per TCP \
+             connection)"
+        } else {
+            "on loopback"
+        },
         args.runs,
         if args.keep_page_cache {
             "kept"

@@ -152,16 +152,16 @@ pub async fn loopback(args: &StoreArgs, report: &mut Report) -> anyhow::Result<(
     Ok(())
 }
 
-const NETNS: &str = "hs-remote";
+pub(crate) const NETNS: &str = "hs-remote";
 
-fn netem(action: &str) -> anyhow::Result<()> {
+pub(crate) fn netem(action: &str) -> anyhow::Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("netem.sh");
     let status = Command::new("bash").arg(&script).arg(action).status()?;
     anyhow::ensure!(status.success(), "{} {action} failed", script.display());
     Ok(())
 }
 
-fn netem_ip() -> anyhow::Result<Ipv4Addr> {
+pub(crate) fn netem_ip() -> anyhow::Result<Ipv4Addr> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("netem.sh");
     let out = Command::new("bash").arg(&script).arg("ip").output()?;
     Ok(String::from_utf8(out.stdout)?.trim().parse()?)

@@ -143,6 +143,40 @@ impl Engine {
         };
         inner.load_step(step, dest)
     }
+
+    /// `rank`'s manifest of `step`, from the first tier (in load order) that holds a valid one
+    /// for this job, step and rank, whatever world size it was written with. This is how a job
+    /// reads checkpoints saved by a job of another size: the manifest names the saved world size
+    /// and the tensor index, and an engine configured as that rank of that world size loads the
+    /// data. Bytes are not verified here; [`Engine::load`] verifies every chunk.
+    pub fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+        let inner = &self.inner;
+        let key = format::manifest_key(&inner.job, step, rank);
+        for tier in &inner.tiers {
+            let bytes = match tier.get_manifest(&key) {
+                Ok(Some(bytes)) => bytes,
+                Ok(None) => continue,
+                Err(e) => {
+                    warn!(step, rank, tier = %tier.kind(), error = %e, "cannot read manifest");
+                    continue;
+                }
+            };
+            let location = format!("{key} ({} tier)", tier.kind());
+            match Manifest::parse(&bytes, &location) {
+                Ok(m) if m.job == inner.job && m.step == step && m.rank == rank => return Ok(m),
+                Ok(m) => warn!(
+                    step, rank, tier = %tier.kind(),
+                    "manifest written for job {:?} step {} rank {}", m.job, m.step, m.rank
+                ),
+                Err(e) => warn!(step, rank, tier = %tier.kind(), error = %e, "unusable manifest"),
+            }
+        }
+        Err(Error::NotFound {
+            job: inner.job.clone(),
+            step: Some(step),
+            rank,
+        })
+    }
 }
 
 impl Inner {

@@ -190,3 +190,36 @@ fn bad_input_is_refused() {
     );
     assert!(hotstart_ckpt::Engine::new(EngineConfig::new("ok", 0, 1)).is_err());
 }
+
+/// `Engine::manifest` reads any rank's manifest whatever world size wrote it, which is how a job
+/// of another size finds the saved world size and loads each saved rank (resharding).
+#[test]
+fn manifest_of_another_rank_and_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    for rank in 0..2 {
+        let mut cfg = config("job-m").disk(dir.path());
+        (cfg.rank, cfg.world_size) = (rank, 2);
+        let e = engine(cfg);
+        let t = Tensor::new("x", Dtype::U8, vec![3], vec![rank as u8; 3]).unwrap();
+        let extras = [("who".to_string(), vec![rank as u8])].into();
+        e.save(5, vec![t], extras).unwrap().wait().unwrap();
+    }
+    // A job of one rank: its own view of step 5 is incomplete and unusable...
+    let single = engine(config("job-m").disk(dir.path()));
+    assert_eq!(single.latest_complete_step().unwrap(), None);
+    // ...but every saved rank's manifest is readable and names the saved world size.
+    for rank in 0..2u32 {
+        let m = single.manifest(5, rank).unwrap();
+        assert_eq!((m.step, m.rank, m.world_size), (5, rank, 2));
+        assert_eq!(m.decode_extras().unwrap()["who"], vec![rank as u8]);
+        let mut cfg = config("job-m").disk(dir.path());
+        (cfg.rank, cfg.world_size) = (rank, m.world_size);
+        let l = engine(cfg)
+            .load(StepSel::Step(5), Destination::Owned)
+            .unwrap();
+        assert!(l.tensors[0].data[..] == [rank as u8; 3]);
+    }
+    let missing = single.manifest(5, 2).unwrap_err();
+    assert!(missing.is_not_found(), "{missing}");
+    assert!(single.manifest(6, 0).unwrap_err().is_not_found());
+}

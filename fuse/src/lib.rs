@@ -17,6 +17,7 @@
 //! writes the marker, so directories made through the mount survive being emptied. The marker
 //! name is reserved and never shown. Guarantees and refusals are written in docs/SEMANTICS.md.
 
+pub mod bdi;
 mod cache;
 mod error;
 mod fs;

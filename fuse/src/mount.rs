@@ -37,6 +37,10 @@ pub struct MountConfig {
     pub max_background: u16,
     /// The source name shown in /proc/mounts.
     pub fs_name: String,
+    /// The kernel's read-ahead window for the mount, in bytes (`None` keeps the kernel's
+    /// default of 128 KiB). Setting it needs root; without root the default stays, with a log
+    /// line. See `bdi.rs`.
+    pub kernel_read_ahead: Option<u64>,
 }
 
 impl Default for MountConfig {
@@ -47,6 +51,7 @@ impl Default for MountConfig {
             threads: 1,
             max_background: 64,
             fs_name: "hotstart".to_string(),
+            kernel_read_ahead: Some(4 << 20),
         }
     }
 }
@@ -162,6 +167,8 @@ pub fn mount(
             format!("mount point {} is not a directory", mountpoint.display()),
         ));
     }
+    // As /proc/self/mountinfo will name it; resolved now, while it is still a plain directory.
+    let canonical = mountpoint.canonicalize()?;
     if let Some(dir) = &cfg.fs.cache_dir {
         std::fs::create_dir_all(dir).map_err(|e| {
             io::Error::new(e.kind(), format!("cache directory {}: {e}", dir.display()))
@@ -191,6 +198,12 @@ pub fn mount(
     config.n_threads = Some(cfg.threads.max(1));
     let session = fuser::spawn_mount(adapter, mountpoint, &config)
         .map_err(|e| io::Error::new(e.kind(), format!("mount {}: {e}", mountpoint.display())))?;
+    if let Some(bytes) = cfg.kernel_read_ahead
+        && let Err(e) = crate::bdi::set_read_ahead(&canonical, bytes)
+    {
+        tracing::warn!(mountpoint = %mountpoint.display(), error = %e,
+            "cannot set the kernel read-ahead (needs root); sequential reads will be slower");
+    }
     tracing::info!(mountpoint = %mountpoint.display(), store = fs.store().url(), "mounted");
     Ok(MountHandle {
         session: Some(session),

@@ -7,8 +7,10 @@
 //! kernel's own read-ahead can deliver requests slightly out of order, and small seeks back or
 //! forward inside the buffer are served from memory.
 //!
-//! - Sequential: bytes come from the segments, awaiting the oldest window when they run out.
-//!   After each read, windows are started back to back after the buffered range until two are in
+//! - Sequential: bytes come from the segments, awaiting the oldest window's next stripe when
+//!   they run out. A window hands over each stripe as it arrives (in order), and each stripe
+//!   becomes a segment as it is, so a read waits only for the stripe holding its bytes and no
+//!   byte is copied between the HTTP body and the reply to the kernel. After each read, windows are started back to back after the buffered range until two are in
 //!   flight; each new window is twice the previous one, from `initial_read_ahead` up to
 //!   `max_read_ahead`. Segments wholly behind the read position are dropped, except the latest,
 //!   which serves short backward seeks.
@@ -16,8 +18,9 @@
 //!   initial value and the read is one exact ranged GET of the bytes asked for.
 //!
 //! **Memory.** Every window holds a permit of its length from the mount's [`ByteBudget`] from
-//! before its request is sent until its segment is dropped, so the total buffered by all handles
-//! never exceeds the budget. A read-ahead window is only started when its permit is available at
+//! before its request is sent; each stripe takes its share of the permit along when it becomes
+//! a segment, and gives it back when the segment is dropped, so the total buffered by all
+//! handles never exceeds the budget. A read-ahead window is only started when its permit is available at
 //! once ([`ByteBudget::try_acquire`]): read-ahead never waits and never pushes out other handles'
 //! buffers. The one wait is a demand read (the bytes asked for are neither buffered nor in
 //! flight). It first tries for a whole window; if that is not free, it gives back all its handle
@@ -26,10 +29,9 @@
 //! handles that no request is using ([`ReadHandle::reclaim`], driven by the filesystem's
 //! handle table): a handle may hold read-ahead for a reader that will never read through it
 //! again (readers of one file share the kernel's page cache, so another handle's request may
-//! serve it), and waiting for it to let go could wait forever. A
-//! window's stripes ([`StripedReader::stream`]) are appended to the window's buffer as they
-//! arrive in order, so they are part of the bytes the window already holds; the striped reader
-//! itself therefore runs under a separate, unlimited transport budget.
+//! serve it), and waiting for it to let go could wait forever. A window's stripes
+//! ([`StripedReader::stream`]) are part of the bytes the window already holds, so the striped
+//! reader itself runs under a separate, unlimited transport budget.
 //!
 //! **Local cache.** With a stripe cache (`--cache-dir`), windows are widened to whole stripes;
 //! each stripe comes from the cache when it holds it for this object version, otherwise it is one
@@ -43,9 +45,10 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
-use futures::{FutureExt, StreamExt, stream};
+use futures::{FutureExt, StreamExt, TryStreamExt, stream};
 use hotstart_store::budget::BudgetPermit;
 use hotstart_store::{ByteBudget, StripedReader};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::cache::StripeCache;
@@ -67,23 +70,19 @@ impl Cached {
         if let Some(b) = self.cache.get(&self.version, r.start, len).await {
             return Ok(b);
         }
-        // One ranged GET (`r` is at most a stripe); `stream` length-checks it.
-        let mut body = reader.stream(r.clone());
-        let mut buf = BytesMut::with_capacity(len as usize);
-        while let Some(piece) = body.next().await {
-            buf.extend_from_slice(&piece?);
-        }
-        let b = buf.freeze();
+        // One ranged GET when `r` is at most the reader's stripe; `stream` length-checks it.
+        let pieces: Vec<Bytes> = reader.stream(r.clone()).try_collect().await?;
+        let b = match <[Bytes; 1]>::try_from(pieces) {
+            Ok([one]) => one,
+            Err(pieces) => pieces.concat().into(),
+        };
         self.cache.insert(&self.version, r.start, b.clone()).await;
         Ok(b)
     }
 
-    /// The bytes of `range` (whole stripes), each stripe from the cache or fetched and kept.
-    async fn fetch(
-        self,
-        reader: StripedReader,
-        range: Range<u64>,
-    ) -> hotstart_store::Result<Bytes> {
+    /// Sends the bytes of `range` (whole stripes) to `out` in order, each stripe from the cache
+    /// or fetched and kept.
+    async fn fetch(self, reader: StripedReader, range: Range<u64>, out: PieceSender) {
         let s = self.stripe.max(1);
         let stripes = (range.start..range.end)
             .step_by(s as usize)
@@ -91,12 +90,23 @@ impl Cached {
         let fetches: Vec<_> = stripes
             .map(|r| self.clone().stripe(reader.clone(), r).boxed())
             .collect();
-        let mut parts = stream::iter(fetches).buffered(self.in_flight.max(1));
-        let mut buf = BytesMut::with_capacity((range.end - range.start) as usize);
-        while let Some(part) = parts.next().await {
-            buf.extend_from_slice(&part?);
+        send_all(stream::iter(fetches).buffered(self.in_flight.max(1)), out).await;
+    }
+}
+
+/// Where a window's task sends its stripes, in order; an error ends the window.
+type PieceSender = mpsc::UnboundedSender<hotstart_store::Result<Bytes>>;
+
+/// Forwards `pieces` to `out` until the first error, or until nobody listens any more.
+async fn send_all(
+    mut pieces: impl futures::Stream<Item = hotstart_store::Result<Bytes>> + Unpin,
+    out: PieceSender,
+) {
+    while let Some(piece) = pieces.next().await {
+        let failed = piece.is_err();
+        if out.send(piece).is_err() || failed {
+            return;
         }
-        Ok(buf.freeze())
     }
 }
 
@@ -119,9 +129,16 @@ impl Segment {
     }
 }
 
+/// Read-ahead in flight: one task fetching `range` stripe by stripe and sending each stripe as it
+/// arrives, so a read waits only for the stripe it needs, and a stripe's bytes are never copied
+/// again on their way to the kernel.
 struct Window {
     range: Range<u64>,
-    task: JoinHandle<hotstart_store::Result<Bytes>>,
+    pieces: mpsc::UnboundedReceiver<hotstart_store::Result<Bytes>>,
+    /// Where the next piece starts.
+    next: u64,
+    task: JoinHandle<()>,
+    /// The budget of the bytes not yet received; each piece takes its share along.
     permit: Option<BudgetPermit>,
 }
 
@@ -277,46 +294,55 @@ impl ReadHandle {
                 }
                 continue;
             }
-            // Not buffered: the oldest window must cover it, or windows are useless.
+            // Not buffered: the oldest window must be about to receive it, or windows are
+            // useless.
             if self
                 .windows
                 .front()
-                .is_some_and(|w| !w.range.contains(&pos))
+                .is_some_and(|w| !(w.next..w.range.end).contains(&pos))
             {
                 self.windows.clear();
             }
             if self.windows.is_empty() {
                 self.start_window(pos, Some((end - pos) as usize)).await;
             }
-            let Some(w) = self.windows.pop_front() else {
-                return Err(FsError::Invalid {
-                    path: self.path.clone(),
-                    reason: "read-ahead window could not start".into(),
-                });
-            };
-            self.land(w).await?;
+            self.land_next().await?;
         }
         self.trim(end);
         self.fill_ahead().await;
         Ok(single.unwrap_or_else(|| out.map(BytesMut::freeze).unwrap_or_default()))
     }
 
-    /// Awaits a window and keeps its bytes as a segment.
-    async fn land(&mut self, mut w: Window) -> FsResult<()> {
-        let data = match (&mut w.task).await {
-            Ok(Ok(data)) => data,
-            Ok(Err(e)) => return Err(FsError::store(&self.path, e)),
-            Err(e) => {
+    /// Awaits the next stripe of the oldest window and keeps it as a segment; the window is done
+    /// once its last stripe is in.
+    async fn land_next(&mut self) -> FsResult<()> {
+        let path = &self.path;
+        let Some(w) = self.windows.front_mut() else {
+            return Err(FsError::Invalid {
+                path: path.clone(),
+                reason: "read-ahead window could not start".into(),
+            });
+        };
+        let data = match w.pieces.recv().await {
+            Some(Ok(data)) if !data.is_empty() => data,
+            Some(Err(e)) => return Err(FsError::store(path, e)),
+            Some(Ok(_)) | None => {
                 return Err(FsError::Invalid {
-                    path: self.path.clone(),
-                    reason: format!("read-ahead task failed: {e}"),
+                    path: path.clone(),
+                    reason: "read-ahead ended before its range".into(),
                 });
             }
         };
-        let start = w.range.start;
-        // The permit moves from the window to the segment: the bytes stay counted.
-        let permit = w.permit.take();
-        drop(w);
+        let start = w.next;
+        w.next += data.len() as u64;
+        // The piece's share of the permit moves to the segment: the bytes stay counted.
+        let permit = match &mut w.permit {
+            Some(p) if p.bytes() > data.len() => p.split(data.len()),
+            whole => whole.take(),
+        };
+        if w.next >= w.range.end {
+            self.windows.pop_front();
+        }
         self.segments.push_back(Segment {
             start,
             data,
@@ -400,19 +426,15 @@ impl ReadHandle {
         };
         let reader = self.reader.clone();
         let range = start..start + len as u64;
+        let (out, pieces) = mpsc::unbounded_channel();
         let task = match cached {
-            Some(c) => tokio::spawn(c.fetch(reader, range)),
-            None => tokio::spawn(async move {
-                let mut stripes = reader.stream(range);
-                let mut buf = BytesMut::with_capacity(len);
-                while let Some(stripe) = stripes.next().await {
-                    buf.extend_from_slice(&stripe?);
-                }
-                Ok(buf.freeze())
-            }),
+            Some(c) => tokio::spawn(c.fetch(reader, range.clone(), out)),
+            None => tokio::spawn(send_all(reader.stream(range.clone()), out)),
         };
         self.windows.push_back(Window {
-            range: start..start + len as u64,
+            next: range.start,
+            range,
+            pieces,
             task,
             permit: Some(permit),
         });

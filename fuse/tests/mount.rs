@@ -249,6 +249,11 @@ fn local_directory_store() {
     let store = Store::open(store_dir.path().to_str().unwrap()).unwrap();
     let stripe = 1 << 20;
     let m = Mounted::new(store, config(stripe));
+    assert_eq!(
+        hotstart_fuse::bdi::read_ahead(m.path()).unwrap(),
+        MountConfig::default().kernel_read_ahead.unwrap(),
+        "the kernel reads ahead by the configured window, not its 128 KiB default"
+    );
     sizes_round_trip(&m, stripe);
     namespace_and_refusals(&m);
     python_zipfile(&m);
@@ -273,6 +278,11 @@ fn seaweedfs_store() {
     let store = Store::open_with(&format!("{bucket}/m"), &weed.client_options()).unwrap();
     let stripe = 5 << 20;
     let m = Mounted::new(store, config(stripe));
+    assert_eq!(
+        hotstart_fuse::bdi::read_ahead(m.path()).unwrap(),
+        MountConfig::default().kernel_read_ahead.unwrap(),
+        "the kernel reads ahead by the configured window, not its 128 KiB default"
+    );
     sizes_round_trip(&m, stripe);
     namespace_and_refusals(&m);
     python_zipfile(&m);

@@ -200,6 +200,18 @@ impl BudgetPermit {
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+
+    /// Moves `bytes` of this permit into a new one (`None` if it holds fewer), so the parts of
+    /// what one permit covered can be given back separately.
+    pub fn split(&mut self, bytes: usize) -> Option<BudgetPermit> {
+        let permit = self._permit.split(bytes)?;
+        self.bytes -= bytes;
+        Some(BudgetPermit {
+            inner: self.inner.clone(),
+            bytes,
+            _permit: permit,
+        })
+    }
 }
 
 impl Drop for BudgetPermit {
@@ -291,5 +303,26 @@ mod tests {
             .unwrap();
         assert_eq!(got, 60);
         assert!(budget.peak() <= budget.capacity());
+    }
+
+    #[tokio::test]
+    async fn split_parts_are_given_back_separately() {
+        let budget = ByteBudget::new(100);
+        let mut whole = budget.acquire(60).await;
+        let part = whole.split(25).expect("60 bytes held");
+        assert_eq!((whole.bytes(), part.bytes()), (35, 25));
+        assert!(
+            whole.split(36).is_none(),
+            "cannot split off more than is held"
+        );
+        assert_eq!(budget.in_use(), 60);
+        drop(part);
+        assert_eq!(budget.in_use(), 35);
+        assert!(
+            budget.try_acquire(65).is_some(),
+            "the split bytes are free again"
+        );
+        drop(whole);
+        assert_eq!(budget.in_use(), 0);
     }
 }

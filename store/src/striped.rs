@@ -29,11 +29,14 @@ use bytes::{Bytes, BytesMut};
 use futures::stream::{self, BoxStream};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
-use object_store::{GetOptions, GetResultPayload, MultipartUpload, ObjectStoreExt, PutPayload};
+use object_store::{
+    GetOptions, GetResult, GetResultPayload, MultipartUpload, ObjectStoreExt, PutPayload,
+};
 use tokio::io::AsyncRead;
 use tokio::task::JoinSet;
 
 mod limiter;
+mod pool;
 use limiter::PartLimiter;
 use std::time::Instant;
 
@@ -164,37 +167,28 @@ impl StripedReader {
         async move { budget.acquire(want).await }
     }
 
-    /// One ranged GET; `permit` holds its length from the budget until the caller drops it.
+    /// One ranged GET; `permit` holds its length from the budget until the caller drops it. A
+    /// streamed body lands in a pooled buffer (see `pool`).
     fn fetch(
         &self,
         range: Range<u64>,
         permit: BudgetPermit,
     ) -> impl Future<Output = Result<(Bytes, BudgetPermit)>> + Send + 'static {
-        let store = self.store.clone();
-        let path = self.path.clone();
-        let key = self.key.clone();
-        let e_tag = self.e_tag.clone();
+        let this = self.clone();
         async move {
-            let want = range.end - range.start;
-            let opts = GetOptions {
-                if_match: e_tag,
-                range: Some(range.clone().into()),
-                ..Default::default()
+            let res = this.get(&range).await?;
+            let len = (range.end - range.start) as usize;
+            let bytes = if matches!(res.payload, GetResultPayload::File(..)) {
+                // A local file: one positioned read into a buffer of its own.
+                let bytes = res.bytes().await.map_err(|e| Error::store(&this.key, e))?;
+                this.check_len(&range, bytes.len())?;
+                bytes
+            } else {
+                pool::filled(len, async |out: &mut [u8]| {
+                    this.copy_body(&range, res, out).await
+                })
+                .await?
             };
-            let res = store
-                .object_store()
-                .get_opts(&path, opts)
-                .await
-                .map_err(|e| Error::store(&key, e))?;
-            let bytes = res.bytes().await.map_err(|e| Error::store(&key, e))?;
-            if bytes.len() as u64 != want {
-                return Err(Error::Truncated {
-                    key,
-                    start: range.start,
-                    end: range.end,
-                    got: bytes.len() as u64,
-                });
-            }
             Ok((bytes, permit))
         }
     }
@@ -250,60 +244,71 @@ impl StripedReader {
         Ok(Bytes::from(buf))
     }
 
-    /// One ranged GET whose body is copied straight into `out` as it arrives (no intermediate
-    /// buffer), checking that exactly `out.len()` bytes come back.
+    /// One ranged GET under the budget whose body is copied straight into `out` as it arrives
+    /// (no intermediate buffer), checking that exactly `out.len()` bytes come back.
     async fn fetch_into(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         let range = offset..offset + out.len() as u64;
         if range.is_empty() {
             return Ok(());
         }
         let _permit = self.permit(&range).await;
+        let res = self.get(&range).await?;
+        if matches!(res.payload, GetResultPayload::File(..)) {
+            // A local file: one positioned read beats the 8 KiB pieces of its stream form.
+            let bytes = res.bytes().await.map_err(|e| Error::store(&self.key, e))?;
+            self.check_len(&range, bytes.len())?;
+            out.copy_from_slice(&bytes);
+            return Ok(());
+        }
+        self.copy_body(&range, res, out).await
+    }
+
+    /// Sends the ranged GET of `range`, pinned to the ETag seen at open.
+    async fn get(&self, range: &Range<u64>) -> Result<GetResult> {
         let opts = GetOptions {
             if_match: self.e_tag.clone(),
             range: Some(range.clone().into()),
             ..Default::default()
         };
-        let res = self
-            .store
+        self.store
             .object_store()
             .get_opts(&self.path, opts)
             .await
-            .map_err(|e| Error::store(&self.key, e))?;
-        if matches!(res.payload, GetResultPayload::File(..)) {
-            // A local file: one positioned read beats the 8 KiB pieces of its stream form.
-            let bytes = res.bytes().await.map_err(|e| Error::store(&self.key, e))?;
-            if bytes.len() != out.len() {
-                return Err(Error::Truncated {
-                    key: self.key.clone(),
-                    start: range.start,
-                    end: range.end,
-                    got: bytes.len() as u64,
-                });
-            }
-            out.copy_from_slice(&bytes);
-            return Ok(());
-        }
+            .map_err(|e| Error::store(&self.key, e))
+    }
+
+    /// Copies the body of `res`, the response for `range`, into `out` piece by piece as it
+    /// arrives; it must be exactly `out.len()` bytes.
+    async fn copy_body(&self, range: &Range<u64>, res: GetResult, out: &mut [u8]) -> Result<()> {
         let mut body = res.into_stream();
         let mut got = 0usize;
         while let Some(piece) = body.next().await {
             let piece = piece.map_err(|e| Error::store(&self.key, e))?;
             let end = got + piece.len();
             if end > out.len() {
-                got = end;
-                break;
+                return Err(self.truncated(range, end));
             }
             out[got..end].copy_from_slice(&piece);
             got = end;
         }
-        if got != out.len() {
-            return Err(Error::Truncated {
-                key: self.key.clone(),
-                start: range.start,
-                end: range.end,
-                got: got as u64,
-            });
+        self.check_len(range, got)
+    }
+
+    fn check_len(&self, range: &Range<u64>, got: usize) -> Result<()> {
+        if got as u64 == range.end - range.start {
+            Ok(())
+        } else {
+            Err(self.truncated(range, got))
         }
-        Ok(())
+    }
+
+    fn truncated(&self, range: &Range<u64>, got: usize) -> Error {
+        Error::Truncated {
+            key: self.key.clone(),
+            start: range.start,
+            end: range.end,
+            got: got as u64,
+        }
     }
 
     /// Fills `buf` with the bytes at `offset`, each stripe landing straight in its slice.

@@ -1,0 +1,220 @@
+"""The Python package against what a PyTorch user would use instead, same tensors, same run.
+
+    (cd bindings && maturin develop --release)      # an optimised extension into .venv
+    .venv/bin/python benches/python/bench_py.py --gib 2 --runs 3 --dir /var/tmp
+
+Measures, on ``--gib`` GiB of random torch CPU tensors in ``--tensors`` tensors:
+
+* **Stall**: ``Checkpointer.save()`` + ``wait_staged()`` (the only wait a training loop has)
+  against the floor, ``Tensor.copy_`` of the same tensors into preallocated buffers (target:
+  at most 1.3x its time), and against the blocking part of ``torch.save``,
+  ``safetensors.torch.save_file`` (target: 3x shorter) and ``dcp.async_save`` with
+  ``FileSystemWriter(thread_count=4)`` (target: shorter).
+* **Durable**: save until the bytes are on the local disk (hotstart's disk tier, with
+  ``wait_persisted("disk")``) against ``torch.save`` + fsync, ``save_file`` + fsync, and
+  ``dcp.save`` with ``FileSystemWriter(thread_count=4)`` (fsyncs its files).
+* **Cold load** (page cache dropped before each load when running as root): hotstart into new
+  tensors against ``torch.load`` and ``safetensors.torch.load_file``, and in place against
+  ``dcp.load`` with ``FileSystemReader``.
+
+Each figure is the median of ``--runs`` runs, after one warm-up save that allocates hotstart's
+staging buffer; ratios are hotstart's throughput over the peer's (higher is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+import hotstart
+
+MiB = 1 << 20
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def timed(f: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        n = args.tensors
+        per = int(args.gib * (1 << 30)) // n // 4
+        gen = torch.Generator().manual_seed(0)
+        self.state = {f"layer.{i}.weight": torch.randn(per, generator=gen) for i in range(n)}
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.state.values())
+        self.work = Path(tempfile.mkdtemp(prefix="hotstart-bench-py-", dir=args.dir))
+        self.times: Dict[str, List[float]] = {}
+        self.cold = drop_caches()
+
+    def record(self, key: str, seconds: float) -> None:
+        self.times.setdefault(key, []).append(seconds)
+        print(f"  {key}: {seconds:.3f} s ({self.nbytes / MiB / seconds:.0f} MiB/s)", flush=True)
+
+    def fresh(self, name: str) -> Path:
+        p = self.work / name
+        shutil.rmtree(p, ignore_errors=True)
+        p.mkdir(parents=True)
+        return p
+
+    def cold_load(self, key: str, f: Callable[[], object]) -> None:
+        drop_caches()
+        self.record(key, timed(f))
+
+    def run(self) -> None:
+        a = self.args
+        dst = {k: torch.empty_like(v) for k, v in self.state.items()}
+        ck_dir = self.fresh("hotstart")
+        ck = hotstart.Checkpointer(local_dir=ck_dir, job="bench", keep=1, max_inflight=1)
+        ck.save(0, self.state).wait()  # warm-up: allocates and faults in the staging buffer
+
+        def copy() -> None:
+            for k, v in self.state.items():
+                dst[k].copy_(v)
+
+        copy()  # warm-up: faults in the preallocated buffers, as the staging buffer was
+        for run in range(a.runs):
+            print(f"run {run + 1}/{a.runs}", flush=True)
+            # Floor: a copy of every tensor into preallocated buffers.
+            self.record("copy_", timed(copy))
+
+            step = run + 1
+            t = time.perf_counter()
+            h = ck.save(step, self.state)
+            h.wait_staged()
+            self.record("hotstart stall", time.perf_counter() - t)
+            h.wait_persisted("disk")
+            self.record("hotstart durable", time.perf_counter() - t)
+            ck.wait()
+            new: Dict[str, torch.Tensor] = {}
+            self.cold_load("hotstart load new", lambda: new.update(ck.load(step=step)))
+            assert all(torch.equal(new[k], v) for k, v in self.state.items())
+            del new
+            self.cold_load("hotstart load in place", lambda: ck.load(dst, step=step))
+
+            p = self.fresh("torch") / "state.pt"
+            self.record("torch.save stall", timed(lambda: torch.save(self.state, p)))
+            fsync_path(p)
+            p.unlink()
+            self.record("torch.save durable", timed(lambda: (torch.save(self.state, p), fsync_path(p))))
+            self.cold_load("torch.load", lambda: torch.load(p))
+
+            p = self.fresh("safetensors") / "state.safetensors"
+            self.record("save_file stall", timed(lambda: save_file(self.state, str(p))))
+            fsync_path(p)
+            p.unlink()
+            self.record("save_file durable", timed(lambda: (save_file(self.state, str(p)), fsync_path(p))))
+            self.cold_load("load_file", lambda: load_file(str(p)))
+
+            d = self.fresh("dcp")
+            writer = lambda path: dcp.FileSystemWriter(str(path), thread_count=4)  # noqa: E731
+            fut: List[object] = []
+            self.record("dcp.async_save stall", timed(lambda: fut.append(
+                dcp.async_save(self.state, storage_writer=writer(d / "async")))))
+            fut[0].result()  # type: ignore[attr-defined]
+            self.record("dcp.save durable", timed(lambda: dcp.save(self.state, storage_writer=writer(d / "sync"))))
+            self.cold_load("dcp.load in place", lambda: dcp.load(
+                dst, storage_reader=dcp.FileSystemReader(str(d / "sync"))))
+            shutil.rmtree(self.work / "dcp", ignore_errors=True)
+        ck.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def median(self, key: str) -> float:
+        return statistics.median(self.times[key])
+
+    def table(self) -> str:
+        size = f"{self.nbytes / (1 << 30):.2f} GiB in {self.args.tensors} tensors"
+        rows: List[Tuple[str, str, str, Optional[str]]] = [
+            ("stall save→wait_staged", "hotstart stall", "copy_", "≥ 0.77"),  # ≤ 1.3x the time
+            ("stall save→wait_staged", "hotstart stall", "torch.save stall", "≥ 3"),
+            ("stall save→wait_staged", "hotstart stall", "save_file stall", "≥ 3"),
+            ("stall save→wait_staged", "hotstart stall", "dcp.async_save stall", "≥ 1"),
+            ("durable on local disk", "hotstart durable", "torch.save durable", "≥ 1"),
+            ("durable on local disk", "hotstart durable", "save_file durable", "≥ 1"),
+            ("durable on local disk", "hotstart durable", "dcp.save durable", "≥ 1"),
+            ("cold load, new tensors", "hotstart load new", "torch.load", "≥ 1"),
+            ("cold load, new tensors", "hotstart load new", "load_file", "≥ 1"),
+            ("cold load, in place", "hotstart load in place", "dcp.load in place", "≥ 1"),
+        ]
+        peers = {
+            "copy_": "Tensor.copy_ into preallocated tensors",
+            "torch.save stall": "torch.save",
+            "save_file stall": "safetensors.torch.save_file",
+            "dcp.async_save stall": "dcp.async_save (FileSystemWriter, 4 threads), blocking part",
+            "torch.save durable": "torch.save + fsync",
+            "save_file durable": "safetensors.torch.save_file + fsync",
+            "dcp.save durable": "dcp.save (FileSystemWriter, 4 threads)",
+            "torch.load": "torch.load",
+            "load_file": "safetensors.torch.load_file",
+            "dcp.load in place": "dcp.load (FileSystemReader), in place",
+        }
+        out = [
+            "| measurement | hotstart | peer | peer's | ratio | target |",
+            "|---|---:|---|---:|---:|---:|",
+        ]
+        for what, ours, theirs, target in rows:
+            o, t = self.median(ours), self.median(theirs)
+            ratio = t / o
+            ok = ""
+            if target:
+                ok = " ✓" if ratio >= float(target.split()[-1]) else " ✗"
+            out.append(
+                f"| {what}, {size} | {self.nbytes / MiB / o:.0f} MiB/s | {peers[theirs]} | "
+                f"{self.nbytes / MiB / t:.0f} MiB/s | {ratio:.2f}× | {target or '-'}{ok} |"
+            )
+        cache = "page cache dropped before each load" if self.cold else "page cache NOT dropped (not root)"
+        out.append("")
+        out.append(f"Medians of {self.args.runs} runs; {cache}; torch {torch.__version__}, "
+                   f"hotstart {hotstart.__version__}, files in {self.args.dir}.")
+        return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
+    ap.add_argument("--tensors", type=int, default=32, help="number of tensors (default 32)")
+    ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
+    ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure")
+    ap.add_argument("--markdown", help="also write the table to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    b = Bench(args)
+    b.run()
+    table = b.table()
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

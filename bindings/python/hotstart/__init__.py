@@ -1,0 +1,44 @@
+"""hotstart: asynchronous checkpoints for training loops.
+
+>>> import hotstart
+>>> ck = hotstart.Checkpointer(store="s3://bucket/runs", job="run-42")
+>>> h = ck.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
+>>> h.wait_staged()          # before optimizer.step(); persistence goes on in the background
+>>> state = ck.load()        # newest complete step, verified; or ck.load(state) in place
+
+``hotstart.torch`` has torch.distributed.checkpoint storage backends (``StorageWriter``,
+``StorageReader``); importing ``hotstart`` itself does not import torch or numpy.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from ._checkpointer import Checkpointer, SaveHandle
+from ._core import CUDA_BUILT, __version__
+from .errors import (
+    ConfigError,
+    CorruptCheckpoint,
+    CudaError,
+    HotstartError,
+    NoCheckpoint,
+    SaveSkipped,
+    StateDictError,
+    StoreError,
+)
+
+__all__ = [
+    "Checkpointer",
+    "SaveHandle",
+    "CUDA_BUILT",
+    "__version__",
+    "errors",
+    # the exceptions, as hotstart.errors lists them
+    "HotstartError",
+    "ConfigError",
+    "StateDictError",
+    "CorruptCheckpoint",
+    "NoCheckpoint",
+    "StoreError",
+    "SaveSkipped",
+    "CudaError",
+]

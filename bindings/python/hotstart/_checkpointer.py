@@ -1,0 +1,244 @@
+"""The Checkpointer: asynchronous checkpoints of state dicts from a training loop."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from . import _core
+from . import _state
+from .errors import ConfigError, HotstartError, NoCheckpoint
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"{name}={v!r} is not an integer") from None
+
+
+def resolve_rank(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """Rank and world size: given, else an initialised torch.distributed, else RANK and
+    WORLD_SIZE, else 0 of 1."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        r, w = dist.get_rank(), dist.get_world_size()
+    else:
+        r = _env_int("RANK")
+        w = _env_int("WORLD_SIZE")
+        r = 0 if r is None else r
+        w = 1 if w is None else w
+    return (r if rank is None else rank), (w if world_size is None else world_size)
+
+
+def engine_options(
+    store: Optional[str],
+    job: Optional[str],
+    rank: Optional[int],
+    world_size: Optional[int],
+    local_dir: Optional[PathLike],
+    **tuning: Any,
+) -> Dict[str, Any]:
+    """Keyword arguments of `_core.Engine`, with every default resolved from the environment."""
+    store = store if store is not None else (os.environ.get("HOTSTART_STORE") or None)
+    if local_dir is None:
+        local_dir = os.environ.get("HOTSTART_LOCAL_DIR") or None
+    job = job if job is not None else (os.environ.get("HOTSTART_JOB") or None)
+    if job is None:
+        raise ConfigError("no job name: pass job=... or set HOTSTART_JOB")
+    if store is None and local_dir is None:
+        raise ConfigError(
+            "nowhere to save: pass store=... (a store URL) and/or local_dir=..., "
+            "or set HOTSTART_STORE / HOTSTART_LOCAL_DIR"
+        )
+    r, w = resolve_rank(rank, world_size)
+    opts: Dict[str, Any] = dict(job=job, rank=r, world_size=w, store=store, **tuning)
+    opts["local_dir"] = None if local_dir is None else os.fspath(local_dir)
+    return opts
+
+
+def _sync_cuda(devices: "set[int]") -> None:
+    """Finishes the work queued on `devices`, so the engine copies what the caller sees."""
+    if devices:
+        import torch
+
+        for d in sorted(devices):
+            torch.cuda.synchronize(d)
+
+
+SaveHandle = _core.SaveHandle
+
+
+class Checkpointer:
+    """Saves and loads the state dicts of one rank of a training job.
+
+    ``store`` is a store URL (``s3://bucket/prefix``, ``file:///path``, a plain directory) for
+    the object-store tier; ``local_dir`` a local directory for the disk tier (io_uring,
+    ``O_DIRECT``); at least one is needed. ``job`` names the run; checkpoints live under
+    ``<job>/step-<N>/``. ``rank`` and ``world_size`` default to an initialised
+    torch.distributed, then ``RANK``/``WORLD_SIZE``, then 0 of 1. Environment defaults:
+    ``HOTSTART_STORE``, ``HOTSTART_LOCAL_DIR``, ``HOTSTART_JOB``.
+
+    ``keep`` complete steps are kept per tier (0 keeps all). ``max_inflight`` saves may be
+    staging or persisting at once, each holding a staging buffer as large as the state; when
+    they are all busy, ``save`` blocks (``when_full="block"``) or drops the save
+    (``"skip"``). ``chunk_size`` is the unit of checksums (bytes, default 64 MiB); ``threads``
+    the copy and hash threads (0: one per core, at most 8).
+    """
+
+    def __init__(
+        self,
+        store: Optional[str] = None,
+        job: Optional[str] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        *,
+        keep: int = 3,
+        local_dir: Optional[PathLike] = None,
+        max_inflight: int = 2,
+        when_full: str = "block",
+        chunk_size: Optional[int] = None,
+        threads: int = 0,
+    ) -> None:
+        opts = engine_options(
+            store,
+            job,
+            rank,
+            world_size,
+            local_dir,
+            keep=keep,
+            max_inflight=max_inflight,
+            when_full=when_full,
+            chunk_size=chunk_size,
+            threads=threads,
+        )
+        self._engine: Optional[_core.Engine] = _core.Engine(**opts)
+        self._pending: List[_core.SaveHandle] = []
+
+    @property
+    def engine(self) -> _core.Engine:
+        if self._engine is None:
+            raise HotstartError("the Checkpointer is closed")
+        return self._engine
+
+    @property
+    def job(self) -> str:
+        return self.engine.job
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    def save(self, step: int, state_dict: Any) -> SaveHandle:
+        """Starts saving ``state_dict`` as ``step`` and returns at once (unless ``max_inflight``
+        saves are busy and ``when_full="block"``).
+
+        The tensors are read where they are, without a copy of their own: do not change them
+        until :meth:`SaveHandle.wait_staged` returns (call it before ``optimizer.step()``).
+        Non-contiguous tensors and tensors on devices other than CPU and CUDA are copied to
+        contiguous CPU memory inside this call. Persistence continues in the background; its
+        failures are reported by the handle, never raised here.
+        """
+        flat = _state.flatten(state_dict)
+        _sync_cuda(flat.cuda_devices)
+        extras = {_state.STATE_KEY: flat.tree}
+        handle = self.engine.save(step, flat.tensors, extras, flat.keep)
+        # Forget saves that finished well; failed ones stay for wait() to report.
+        self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
+        self._pending.append(handle)
+        return handle
+
+    def wait(self) -> None:
+        """Waits for every save started so far to be staged, persisted in every tier and
+        followed by retention; raises the first failure."""
+        pending, self._pending = self._pending, []
+        first: Optional[BaseException] = None
+        for h in pending:
+            e = h.exception()
+            if e is not None and first is None:
+                first = e
+        self.engine.wait()
+        if first is not None:
+            raise first
+
+    def latest_step(self) -> Optional[int]:
+        """The newest step complete in any tier (every rank committed), or None."""
+        return self.engine.latest_step()
+
+    def steps(self) -> List[int]:
+        """Every step complete in some tier, ascending."""
+        return self.engine.complete_steps()
+
+    def load(self, state_dict: Any = None, step: Optional[int] = None, *, strict: bool = True) -> Any:
+        """Loads ``step`` (default: the newest complete one), verifying every byte.
+
+        With ``state_dict``, its tensors and arrays are filled in place (dtype and shape must
+        match; the error names the key), other values are replaced by the saved ones, and the
+        same object is returned. ``strict`` requires the same keys on both sides. Without it, a
+        new state dict of CPU tensors and numpy arrays is returned.
+
+        Raises :class:`NoCheckpoint` when there is none, :class:`CorruptCheckpoint` when no tier
+        holds good bytes, :class:`StateDictError` on a mismatch (before anything is read).
+        """
+        engine = self.engine
+        if step is None:
+            step = engine.latest_step()
+            if step is None:
+                raise NoCheckpoint(
+                    f"no complete checkpoint for rank {engine.rank} of job {engine.job!r}"
+                )
+        manifest = engine.manifest(step)
+        where = f"step {step} rank {engine.rank}"
+        root = _state.parse_tree(manifest["extras"], where)
+        if root is None:
+            root = _state.flat_tree(manifest["tensors"])
+        plan = _state.Plan()
+        if state_dict is None:
+            result = _state.plan_new(root, plan)
+        else:
+            result = _state.plan_into(root, state_dict, strict, plan)
+        _sync_cuda(plan.cuda_devices)
+        engine.load(step, plan.dests)
+        for f in plan.after:
+            f()
+        return result()
+
+    def close(self) -> None:
+        """Waits for pending saves (raising the first failure), then releases the engine."""
+        if self._engine is None:
+            return
+        try:
+            self.wait()
+        finally:
+            self._engine = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Do not hide the error that ended the block behind a save's failure.
+            try:
+                self.close()
+            except HotstartError:
+                pass
+
+    def __repr__(self) -> str:
+        if self._engine is None:
+            return "Checkpointer(closed)"
+        e = self._engine
+        return f"Checkpointer(job={e.job!r}, rank={e.rank}, world_size={e.world_size}, tiers={e.tiers})"

@@ -1,0 +1,54 @@
+"""Exceptions raised by hotstart.
+
+Every error the checkpoint engine reports arrives as a subclass of :class:`HotstartError`
+carrying the engine's whole message (which names the step, rank, tier, key or path concerned).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HotstartError",
+    "ConfigError",
+    "StateDictError",
+    "CorruptCheckpoint",
+    "NoCheckpoint",
+    "StoreError",
+    "SaveSkipped",
+    "CudaError",
+]
+
+
+class HotstartError(Exception):
+    """Base class of every hotstart error."""
+
+
+class ConfigError(HotstartError, ValueError):
+    """A configuration that cannot be used: no tier, a bad job name, rank or store URL."""
+
+
+class StateDictError(HotstartError, ValueError):
+    """A state dict that cannot be saved, or that does not match the checkpoint it is loaded
+    from (missing or unexpected keys, another shape or dtype); the message names the key."""
+
+
+class CorruptCheckpoint(HotstartError):
+    """No tier holds a copy of the checkpoint whose bytes match their checksums, or its manifest
+    or header cannot be decoded."""
+
+
+class NoCheckpoint(HotstartError, LookupError):
+    """No complete checkpoint (or not the step asked for)."""
+
+
+class StoreError(HotstartError, OSError):
+    """The object store or the local disk failed (after the engine's retries)."""
+
+
+class SaveSkipped(HotstartError):
+    """The save was dropped because ``max_inflight`` saves were in flight and
+    ``when_full="skip"``."""
+
+
+class CudaError(HotstartError):
+    """A CUDA tensor that cannot be served: no CUDA driver, no such device, a build without CUDA
+    support, or a failed driver call."""

@@ -1,0 +1,353 @@
+"""torch.distributed.checkpoint storage backends over the hotstart engine.
+
+    import torch.distributed.checkpoint as dcp
+    from hotstart.torch import StorageReader, StorageWriter
+
+    dcp.save(state, storage_writer=StorageWriter(store="s3://bucket/runs", job="run-42"),
+             checkpoint_id=step)
+    future = dcp.async_save(state, storage_writer=StorageWriter(...), checkpoint_id=step)
+    dcp.load(state, storage_reader=StorageReader(store="s3://bucket/runs", job="run-42"),
+             checkpoint_id=step)
+
+**Layout.** A DCP checkpoint is one engine step of the job: each rank saves the items DCP
+assigns it as one safetensors file and manifest (``<job>/step-<N>/rank-<R>.*``), every chunk
+checksummed; the checkpoint id is the step (an int, or a string of digits). DCP's global
+``Metadata`` (pickled, as DCP's own file system writer stores it) travels as an extra of the
+coordinator's manifest.
+
+**Commit.** Every rank other than the coordinator waits in ``write_data`` until its files are
+persisted in every configured tier. The coordinator saves its own items only in ``finish``,
+after DCP has gathered every rank's results, together with the metadata: its manifest is the
+last object written, so a checkpoint whose metadata can be read is complete.
+
+**Loading with another world size.** The reader takes the saved world size from the
+coordinator's manifest and reads, for each saved rank its plan needs, that rank's file
+(verified chunk by chunk) through an engine opened as that rank. A stored item that a read
+request covers whole lands straight in the destination tensor (CPU or CUDA, when contiguous);
+otherwise the stored tensor is read into a temporary and the requested region copied out. So
+a checkpoint saved by 2 ranks loads on 1 rank, or on 4.
+
+Use a job name of its own for DCP checkpoints (not one a ``Checkpointer`` also writes to).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
+from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import _core, _state
+from ._checkpointer import PathLike, engine_options
+from .errors import ConfigError, CorruptCheckpoint
+
+__all__ = ["StorageWriter", "StorageReader", "StoredItem"]
+
+METADATA_KEY = "hotstart.dcp.metadata"
+"""The coordinator's extra holding DCP's pickled Metadata."""
+
+CheckpointId = Union[int, str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """Where DCP finds one saved item: the rank whose file holds it, the tensor's name in that
+    file, and the torch dtype and shape it was saved with (bytes items: dtype "bytes")."""
+
+    rank: int
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+
+
+def _step_of(checkpoint_id: Optional[CheckpointId], default: Optional[int]) -> int:
+    if checkpoint_id is None:
+        if default is None:
+            raise ConfigError("no step: pass checkpoint_id=<step> to dcp, or step=... here")
+        return default
+    text = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else str(checkpoint_id)
+    text = os.path.basename(str(text).rstrip("/"))
+    text = text[len("step-"):] if text.startswith("step-") else text
+    if not text.isdigit():
+        raise ConfigError(f"checkpoint_id {checkpoint_id!r} is not a step number (like 100 or 'step-100')")
+    return int(text)
+
+
+def _item_name(item: Any) -> str:
+    """The tensor name of a write item in its rank's file: the fully qualified name, followed
+    for a shard by ``@`` and its offsets (``layer.w@4,0``)."""
+    index = item.index
+    if item.type != WriteItemType.SHARD or index.offset is None:
+        return str(index.fqn)
+    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"
+
+
+def _sync(devices: "set[int]") -> None:
+    for d in sorted(devices):
+        torch.cuda.synchronize(d)
+
+
+class StorageWriter(_StorageWriter):
+    """Writes torch.distributed.checkpoint checkpoints as hotstart engine steps.
+
+    ``store``, ``job``, ``local_dir`` and the tuning keywords are those of
+    :class:`hotstart.Checkpointer` (with the same environment defaults); rank and world size come
+    from the process group DCP saves with. ``step`` is used when ``dcp.save`` gets no
+    ``checkpoint_id``.
+    """
+
+    def __init__(
+        self,
+        store: Optional[str] = None,
+        job: Optional[str] = None,
+        *,
+        step: Optional[int] = None,
+        local_dir: Optional[PathLike] = None,
+        keep: int = 3,
+        max_inflight: int = 2,
+        chunk_size: Optional[int] = None,
+        threads: int = 0,
+    ) -> None:
+        super().__init__()
+        self._opts = dict(store=store, job=job, local_dir=local_dir, keep=keep,
+                          max_inflight=max_inflight, chunk_size=chunk_size, threads=threads)
+        # Resolve now, so a bad configuration fails at construction.
+        engine_options(rank=0, world_size=1, **self._opts)  # type: ignore[arg-type]
+        self._default_step = step
+        self.step: Optional[int] = step
+        self._engine: Optional[_core.Engine] = None
+        self._coordinator = False
+        self._rank = 0
+        self._deferred: Optional[Tuple[List[Any], List[Any]]] = None
+
+    def reset(self, checkpoint_id: Optional[CheckpointId] = None) -> None:
+        self.step = _step_of(checkpoint_id, self._default_step)
+        self._deferred = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        # Never picked automatically: pass storage_writer=StorageWriter(...) to dcp.
+        return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = 0, 1
+        rank = kwargs.get("rank", rank)
+        if self._engine is None or (self._engine.rank, self._engine.world_size) != (rank, world):
+            self._engine = _core.Engine(**engine_options(rank=rank, world_size=world, **self._opts))  # type: ignore[arg-type]
+        self._rank = rank
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
+
+    def _resolve(self, plan: SavePlan, planner: SavePlanner) -> Tuple[List[Any], List[Any], List[WriteResult], "set[int]"]:
+        specs: List[Any] = []
+        keep: List[Any] = []
+        results: List[WriteResult] = []
+        devices: "set[int]" = set()
+        for item in plan.items:
+            name = _item_name(item)
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                info = StoredItem(self._rank, name, "bytes", (len(raw),))
+            else:
+                assert isinstance(data, torch.Tensor)
+                t = data.detach()
+                info = StoredItem(self._rank, name, str(t.dtype).replace("torch.", ""), tuple(t.shape))
+            mem = _state.torch_mem(t, name)
+            if mem.device >= 0:
+                devices.add(mem.device)
+            specs.append((name, mem.dtype, mem.shape, mem.ptr, mem.nbytes, mem.device))
+            keep.append(mem.owner)
+            results.append(WriteResult(index=item.index, size_in_bytes=mem.nbytes, storage_data=info))
+        return specs, keep, results, devices
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
+        if self.step is None:
+            self.reset(None)
+        specs, keep, results, devices = self._resolve(plan, planner)
+        if self._coordinator:
+            # Saved in finish(), with the metadata, once every other rank is durable.
+            self._deferred = (specs, keep)
+        else:
+            _sync(devices)
+            self._save(specs, keep, {})
+        fut: Future[List[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _save(self, specs: List[Any], keep: List[Any], extras: Dict[str, bytes]) -> None:
+        assert self._engine is not None and self.step is not None
+        handle = self._engine.save(self.step, specs, extras, keep)
+        handle.wait()  # staged and persisted in every tier, or raises
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        storage: Dict[MetadataIndex, Any] = {}
+        for rank_results in results:
+            for r in rank_results:
+                storage[r.index] = r.storage_data
+        metadata.storage_data = storage
+        specs, keep = self._deferred or ([], [])
+        self._deferred = None
+        _sync({s[5] for s in specs if s[5] >= 0})
+        self._save(specs, keep, {METADATA_KEY: pickle.dumps(metadata)})
+
+
+class StorageReader(_StorageReader):
+    """Reads checkpoints written by :class:`StorageWriter`, with any world size.
+
+    ``store``, ``job`` and ``local_dir`` name the same tiers the writer used. ``step`` is used
+    when ``dcp.load`` gets no ``checkpoint_id``.
+    """
+
+    def __init__(
+        self,
+        store: Optional[str] = None,
+        job: Optional[str] = None,
+        *,
+        step: Optional[int] = None,
+        local_dir: Optional[PathLike] = None,
+        threads: int = 0,
+    ) -> None:
+        super().__init__()
+        # The engine that reads manifests: any rank will do (the manifest names its own).
+        self._probe = _core.Engine(**engine_options(store, job, 0, 1, local_dir, threads=threads))
+        self._default_step = step
+        self.step: Optional[int] = step
+        self._world_size = 0
+        self._readers: Dict[int, _core.Engine] = {}
+        self._storage: Dict[MetadataIndex, StoredItem] = {}
+
+    def reset(self, checkpoint_id: Optional[CheckpointId] = None) -> None:
+        self.step = _step_of(checkpoint_id, self._default_step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.step is None:
+            self.reset(None)
+        assert self.step is not None
+        m = self._probe.manifest(self.step, 0)
+        raw = m["extras"].get(METADATA_KEY)
+        if raw is None:
+            raise CorruptCheckpoint(
+                f"step {self.step} of job {self._probe.job!r} was not written by "
+                "hotstart.torch.StorageWriter (no DCP metadata in rank 0's manifest)"
+            )
+        metadata = pickle.loads(raw)
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpoint(f"step {self.step}: the DCP metadata does not unpickle to Metadata")
+        self._world_size = int(m["world_size"])
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CorruptCheckpoint(f"step {self.step}: DCP metadata without storage data")
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    def _reader(self, rank: int) -> _core.Engine:
+        if rank not in self._readers:
+            self._readers[rank] = self._probe.reader(rank, self._world_size)
+        return self._readers[rank]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
+        assert self.step is not None
+        by_rank: Dict[int, List[ReadItem]] = {}
+        for req in plan.items:
+            info = self._storage.get(req.storage_index)
+            if not isinstance(info, StoredItem):
+                raise CorruptCheckpoint(f"step {self.step}: no stored item for {req.storage_index}")
+            by_rank.setdefault(info.rank, []).append(req)
+        for rank, reqs in sorted(by_rank.items()):
+            self._read_rank(rank, reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_rank(self, rank: int, reqs: List[ReadItem], planner: LoadPlanner) -> None:
+        users: Dict[str, int] = {}
+        for req in reqs:
+            name = self._storage[req.storage_index].name
+            users[name] = users.get(name, 0) + 1
+        plan = _state.Plan()
+        temps: Dict[str, torch.Tensor] = {}
+        finish: List[Tuple[ReadItem, Optional[torch.Tensor]]] = []
+        for req in reqs:
+            info = self._storage[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                if info.name not in temps:
+                    temps[info.name] = torch.empty(info.shape, dtype=torch.uint8)
+                finish.append((req, None))
+                continue
+            target = planner.resolve_tensor(req).detach()
+            whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == info.shape
+            direct = _state._direct_mem(target)
+            if (whole and users[info.name] == 1 and direct is not None
+                    and str(target.dtype).replace("torch.", "") == info.dtype
+                    and not (direct.device < 0 and plan._overlaps(direct.ptr, direct.nbytes))):
+                plan.into(info.name, direct)
+                finish.append((req, target))
+                continue
+            if info.name not in temps:
+                dtype = getattr(torch, info.dtype)
+                temps[info.name] = torch.empty(info.shape, dtype=dtype)
+            finish.append((req, target))
+        for name, t in temps.items():
+            plan.into(name, _state._dest_mem(t))
+        _sync(plan.cuda_devices)
+        assert self.step is not None
+        self._reader(rank).load(self.step, plan.dests)
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        for req, dst in finish:
+            info = self._storage[req.storage_index]
+            if dst is None:
+                planner.load_bytes(req, io.BytesIO(temps[info.name].numpy().tobytes()))
+                continue
+            target = dst
+            if info.name in temps:
+                src: torch.Tensor = narrow_tensor_by_index(temps[info.name], req.storage_offsets, req.lengths)
+                if src.size() != target.size():
+                    raise CorruptCheckpoint(
+                        f"step {self.step}: {req.storage_index.fqn}: stored region {tuple(src.size())} "
+                        f"does not fit the destination {tuple(target.size())}"
+                    )
+                target.copy_(src)
+            planner.commit_tensor(req, target)

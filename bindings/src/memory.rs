@@ -1,0 +1,130 @@
+//! Tensors to save and buffers to load into, described by address and length.
+//!
+//! The Python layer hands over each tensor as `(name, dtype, shape, address, length, device)`:
+//! the address of a contiguous torch tensor (`data_ptr()`) or numpy array
+//! (`__array_interface__`), `device` -1 for host memory or the CUDA ordinal. Nothing here can
+//! check that an address is real; what can be checked is, before the engine sees anything:
+//! lengths against dtype and shape (the engine), null addresses, duplicate names, and overlaps
+//! between load destinations (two `&mut` slices over the same bytes would be unsound, and tied
+//! weights share memory). The Python layer is the only caller and keeps every object whose memory
+//! is described alive for as long as the engine may touch it.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+use hotstart_ckpt::{DeviceBuffer, Dtype, Tensor};
+use pyo3::prelude::*;
+
+use crate::errors::{state_dict, to_py};
+
+/// A tensor to save: name, safetensors dtype, shape, address, byte length, device (-1: host).
+#[derive(Debug, FromPyObject)]
+pub struct TensorSpec(String, String, Vec<u64>, usize, usize, i64);
+
+/// A buffer to load a tensor into: name, address, byte length, device (-1: host).
+#[derive(Debug, FromPyObject)]
+pub struct DestSpec(pub String, usize, usize, i64);
+
+/// The engine dtype named `s` (safetensors spelling).
+pub fn dtype(name: &str, s: &str) -> PyResult<Dtype> {
+    Dtype::from_str(s).map_err(|e| state_dict(format!("tensor {name:?}: {e}")))
+}
+
+fn ordinal(name: &str, device: i64) -> PyResult<Option<usize>> {
+    match device {
+        -1 => Ok(None),
+        d => usize::try_from(d)
+            .map(Some)
+            .map_err(|_| state_dict(format!("tensor {name:?}: bad device {d}"))),
+    }
+}
+
+impl TensorSpec {
+    /// The engine tensor that borrows this memory.
+    ///
+    /// # Safety
+    /// The address must be valid for reads of `length` bytes (host memory, or device memory of
+    /// that CUDA device), and the memory must stay alive and unchanged until the save's staging
+    /// is over: the contract of [`Tensor::from_raw`] and [`Tensor::from_device`].
+    pub unsafe fn to_tensor(&self) -> PyResult<Tensor> {
+        let TensorSpec(name, dt, shape, ptr, len, device) = self;
+        let dt = dtype(name, dt)?;
+        if *ptr == 0 && *len > 0 {
+            return Err(state_dict(format!("tensor {name:?}: null address")));
+        }
+        let t = match ordinal(name, *device)? {
+            // SAFETY: the caller's contract (this function's), as `from_raw` states it.
+            None => unsafe { Tensor::from_raw(name, dt, shape.clone(), *ptr as *const u8, *len) },
+            // SAFETY: the caller's contract (this function's), as `from_device` states it.
+            Some(d) => unsafe {
+                Tensor::from_device(name, dt, shape.clone(), d, *ptr as u64, *len)
+            },
+        };
+        t.map_err(to_py)
+    }
+}
+
+/// Load destinations by name, split into host slices and device buffers.
+pub struct Borrowed<'a> {
+    pub host: HashMap<String, &'a mut [u8]>,
+    pub device: HashMap<String, DeviceBuffer>,
+}
+
+/// Load destinations as Python described them, checked.
+pub struct Dests(Vec<DestSpec>);
+
+impl Dests {
+    /// Checks names, null addresses and overlaps.
+    pub fn check(dests: Vec<DestSpec>) -> PyResult<Dests> {
+        let mut names = std::collections::HashSet::new();
+        let mut ranges: Vec<(i64, usize, usize, &str)> = Vec::new();
+        for DestSpec(name, ptr, len, device) in &dests {
+            if !names.insert(name.as_str()) {
+                return Err(state_dict(format!("two destinations for tensor {name:?}")));
+            }
+            if *ptr == 0 && *len > 0 {
+                return Err(state_dict(format!("destination of {name:?}: null address")));
+            }
+            ordinal(name, *device)?;
+            if *len > 0 {
+                ranges.push((*device, *ptr, *len, name));
+            }
+        }
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            let ((da, pa, la, na), (db, pb, _, nb)) = (w[0], w[1]);
+            if da == db && pa.checked_add(la).is_none_or(|end| end > pb) {
+                return Err(state_dict(format!(
+                    "destinations of {na:?} and {nb:?} share memory; load into one and copy"
+                )));
+            }
+        }
+        Ok(Dests(dests))
+    }
+
+    /// The destinations as the engine takes them.
+    ///
+    /// # Safety
+    /// Every host address must be valid for writes of its length and nothing else may read or
+    /// write that memory while the returned slices live; every device address must satisfy
+    /// [`DeviceBuffer::new`]. (`check` made sure no two destinations overlap.)
+    pub unsafe fn borrow(&mut self) -> Borrowed<'_> {
+        let mut host = HashMap::new();
+        let mut device = HashMap::new();
+        for DestSpec(name, ptr, len, dev) in &self.0 {
+            if *dev >= 0 {
+                // SAFETY: the caller's contract; `check` made sure the ordinal is not negative.
+                let b = unsafe { DeviceBuffer::new(*dev as usize, *ptr as u64, *len) };
+                device.insert(name.clone(), b);
+            } else if *len == 0 {
+                host.insert(name.clone(), &mut [][..]);
+            } else {
+                // SAFETY: the caller's contract: valid for writes of `len` bytes, used by nobody
+                // else, and disjoint from every other destination (checked in `check`).
+                let s = unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *len) };
+                host.insert(name.clone(), s);
+            }
+        }
+        Borrowed { host, device }
+    }
+}

@@ -1,0 +1,82 @@
+"""One rank of the torch.distributed.checkpoint tests (run by test_dcp.py as a subprocess).
+
+    python dcp_worker.py save DIR     # RANK/WORLD_SIZE/MASTER_* set: gloo group, then
+                                      #   dcp.save (step 1), dcp.async_save (step 2), and a
+                                      #   load of step 1 back with the same world size
+    python dcp_worker.py load DIR     # no process group: load steps 1 and 2 on one rank
+
+The state is a row-sharded DTensor, a replicated plain tensor, a per-rank Python value and
+nested items; expected values are functions of the step, so any rank can check them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from hotstart.torch import StorageReader, StorageWriter
+
+ROWS, COLS = 12, 5
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * step
+
+
+def expected_plain(step: int) -> torch.Tensor:
+    return torch.linspace(0, 1, 7, dtype=torch.float64) + step
+
+
+def main() -> None:
+    mode, root = sys.argv[1], sys.argv[2]
+    writer = lambda: StorageWriter(local_dir=root, job="dcp")  # noqa: E731
+    reader = lambda: StorageReader(local_dir=root, job="dcp")  # noqa: E731
+    if mode == "save":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+        def state(step: int) -> dict:
+            return {
+                "sharded": distribute_tensor(full(step), mesh, [Shard(0)]),
+                "plain": expected_plain(step),
+                "nested": {"bf16": torch.full((3,), step, dtype=torch.bfloat16), "step": step},
+            }
+
+        dcp.save(state(1), storage_writer=writer(), checkpoint_id=1)
+        dcp.async_save(state(2), storage_writer=writer(), checkpoint_id=2).result()
+        dist.barrier()
+        # Same world size: into fresh DTensors, each rank reading its own shard.
+        back = state(0)
+        dcp.load(back, storage_reader=reader(), checkpoint_id=1)
+        local = back["sharded"].to_local()
+        rows = ROWS // dist.get_world_size()
+        assert torch.equal(local, full(1)[rank * rows:(rank + 1) * rows]), local
+        assert torch.equal(back["plain"], expected_plain(1))
+        assert back["nested"]["step"] == 1
+        dist.barrier()
+        dist.destroy_process_group()
+        print(f"rank {rank} ok")
+    else:
+        for step in (1, 2):
+            dst = {
+                "sharded": torch.zeros(ROWS, COLS),
+                "plain": torch.zeros(7, dtype=torch.float64),
+                "nested": {"bf16": torch.zeros(3, dtype=torch.bfloat16), "step": 0},
+            }
+            dcp.load(dst, storage_reader=reader(), checkpoint_id=step)
+            assert torch.equal(dst["sharded"], full(step)), dst["sharded"]
+            assert torch.equal(dst["plain"], expected_plain(step))
+            assert torch.equal(dst["nested"]["bf16"], torch.full((3,), step, dtype=torch.bfloat16))
+            assert dst["nested"]["step"] == step
+            print(f"step {step} ok")
+
+
+if __name__ == "__main__":
+    main()

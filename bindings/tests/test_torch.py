@@ -1,0 +1,202 @@
+"""torch state dicts: every dtype bit-exact, modules and optimizers, in-place loads into
+parameters, views, tied weights, and CUDA tensors (on a GPU machine; skipped elsewhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import hotstart
+from hotstart import StateDictError
+
+from conftest import torch_or_fail
+
+torch = torch_or_fail()
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    torch.complex32, torch.complex64, torch.complex128,
+] + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                 "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
+
+
+def random_tensor(dtype, shape, gen):
+    n = 1
+    for d in shape:
+        n *= d
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw %= 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_every_dtype_round_trips_bit_exact(local_dir: Path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    state = {str(d): random_tensor(d, (4, 6), gen) for d in DTYPES}
+    state["scalar"] = torch.tensor(3.25)
+    state["empty"] = torch.zeros(0, 3)
+    with hotstart.Checkpointer(local_dir=local_dir, job="torch") as ck:
+        ck.save(1, state).wait()
+        out = ck.load()
+        dst = {k: torch.empty_like(v) for k, v in state.items()}
+        ck.load(dst)
+    for k, v in state.items():
+        same_bits(out[k], v)
+        same_bits(dst[k], v)
+        assert out[k].device.type == "cpu"
+
+
+def small_model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    x = torch.randn(32, 8)
+    for _ in range(3):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+    return m, opt
+
+
+def test_module_and_optimizer_round_trip(local_dir: Path) -> None:
+    m, opt = small_model()
+    with hotstart.Checkpointer(local_dir=local_dir, job="mod") as ck:
+        h = ck.save(3, {"model": m.state_dict(), "optim": opt.state_dict(), "step": 3})
+        h.wait_staged()
+        h.wait_persisted("disk")
+        state = ck.load()
+
+    m2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt2 = torch.optim.Adam(m2.parameters(), lr=0.5)
+    m2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["optim"])
+    assert state["step"] == 3
+    for a, b in zip(m.parameters(), m2.parameters()):
+        same_bits(a.detach(), b.detach())
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for k in s1["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            same_bits(s1["state"][k][name], s2["state"][k][name])
+
+
+def test_in_place_load_writes_parameters(local_dir: Path) -> None:
+    m, _ = small_model()
+    with hotstart.Checkpointer(local_dir=local_dir, job="params") as ck:
+        ck.save(1, {"model": m.state_dict()}).wait()
+        m2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        ptrs = [p.data_ptr() for p in m2.parameters()]
+        ck.load({"model": m2.state_dict()})
+    assert [p.data_ptr() for p in m2.parameters()] == ptrs
+    for a, b in zip(m.parameters(), m2.parameters()):
+        same_bits(a.detach(), b.detach())
+    assert all(p.requires_grad for p in m2.parameters())
+
+
+def test_views_conjugates_and_tied_weights(local_dir: Path) -> None:
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    c = torch.randn(5, dtype=torch.complex64)
+    emb = torch.randn(10, 4)
+    state = {"t": base.t(), "slice": base[1:5, 2:8:2], "conj": c.conj(), "emb": emb, "head": emb}
+    with hotstart.Checkpointer(local_dir=local_dir, job="views") as ck:
+        ck.save(1, state).wait()
+        out = ck.load()
+        dst_base = torch.zeros(6, 10)
+        tied = torch.zeros(10, 4)
+        dst = {"t": dst_base.t(), "slice": torch.zeros(4, 3), "conj": torch.zeros(5, dtype=torch.complex64),
+               "emb": tied, "head": tied}
+        ck.load(dst)
+    assert torch.equal(out["t"], base.t()) and out["t"].is_contiguous()
+    assert torch.equal(out["slice"], base[1:5, 2:8:2])
+    assert torch.equal(out["conj"], c.conj().resolve_conj()) and not out["conj"].is_conj()
+    assert torch.equal(dst_base, base) and torch.equal(tied, emb)
+    assert torch.equal(dst["conj"], c.conj())
+
+
+def test_the_handle_keeps_the_tensors_alive(local_dir: Path) -> None:
+    gen = torch.Generator().manual_seed(7)
+    t = random_tensor(torch.float32, (1 << 20,), gen)
+    expect = t.clone()
+    with hotstart.Checkpointer(local_dir=local_dir, job="alive") as ck:
+        h = ck.save(1, {"t": t})
+        del t  # only the handle holds it now
+        h.wait_staged()
+        h.wait()
+        same_bits(ck.load()["t"], expect)
+
+
+def test_dtype_and_shape_mismatch_name_the_key(local_dir: Path) -> None:
+    with hotstart.Checkpointer(local_dir=local_dir, job="mm") as ck:
+        ck.save(1, {"model": {"w": torch.ones(2, 3)}}).wait()
+        with pytest.raises(StateDictError, match=r"model\.w: checkpoint has float32 \[2, 3\], destination is bfloat16 \[2, 3\]"):
+            ck.load({"model": {"w": torch.zeros(2, 3, dtype=torch.bfloat16)}})
+        with pytest.raises(StateDictError, match=r"model\.w: checkpoint has float32 \[2, 3\], destination is float32 \[3, 2\]"):
+            ck.load({"model": {"w": torch.zeros(3, 2)}})
+
+
+def test_numpy_and_torch_load_into_each_other(local_dir: Path) -> None:
+    import numpy as np
+
+    with hotstart.Checkpointer(local_dir=local_dir, job="cross") as ck:
+        ck.save(1, {"a": torch.arange(5, dtype=torch.int64), "b": np.linspace(0, 1, 4)}).wait()
+        dst = {"a": np.zeros(5, dtype=np.int64), "b": torch.zeros(4, dtype=torch.float64)}
+        ck.load(dst)
+    assert dst["a"].tolist() == [0, 1, 2, 3, 4]
+    assert dst["b"].tolist() == np.linspace(0, 1, 4).tolist()
+
+
+def test_sparse_and_meta_tensors_are_refused(local_dir: Path) -> None:
+    with hotstart.Checkpointer(local_dir=local_dir, job="refuse") as ck:
+        with pytest.raises(StateDictError, match="s: torch.sparse_coo tensors cannot be saved"):
+            ck.save(1, {"s": torch.eye(3).to_sparse()})
+        with pytest.raises(StateDictError, match="m: meta tensors have no data"):
+            ck.save(1, {"m": torch.empty(3, device="meta")})
+
+
+def needs_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False (GPU tests run on a GPU machine)")
+
+
+def test_cuda_tensors_round_trip_bit_exact(local_dir: Path) -> None:
+    needs_gpu()
+    gen = torch.Generator().manual_seed(3)
+    cpu = {str(d): random_tensor(d, (64, 33), gen) for d in DTYPES}
+    state = {k: v.cuda() for k, v in cpu.items()}
+    state["host"] = torch.arange(10)
+    with hotstart.Checkpointer(local_dir=local_dir, job="cuda") as ck:
+        h = ck.save(1, state)
+        h.wait_staged()
+        for v in state.values():
+            v.zero_()  # after wait_staged the saved bytes are safe
+        h.wait()
+        out = ck.load()
+        dst = {k: torch.empty_like(v) for k, v in cpu.items()}
+        dst = {k: v.cuda() for k, v in dst.items()}
+        dst["host"] = torch.zeros(10, dtype=torch.int64)
+        ck.load(dst)
+    for k, v in cpu.items():
+        same_bits(out[k], v)
+        assert dst[k].is_cuda
+        same_bits(dst[k].cpu(), v)
+    assert dst["host"].tolist() == list(range(10))
+
+
+def test_cuda_refused_cleanly_without_a_driver(local_dir: Path) -> None:
+    """On a machine without a CUDA driver, a device tensor is refused with CudaError before
+    anything is read (the address below is never touched), and host saves keep working."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: covered by test_cuda_tensors_round_trip_bit_exact")
+    with hotstart.Checkpointer(local_dir=local_dir, job="nocuda") as ck:
+        with pytest.raises(hotstart.CudaError, match="CUDA: "):
+            ck.engine.save(1, [("x", "F32", [4], 0x1000, 16, 0)], {}, [])
+        ck.save(1, {"x": torch.ones(2)}).wait()
+        assert ck.load()["x"].tolist() == [1.0, 1.0]

@@ -1,0 +1,3 @@
+//! hotstart-demo: the main job.
+
+pub mod model;
