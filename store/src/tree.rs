@@ -512,27 +512,43 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
 
 /// Gives a written file its entry's mode and mtime through its descriptor (no path lookups).
 fn set_file_metadata(file: &std::fs::File, abs: &Path, e: &Entry) -> Result<()> {
+    set_fd_metadata(file, abs, e.mode, e.mtime_ns)
+}
+
+/// Sets the permission bits and the access and modification times of an open file.
+pub(crate) fn set_fd_metadata(
+    file: &std::fs::File,
+    path: &Path,
+    mode: u32,
+    mtime_ns: i64,
+) -> Result<()> {
     use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
+    let ts = libc::timespec {
+        tv_sec: mtime_ns.div_euclid(1_000_000_000),
+        tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
+    };
+    let times = [ts, ts];
     // SAFETY: `fd` is open for as long as `file`, which outlives both calls; `times` points to two
     // initialised timespecs that outlive the call.
     unsafe {
-        if libc::fchmod(fd, e.mode & 0o7777) != 0 {
-            return Err(Error::io("set mode", abs, std::io::Error::last_os_error()));
+        if libc::fchmod(fd, mode & 0o7777) != 0 {
+            return Err(Error::io("set mode", path, std::io::Error::last_os_error()));
         }
-        let ts = libc::timespec {
-            tv_sec: e.mtime_ns.div_euclid(1_000_000_000),
-            tv_nsec: e.mtime_ns.rem_euclid(1_000_000_000),
-        };
-        let times = [ts, ts];
         if libc::futimens(fd, times.as_ptr()) != 0 {
-            return Err(Error::io("set mtime", abs, std::io::Error::last_os_error()));
+            return Err(Error::io(
+                "set mtime",
+                path,
+                std::io::Error::last_os_error(),
+            ));
         }
     }
     Ok(())
 }
 
-fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
+/// Sets the access and modification times of `path` to `mtime_ns` (nanoseconds since the Unix
+/// epoch), of a symlink itself when `nofollow`.
+pub fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
     let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| Error::UnsafePath {
         entry: path.display().to_string(),
         reason: "NUL in path".into(),

@@ -193,28 +193,7 @@ impl ChunkCache {
             if meta.nlink() > 1 {
                 return Ok(false);
             }
-            // SAFETY: `fd` is open (see above).
-            if unsafe { libc::fchmod(fd, mode) } != 0 {
-                return Err(Error::io(
-                    "chmod cached chunk",
-                    &src,
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            let ts = libc::timespec {
-                tv_sec: mtime_ns.div_euclid(1_000_000_000),
-                tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
-            };
-            let times = [ts, ts];
-            // SAFETY: `fd` is open and `times` points to two initialised timespecs that outlive
-            // the call.
-            if unsafe { libc::futimens(fd, times.as_ptr()) } != 0 {
-                return Err(Error::io(
-                    "set mtime of cached chunk",
-                    &src,
-                    std::io::Error::last_os_error(),
-                ));
-            }
+            crate::tree::set_fd_metadata(&file, &src, mode, mtime_ns)?;
         }
         match std::fs::hard_link(&src, dest) {
             Ok(()) => Ok(true),
