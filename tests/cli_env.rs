@@ -662,6 +662,25 @@ fn runs(counter: &Path) -> usize {
         .unwrap_or(0)
 }
 
+/// Starts every command at once and returns their outcomes' `action`s, sorted.
+fn actions_of(cmds: Vec<Command>) -> Vec<String> {
+    let children: Vec<_> = cmds
+        .into_iter()
+        .map(|mut c| {
+            c.stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut actions: Vec<String> = children
+        .into_iter()
+        .map(|c| outcome(&c.wait_with_output().unwrap())["action"].to_string())
+        .collect();
+    actions.sort();
+    actions
+}
+
 #[test]
 fn concurrent_ensures_of_one_key_on_a_node_install_once() {
     let f = Fixture::local();
@@ -671,41 +690,23 @@ fn concurrent_ensures_of_one_key_on_a_node_install_once() {
 
     // One target, two processes at once: one installs, the other finds it in place.
     let target = f.path("venv");
-    let children: Vec<_> = (0..2)
-        .map(|_| {
-            f.ensure_cmd(&target, &lock, &[], &strs(&install))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut actions: Vec<String> = children
-        .into_iter()
-        .map(|c| outcome(&c.wait_with_output().unwrap())["action"].to_string())
-        .collect();
-    actions.sort();
+    let actions = actions_of(
+        (0..2)
+            .map(|_| f.ensure_cmd(&target, &lock, &[], &strs(&install)))
+            .collect(),
+    );
     assert_eq!(actions, ["\"installed\"", "\"present\""]);
     assert_eq!(runs(&counter), 1, "the install command ran once");
 
     // A relocatable key at two targets: one installs, the other restores its snapshot.
     let reloc = ["--relocatable"];
     let targets = [f.path("r1/venv"), f.path("r2/venv")];
-    let children: Vec<_> = targets
-        .iter()
-        .map(|t| {
-            f.ensure_cmd(t, &lock, &reloc, &strs(&install))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut actions: Vec<String> = children
-        .into_iter()
-        .map(|c| outcome(&c.wait_with_output().unwrap())["action"].to_string())
-        .collect();
-    actions.sort();
+    let actions = actions_of(
+        targets
+            .iter()
+            .map(|t| f.ensure_cmd(t, &lock, &reloc, &strs(&install)))
+            .collect(),
+    );
     assert_eq!(actions, ["\"installed\"", "\"restored\""]);
     assert_eq!(runs(&counter), 2, "once more for the relocatable key");
     for t in &targets {

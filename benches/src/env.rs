@@ -18,7 +18,8 @@
 //! warm for every tool alike (wheelhouse, tarball, store).
 //!
 //! A second lock adds a package that must be built from source (an sdist with a C extension,
-//! `benches/env/sdist.txt`): pip and uv compile it on every install, a restore does not.
+//! `benches/env/sdist.txt`, regex): pip and uv compile it on every install, a restore does
+//! not.
 //!
 //! Targets (issue 8): restore ≥ 5× faster than pip and no slower than uv with a cold cache;
 //! with the sdist, ≥ 10× faster than uv with a cold cache.

@@ -269,7 +269,10 @@ mod tests {
             boot_id: "another boot".into(),
             ..ready.clone()
         };
-        assert!(!before_reboot.holds(&key), "made before a reboot: restored again");
+        assert!(
+            !before_reboot.holds(&key),
+            "made before a reboot: restored again"
+        );
         // Someone replaced the directory (the old one still exists, so the inode differs).
         std::fs::rename(&target, dir.path().join("moved")).unwrap();
         std::fs::create_dir(&target).unwrap();

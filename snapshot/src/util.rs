@@ -4,7 +4,7 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// This machine's host name (`"unknown"` if it has none).
 pub fn hostname() -> String {
@@ -21,29 +21,7 @@ pub fn hostname() -> String {
 /// Sets the access and modification times of `path` to `mtime_ns`, without following a symlink
 /// when `nofollow`.
 pub fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
-    let c = CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| Error::config(format!("{} has a NUL byte", path.display())))?;
-    let ts = libc::timespec {
-        tv_sec: mtime_ns.div_euclid(1_000_000_000),
-        tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
-    };
-    let times = [ts, ts];
-    let flags = if nofollow {
-        libc::AT_SYMLINK_NOFOLLOW
-    } else {
-        0
-    };
-    // SAFETY: `c` is a valid NUL-terminated path and `times` points to two initialised timespecs
-    // that outlive the call.
-    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), flags) };
-    if rc != 0 {
-        return Err(Error::io(
-            "set mtime",
-            path,
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
+    Ok(hotstart_store::tree::set_mtime(path, mtime_ns, nofollow)?)
 }
 
 /// Renames `from` to `to`; with `exchange`, atomically swaps the two (both must exist), else
