@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use hotstart_store::ChunkId;
+use hotstart_store::{ChunkId, Store};
 use hotstart_testkit::{SeaweedFs, workspace_root};
 use serde_json::Value;
 
@@ -53,6 +53,8 @@ struct Fixture {
     work: tempfile::TempDir,
     store: String,
     aws: Vec<(String, String)>,
+    /// Client options of the store (SeaweedFS's endpoint), for reading and damaging it directly.
+    client: Vec<(String, String)>,
     cache: PathBuf,
 }
 
@@ -65,6 +67,7 @@ impl Fixture {
             work,
             store,
             aws: Vec::new(),
+            client: Vec::new(),
             cache,
         }
     }
@@ -74,7 +77,23 @@ impl Fixture {
         let mut f = Fixture::local();
         f.store = format!("{}/snapshots", weed.fresh_bucket(name));
         f.aws = weed.env();
+        f.client = weed.client_options();
         Some(f)
+    }
+
+    /// The store the snapshots go to, opened directly.
+    fn open_store(&self) -> Store {
+        Store::open_with(&self.store, &self.client).unwrap()
+    }
+
+    /// Every object in the store.
+    fn stored_objects(&self) -> Vec<String> {
+        let store = self.open_store();
+        block_on(store.list(""))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|o| o.key)
+            .collect()
     }
 
     fn path(&self, rel: &str) -> PathBuf {
@@ -110,6 +129,14 @@ impl Fixture {
             .unwrap();
         outcome(&out)
     }
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
 }
 
 fn outcome(out: &Output) -> Value {
@@ -541,10 +568,10 @@ fn leftovers(target: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-#[test]
-fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory() {
-    let f = Fixture::local();
-    let (lock, install) = small_venv(&f);
+/// A published venv (six) whose stored chunk of `six.py` is then damaged: the restore fails
+/// naming the chunk, and nothing is left at the target.
+fn corrupt_chunk(f: &Fixture) {
+    let (lock, install) = small_venv(f);
     let target = f.path("venv");
     let first = f.ensure(&target, &lock, &[], &strs(&install));
     assert_eq!(first["published"], true, "{first}");
@@ -553,13 +580,13 @@ fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory() {
         .into_iter()
         .find(|p| p.ends_with("site-packages/six.py"))
         .expect("six.py in the venv");
-    let six = std::fs::read(six_py).unwrap();
-    let id = ChunkId::of(&six);
-    let object = Path::new(&f.store).join("envs").join(id.key());
-    let mut frame = std::fs::read(&object).unwrap();
+    let id = ChunkId::of(&std::fs::read(six_py).unwrap());
+    let store = f.open_store();
+    let object = format!("envs/{}", id.key());
+    let mut frame = block_on(store.get(&object)).unwrap().to_vec();
     let mid = frame.len() / 2;
     frame[mid] ^= 0x40;
-    std::fs::write(&object, frame).unwrap();
+    block_on(store.put(&object, frame.into())).unwrap();
 
     std::fs::remove_dir_all(&target).unwrap();
     let out = f
@@ -577,10 +604,50 @@ fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory() {
 }
 
 #[test]
-fn a_failing_install_publishes_nothing_and_returns_its_exit_code() {
-    let f = Fixture::local();
-    let lock = lock_file(f.work.path(), "requirements.txt", "anything\n");
+fn a_corrupt_chunk_in_a_local_directory_fails_the_restore_and_leaves_no_directory() {
+    corrupt_chunk(&Fixture::local());
+}
+
+#[test]
+fn a_corrupt_chunk_in_seaweedfs_fails_the_restore_and_leaves_no_directory() {
+    let Some(f) = Fixture::seaweedfs("env-corrupt") else {
+        return;
+    };
+    corrupt_chunk(&f);
+}
+
+/// Install commands that fail (pip itself, a script's exit code, a signal, a missing program)
+/// publish nothing, remove what they left, and hand back their exit code.
+fn failing_install(f: &Fixture) {
     let target = f.path("venv");
+    // Real pip, asked for a package the wheelhouse does not have.
+    let lock = lock_file(
+        f.work.path(),
+        "missing.txt",
+        "six==1.17.0\nno-such-package==1.0\n",
+    );
+    let out = f
+        .ensure_cmd(&target, &lock, &[], &strs(&venv_install(&lock)))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "pip's exit code: {err}");
+    assert!(
+        err.contains("no-such-package"),
+        "pip's output is streamed: {err}"
+    );
+    assert!(
+        err.contains("failed with exit code 1; nothing was published"),
+        "{err}"
+    );
+    assert!(!target.exists(), "the venv pip left is removed");
+    assert_eq!(
+        f.stored_objects(),
+        Vec::<String>::new(),
+        "nothing published"
+    );
+
+    // A code no hotstart failure uses, so it can only be the command's.
     let failing = [
         "sh",
         "-c",
@@ -593,14 +660,9 @@ fn a_failing_install_publishes_nothing_and_returns_its_exit_code() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(7), "{err}");
-    assert!(
-        err.contains("installer says no"),
-        "its output is streamed: {err}"
-    );
+    assert!(err.contains("installer says no"), "{err}");
     assert!(err.contains("exit code 7"), "{err}");
     assert!(!target.exists(), "what it left is removed");
-    let stored: Vec<_> = walk_files(Path::new(&f.store));
-    assert!(stored.is_empty(), "nothing published: {stored:?}");
 
     // A signal is reported as 128 + its number.
     let killed = ["sh", "-c", "kill -TERM $$"];
@@ -614,17 +676,40 @@ fn a_failing_install_publishes_nothing_and_returns_its_exit_code() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/installer"));
+    assert_eq!(
+        f.stored_objects(),
+        Vec::<String>::new(),
+        "nothing published"
+    );
 
-    // The next attempt, with a command that works, installs and publishes.
-    let works = [
-        "sh",
-        "-c",
-        "mkdir -p \"$HOTSTART_ENV_TARGET\" && echo ok > \"$HOTSTART_ENV_TARGET/x\"",
-    ];
-    let ok = f.ensure(&target, &lock, &[], &works);
-    assert_eq!(ok["action"], "installed");
-    assert_eq!(ok["published"], true);
-    assert_eq!(std::fs::read_to_string(target.join("x")).unwrap(), "ok\n");
+    // Then a pip install that works installs and publishes.
+    let (lock, install) = small_venv(f);
+    let ok = f.ensure(&target, &lock, &[], &strs(&install));
+    assert_eq!(ok["action"], "installed", "{ok}");
+    assert_eq!(ok["published"], true, "{ok}");
+    assert_eq!(
+        run_python(&target, "import six; print(six.__version__)"),
+        "1.17.0"
+    );
+    let key = ok["key"].as_str().unwrap();
+    let stored = f.stored_objects();
+    assert!(
+        stored.contains(&format!("envs/snapshots/{key}/snapshot.json")),
+        "{stored:?}"
+    );
+}
+
+#[test]
+fn a_failing_install_publishes_nothing_to_a_local_directory_and_returns_its_exit_code() {
+    failing_install(&Fixture::local());
+}
+
+#[test]
+fn a_failing_install_publishes_nothing_to_seaweedfs_and_returns_its_exit_code() {
+    let Some(f) = Fixture::seaweedfs("env-failing") else {
+        return;
+    };
+    failing_install(&f);
 }
 
 fn walk_files(root: &Path) -> Vec<PathBuf> {
@@ -656,145 +741,242 @@ fn counting_install(counter: &Path) -> Vec<String> {
     vec!["sh".into(), "-c".into(), script]
 }
 
+/// The real venv install of `lock` that first counts its run in `counter`, then waits while
+/// `hold` exists: a test decides when it goes on, so other ensures start while it is under way.
+fn held_install(lock: &Path, counter: &Path, hold: &Path) -> Vec<String> {
+    let mut install = venv_install(lock);
+    install[2] = format!(
+        "echo run >> '{counter}' && while [ -e '{hold}' ]; do sleep 0.05; done && {pip}",
+        counter = counter.display(),
+        hold = hold.display(),
+        pip = install[2]
+    );
+    install
+}
+
 fn runs(counter: &Path) -> usize {
     std::fs::read_to_string(counter)
         .map(|s| s.lines().count())
         .unwrap_or(0)
 }
 
-/// Starts every command at once and returns their outcomes' `action`s, sorted.
-fn actions_of(cmds: Vec<Command>) -> Vec<String> {
-    let children: Vec<_> = cmds
-        .into_iter()
-        .map(|mut c| {
-            c.stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut actions: Vec<String> = children
-        .into_iter()
-        .map(|c| outcome(&c.wait_with_output().unwrap())["action"].to_string())
-        .collect();
-    actions.sort();
-    actions
+/// Waits (with a generous watchdog, not a timing assumption) until `cond` holds.
+fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !cond() {
+        assert!(Instant::now() < deadline, "gave up waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
-#[test]
-fn concurrent_ensures_of_one_key_on_a_node_install_once() {
-    let f = Fixture::local();
-    let lock = lock_file(f.work.path(), "requirements.txt", "app==1\n");
+/// A running `hotstart env ensure --json` (logging at info), its stderr read as it comes.
+struct Running {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    stderr: String,
+}
+
+impl Running {
+    fn start(mut cmd: Command) -> Running {
+        let mut child = cmd
+            .env("HOTSTART_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Running {
+            child,
+            lines,
+            stderr: String::new(),
+        }
+    }
+
+    /// Waits until it has written a line containing `what` to stderr.
+    fn wait_for(&mut self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while !self.stderr.contains(what) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.stderr.push_str(&line);
+                    self.stderr.push('\n');
+                }
+                Err(e) => panic!("{e}: no {what:?} in its stderr:\n{}", self.stderr),
+            }
+        }
+    }
+
+    /// Waits for it to exit; its JSON outcome.
+    fn finish(mut self) -> Value {
+        let out = self.child.wait_with_output().unwrap();
+        // The reader thread ends when the pipe closes.
+        self.stderr.extend(self.lines.iter().map(|l| l + "\n"));
+        outcome(&Output {
+            stderr: self.stderr.into_bytes(),
+            ..out
+        })
+    }
+}
+
+/// Two ensures of one key on a node, the second started while the first is installing: it waits
+/// on the node lock, then reuses what the first made; pip runs once.
+fn concurrent_ensures(f: &Fixture) {
+    let (lock, _) = small_venv(f);
     let counter = f.path("runs");
-    let install = counting_install(&counter);
+    let hold = f.path("hold");
+    let install = held_install(&lock, &counter, &hold);
+    let six = "import six; print(six.__version__)";
 
-    // One target, two processes at once: one installs, the other finds it in place.
+    // One target: the second finds the environment in place.
     let target = f.path("venv");
-    let actions = actions_of(
-        (0..2)
-            .map(|_| f.ensure_cmd(&target, &lock, &[], &strs(&install)))
-            .collect(),
+    std::fs::write(&hold, "").unwrap();
+    let first = Running::start(f.ensure_cmd(&target, &lock, &[], &strs(&install)));
+    wait_until("the first install starts", || runs(&counter) == 1);
+    let mut second = Running::start(f.ensure_cmd(&target, &lock, &[], &strs(&install)));
+    second.wait_for("waiting for another ensure on this node");
+    std::fs::remove_file(&hold).unwrap();
+    let (a, b) = (first.finish(), second.finish());
+    assert_eq!(
+        (&a["action"], &b["action"]),
+        (&"installed".into(), &"present".into())
     );
-    assert_eq!(actions, ["\"installed\"", "\"present\""]);
-    assert_eq!(runs(&counter), 1, "the install command ran once");
+    assert_eq!(runs(&counter), 1, "pip ran once");
+    assert_eq!(run_python(&target, six), "1.17.0");
 
-    // A relocatable key at two targets: one installs, the other restores its snapshot.
+    // A relocatable key at two targets: the second waits on the key, then restores the snapshot
+    // the first published.
     let reloc = ["--relocatable"];
-    let targets = [f.path("r1/venv"), f.path("r2/venv")];
-    let actions = actions_of(
-        targets
-            .iter()
-            .map(|t| f.ensure_cmd(t, &lock, &reloc, &strs(&install)))
-            .collect(),
+    let (t1, t2) = (f.path("r1/venv"), f.path("r2/venv"));
+    std::fs::write(&hold, "").unwrap();
+    let first = Running::start(f.ensure_cmd(&t1, &lock, &reloc, &strs(&install)));
+    wait_until("the first install starts", || runs(&counter) == 2);
+    let mut second = Running::start(f.ensure_cmd(&t2, &lock, &reloc, &strs(&install)));
+    second.wait_for("waiting for another ensure on this node");
+    std::fs::remove_file(&hold).unwrap();
+    let (a, b) = (first.finish(), second.finish());
+    assert_eq!(
+        (&a["action"], &b["action"]),
+        (&"installed".into(), &"restored".into())
     );
-    assert_eq!(actions, ["\"installed\"", "\"restored\""]);
-    assert_eq!(runs(&counter), 2, "once more for the relocatable key");
-    for t in &targets {
-        assert_eq!(
-            std::fs::read_to_string(t.join("lib/app.py")).unwrap(),
-            "print(42)\n"
-        );
+    assert_eq!(a["key"], b["key"]);
+    assert_eq!(
+        runs(&counter),
+        2,
+        "pip ran once more, for the relocatable key"
+    );
+    for t in [&t1, &t2] {
+        assert_eq!(run_python(t, six), "1.17.0");
     }
 }
 
 #[test]
-fn nodes_racing_to_publish_one_key_leave_one_snapshot() {
-    let Some(f) = Fixture::seaweedfs("env-race") else {
+fn concurrent_ensures_of_one_key_install_once_with_a_local_directory() {
+    concurrent_ensures(&Fixture::local());
+}
+
+#[test]
+fn concurrent_ensures_of_one_key_install_once_with_seaweedfs() {
+    let Some(f) = Fixture::seaweedfs("env-concurrent") else {
         return;
     };
-    let lock = lock_file(f.work.path(), "requirements.txt", "app==2\n");
+    concurrent_ensures(&f);
+}
+
+/// Two nodes (separate caches, so no shared node lock) miss one key at once and both install:
+/// exactly one snapshot is committed, the loser's tree is removed, and a third node restores.
+fn racing_nodes(f: &Fixture) {
+    let (lock, _) = small_venv(f);
     let counter = f.path("runs");
-    let install = counting_install(&counter);
-    let target = f.path("venv");
-    // Two nodes: separate caches (so no shared node lock) and separate targets with the same
-    // key, as on two machines.
-    let nodes: Vec<(PathBuf, PathBuf)> = (0..2)
+    let hold = f.path("hold");
+    let install = held_install(&lock, &counter, &hold);
+    let reloc = ["--relocatable"];
+    std::fs::write(&hold, "").unwrap();
+    let nodes: Vec<Running> = (0..2)
         .map(|i| {
-            (
-                f.path(&format!("node-{i}")),
-                f.path(&format!("node-{i}/venv")),
-            )
+            let mut cmd = f.ensure_cmd(
+                &f.path(&format!("node-{i}/venv")),
+                &lock,
+                &reloc,
+                &strs(&install),
+            );
+            cmd.env("HOTSTART_CACHE_DIR", f.path(&format!("node-{i}/cache")));
+            Running::start(cmd)
         })
         .collect();
-    let children: Vec<_> = nodes
-        .iter()
-        .map(|(cache, t)| {
-            f.ensure_cmd(t, &lock, &["--relocatable"], &strs(&install))
-                .env("HOTSTART_CACHE_DIR", cache)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outcomes: Vec<Value> = children
-        .into_iter()
-        .map(|c| outcome(&c.wait_with_output().unwrap()))
-        .collect();
-    assert_eq!(runs(&counter), 2, "both nodes missed and installed");
-    let published: Vec<bool> = outcomes
-        .iter()
-        .map(|o| o["published"].as_bool().unwrap())
-        .collect();
-    assert_eq!(
-        published.iter().filter(|p| **p).count(),
-        1,
-        "exactly one node's snapshot is committed: {outcomes:?}"
-    );
+    wait_until("both nodes missed and started installing", || {
+        runs(&counter) == 2
+    });
+    std::fs::remove_file(&hold).unwrap();
+    let outcomes: Vec<Value> = nodes.into_iter().map(Running::finish).collect();
     for o in &outcomes {
+        assert_eq!(o["action"], "installed", "{o}");
         assert!(
             o.get("publish_error").is_none(),
             "losing is not an error: {o}"
         );
     }
-    // The store holds one record and one tree for the key: the loser removed its tree.
-    let key = outcomes[0]["key"].as_str().unwrap();
-    let out = f
-        .hotstart()
-        .args(["store", "ls", &format!("{}/envs/snapshots/{key}/", f.store)])
-        .output()
-        .unwrap();
-    let listing = String::from_utf8_lossy(&out.stdout);
-    let names: Vec<&str> = listing
-        .lines()
-        .map(|l| l.rsplit('/').next().unwrap())
-        .collect();
-    assert_eq!(names.len(), 2, "{listing}");
-    assert!(names.contains(&"snapshot.json"), "{listing}");
-    assert!(names.iter().any(|n| n.starts_with("tree-")), "{listing}");
+    let won = outcomes.iter().filter(|o| o["published"] == true).count();
+    assert_eq!(
+        won, 1,
+        "exactly one node's snapshot is committed: {outcomes:?}"
+    );
 
-    // A third node restores the committed snapshot.
+    // One record and one tree for the key: the loser removed its tree.
+    let key = outcomes[0]["key"].as_str().unwrap();
+    let mut names: Vec<String> = f
+        .stored_objects()
+        .into_iter()
+        .filter_map(|k| {
+            Some(
+                k.strip_prefix(&format!("envs/snapshots/{key}/"))?
+                    .to_string(),
+            )
+        })
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(names[0], "snapshot.json", "{names:?}");
+    assert!(names[1].starts_with("tree-"), "{names:?}");
+
+    // A third node restores the committed snapshot; pip does not run again.
+    let target = f.path("node-3/venv");
     let third = f
-        .ensure_cmd(&target, &lock, &["--relocatable"], &strs(&install))
-        .env("HOTSTART_CACHE_DIR", f.path("node-3"))
+        .ensure_cmd(&target, &lock, &reloc, &strs(&install))
+        .env("HOTSTART_CACHE_DIR", f.path("node-3/cache"))
         .output()
         .unwrap();
     assert_eq!(outcome(&third)["action"], "restored");
     assert_eq!(runs(&counter), 2);
     assert_eq!(
-        std::fs::read_to_string(target.join("lib/app.py")).unwrap(),
-        "print(42)\n"
+        run_python(&target, "import six; print(six.__version__)"),
+        "1.17.0"
     );
+}
+
+#[test]
+fn nodes_racing_to_publish_one_key_to_a_local_directory_leave_one_snapshot() {
+    racing_nodes(&Fixture::local());
+}
+
+#[test]
+fn nodes_racing_to_publish_one_key_to_seaweedfs_leave_one_snapshot() {
+    let Some(f) = Fixture::seaweedfs("env-race") else {
+        return;
+    };
+    racing_nodes(&f);
 }
 
 #[test]
