@@ -7,12 +7,10 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use hotstart_snapshot::gc::{GcOptions, gc, list};
 use hotstart_snapshot::{
-    Action, EnsureConfig, EnvStore, Key, KeyInputs, KeySpec, Outcome, RestoreOptions,
-    default_cache_dir, ensure,
+    EnsureConfig, EnvStore, Key, KeyInputs, KeySpec, RestoreOptions, default_cache_dir, ensure,
 };
 use hotstart_store::{ChunkStoreConfig, Store};
 use humansize::{BINARY, format_size};
-use serde_json::json;
 
 #[derive(Debug, Subcommand)]
 pub enum EnvCommand {
@@ -219,112 +217,10 @@ async fn ensure_cmd(args: EnsureArgs) -> anyhow::Result<()> {
     // caller can turn an install failure into its exit code.
     let outcome = ensure(&store, &cfg).await?;
     if args.json {
-        println!("{}", outcome_json(&outcome));
+        println!("{}", outcome.to_json());
     }
-    eprintln!("hotstart env: {}", describe(&outcome));
+    eprintln!("hotstart env: {outcome}");
     Ok(())
-}
-
-fn describe(o: &Outcome) -> String {
-    let (key, target, secs) = (o.key.short(), o.target.display(), o.seconds);
-    match &o.action {
-        Action::Present => format!("{key} is already in {target} ({secs:.2} s)"),
-        Action::Restored(r) => {
-            let mut s = format!(
-                "restored {key} into {target} in {secs:.2} s: {} files, {} ({} linked from the \
-                 chunk cache; fetched {} chunks, {})",
-                r.files,
-                size(r.bytes),
-                r.linked,
-                r.fetched_chunks,
-                size(r.fetched_bytes)
-            );
-            if let Some(rel) = &r.relocated {
-                s += &format!(
-                    "; relocated: rewrote {} files, re-pointed {} symlinks",
-                    rel.rewritten.len(),
-                    rel.relinked.len()
-                );
-                if !rel.binary.is_empty() {
-                    s += &format!(
-                        " ({} binary files still name the old path, e.g. {})",
-                        rel.binary.len(),
-                        rel.binary[0]
-                    );
-                }
-            }
-            s
-        }
-        Action::Installed {
-            install_seconds,
-            capture,
-        } => {
-            let head = format!(
-                "installed {key} into {target} in {secs:.2} s (install command {install_seconds:.2} s)"
-            );
-            match capture.as_ref() {
-                Ok(c) if c.won => format!(
-                    "{head}; published in {:.2} s: uploaded {} chunks ({}), reused {}",
-                    c.seconds,
-                    c.uploaded_chunks,
-                    size(c.uploaded_bytes),
-                    c.deduplicated_chunks
-                ),
-                Ok(c) => format!(
-                    "{head}; another node published this key first (from {}); its snapshot stands",
-                    c.record.host
-                ),
-                Err(e) => format!("{head}; WARNING: not published: {e}"),
-            }
-        }
-    }
-}
-
-fn outcome_json(o: &Outcome) -> serde_json::Value {
-    let mut v = json!({
-        "key": o.key.to_hex(),
-        "target": o.target,
-        "seconds": o.seconds,
-    });
-    match &o.action {
-        Action::Present => v["action"] = json!("present"),
-        Action::Restored(r) => {
-            v["action"] = json!("restored");
-            v["files"] = json!(r.files);
-            v["bytes"] = json!(r.bytes);
-            v["linked"] = json!(r.linked);
-            v["fetched_chunks"] = json!(r.fetched_chunks);
-            v["fetched_bytes"] = json!(r.fetched_bytes);
-            v["cache_hits"] = json!(r.cache_hits);
-            if let Some(rel) = &r.relocated {
-                v["relocated"] = json!({
-                    "rewritten": rel.rewritten,
-                    "relinked": rel.relinked,
-                    "binary": rel.binary,
-                });
-            }
-        }
-        Action::Installed {
-            install_seconds,
-            capture,
-        } => {
-            v["action"] = json!("installed");
-            v["install_seconds"] = json!(install_seconds);
-            match capture.as_ref() {
-                Ok(c) => {
-                    v["published"] = json!(c.won);
-                    v["uploaded_chunks"] = json!(c.uploaded_chunks);
-                    v["uploaded_bytes"] = json!(c.uploaded_bytes);
-                    v["deduplicated_chunks"] = json!(c.deduplicated_chunks);
-                }
-                Err(e) => {
-                    v["published"] = json!(false);
-                    v["publish_error"] = json!(e);
-                }
-            }
-        }
-    }
-    v
 }
 
 fn age(created_unix: u64) -> String {

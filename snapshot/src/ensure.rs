@@ -18,6 +18,7 @@ use std::process::Stdio;
 use std::time::Instant;
 
 use hotstart_store::{ChunkStoreConfig, Store};
+use serde_json::json;
 
 use crate::capture::{CaptureReport, capture};
 use crate::error::{Error, Result};
@@ -243,4 +244,120 @@ async fn run_install(
         .or_else(|| status.signal().map(|s| 128 + s))
         .unwrap_or(1);
     Err(Error::InstallFailed { command, code })
+}
+
+impl Outcome {
+    /// The outcome as `hotstart env ensure --json` prints it: `key`, `target`, `seconds`,
+    /// `action` (`present`, `restored` or `installed`) and that action's figures.
+    pub fn to_json(&self) -> serde_json::Value {
+        let o = self;
+        let mut v = json!({
+            "key": o.key.to_hex(),
+            "target": o.target,
+            "seconds": o.seconds,
+        });
+        match &o.action {
+            Action::Present => v["action"] = json!("present"),
+            Action::Restored(r) => {
+                v["action"] = json!("restored");
+                v["files"] = json!(r.files);
+                v["bytes"] = json!(r.bytes);
+                v["linked"] = json!(r.linked);
+                v["fetched_chunks"] = json!(r.fetched_chunks);
+                v["fetched_bytes"] = json!(r.fetched_bytes);
+                v["cache_hits"] = json!(r.cache_hits);
+                if let Some(rel) = &r.relocated {
+                    v["relocated"] = json!({
+                        "rewritten": rel.rewritten,
+                        "relinked": rel.relinked,
+                        "binary": rel.binary,
+                    });
+                }
+            }
+            Action::Installed {
+                install_seconds,
+                capture,
+            } => {
+                v["action"] = json!("installed");
+                v["install_seconds"] = json!(install_seconds);
+                match capture.as_ref() {
+                    Ok(c) => {
+                        v["published"] = json!(c.won);
+                        v["uploaded_chunks"] = json!(c.uploaded_chunks);
+                        v["uploaded_bytes"] = json!(c.uploaded_bytes);
+                        v["deduplicated_chunks"] = json!(c.deduplicated_chunks);
+                    }
+                    Err(e) => {
+                        v["published"] = json!(false);
+                        v["publish_error"] = json!(e);
+                    }
+                }
+            }
+        }
+        v
+    }
+}
+
+/// One line for people: what happened, where, how long it took and what it moved.
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let o = self;
+        let (key, target, secs) = (o.key.short(), o.target.display(), o.seconds);
+        let line = match &o.action {
+            Action::Present => format!("{key} is already in {target} ({secs:.2} s)"),
+            Action::Restored(r) => {
+                let mut s = format!(
+                    "restored {key} into {target} in {secs:.2} s: {} files, {} ({} linked from the \
+                     chunk cache; fetched {} chunks, {})",
+                    r.files,
+                    size(r.bytes),
+                    r.linked,
+                    r.fetched_chunks,
+                    size(r.fetched_bytes)
+                );
+                if let Some(rel) = &r.relocated {
+                    s += &format!(
+                        "; relocated: rewrote {} files, re-pointed {} symlinks",
+                        rel.rewritten.len(),
+                        rel.relinked.len()
+                    );
+                    if !rel.binary.is_empty() {
+                        s += &format!(
+                            " ({} binary files still name the old path, e.g. {})",
+                            rel.binary.len(),
+                            rel.binary[0]
+                        );
+                    }
+                }
+                s
+            }
+            Action::Installed {
+                install_seconds,
+                capture,
+            } => {
+                let head = format!(
+                    "installed {key} into {target} in {secs:.2} s (install command {install_seconds:.2} s)"
+                );
+                match capture.as_ref() {
+                    Ok(c) if c.won => format!(
+                        "{head}; published in {:.2} s: uploaded {} chunks ({}), reused {}",
+                        c.seconds,
+                        c.uploaded_chunks,
+                        size(c.uploaded_bytes),
+                        c.deduplicated_chunks
+                    ),
+                    Ok(c) => format!(
+                        "{head}; another node published this key first (from {}); its snapshot stands",
+                        c.record.host
+                    ),
+                    Err(e) => format!("{head}; WARNING: not published: {e}"),
+                }
+            }
+        };
+        f.write_str(&line)
+    }
+}
+
+fn size(bytes: u64) -> String {
+    humansize::format_size(bytes, humansize::BINARY)
 }
