@@ -274,7 +274,7 @@ fn run_python(venv: &Path, code: &str) -> String {
 const IMPORT_NUMPY: &str = "import sys, numpy, tqdm; print(sys.prefix); print(numpy.__file__); print(numpy.arange(10).sum())";
 
 /// Capture a numpy venv, delete it, restore it at the same path and at another path.
-fn numpy_round_trip(f: &Fixture) {
+fn a_numpy_venv_round_trips_at_the_same_and_another_path(f: &Fixture) {
     let lock = lock_file(
         f.work.path(),
         "requirements.txt",
@@ -386,19 +386,6 @@ fn numpy_round_trip(f: &Fixture) {
     assert_eq!(String::from_utf8_lossy(&tqdm.stdout).trim(), "4.70.1");
     // The environment at `a` was left as it was.
     assert_identical(&original, &listing(&a, &a_str));
-}
-
-#[test]
-fn numpy_venv_round_trip_through_a_local_directory() {
-    numpy_round_trip(&Fixture::local());
-}
-
-#[test]
-fn numpy_venv_round_trip_through_seaweedfs() {
-    let Some(f) = Fixture::seaweedfs("env-round-trip") else {
-        return;
-    };
-    numpy_round_trip(&f);
 }
 
 /// The smallest real environment: a venv without pip, plus `six` from the wheelhouse.
@@ -570,7 +557,7 @@ fn leftovers(target: &Path) -> Vec<String> {
 
 /// A published venv (six) whose stored chunk of `six.py` is then damaged: the restore fails
 /// naming the chunk, and nothing is left at the target.
-fn corrupt_chunk(f: &Fixture) {
+fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory(f: &Fixture) {
     let (lock, install) = small_venv(f);
     let target = f.path("venv");
     let first = f.ensure(&target, &lock, &[], &strs(&install));
@@ -603,22 +590,9 @@ fn corrupt_chunk(f: &Fixture) {
     assert!(!String::from_utf8_lossy(&out.stdout).contains("installed"));
 }
 
-#[test]
-fn a_corrupt_chunk_in_a_local_directory_fails_the_restore_and_leaves_no_directory() {
-    corrupt_chunk(&Fixture::local());
-}
-
-#[test]
-fn a_corrupt_chunk_in_seaweedfs_fails_the_restore_and_leaves_no_directory() {
-    let Some(f) = Fixture::seaweedfs("env-corrupt") else {
-        return;
-    };
-    corrupt_chunk(&f);
-}
-
 /// Install commands that fail (pip itself, a script's exit code, a signal, a missing program)
 /// publish nothing, remove what they left, and hand back their exit code.
-fn failing_install(f: &Fixture) {
+fn a_failing_install_publishes_nothing_and_returns_its_exit_code(f: &Fixture) {
     let target = f.path("venv");
     // Real pip, asked for a package the wheelhouse does not have.
     let lock = lock_file(
@@ -697,19 +671,6 @@ fn failing_install(f: &Fixture) {
         stored.contains(&format!("envs/snapshots/{key}/snapshot.json")),
         "{stored:?}"
     );
-}
-
-#[test]
-fn a_failing_install_publishes_nothing_to_a_local_directory_and_returns_its_exit_code() {
-    failing_install(&Fixture::local());
-}
-
-#[test]
-fn a_failing_install_publishes_nothing_to_seaweedfs_and_returns_its_exit_code() {
-    let Some(f) = Fixture::seaweedfs("env-failing") else {
-        return;
-    };
-    failing_install(&f);
 }
 
 fn walk_files(root: &Path) -> Vec<PathBuf> {
@@ -833,7 +794,7 @@ impl Running {
 
 /// Two ensures of one key on a node, the second started while the first is installing: it waits
 /// on the node lock, then reuses what the first made; pip runs once.
-fn concurrent_ensures(f: &Fixture) {
+fn concurrent_ensures_of_one_key_install_once(f: &Fixture) {
     let (lock, _) = small_venv(f);
     let counter = f.path("runs");
     let hold = f.path("hold");
@@ -882,22 +843,9 @@ fn concurrent_ensures(f: &Fixture) {
     }
 }
 
-#[test]
-fn concurrent_ensures_of_one_key_install_once_with_a_local_directory() {
-    concurrent_ensures(&Fixture::local());
-}
-
-#[test]
-fn concurrent_ensures_of_one_key_install_once_with_seaweedfs() {
-    let Some(f) = Fixture::seaweedfs("env-concurrent") else {
-        return;
-    };
-    concurrent_ensures(&f);
-}
-
 /// Two nodes (separate caches, so no shared node lock) miss one key at once and both install:
 /// exactly one snapshot is committed, the loser's tree is removed, and a third node restores.
-fn racing_nodes(f: &Fixture) {
+fn nodes_racing_to_publish_one_key_leave_one_snapshot(f: &Fixture) {
     let (lock, _) = small_venv(f);
     let counter = f.path("runs");
     let hold = f.path("hold");
@@ -964,19 +912,6 @@ fn racing_nodes(f: &Fixture) {
         run_python(&target, "import six; print(six.__version__)"),
         "1.17.0"
     );
-}
-
-#[test]
-fn nodes_racing_to_publish_one_key_to_a_local_directory_leave_one_snapshot() {
-    racing_nodes(&Fixture::local());
-}
-
-#[test]
-fn nodes_racing_to_publish_one_key_to_seaweedfs_leave_one_snapshot() {
-    let Some(f) = Fixture::seaweedfs("env-race") else {
-        return;
-    };
-    racing_nodes(&f);
 }
 
 #[test]
@@ -1146,3 +1081,38 @@ fn ls_and_gc_through_the_command_line() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a snapshot key"));
 }
+
+/// Runs each scenario against both stores: a local directory, and S3 on a real SeaweedFS server
+/// (which fails rather than skips when CI is set).
+macro_rules! on_both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod local_directory {
+            $(
+                #[test]
+                fn $scenario() {
+                    super::$scenario(&super::Fixture::local());
+                }
+            )*
+        }
+        mod seaweedfs {
+            $(
+                #[test]
+                fn $scenario() {
+                    let bucket = stringify!($scenario).replace('_', "-");
+                    let Some(f) = super::Fixture::seaweedfs(&bucket) else {
+                        return;
+                    };
+                    super::$scenario(&f);
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(
+    a_numpy_venv_round_trips_at_the_same_and_another_path,
+    a_corrupt_chunk_fails_the_restore_and_leaves_no_directory,
+    a_failing_install_publishes_nothing_and_returns_its_exit_code,
+    concurrent_ensures_of_one_key_install_once,
+    nodes_racing_to_publish_one_key_leave_one_snapshot,
+);
