@@ -33,7 +33,7 @@ use hotstart_snapshot::{Action, EnsureConfig, EnvStore, KeyInputs, capture, ensu
 use hotstart_store::Store;
 use hotstart_testkit::SeaweedFs;
 
-use crate::report::median;
+use crate::report::{Line, markdown, median};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Set {
@@ -134,32 +134,20 @@ impl Table {
     }
 
     fn markdown(&self) -> String {
-        let mut s = String::from("### hotstart env: restore a snapshot vs reinstall\n\n");
-        s.push_str(
-            "| measurement | hotstart | peer | peer's | speedup | target |\n\
-             |---|---:|---|---:|---:|---:|\n",
-        );
-        for r in &self.rows {
-            let target = match r.target {
-                Some(t) if r.speedup() >= t => format!("≥ {t} ✓"),
-                Some(t) => format!("≥ {t} ✗"),
-                None => "-".into(),
-            };
-            s.push_str(&format!(
-                "| {} | {:.2} s | {} | {:.2} s | {:.2}× | {} |\n",
-                r.what,
-                r.ours.as_secs_f64(),
-                r.peer,
-                r.theirs.as_secs_f64(),
-                r.speedup(),
-                target
-            ));
-        }
-        s.push('\n');
-        for n in &self.notes {
-            s.push_str(&format!("- {n}\n"));
-        }
-        s
+        let secs = |d: Duration| format!("{:.2} s", d.as_secs_f64());
+        let lines = self.rows.iter().map(|r| Line {
+            what: &r.what,
+            ours: secs(r.ours),
+            peer: &r.peer,
+            theirs: secs(r.theirs),
+            ratio: r.speedup(),
+            target: r.target,
+        });
+        markdown(
+            "hotstart env: restore a snapshot vs reinstall",
+            lines,
+            &self.notes,
+        )
     }
 }
 

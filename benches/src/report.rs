@@ -73,34 +73,57 @@ impl Report {
     }
 
     pub fn markdown(&self) -> String {
-        let mut s = format!("### {}\n\n", self.title);
-        s.push_str("| measurement | hotstart | peer | peer's | ratio | target |\n|---|---:|---|---:|---:|---:|\n");
-        for r in &self.rows {
-            let target = match r.target {
-                Some(t) if r.ratio() >= t => format!("≥ {t} ✓"),
-                Some(t) => format!("≥ {t} ✗"),
-                None => "-".into(),
-            };
-            s.push_str(&format!(
-                "| {} | {} | {} | {} | {:.2}× | {} |\n",
-                r.what,
-                mib(r.ours),
-                r.peer,
-                mib(r.theirs),
-                r.ratio(),
-                target
-            ));
-        }
-        if !self.notes.is_empty() {
-            s.push('\n');
-            for n in &self.notes {
-                s.push_str(&format!("- {n}\n"));
-            }
-        }
-        s
+        let lines = self.rows.iter().map(|r| Line {
+            what: &r.what,
+            ours: mib(r.ours),
+            peer: &r.peer,
+            theirs: mib(r.theirs),
+            ratio: r.ratio(),
+            target: r.target,
+        });
+        markdown(&self.title, lines, &self.notes)
     }
 
     pub fn print(&self) {
         println!("{}", self.markdown());
     }
+}
+
+/// One row of a results table with its figures already formatted (throughputs, times).
+pub struct Line<'a> {
+    pub what: &'a str,
+    pub ours: String,
+    pub peer: &'a str,
+    pub theirs: String,
+    /// How many times better hotstart is than the peer.
+    pub ratio: f64,
+    pub target: Option<f64>,
+}
+
+/// A Markdown results table under `title`, each ratio checked against its target, then notes.
+pub fn markdown<'a>(
+    title: &str,
+    lines: impl IntoIterator<Item = Line<'a>>,
+    notes: &[String],
+) -> String {
+    let mut s = format!("### {title}\n\n");
+    s.push_str("| measurement | hotstart | peer | peer's | ratio | target |\n|---|---:|---|---:|---:|---:|\n");
+    for l in lines {
+        let target = match l.target {
+            Some(t) if l.ratio >= t => format!("≥ {t} ✓"),
+            Some(t) => format!("≥ {t} ✗"),
+            None => "-".into(),
+        };
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {:.2}× | {} |\n",
+            l.what, l.ours, l.peer, l.theirs, l.ratio, target
+        ));
+    }
+    if !notes.is_empty() {
+        s.push('\n');
+        for n in notes {
+            s.push_str(&format!("- {n}\n"));
+        }
+    }
+    s
 }
