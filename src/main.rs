@@ -2,6 +2,7 @@
 
 mod ckpt_cmd;
 mod demo_cmd;
+mod env_cmd;
 mod image_cmd;
 mod mount_cmd;
 mod serve_cmd;
@@ -46,6 +47,9 @@ enum Command {
     /// hot-chunk record and prefetch; pull; list, inspect and report.
     #[command(subcommand)]
     Image(image_cmd::ImageCommand),
+    /// Dependency snapshots: restore an installed environment instead of reinstalling it.
+    #[command(subcommand)]
+    Env(env_cmd::EnvCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -87,6 +91,7 @@ fn main() -> std::process::ExitCode {
             // Handled above, before the runtime started.
             Command::Demo(_) => Err(anyhow::anyhow!("the demo runs without an async runtime")),
             Command::Image(cmd) => image_cmd::run(cmd).await,
+            Command::Env(cmd) => env_cmd::run(cmd).await,
         }
     });
     exit(result)
@@ -97,7 +102,10 @@ fn exit(result: anyhow::Result<()>) -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("hotstart: {e:#}");
-            std::process::ExitCode::FAILURE
+            match env_cmd::exit_code(&e) {
+                Some(code) => std::process::ExitCode::from(code),
+                None => std::process::ExitCode::FAILURE,
+            }
         }
     }
 }

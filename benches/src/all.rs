@@ -117,6 +117,22 @@ const BENCHES: &[Bench] = &[
         quick: Runner::Own(&["image", "--runs", "1", "--record-runs", "1"]),
     },
     Bench {
+        name: "env",
+        full: Runner::Own(&["env", "--runs", "3"]),
+        quick: Runner::Own(&[
+            "env",
+            "--set",
+            "small",
+            "--runs",
+            "1",
+            "--stores",
+            "local",
+            "--no-sdist",
+            "--settle",
+            "0",
+        ]),
+    },
+    Bench {
         name: "python",
         full: Runner::Python(&["--gib", "2", "--runs", "3"]),
         quick: Runner::Python(&["--gib", "0.125", "--tensors", "8", "--runs", "1"]),

@@ -8,6 +8,7 @@
 //! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
 //! cargo run --profile bench -p hotstart-benches -- sidecar --gib 4  # sidecar restores
 //! cargo run --profile bench -p hotstart-benches -- image            # lazy images vs local copy and pull
+//! cargo run --profile bench -p hotstart-benches -- env              # snapshot restore vs pip, uv
 //! cargo run --profile bench -p hotstart-benches -- all              # everything, results page
 //! ```
 //!
@@ -16,6 +17,7 @@
 mod all;
 mod chart;
 mod ckpt;
+mod env;
 mod fuse;
 mod image;
 mod report;
@@ -51,6 +53,9 @@ enum Command {
 
     /// Starting Python with numpy from a lazy image, against a local copy and a full pull.
     Image(image::ImageArgs),
+
+    /// Environment snapshots: restore against pip, uv (cold and warm cache) and tar.
+    Env(env::EnvArgs),
 
     /// Every benchmark above (and the Python package's), then benches/results/BENCHMARKS.md,
     /// charts, and the README's performance summary.
@@ -120,6 +125,7 @@ fn main() -> anyhow::Result<()> {
         Command::Sidecar(args) => sidecar::run(&args)?,
         Command::SidecarRestore(args) => sidecar::restore_child(&args)?,
         Command::Image(args) => image::run(&args)?,
+        Command::Env(args) => env::run(&args)?,
         Command::All(args) => all::all(&args)?,
     }
     Ok(())

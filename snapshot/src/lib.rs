@@ -1,5 +1,59 @@
 //! hotstart-snapshot: dependency snapshots.
 //!
-//! This crate will own the snapshot key (lock files, interpreter, platform, install command and
-//! target), capture of an installed environment as a tree of content-addressed chunks, and its
-//! atomic restore, eager or lazily mounted through the image format of `hotstart-prefetch`.
+//! Turns "install the environment" on every node into "restore the environment that one node
+//! installed". A snapshot is an image: a [`hotstart_store::Tree`] (paths, modes, mtimes,
+//! symlinks, hard links, chunk lists) plus content-addressed chunks in a
+//! [`hotstart_store::ChunkStore`], so identical files are stored once across every snapshot.
+//!
+//! - [`key`]: what identifies an environment (lock files' bytes, interpreter, platform, install
+//!   command, target).
+//! - [`capture`]: an installed directory becomes a tree and chunks, published under its key by
+//!   a conditional create of its record ([`record`]): the first complete snapshot wins, and a
+//!   half-uploaded one is never seen.
+//! - [`restore`]: parallel chunk fetches, hard links from the local chunk cache, a temporary
+//!   directory renamed into place.
+//! - [`relocate`]: a snapshot restored at another path than it was captured at.
+//! - [`node`]: node-local file locks, so concurrent `ensure` calls for one key do the work once.
+//! - [`ensure`](ensure()): all of the above in one call, as `hotstart env ensure` runs it.
+//! - [`gc`]: listing snapshots and deleting old ones and unreferenced chunks, excluded from
+//!   running captures by [`store_lock`].
+//!
+//! A restore materialises the tree eagerly. The same record and tree are what a lazy mount
+//! would serve: [`EnvStore::record`] and [`EnvStore::tree`] hand them out with the chunk store,
+//! which is all a "mount this tree from this store" API needs.
+
+pub mod capture;
+pub mod ensure;
+pub mod error;
+pub mod gc;
+pub mod key;
+pub mod node;
+pub mod record;
+pub mod relocate;
+pub mod restore;
+pub mod store_lock;
+mod util;
+
+use std::path::PathBuf;
+
+pub use capture::{CaptureReport, capture};
+pub use ensure::{Action, EnsureConfig, Outcome, ensure};
+pub use error::{Error, Result};
+pub use key::{Key, KeyInputs, KeySpec, Platform, PythonInfo};
+pub use record::{EnvStore, PathRef, PathRefKind, SnapshotRecord};
+pub use relocate::RelocateReport;
+pub use restore::{RestoreOptions, RestoreReport, restore};
+
+/// The node-local cache directory: `$HOTSTART_CACHE_DIR`, else `$XDG_CACHE_HOME/hotstart`, else
+/// `$HOME/.cache/hotstart`, else `/var/tmp/hotstart-cache`.
+pub fn default_cache_dir() -> PathBuf {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("HOTSTART_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("hotstart")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/hotstart")))
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/hotstart-cache"))
+}

@@ -29,7 +29,7 @@ pub use chunk::{ChunkCache, ChunkId, ChunkStore, ChunkStoreConfig};
 pub use error::{Error, Result};
 pub use lru::LruIndex;
 pub use striped::{StripeConfig, StripedReader, StripedWriter};
-pub use tree::{Entry, EntryKind, Tree};
+pub use tree::{Entry, EntryKind, MaterializeOptions, MaterializeStats, Tree};
 pub use url::{ObjectInfo, Store, StoreUrl};
 
 /// Re-exported so that users of this crate name the same `object_store` version.

@@ -15,7 +15,7 @@
 //! `lib/passwd`) is refused with [`Error::UnsafePath`] naming the entry, and files are created with
 //! `O_NOFOLLOW | O_EXCL`, so nothing is ever written outside the destination.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::CString;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
@@ -301,14 +301,29 @@ impl Tree {
     /// Creates every entry under `dest` (created if missing), fetching file contents from
     /// `chunks`. Refuses, before writing anything, a tree with an unsafe path.
     pub async fn materialize(&self, dest: &Path, chunks: &ChunkStore) -> Result<()> {
+        self.materialize_with(dest, chunks, &MaterializeOptions::default())
+            .await
+            .map(|_| ())
+    }
+
+    /// [`Tree::materialize`] with explicit options: how many files are written at once, and
+    /// whether single-chunk files are hard-linked from the chunk store's local cache
+    /// ([`ChunkCache::link_to`](crate::ChunkCache::link_to)) instead of written.
+    pub async fn materialize_with(
+        &self,
+        dest: &Path,
+        chunks: &ChunkStore,
+        opts: &MaterializeOptions,
+    ) -> Result<MaterializeStats> {
         self.validate()?;
         std::fs::create_dir_all(dest).map_err(|e| Error::io("create directory", dest, e))?;
         let dest = dest.to_path_buf();
         // Directories, symlinks and hard links are cheap and ordered; files are fetched in
         // parallel once their parent directories exist.
         let mut files = Vec::new();
+        let mut known = HashSet::from([dest.clone()]);
         for e in &self.entries {
-            let abs = safe_join(&dest, &e.path)?;
+            let abs = safe_join(&dest, &e.path, &mut known)?;
             match &e.kind {
                 EntryKind::Dir => std::fs::create_dir(&abs)
                     .or_else(|err| {
@@ -324,7 +339,7 @@ impl Tree {
                     .map_err(|err| Error::io("create symlink", &abs, err))?,
                 EntryKind::Hardlink { target } => {
                     // The target is an earlier file entry; it is linked once files are written.
-                    files.push((e, abs, Some(safe_join(&dest, target)?)));
+                    files.push((e, abs, Some(safe_join(&dest, target, &mut known)?)));
                 }
                 EntryKind::File { .. } => files.push((e, abs, None)),
             }
@@ -332,17 +347,24 @@ impl Tree {
         let (links, plain): (Vec<_>, Vec<_>) = files.into_iter().partition(|(_, _, t)| t.is_some());
         // Many files at once: small files are one round trip each, so a tree of many small files
         // is latency-bound unless their fetches overlap.
-        futures::stream::iter(plain)
-            .map(|(e, abs, _)| write_file(e, abs, chunks))
-            .buffer_unordered(chunks.config().concurrency.max(1))
-            .try_collect::<()>()
+        let linked: Vec<bool> = futures::stream::iter(plain)
+            .map(|(e, abs, _)| write_file(e, abs, chunks, opts.link_from_cache))
+            .buffer_unordered(opts.concurrency.max(1))
+            .try_collect()
             .await?;
+        let mut stats = MaterializeStats {
+            files: linked.len() as u64,
+            linked: linked.iter().filter(|l| **l).count() as u64,
+            bytes: self.total_bytes(),
+        };
         for (_, abs, target) in links {
             let target = target.expect("partitioned on Some");
             std::fs::hard_link(&target, &abs)
                 .map_err(|err| Error::io("create hard link", &abs, err))?;
+            stats.files += 1;
         }
-        // Metadata last, deepest first, so creating children does not disturb directory mtimes.
+        // Directory and symlink metadata last, deepest first, so creating children does not
+        // disturb directory mtimes. Files got theirs when written (or linked).
         for e in self.entries.iter().rev() {
             let abs = dest.join(&e.path);
             match e.kind {
@@ -351,7 +373,8 @@ impl Tree {
                     set_mtime(&abs, e.mtime_ns, true)?;
                 }
                 EntryKind::Hardlink { .. } => {}
-                _ => {
+                EntryKind::File { .. } => xattr::write(&abs, &e.xattrs)?,
+                EntryKind::Dir => {
                     xattr::write(&abs, &e.xattrs)?;
                     std::fs::set_permissions(
                         &abs,
@@ -362,13 +385,47 @@ impl Tree {
                 }
             }
         }
-        Ok(())
+        Ok(stats)
     }
+}
+
+/// How [`Tree::materialize_with`] writes files.
+#[derive(Debug, Clone)]
+pub struct MaterializeOptions {
+    /// Files written at once (each also fetches up to 8 of its chunks ahead).
+    pub concurrency: usize,
+    /// Hard-link files of exactly one chunk from the chunk store's local cache when the cache is
+    /// on the destination's file system; such files then share their inode with the cache (and
+    /// with other trees restored from it), so they must be replaced, never modified in place.
+    pub link_from_cache: bool,
+}
+
+impl Default for MaterializeOptions {
+    fn default() -> Self {
+        MaterializeOptions {
+            concurrency: 4,
+            link_from_cache: false,
+        }
+    }
+}
+
+/// What [`Tree::materialize_with`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MaterializeStats {
+    /// Regular files created (hard links of the tree included).
+    pub files: u64,
+    /// Files hard-linked from the chunk cache rather than written.
+    pub linked: u64,
+    /// Bytes of file content in the tree.
+    pub bytes: u64,
 }
 
 /// `dest/rel`, after checking `rel` and that no existing ancestor under `dest` is a symlink or
 /// anything but a directory.
-fn safe_join(dest: &Path, rel: &str) -> Result<PathBuf> {
+///
+/// Ancestors already in `known` (directories this materialisation created or checked) are not
+/// checked again, and the ones checked are added, so a deep tree is not stat'ed over and over.
+fn safe_join(dest: &Path, rel: &str, known: &mut HashSet<PathBuf>) -> Result<PathBuf> {
     check_entry_path(rel)?;
     let mut cur = dest.to_path_buf();
     let comps: Vec<&str> = rel.split('/').collect();
@@ -376,6 +433,9 @@ fn safe_join(dest: &Path, rel: &str) -> Result<PathBuf> {
         cur.push(c);
         if i + 1 == comps.len() {
             break;
+        }
+        if known.contains(&cur) {
+            continue;
         }
         match std::fs::symlink_metadata(&cur) {
             Ok(m) if m.file_type().is_symlink() => {
@@ -396,21 +456,51 @@ fn safe_join(dest: &Path, rel: &str) -> Result<PathBuf> {
             }
             Err(e) => return Err(Error::io("stat", &cur, e)),
         }
+        known.insert(cur.clone());
     }
     Ok(cur)
 }
 
-async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore) -> Result<()> {
+/// Writes one file entry; `Ok(true)` when it was hard-linked from the chunk cache instead.
+async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) -> Result<bool> {
     let EntryKind::File { size, chunks: refs } = &e.kind else {
-        return Ok(());
+        return Ok(false);
     };
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .mode(0o600)
-        .open(&abs)
-        .map_err(|err| Error::io("create file", &abs, err))?;
+    let check_len = |i: usize, got: usize| {
+        if got as u64 == refs[i].len as u64 {
+            Ok(())
+        } else {
+            Err(Error::Corrupt {
+                id: refs[i].id.to_hex(),
+                reason: format!("{got} bytes, the tree says {}", refs[i].len),
+            })
+        }
+    };
+    let create = |abs: &Path| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(0o600)
+            .open(abs)
+            .map_err(|err| Error::io("create file", abs, err))
+    };
+    // A file with extended attributes gets its own inode: the cache's is shared.
+    let link = link && e.xattrs.is_empty();
+    if let ([only], true, Some(cache)) = (refs.as_slice(), link, chunks.cache()) {
+        // Fetching (or re-reading) the chunk verifies it and leaves it in the cache.
+        let data = chunks.get(&only.id).await?;
+        check_len(0, data.len())?;
+        if cache.link_to(&only.id, &abs, e.mode, e.mtime_ns)? {
+            return Ok(true);
+        }
+        let mut file = create(&abs)?;
+        std::io::Write::write_all(&mut file, &data)
+            .map_err(|err| Error::io("write file", &abs, err))?;
+        set_file_metadata(&file, &abs, e)?;
+        return Ok(false);
+    }
+    let mut file = create(&abs)?;
     let ids: Vec<ChunkId> = refs.iter().map(|c| c.id).collect();
     let mut written = 0u64;
     // Fetch ahead while writing in order.
@@ -420,12 +510,7 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore) -> Result<()> 
     let mut i = 0;
     while let Some(data) = stream.next().await {
         let data = data?;
-        if data.len() as u64 != refs[i].len as u64 {
-            return Err(Error::Corrupt {
-                id: refs[i].id.to_hex(),
-                reason: format!("{} bytes, the tree says {}", data.len(), refs[i].len),
-            });
-        }
+        check_len(i, data.len())?;
         std::io::Write::write_all(&mut file, &data)
             .map_err(|err| Error::io("write file", &abs, err))?;
         written += data.len() as u64;
@@ -437,10 +522,49 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore) -> Result<()> 
             reason: format!("{}: wrote {written} bytes, expected {size}", e.path),
         });
     }
+    set_file_metadata(&file, &abs, e)?;
+    Ok(false)
+}
+
+/// Gives a written file its entry's mode and mtime through its descriptor (no path lookups).
+fn set_file_metadata(file: &std::fs::File, abs: &Path, e: &Entry) -> Result<()> {
+    set_fd_metadata(file, abs, e.mode, e.mtime_ns)
+}
+
+/// Sets the permission bits and the access and modification times of an open file.
+pub(crate) fn set_fd_metadata(
+    file: &std::fs::File,
+    path: &Path,
+    mode: u32,
+    mtime_ns: i64,
+) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let ts = libc::timespec {
+        tv_sec: mtime_ns.div_euclid(1_000_000_000),
+        tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
+    };
+    let times = [ts, ts];
+    // SAFETY: `fd` is open for as long as `file`, which outlives both calls; `times` points to two
+    // initialised timespecs that outlive the call.
+    unsafe {
+        if libc::fchmod(fd, mode & 0o7777) != 0 {
+            return Err(Error::io("set mode", path, std::io::Error::last_os_error()));
+        }
+        if libc::futimens(fd, times.as_ptr()) != 0 {
+            return Err(Error::io(
+                "set mtime",
+                path,
+                std::io::Error::last_os_error(),
+            ));
+        }
+    }
     Ok(())
 }
 
-fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
+/// Sets the access and modification times of `path` to `mtime_ns` (nanoseconds since the Unix
+/// epoch), of a symlink itself when `nofollow`.
+pub fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
     let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| Error::UnsafePath {
         entry: path.display().to_string(),
         reason: "NUL in path".into(),
@@ -663,5 +787,64 @@ mod tests {
         };
         let enc = tree.encode().unwrap();
         assert!(matches!(Tree::decode(&enc), Err(Error::UnsafePath { .. })));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn materialize_links_single_chunk_files_from_the_cache() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(src.join("pkg")).unwrap();
+        std::fs::write(src.join("pkg/small.py"), b"x = 1\n").unwrap();
+        std::fs::write(src.join("pkg/same.py"), b"x = 1\n").unwrap();
+        std::fs::write(src.join("pkg/big.bin"), vec![9u8; 3000]).unwrap();
+        std::fs::write(src.join("pkg/empty"), b"").unwrap();
+        std::fs::set_permissions(
+            src.join("pkg/same.py"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        let cfg = crate::ChunkStoreConfig {
+            cache_dir: Some(dir.path().join("cache")),
+            ..Default::default()
+        };
+        let chunks = ChunkStore::new(crate::Store::open("memory://").unwrap(), cfg).unwrap();
+        let tree = Tree::build(&src, &chunks, 1024).await.unwrap();
+        let opts = MaterializeOptions {
+            concurrency: 8,
+            link_from_cache: true,
+        };
+        let out = dir.path().join("out");
+        let stats = tree.materialize_with(&out, &chunks, &opts).await.unwrap();
+        // small.py and same.py hold the same bytes with different modes: whichever comes first
+        // is linked, the other written. big.bin has several chunks and the empty file none.
+        assert_eq!(stats.files, 4);
+        assert_eq!(stats.linked, 1);
+        let cache = chunks.cache().unwrap();
+        let small_id = ChunkId::of(b"x = 1\n");
+        let cached = std::fs::metadata(cache.path_of(&small_id)).unwrap();
+        let ino = |name: &str| std::fs::metadata(out.join("pkg").join(name)).unwrap().ino();
+        assert_eq!(
+            [ino("small.py"), ino("same.py")]
+                .iter()
+                .filter(|i| **i == cached.ino())
+                .count(),
+            1
+        );
+        for name in ["small.py", "same.py", "big.bin", "empty"] {
+            let a = std::fs::metadata(src.join("pkg").join(name)).unwrap();
+            let b = std::fs::metadata(out.join("pkg").join(name)).unwrap();
+            assert_eq!(
+                std::fs::read(src.join("pkg").join(name)).unwrap(),
+                std::fs::read(out.join("pkg").join(name)).unwrap(),
+                "{name}"
+            );
+            assert_eq!(a.mode(), b.mode(), "{name}");
+            assert_eq!(
+                (a.mtime(), a.mtime_nsec()),
+                (b.mtime(), b.mtime_nsec()),
+                "{name}"
+            );
+        }
     }
 }

@@ -229,11 +229,13 @@ fn not_built(url: &str, feature: &str) -> Error {
     }
 }
 
-/// One object as listed: its key relative to the store's prefix, and its size.
+/// One object as listed: its key relative to the store's prefix, its size and when it was last
+/// written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ObjectInfo {
     pub key: String,
     pub size: u64,
+    pub last_modified: std::time::SystemTime,
 }
 
 /// An opened store: an `ObjectStore` with the URL's prefix applied, cheap to clone.
@@ -305,6 +307,27 @@ impl Store {
         Ok(())
     }
 
+    /// Writes a whole object only if no object has that key: `Ok(true)` when this call created
+    /// it, `Ok(false)` when one was already there (left untouched). Backed by the store's own
+    /// conditional write (`If-None-Match: *` on S3, a no-replace link on local disk), so of many
+    /// writers racing for one key across machines exactly one gets `true`.
+    pub async fn put_if_absent(&self, key: &str, data: Bytes) -> Result<bool> {
+        let path = Self::path(key)?;
+        let opts = object_store::PutOptions {
+            mode: object_store::PutMode::Create,
+            ..Default::default()
+        };
+        match self
+            .inner
+            .put_opts(&path, PutPayload::from_bytes(data), opts)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) => Err(Error::store(key, e)),
+        }
+    }
+
     /// Reads a whole object in one request.
     pub async fn get(&self, key: &str) -> Result<Bytes> {
         let path = Self::path(key)?;
@@ -358,6 +381,7 @@ impl Store {
             .map_ok(|m| ObjectInfo {
                 key: m.location.to_string(),
                 size: m.size,
+                last_modified: m.last_modified.into(),
             })
             .try_collect()
             .await

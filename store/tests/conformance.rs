@@ -87,6 +87,47 @@ async fn listed(store: &Store, prefix: &str) -> Vec<hotstart_store::ObjectInfo> 
     store.list(prefix).await.unwrap()
 }
 
+async fn put_if_absent_creates_once(store: Store) {
+    let key = "commit/record";
+    let racers: Vec<_> = (0..8u8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let won = store
+                    .put_if_absent(key, Bytes::from(vec![i; 100]))
+                    .await
+                    .unwrap();
+                (i, won)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for r in racers {
+        let (i, won) = r.await.unwrap();
+        if won {
+            winners.push(i);
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one writer creates the object");
+    assert_eq!(
+        store.get(key).await.unwrap(),
+        Bytes::from(vec![winners[0]; 100]),
+        "the object holds the winner's bytes"
+    );
+    assert!(
+        !store
+            .put_if_absent(key, Bytes::from_static(b"late"))
+            .await
+            .unwrap()
+    );
+    let listed = listed(&store, "commit").await;
+    assert_eq!(listed.len(), 1);
+    let age = std::time::SystemTime::now()
+        .duration_since(listed[0].last_modified)
+        .unwrap_or_default();
+    assert!(age.as_secs() < 600, "last_modified is recent: {age:?}");
+}
+
 async fn list_and_delete(store: Store) {
     for key in ["ls/a/1", "ls/a/2", "ls/b/c/3", "other/4"] {
         store
@@ -401,6 +442,7 @@ conformance!(
     put_get_round_trip,
     ranges_and_missing_objects,
     list_and_delete,
+    put_if_absent_creates_once,
     striped_write_then_read,
     striped_reads_hold_the_budget,
     aborted_or_failed_uploads_leave_nothing,

@@ -5,6 +5,11 @@
 //! renamed, so a crash leaves either a whole chunk or none. On open the directory is scanned
 //! (oldest modification first) to rebuild the LRU order; on every hit the content is re-hashed, so
 //! a cache file damaged on disk is dropped and refetched rather than returned.
+//!
+//! [`ChunkCache::link_to`] hands a cache file out as a hard link (restoring a tree without writing
+//! its small files again). Such a file keeps its name in the cache and takes the linked entry's
+//! mode and mtime, so after a reopen it may rank older in the LRU order; evicting it removes only
+//! the cache's name.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -89,6 +94,73 @@ impl ChunkCache {
     pub fn file(&self, id: &ChunkId) -> Option<PathBuf> {
         self.inner.lru.lock().use_existing(id)?;
         Some(self.path_of(id))
+    }
+
+    /// Hard-links the cached file of `id` to `dest` (which must not exist) as a file with
+    /// permission bits `mode` and modification time `mtime_ns`, so a restored tree shares its
+    /// bytes with the cache instead of writing them again. The caller has verified the cached
+    /// bytes (a [`crate::ChunkStore::get`] just before does that).
+    ///
+    /// A linked inode has one mode and one mtime for every name it has, so the cache file takes
+    /// `mode` and `mtime_ns` only while the cache is its sole name; once linked elsewhere it is
+    /// linked again only where the mode and mtime match, so linking never changes the metadata of
+    /// a file already handed out. An exclusive `flock` on the cache file makes that check and the
+    /// link one step across processes.
+    ///
+    /// `Ok(false)`, and nothing done, when it cannot link: the chunk is not cached, `dest` is on
+    /// another file system, the inode is shared with a different mode or mtime, `mode` would make
+    /// the cache file unreadable, or the file has too many links. Other I/O errors are errors.
+    pub fn link_to(&self, id: &ChunkId, dest: &Path, mode: u32, mtime_ns: i64) -> Result<bool> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+
+        if mode & 0o400 == 0 || self.file(id).is_none() {
+            return Ok(false);
+        }
+        let src = self.path_of(id);
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&src)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(Error::io("open cached chunk", &src, e)),
+        };
+        let fd = file.as_raw_fd();
+        // SAFETY: `fd` is an open descriptor owned by `file`, which outlives the call; the lock
+        // is released when `file` is closed.
+        if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
+            return Err(Error::io(
+                "lock cached chunk",
+                &src,
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io("stat cached chunk", &src, e))?;
+        let mode = mode & 0o7777;
+        let same = meta.mode() & 0o7777 == mode
+            && meta.mtime() * 1_000_000_000 + meta.mtime_nsec() == mtime_ns;
+        if !same {
+            if meta.nlink() > 1 {
+                return Ok(false);
+            }
+            crate::tree::set_fd_metadata(&file, &src, mode, mtime_ns)?;
+        }
+        match std::fs::hard_link(&src, dest) {
+            Ok(()) => Ok(true),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EXDEV | libc::EMLINK | libc::EPERM)
+                ) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(Error::io("hard-link cached chunk", dest, e)),
+        }
     }
 
     /// Bytes held.
@@ -226,5 +298,56 @@ mod tests {
         std::fs::write(cache.path_of(&id), b"precious bytez").unwrap();
         assert!(cache.get(&id).await.unwrap().is_none());
         assert!(!cache.contains(&id));
+    }
+
+    #[tokio::test]
+    async fn link_to_shares_an_inode_only_with_matching_metadata() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let cache = ChunkCache::open(&dir.path().join("cache"), 1 << 20).unwrap();
+        let data = Bytes::from_static(b"print('hello')\n");
+        let id = ChunkId::of(&data);
+        let out = dir.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        assert!(
+            !cache.link_to(&id, &out.join("a"), 0o644, 1).unwrap(),
+            "not cached yet"
+        );
+        cache.insert(&id, &data).await.unwrap();
+
+        // The first link claims the cache file: it takes the entry's mode and mtime.
+        let t1 = 1_600_000_000_123_456_789;
+        assert!(cache.link_to(&id, &out.join("a"), 0o755, t1).unwrap());
+        let a = std::fs::metadata(out.join("a")).unwrap();
+        assert_eq!(
+            a.ino(),
+            std::fs::metadata(cache.path_of(&id)).unwrap().ino()
+        );
+        assert_eq!(a.mode() & 0o7777, 0o755);
+        assert_eq!(a.mtime() * 1_000_000_000 + a.mtime_nsec(), t1);
+        assert_eq!(std::fs::read(out.join("a")).unwrap(), data);
+
+        // Same metadata: linked again. Other metadata: refused, and `a` is left as it was.
+        assert!(cache.link_to(&id, &out.join("b"), 0o755, t1).unwrap());
+        assert!(!cache.link_to(&id, &out.join("c"), 0o644, t1).unwrap());
+        assert!(!cache.link_to(&id, &out.join("d"), 0o755, t1 + 1).unwrap());
+        assert!(!out.join("c").exists() && !out.join("d").exists());
+        let a = std::fs::metadata(out.join("a")).unwrap();
+        assert_eq!(a.mode() & 0o7777, 0o755);
+        assert_eq!(a.nlink(), 3);
+        // A mode the cache could not read back is never given to the cache file.
+        std::fs::remove_file(out.join("a")).unwrap();
+        std::fs::remove_file(out.join("b")).unwrap();
+        assert!(!cache.link_to(&id, &out.join("e"), 0o200, t1).unwrap());
+
+        // Another file system: no link, no error.
+        if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
+            assert!(
+                !cache
+                    .link_to(&id, &shm.path().join("x"), 0o755, t1)
+                    .unwrap()
+            );
+            assert!(!shm.path().join("x").exists());
+        }
     }
 }

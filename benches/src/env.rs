@@ -1,0 +1,526 @@
+//! Dependency snapshots against the installers a user would run on every node, same run, same
+//! wheelhouse, medians of `--runs`:
+//!
+//! * **pip**: `python -m venv T && T/bin/pip install --no-index --find-links WHEELHOUSE -r LOCK`.
+//! * **uv, cold cache**: `uv venv T && uv pip install --offline --no-index ...` with an empty
+//!   `UV_CACHE_DIR` each run; **uv, warm cache**: the same with a cache filled by an earlier run
+//!   (uv then hard-links from its cache).
+//! * **tar xzf** of the installed venv (made once with `tar czf`, not timed), and the floor of
+//!   just creating the files: **cp -a** of the venv from the page cache.
+//! * **hotstart**: `ensure` on a hit, restoring the snapshot eagerly into the same path from a
+//!   local-directory store and from SeaweedFS on loopback, with an empty chunk cache each run
+//!   (a new node) and with a warm one (a node that restored it before: files hard-linked).
+//!
+//! Everything installs into the same path, and the snapshot is the very venv pip made (captured
+//! by the `ensure` that ran pip on its miss). Installs read the wheelhouse with `--no-index`
+//! (uv also `--offline`), so no timing touches the network; the wheels are downloaded once,
+//! before any timing, by `scripts/wheelhouse.sh` into `.cache/wheelhouse/`. The page cache is
+//! warm for every tool alike (wheelhouse, tarball, store).
+//!
+//! A second lock adds a package that must be built from source (an sdist with a C extension,
+//! `benches/env/sdist.txt`, regex): pip and uv compile it on every install, a restore does
+//! not.
+//!
+//! Targets (issue 8): restore ≥ 5× faster than pip and no slower than uv with a cold cache;
+//! with the sdist, ≥ 10× faster than uv with a cold cache.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use hotstart_snapshot::{Action, EnsureConfig, EnvStore, KeyInputs, capture, ensure as hs_ensure};
+use hotstart_store::Store;
+use hotstart_testkit::SeaweedFs;
+
+use crate::report::{Report, Row, median};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Set {
+    /// numpy, pandas, scipy, pyarrow, requests: about 500 MB installed.
+    Full,
+    /// numpy and requests: a quick check of the plumbing.
+    Small,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Stores {
+    Local,
+    Seaweedfs,
+    Both,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EnvArgs {
+    /// Which packages.
+    #[arg(long, value_enum, default_value = "full")]
+    set: Set,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Stores to restore from.
+    #[arg(long, value_enum, default_value = "both")]
+    stores: Stores,
+    /// Leave out the lock with a package built from source.
+    #[arg(long)]
+    no_sdist: bool,
+    /// Directory (on the disk to measure) for the venvs, stores and caches.
+    #[arg(long, default_value = "/var/tmp")]
+    dir: PathBuf,
+    /// The interpreter the venvs are made from.
+    #[arg(long, default_value = ".venv/bin/python")]
+    python: PathBuf,
+    /// Seconds to wait after emptying the trash between groups of runs (see `Trash`); 0 for a
+    /// quick check.
+    #[arg(long, default_value_t = 61)]
+    settle: u64,
+    /// Write the results as Markdown to this file too.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+}
+
+/// The wheelhouses (downloaded once) and the tools.
+struct Setup {
+    root: PathBuf,
+    python: PathBuf,
+    uv: PathBuf,
+    find_links: Vec<PathBuf>,
+}
+
+impl Setup {
+    fn new(args: &EnvArgs) -> anyhow::Result<Setup> {
+        let root = hotstart_testkit::workspace_root().context("workspace root")?;
+        let python = if args.python.is_absolute() {
+            args.python.clone()
+        } else {
+            root.join(&args.python)
+        };
+        ensure!(
+            python.exists(),
+            "{} missing; run scripts/setup.sh",
+            python.display()
+        );
+        let uv = root.join(".venv/bin/uv");
+        ensure!(
+            uv.exists(),
+            "{} missing; run scripts/setup.sh (uv is in scripts/requirements-test.txt)",
+            uv.display()
+        );
+        let set = match args.set {
+            Set::Full => "full",
+            Set::Small => "small",
+        };
+        let benv = root.join("benches/env");
+        let mut find_links = Vec::new();
+        let wheelhouses: [(String, PathBuf, &[&str]); 3] = [
+            (
+                format!("bench-{set}"),
+                benv.join(format!("requirements-{set}.txt")),
+                &[],
+            ),
+            (
+                "bench-build".into(),
+                benv.join("build-requirements.txt"),
+                &[],
+            ),
+            (
+                "bench-sdist".into(),
+                benv.join("sdist.txt"),
+                &["--no-binary=:all:", "--no-deps"],
+            ),
+        ];
+        for (name, req, extra) in wheelhouses {
+            let status = Command::new("bash")
+                .arg(root.join("scripts/wheelhouse.sh"))
+                .arg(&name)
+                .arg(&req)
+                .args(extra)
+                .env("HOTSTART_WHEELHOUSE_PYTHON", &python)
+                .status()?;
+            ensure!(status.success(), "scripts/wheelhouse.sh {name} failed");
+            find_links.push(root.join(".cache/wheelhouse").join(&name));
+        }
+        Ok(Setup {
+            root,
+            python,
+            uv,
+            find_links,
+        })
+    }
+
+    fn links(&self) -> String {
+        self.find_links
+            .iter()
+            .map(|d| format!("--find-links '{}'", d.display()))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// The pip install, as the command `ensure` runs on a miss.
+    fn pip(&self, target: &Path, lock: &Path) -> Vec<String> {
+        let script = format!(
+            "'{py}' -m venv '{t}' && '{t}/bin/pip' install -q --disable-pip-version-check \
+             --no-index {links} -r '{lock}'",
+            py = self.python.display(),
+            t = target.display(),
+            links = self.links(),
+            lock = lock.display()
+        );
+        vec!["sh".into(), "-c".into(), script]
+    }
+
+    fn uv(&self, target: &Path, lock: &Path, cache: &Path) -> Command {
+        let script = format!(
+            "'{uv}' venv -q --python '{py}' '{t}' && '{uv}' pip install -q --offline --no-index \
+             {links} --python '{t}/bin/python' -r '{lock}'",
+            uv = self.uv.display(),
+            py = self.python.display(),
+            t = target.display(),
+            links = self.links(),
+            lock = lock.display()
+        );
+        let mut c = Command::new("sh");
+        c.args(["-c", &script]).env("UV_CACHE_DIR", cache);
+        c
+    }
+}
+
+fn run_ok(cmd: &mut Command) -> anyhow::Result<()> {
+    let out = cmd.output().with_context(|| format!("{cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn timed(cmd: &mut Command) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    run_ok(cmd)?;
+    Ok(t.elapsed())
+}
+
+fn remove(path: &Path) -> anyhow::Result<()> {
+    match std::fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("remove {}", path.display())),
+    }
+}
+
+fn du(path: &Path) -> u64 {
+    let out = Command::new("du").args(["-sb"]).arg(path).output();
+    out.ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+/// Medians of one lock's measurements.
+struct Measured {
+    pip: Duration,
+    uv_cold: Duration,
+    uv_warm: Duration,
+    tar: Duration,
+    cp: Duration,
+    /// (store name, cold-cache restore, warm-cache restore)
+    restores: Vec<(String, Duration, Duration)>,
+    bytes: u64,
+    files: u64,
+}
+
+pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
+    ensure!(args.runs > 0, "--runs must be at least 1");
+    let setup = Setup::new(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let weed = match args.stores {
+        Stores::Local => None,
+        Stores::Seaweedfs | Stores::Both => Some(
+            SeaweedFs::start().context("start SeaweedFS (run scripts/setup.sh to install weed)")?,
+        ),
+    };
+    let mut table = Report::new("hotstart env: restore a snapshot vs reinstall");
+    let set_file = match args.set {
+        Set::Full => "requirements-full.txt",
+        Set::Small => "requirements-small.txt",
+    };
+    let base = std::fs::read_to_string(setup.root.join("benches/env").join(set_file))?;
+    let sdist = std::fs::read_to_string(setup.root.join("benches/env/sdist.txt"))?;
+    let mut locks = vec![("wheels", base.clone())];
+    if !args.no_sdist {
+        locks.push(("wheels + sdist", format!("{base}{sdist}")));
+    }
+    for (label, lock) in locks {
+        eprintln!("== {label} ==");
+        let m = runtime.block_on(measure(args, &setup, weed.as_ref(), &lock))?;
+        let size = format!("{} MB, {} files", m.bytes / 1_000_000, m.files);
+        let with_sdist = label != "wheels";
+        for (store, cold, warm) in &m.restores {
+            let what = format!("restore ({label}; {size}), {store}, cold cache");
+            table.add(Row::time(&what, *cold, "pip install", m.pip, Some(5.0)));
+            let uv_target = if with_sdist { 10.0 } else { 1.0 };
+            table.add(Row::time(
+                &what,
+                *cold,
+                "uv, cold cache",
+                m.uv_cold,
+                Some(uv_target),
+            ));
+            if !with_sdist {
+                table.add(Row::time(&what, *cold, "tar xzf", m.tar, None));
+                table.add(Row::time(&what, *cold, "cp -a (floor)", m.cp, None));
+            }
+            let what = format!("restore ({label}), {store}, warm cache");
+            table.add(Row::time(&what, *warm, "uv, warm cache", m.uv_warm, None));
+        }
+    }
+    table.note(format!(
+        "medians of {} runs; Python {}; every install from a local wheelhouse with --no-index, \
+         no network; page cache warm for every tool",
+        args.runs,
+        setup.python.display()
+    ));
+    table.note(
+        "cold cache: an empty chunk cache (a new node); warm: the chunks are cached, so small \
+         files are hard-linked, as uv does from its warm cache",
+    );
+    table.finish(args.markdown.as_deref())
+}
+
+/// Where replaced venvs and caches go until a group of runs is over. Deleting tens of thousands
+/// of files just before a timed run makes the next file creations slow on some ext4 setups
+/// (without a journal, new inodes skip ones freed in the last minute), which would charge one
+/// tool for another's cleanup; so nothing is deleted inside a group, and between groups the
+/// trash is emptied, synced, and left to settle for `--settle` seconds.
+struct Trash {
+    dir: PathBuf,
+    n: usize,
+    settle: Duration,
+}
+
+impl Trash {
+    fn new(work: &Path, settle: Duration) -> anyhow::Result<Trash> {
+        let dir = work.join("trash");
+        std::fs::create_dir_all(&dir)?;
+        Ok(Trash { dir, n: 0, settle })
+    }
+
+    /// Moves `path` (if it exists) out of the way, instantly.
+    fn retire(&mut self, path: &Path) -> anyhow::Result<()> {
+        self.n += 1;
+        match std::fs::rename(path, self.dir.join(self.n.to_string())) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("retire {}", path.display())),
+        }
+    }
+
+    /// Empties the trash before the next group of timed runs.
+    fn settle(&mut self) -> anyhow::Result<()> {
+        remove(&self.dir)?;
+        std::fs::create_dir_all(&self.dir)?;
+        run_ok(&mut Command::new("sync"))?;
+        std::thread::sleep(self.settle);
+        Ok(())
+    }
+}
+
+async fn measure(
+    args: &EnvArgs,
+    setup: &Setup,
+    weed: Option<&SeaweedFs>,
+    lock_body: &str,
+) -> anyhow::Result<Measured> {
+    let work = tempfile::tempdir_in(&args.dir)?;
+    let mut trash = Trash::new(work.path(), Duration::from_secs(args.settle))?;
+    let lock = work.path().join("requirements.txt");
+    std::fs::write(&lock, lock_body)?;
+    let target = work.path().join("venv");
+    let runs = args.runs;
+    let node = |name: &str| work.path().join(name);
+
+    // pip: the first run is the miss of an `ensure`, which captures and publishes the result.
+    let local = Store::open(&node("store").display().to_string())?;
+    let mut cfg = EnsureConfig::new(
+        vec![lock.clone()],
+        target.clone(),
+        setup.pip(&target, &lock),
+    );
+    cfg.python = setup.python.display().to_string();
+    cfg.cache_dir = node("node-capture");
+    let first = hs_ensure(&local, &cfg).await?;
+    let Action::Installed {
+        install_seconds,
+        capture: published,
+    } = &first.action
+    else {
+        bail!("the first ensure should install, not {:?}", first.action);
+    };
+    let published = published
+        .as_ref()
+        .as_ref()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    eprintln!(
+        "  pip (via ensure's miss): {install_seconds:.2} s; captured in {:.2} s",
+        published.seconds
+    );
+    let mut pip = vec![Duration::from_secs_f64(*install_seconds)];
+    let bytes = du(&target);
+    let files = published.record.files;
+    let pip_cmd = setup.pip(&target, &lock);
+    for _ in 1..runs {
+        trash.retire(&target)?;
+        pip.push(timed(Command::new(&pip_cmd[0]).args(&pip_cmd[1..]))?);
+    }
+    // The venv pip made is the one every store holds; check that a restore of it works.
+    trash.retire(&target)?;
+    let mut check = cfg.clone();
+    check.cache_dir = node("node-restore-check");
+    let restored = hs_ensure(&local, &check).await?;
+    ensure!(
+        matches!(restored.action, Action::Restored(_)),
+        "expected a hit"
+    );
+    let imports = lock_body
+        .lines()
+        .filter_map(|l| l.split("==").next())
+        .map(|n| n.trim())
+        .filter(|n| !n.is_empty() && !n.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join(", ");
+    run_ok(Command::new(target.join("bin/python")).args(["-c", &format!("import {imports}")]))
+        .context("the restored venv imports its packages")?;
+    trash.retire(&check.cache_dir)?;
+
+    let mut stores: Vec<(String, Store)> = Vec::new();
+    if args.stores != Stores::Seaweedfs {
+        stores.push(("local directory store".into(), local.clone()));
+    }
+    if let Some(weed) = weed {
+        let url = weed.fresh_bucket("bench-env");
+        let s3 = Store::open_with(&url, &weed.client_options())?;
+        let spec = cfg.key_spec()?;
+        let inputs = tokio::task::spawn_blocking(move || KeyInputs::gather(&spec)).await??;
+        let env = EnvStore::new(&s3, cfg.chunk_config())?;
+        capture(&env, &inputs.key(), &inputs, &target, Default::default()).await?;
+        stores.push(("SeaweedFS loopback".into(), s3));
+    }
+
+    // tar xzf and the cp -a floor, of the venv pip made.
+    let tgz = node("venv.tgz");
+    run_ok(
+        Command::new("tar")
+            .arg("czf")
+            .arg(&tgz)
+            .arg("-C")
+            .arg(work.path())
+            .arg("venv"),
+    )?;
+    let copy_src = node("venv-src");
+    run_ok(Command::new("cp").arg("-a").arg(&target).arg(&copy_src))?;
+    trash.settle()?;
+    let mut tar = Vec::new();
+    let mut cp = Vec::new();
+    for _ in 0..runs {
+        trash.retire(&target)?;
+        tar.push(timed(
+            Command::new("tar")
+                .arg("xzf")
+                .arg(&tgz)
+                .arg("-C")
+                .arg(work.path()),
+        )?);
+        trash.retire(&target)?;
+        cp.push(timed(
+            Command::new("cp").arg("-a").arg(&copy_src).arg(&target),
+        )?);
+    }
+    trash.retire(&copy_src)?;
+    std::fs::remove_file(&tgz)?;
+
+    // uv, cold and warm.
+    trash.settle()?;
+    let mut uv_cold = Vec::new();
+    for i in 0..runs {
+        trash.retire(&target)?;
+        let cache = node(&format!("uv-cold-{i}"));
+        uv_cold.push(timed(&mut setup.uv(&target, &lock, &cache))?);
+        trash.retire(&cache)?;
+    }
+    let warm_cache = node("uv-warm");
+    trash.retire(&target)?;
+    run_ok(&mut setup.uv(&target, &lock, &warm_cache))?;
+    trash.settle()?;
+    let mut uv_warm = Vec::new();
+    for _ in 0..runs {
+        trash.retire(&target)?;
+        uv_warm.push(timed(&mut setup.uv(&target, &lock, &warm_cache))?);
+    }
+    trash.retire(&warm_cache)?;
+
+    // hotstart: restores into the same path, with an empty and with a warm chunk cache.
+    let mut restores = Vec::new();
+    for (name, store) in &stores {
+        trash.settle()?;
+        let mut cold = Vec::new();
+        for i in 0..runs {
+            let mut c = cfg.clone();
+            c.cache_dir = node(&format!("hs-cold-{i}"));
+            trash.retire(&target)?;
+            cold.push(restore_once(store, &c).await?);
+            trash.retire(&c.cache_dir)?;
+        }
+        let mut warm = cfg.clone();
+        warm.cache_dir = node("hs-warm");
+        trash.retire(&target)?;
+        restore_once(store, &warm).await?;
+        trash.settle()?;
+        let mut warm_runs = Vec::new();
+        for _ in 0..runs {
+            trash.retire(&target)?;
+            warm_runs.push(restore_once(store, &warm).await?);
+        }
+        trash.retire(&warm.cache_dir)?;
+        restores.push((name.clone(), median(cold), median(warm_runs)));
+    }
+    trash.retire(&target)?;
+    trash.settle()?;
+    Ok(Measured {
+        pip: median(pip),
+        uv_cold: median(uv_cold),
+        uv_warm: median(uv_warm),
+        tar: median(tar),
+        cp: median(cp),
+        restores,
+        bytes,
+        files,
+    })
+}
+
+/// One `ensure` that must be a hit; its wall time.
+async fn restore_once(store: &Store, cfg: &EnsureConfig) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    let out = hs_ensure(store, cfg).await?;
+    let took = t.elapsed();
+    let Action::Restored(r) = &out.action else {
+        bail!("expected a restore, got {:?}", out.action);
+    };
+    eprintln!(
+        "    restored {} files in {:.2} s ({} linked, {} chunks fetched)",
+        r.files,
+        took.as_secs_f64(),
+        r.linked,
+        r.fetched_chunks
+    );
+    Ok(took)
+}

@@ -1,0 +1,327 @@
+//! Publishing, deduplication and gc of snapshots, run against every backend: a local directory
+//! and S3 on a real SeaweedFS server (and memory, the quickest).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hotstart_snapshot::gc::{GcOptions, gc, list};
+use hotstart_snapshot::store_lock::{LockKind, LockTiming, StoreLock};
+use hotstart_snapshot::{
+    EnvStore, Error, Key, KeyInputs, Platform, PythonInfo, RestoreOptions, capture, restore,
+};
+use hotstart_store::object_store::prefix::PrefixStore;
+use hotstart_store::wrap::{Counter, Faults, Interceptor, Op};
+use hotstart_store::{ChunkStoreConfig, Store};
+use hotstart_testkit::{SeaweedFs, pattern};
+
+fn inputs(tag: &str, target: &Path) -> KeyInputs {
+    KeyInputs {
+        locks: vec![hotstart_snapshot::key::LockInput {
+            name: "requirements.txt".into(),
+            bytes: tag.len() as u64,
+            blake3: blake3_hex(tag.as_bytes()),
+        }],
+        python: PythonInfo {
+            implementation: "cpython".into(),
+            version: "3.11.7".into(),
+            soabi: "cpython-311-x86_64-linux-gnu".into(),
+            abiflags: String::new(),
+            base_prefix: "/usr".into(),
+        },
+        platform: Platform::current(),
+        command: vec!["install".into()],
+        target: Some(target.display().to_string()),
+    }
+}
+
+fn blake3_hex(data: &[u8]) -> String {
+    hotstart_store::ChunkId::of(data).to_hex()
+}
+
+/// An installed-looking directory: `shared` is the same in every call, `unique` is not.
+fn env_dir(root: &Path, seed: u64) {
+    std::fs::create_dir_all(root.join("lib/pkg")).unwrap();
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::write(root.join("lib/pkg/shared.so"), pattern(3 << 20, 1)).unwrap();
+    std::fs::write(root.join("lib/pkg/unique.py"), pattern(10_000, 100 + seed)).unwrap();
+    std::fs::write(
+        root.join("bin/tool"),
+        format!("#!{}/bin/python\nimport pkg\n", root.display()),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("python3", root.join("bin/python")).unwrap();
+}
+
+fn env_store(store: &Store) -> EnvStore {
+    EnvStore::new(store, ChunkStoreConfig::default()).unwrap()
+}
+
+fn quick_locks() -> LockTiming {
+    LockTiming {
+        stale_after: Duration::from_secs(3600),
+        capture_wait: Duration::from_millis(200),
+        poll: Duration::from_millis(50),
+    }
+}
+
+async fn keys_under(store: &Store, prefix: &str) -> Vec<String> {
+    store
+        .list(prefix)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect()
+}
+
+/// A capture cut short at any request leaves no record, so nothing can restore it; the next
+/// capture publishes it whole.
+async fn a_capture_cut_short_is_never_used(store: Store) {
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("venv");
+    env_dir(&dir, 0);
+    let inputs = inputs("cut", &dir);
+    let key = inputs.key();
+
+    // How many PUTs a whole capture makes, on a store of its own.
+    let counter = Arc::new(Counter::default());
+    let counted = Store::open("memory://")
+        .unwrap()
+        .wrap(|inner| counter.clone().wrap(inner));
+    capture(&env_store(&counted), &key, &inputs, &dir, quick_locks())
+        .await
+        .unwrap();
+    let puts = counter.get(Op::Put).requests;
+    assert!(puts >= 6, "lock, chunks, tree, record: {puts}");
+
+    // Cut after the lock, in the middle of the chunks, at the tree, and at the record itself;
+    // each on an empty part of the store, so every attempt makes the same requests.
+    let mut env = None;
+    for cut in [2, puts / 2, puts - 1, puts] {
+        let faults = Arc::new(Faults::default());
+        let faulty = store.wrap(|inner| {
+            let part = Arc::new(PrefixStore::new(inner, format!("cut-{cut}")));
+            faults.clone().wrap(part)
+        });
+        let e = env_store(&faulty);
+        faults.fail_nth(Op::Put, cut);
+        let err = capture(&e, &key, &inputs, &dir, quick_locks())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Store(_)), "cut at put {cut}: {err}");
+        assert!(
+            e.record(&key).await.unwrap().is_none(),
+            "cut at put {cut}: a record exists"
+        );
+        assert!(keys_under(e.root(), "locks").await.is_empty());
+        faults.heal();
+        let done = capture(&e, &key, &inputs, &dir, quick_locks())
+            .await
+            .unwrap();
+        assert!(done.won, "cut at put {cut}: the retry publishes");
+        env = Some(e);
+    }
+    let env = env.unwrap();
+    let record = env.record(&key).await.unwrap().expect("committed");
+    let out = work.path().join("restored");
+    restore(&env, &record, &out, false, &RestoreOptions::default())
+        .await
+        .unwrap();
+    // Restored elsewhere, the script that named the capture path names the new one.
+    assert_eq!(
+        std::fs::read_to_string(out.join("bin/tool")).unwrap(),
+        format!("#!{}/bin/python\nimport pkg\n", out.display())
+    );
+    for rel in ["lib/pkg/shared.so", "lib/pkg/unique.py"] {
+        assert_eq!(
+            std::fs::read(dir.join(rel)).unwrap(),
+            std::fs::read(out.join(rel)).unwrap(),
+            "{rel}"
+        );
+    }
+}
+
+/// A second snapshot sharing most bytes with the first uploads only what is new.
+async fn snapshots_share_chunks(store: Store) {
+    let work = tempfile::tempdir().unwrap();
+    let env = env_store(&store);
+    let (a, b) = (work.path().join("a"), work.path().join("b"));
+    env_dir(&a, 1);
+    env_dir(&b, 2);
+    let first = capture(
+        &env,
+        &inputs("a", &a).key(),
+        &inputs("a", &a),
+        &a,
+        quick_locks(),
+    )
+    .await
+    .unwrap();
+    assert!(first.won);
+
+    let second = capture(
+        &env,
+        &inputs("b", &b).key(),
+        &inputs("b", &b),
+        &b,
+        quick_locks(),
+    )
+    .await
+    .unwrap();
+    // shared.so (3 chunks) is reused; unique.py and bin/tool are new.
+    assert_eq!(second.deduplicated_chunks, 3, "{second:?}");
+    assert_eq!(second.uploaded_chunks, 2, "{second:?}");
+    // The record lists the files that name the capture path, for relocation.
+    let refs: Vec<&str> = second
+        .record
+        .path_refs
+        .iter()
+        .map(|r| r.path.as_str())
+        .collect();
+    assert_eq!(refs, ["bin/tool"]);
+    let listing = list(&env).await.unwrap();
+    assert_eq!(listing.snapshots.len(), 2);
+    assert!(listing.unreadable.is_empty());
+}
+
+/// gc deletes chosen snapshots, orphaned trees and chunks nothing uses, and nothing else.
+async fn gc_keeps_what_snapshots_use(store: Store) {
+    let work = tempfile::tempdir().unwrap();
+    let env = env_store(&store);
+    let (a, b) = (work.path().join("a"), work.path().join("b"));
+    env_dir(&a, 1);
+    env_dir(&b, 2);
+    let (ka, kb) = (inputs("a", &a).key(), inputs("b", &b).key());
+    capture(&env, &ka, &inputs("a", &a), &a, quick_locks())
+        .await
+        .unwrap();
+    let rb = capture(&env, &kb, &inputs("b", &b), &b, quick_locks())
+        .await
+        .unwrap()
+        .record;
+    // An orphaned tree, as a capture that died before committing leaves it.
+    let orphan = format!("snapshots/{}/tree-0123456789abcdef", Key([9; 32]));
+    env.root()
+        .put(&orphan, bytes::Bytes::from_static(b"HSTREE"))
+        .await
+        .unwrap();
+    let chunks_before = keys_under(env.root(), "chunks").await.len();
+    let unique_a = hotstart_store::ChunkId::of(&pattern(10_000, 101)).key();
+    assert!(
+        env.chunks()
+            .contains(&hotstart_store::ChunkId::of(&pattern(10_000, 101)))
+            .await
+            .unwrap()
+    );
+
+    // Nothing is collected while a capture holds its lock.
+    let capturing = StoreLock::acquire(env.root(), LockKind::Capture, quick_locks())
+        .await
+        .unwrap();
+    let opts = GcOptions {
+        keys: vec![ka],
+        grace: Duration::ZERO,
+        lock_timing: quick_locks(),
+        ..Default::default()
+    };
+    let err = gc(&env, &opts).await.unwrap_err();
+    assert!(matches!(err, Error::Locked { .. }), "{err}");
+    capturing.release().await;
+
+    // A dry run reports and deletes nothing.
+    let dry = gc(
+        &env,
+        &GcOptions {
+            dry_run: true,
+            ..opts.clone()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(dry.snapshots, vec![ka.to_hex()]);
+    assert_eq!(keys_under(env.root(), "chunks").await.len(), chunks_before);
+    assert!(env.record(&ka).await.unwrap().is_some());
+
+    let report = gc(&env, &opts).await.unwrap();
+    assert_eq!(report.snapshots, vec![ka.to_hex()]);
+    assert_eq!(report.kept, 1);
+    assert_eq!(report.trees, 2, "a's tree and the orphan");
+    // a's unique.py and its bin/tool (which names a's path) are gone; shared.so stays.
+    assert_eq!(report.chunks, 2, "{report:?}");
+    assert!(env.record(&ka).await.unwrap().is_none());
+    let chunks_left = keys_under(env.root(), "chunks").await;
+    assert_eq!(chunks_left.len(), chunks_before - 2);
+    assert!(!chunks_left.contains(&unique_a));
+    assert!(!keys_under(env.root(), "snapshots").await.contains(&orphan));
+
+    // b still restores whole.
+    let out = work.path().join("b-again");
+    restore(&env, &rb, &out, false, &RestoreOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(b.join("lib/pkg/shared.so")).unwrap(),
+        std::fs::read(out.join("lib/pkg/shared.so")).unwrap()
+    );
+
+    // With the default grace period, fresh unreferenced objects are kept.
+    env.root()
+        .put(&orphan, bytes::Bytes::from_static(b"HSTREE"))
+        .await
+        .unwrap();
+    let report = gc(
+        &env,
+        &GcOptions {
+            lock_timing: quick_locks(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!((report.trees, report.chunks), (0, 0), "{report:?}");
+}
+
+macro_rules! backends {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(hotstart_store::Store::open("memory://").unwrap()).await;
+                }
+            )*
+        }
+        mod local_dir {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let dir = tempfile::tempdir().unwrap();
+                    let url = format!("file://{}", dir.path().display());
+                    super::$name(hotstart_store::Store::open(&url).unwrap()).await;
+                }
+            )*
+        }
+        mod s3_seaweedfs {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let Some(weed) = super::SeaweedFs::shared() else { return };
+                    let bucket = weed.fresh_bucket(&stringify!($name).replace('_', "-"));
+                    let store = hotstart_store::Store::open_with(
+                        &format!("{bucket}/envs-test"),
+                        &weed.client_options(),
+                    )
+                    .unwrap();
+                    super::$name(store).await;
+                }
+            )*
+        }
+    };
+}
+
+backends!(
+    a_capture_cut_short_is_never_used,
+    snapshots_share_chunks,
+    gc_keeps_what_snapshots_use,
+);

@@ -1,0 +1,315 @@
+//! `hotstart env ...`: dependency snapshots (key, ensure, ls, gc).
+
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use hotstart_snapshot::gc::{GcOptions, gc, list};
+use hotstart_snapshot::{
+    EnsureConfig, EnvStore, Key, KeyInputs, KeySpec, RestoreOptions, default_cache_dir, ensure,
+};
+use hotstart_store::{ChunkStoreConfig, Store};
+use humansize::{BINARY, format_size};
+
+#[derive(Debug, Subcommand)]
+pub enum EnvCommand {
+    /// Print the snapshot key of an environment: blake3 over the lock files' bytes, the
+    /// interpreter's version and ABI, the platform (arch, libc), the install command and the
+    /// target path.
+    ///
+    /// Example:
+    ///   hotstart env key --lock requirements.txt --target /opt/venv -- \
+    ///       sh -c 'python3 -m venv /opt/venv && /opt/venv/bin/pip install -r requirements.txt'
+    ///
+    /// Same inputs give the same key on any machine; any change gives another key. Without
+    /// --target (or with --relocatable) the target is left out: the key of a relocatable
+    /// snapshot.
+    #[command(verbatim_doc_comment)]
+    Key(KeyArgs),
+    /// Make DIR hold the environment: restore its snapshot on a hit; on a miss run the install
+    /// command, then capture DIR and publish it for every later ensure on any node.
+    ///
+    /// Example:
+    ///   hotstart env ensure --store s3://bucket/envs --lock requirements.txt --target /opt/venv -- \
+    ///       sh -c 'python3 -m venv /opt/venv && /opt/venv/bin/pip install -r requirements.txt'
+    ///
+    /// Prints what happened (already present, restored, or installed and published) and how long
+    /// it took. A restore goes into a temporary directory renamed into place, so DIR is never half
+    /// written. Concurrent ensures of one key on a node do the work once; across nodes the first
+    /// complete snapshot is published. A failing install command publishes nothing, removes what
+    /// it left in DIR, and hotstart exits with its exit code. DIR must be absent or made by an
+    /// earlier ensure on this node (which is replaced when the inputs changed).
+    #[command(verbatim_doc_comment)]
+    Ensure(EnsureArgs),
+    /// List the snapshots in a store: key, age, size, interpreter, target and install command.
+    Ls(LsArgs),
+    /// Delete snapshots (by key or age), orphaned trees and chunks no snapshot uses.
+    ///
+    /// Examples:
+    ///   hotstart env gc --store s3://bucket/envs                     # only orphans
+    ///   hotstart env gc --store s3://bucket/envs --older-than 30d
+    ///   hotstart env gc --store s3://bucket/envs --key 3f2a... --dry-run
+    ///
+    /// Refuses to run (and says who holds it) while a capture is publishing to the store.
+    #[command(verbatim_doc_comment)]
+    Gc(GcArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct KeySpecArgs {
+    /// A lock or requirements file whose bytes enter the key (repeat for several; order counts).
+    #[arg(long = "lock", value_name = "FILE", required = true)]
+    locks: Vec<PathBuf>,
+    /// The interpreter the environment is for; its version, ABI and installation path enter the
+    /// key.
+    #[arg(long, default_value = "python3", env = "HOTSTART_ENV_PYTHON")]
+    python: String,
+    /// Leave the target path out of the key; a restore at another path rewrites pyvenv.cfg, the
+    /// scripts' shebangs and other text files that name the old path.
+    #[arg(long)]
+    relocatable: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct KeyArgs {
+    #[command(flatten)]
+    spec: KeySpecArgs,
+    /// The directory the environment is installed into.
+    #[arg(long, value_name = "DIR")]
+    target: Option<PathBuf>,
+    /// Also print every input of the key, as JSON.
+    #[arg(long)]
+    explain: bool,
+    /// The install command (after `--`).
+    #[arg(last = true, value_name = "INSTALL COMMAND")]
+    command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct StoreArg {
+    /// Where snapshots live (a directory, file://, s3://bucket/prefix); they go under `envs/`.
+    #[arg(long, env = "HOTSTART_ENV_STORE", value_name = "URL")]
+    store: String,
+}
+
+#[derive(Debug, Args)]
+pub struct EnsureArgs {
+    #[command(flatten)]
+    store: StoreArg,
+    #[command(flatten)]
+    spec: KeySpecArgs,
+    /// The directory that must hold the environment.
+    #[arg(long, value_name = "DIR")]
+    target: PathBuf,
+    /// Node-local cache of chunks, locks and target state.
+    #[arg(long, env = "HOTSTART_CACHE_DIR", value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Bytes the chunk cache may hold.
+    #[arg(long, default_value_t = 8 << 30, value_name = "BYTES")]
+    cache_size: u64,
+    /// Write every restored file instead of hard-linking small ones from the chunk cache.
+    #[arg(long)]
+    no_hardlinks: bool,
+    /// Files restored at once.
+    #[arg(long, default_value_t = 64)]
+    files_in_flight: usize,
+    /// Chunks fetched or uploaded at once.
+    #[arg(long, default_value_t = 32)]
+    chunks_in_flight: usize,
+    /// Print the outcome as one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// The install command (after `--`), run on a miss. It sees HOTSTART_ENV_TARGET and
+    /// HOTSTART_ENV_KEY.
+    #[arg(last = true, required = true, value_name = "INSTALL COMMAND")]
+    command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    #[command(flatten)]
+    store: StoreArg,
+    /// One JSON record per line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    #[command(flatten)]
+    store: StoreArg,
+    /// Delete snapshots created longer ago than this (e.g. 30d, 12h).
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    older_than: Option<Duration>,
+    /// Delete this snapshot (repeatable; a full 64-hex key).
+    #[arg(long = "key", value_name = "KEY")]
+    keys: Vec<String>,
+    /// Keep unreferenced trees and chunks younger than this.
+    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    grace: Duration,
+    /// Say what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl KeySpecArgs {
+    fn spec(&self, target: Option<PathBuf>, command: Vec<String>) -> KeySpec {
+        KeySpec {
+            locks: self.locks.clone(),
+            python: self.python.clone(),
+            command,
+            target: if self.relocatable { None } else { target },
+        }
+    }
+}
+
+impl StoreArg {
+    fn env(&self, chunks: ChunkStoreConfig) -> anyhow::Result<EnvStore> {
+        let store = Store::open(&self.store)?;
+        Ok(EnvStore::new(&store, chunks)?)
+    }
+}
+
+/// The exit code `hotstart` leaves with for `err`, when it is not the usual failure.
+pub fn exit_code(err: &anyhow::Error) -> Option<u8> {
+    err.downcast_ref::<hotstart_snapshot::Error>()?
+        .install_exit_code()
+        .map(|c| c.clamp(1, 255) as u8)
+}
+
+pub async fn run(cmd: EnvCommand) -> anyhow::Result<()> {
+    match cmd {
+        EnvCommand::Key(args) => key(args).await,
+        EnvCommand::Ensure(args) => ensure_cmd(args).await,
+        EnvCommand::Ls(args) => ls(args).await,
+        EnvCommand::Gc(args) => gc_cmd(args).await,
+    }
+}
+
+async fn key(args: KeyArgs) -> anyhow::Result<()> {
+    let spec = args.spec.spec(args.target, args.command);
+    let inputs = tokio::task::spawn_blocking(move || KeyInputs::gather(&spec)).await??;
+    println!("{}", inputs.key());
+    if args.explain {
+        println!("{}", serde_json::to_string_pretty(&inputs)?);
+    }
+    Ok(())
+}
+
+fn size(bytes: u64) -> String {
+    format_size(bytes, BINARY)
+}
+
+async fn ensure_cmd(args: EnsureArgs) -> anyhow::Result<()> {
+    let store = Store::open(&args.store.store)?;
+    let mut cfg = EnsureConfig::new(args.spec.locks, args.target, args.command);
+    cfg.python = args.spec.python;
+    cfg.relocatable = args.spec.relocatable;
+    cfg.cache_dir = args.cache_dir.unwrap_or_else(default_cache_dir);
+    cfg.cache_capacity = args.cache_size;
+    cfg.store_concurrency = args.chunks_in_flight;
+    cfg.restore = RestoreOptions {
+        concurrency: args.files_in_flight,
+        link_from_cache: !args.no_hardlinks,
+    };
+    // Errors (a failing install command included) propagate as the library's own error, so the
+    // caller can turn an install failure into its exit code.
+    let outcome = ensure(&store, &cfg).await?;
+    if args.json {
+        println!("{}", outcome.to_json());
+    }
+    eprintln!("hotstart env: {outcome}");
+    Ok(())
+}
+
+fn age(created_unix: u64) -> String {
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let secs = now.saturating_sub(created_unix);
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+async fn ls(args: LsArgs) -> anyhow::Result<()> {
+    let env = args.store.env(ChunkStoreConfig::default())?;
+    let listing = list(&env).await?;
+    if args.json {
+        for rec in &listing.snapshots {
+            println!("{}", serde_json::to_string(rec)?);
+        }
+    } else {
+        println!(
+            "{:<16}  {:>5}  {:>7}  {:>10}  {:<8}  {:<30}  COMMAND",
+            "KEY", "AGE", "FILES", "SIZE", "PYTHON", "TARGET"
+        );
+        for rec in &listing.snapshots {
+            println!(
+                "{:<16}  {:>5}  {:>7}  {:>10}  {:<8}  {:<30}  {}",
+                &rec.key[..16],
+                age(rec.created_unix),
+                rec.files,
+                size(rec.bytes),
+                rec.inputs.python.version,
+                rec.inputs.target.as_deref().unwrap_or("(relocatable)"),
+                rec.inputs.command.join(" ")
+            );
+        }
+    }
+    let logical: u64 = listing.snapshots.iter().map(|r| r.bytes).sum();
+    eprintln!(
+        "{} snapshots, {} of files, stored as {} chunks ({})",
+        listing.snapshots.len(),
+        size(logical),
+        listing.chunks,
+        size(listing.chunk_bytes)
+    );
+    for (key, why) in &listing.unreadable {
+        eprintln!("unreadable: {key}: {why}");
+    }
+    Ok(())
+}
+
+async fn gc_cmd(args: GcArgs) -> anyhow::Result<()> {
+    let env = args.store.env(ChunkStoreConfig::default())?;
+    let keys = args
+        .keys
+        .iter()
+        .map(|k| k.parse::<Key>())
+        .collect::<Result<Vec<_>, _>>()
+        .context("--key")?;
+    let opts = GcOptions {
+        older_than: args.older_than,
+        keys,
+        grace: args.grace,
+        dry_run: args.dry_run,
+        ..Default::default()
+    };
+    let report = gc(&env, &opts).await?;
+    let verb = if args.dry_run {
+        "would delete"
+    } else {
+        "deleted"
+    };
+    for key in &report.snapshots {
+        println!("{verb} snapshot {key}");
+    }
+    println!(
+        "{verb} {} snapshots, {} trees, {} chunks ({}); kept {} snapshots",
+        report.snapshots.len(),
+        report.trees,
+        report.chunks,
+        size(report.chunk_bytes),
+        report.kept
+    );
+    for key in &report.broken {
+        eprintln!("warning: snapshot {key} names a missing tree; delete it with --key {key}");
+    }
+    Ok(())
+}

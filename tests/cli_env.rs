@@ -1,0 +1,1118 @@
+//! End-to-end: `hotstart env` with real pip, real venvs and real stores (a local directory and
+//! SeaweedFS).
+//!
+//! The venvs are built from a small wheelhouse (numpy and a few pure-Python packages) that
+//! `scripts/wheelhouse.sh` downloads once into `.cache/wheelhouse/test`; installs use
+//! `--no-index`, so the tests need no network after that.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use hotstart_store::{ChunkId, Store};
+use hotstart_testkit::{SeaweedFs, workspace_root};
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    workspace_root().expect("workspace root")
+}
+
+/// The interpreter every test venv is made from: the project's `.venv` (made by setup.sh).
+fn python() -> PathBuf {
+    let py = root().join(".venv/bin/python");
+    assert!(
+        py.exists(),
+        "{} is missing; run scripts/setup.sh",
+        py.display()
+    );
+    py
+}
+
+/// The test wheelhouse, downloaded once (later runs need no network).
+fn wheelhouse() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = root();
+        let status = Command::new("bash")
+            .arg(root.join("scripts/wheelhouse.sh"))
+            .arg("test")
+            .arg(root.join("scripts/wheelhouse-test.txt"))
+            .status()
+            .expect("run scripts/wheelhouse.sh");
+        assert!(status.success(), "scripts/wheelhouse.sh failed");
+        root.join(".cache/wheelhouse/test")
+    })
+}
+
+/// One store and one node's cache, in a fresh temporary directory.
+struct Fixture {
+    work: tempfile::TempDir,
+    store: String,
+    aws: Vec<(String, String)>,
+    /// Client options of the store (SeaweedFS's endpoint), for reading and damaging it directly.
+    client: Vec<(String, String)>,
+    cache: PathBuf,
+}
+
+impl Fixture {
+    fn local() -> Fixture {
+        let work = tempfile::tempdir().unwrap();
+        let store = work.path().join("store").display().to_string();
+        let cache = work.path().join("node-a");
+        Fixture {
+            work,
+            store,
+            aws: Vec::new(),
+            client: Vec::new(),
+            cache,
+        }
+    }
+
+    fn seaweedfs(name: &str) -> Option<Fixture> {
+        let weed = SeaweedFs::shared()?;
+        let mut f = Fixture::local();
+        f.store = format!("{}/snapshots", weed.fresh_bucket(name));
+        f.aws = weed.env();
+        f.client = weed.client_options();
+        Some(f)
+    }
+
+    /// The store the snapshots go to, opened directly.
+    fn open_store(&self) -> Store {
+        Store::open_with(&self.store, &self.client).unwrap()
+    }
+
+    /// Every object in the store.
+    fn stored_objects(&self) -> Vec<String> {
+        let store = self.open_store();
+        block_on(store.list(""))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|o| o.key)
+            .collect()
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.work.path().join(rel)
+    }
+
+    fn hotstart(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_hotstart"));
+        c.envs(self.aws.iter().map(|(k, v)| (k, v)))
+            .env("HOTSTART_CACHE_DIR", &self.cache)
+            .env("HOTSTART_ENV_PYTHON", python());
+        c
+    }
+
+    /// `hotstart env ensure --json` with these arguments before `--` and `install` after it.
+    fn ensure_cmd(&self, target: &Path, lock: &Path, extra: &[&str], install: &[&str]) -> Command {
+        let mut c = self.hotstart();
+        c.args(["env", "ensure", "--json", "--store", &self.store, "--lock"])
+            .arg(lock)
+            .arg("--target")
+            .arg(target)
+            .args(extra)
+            .arg("--")
+            .args(install);
+        c
+    }
+
+    /// Runs ensure, asserts success, returns its JSON outcome.
+    fn ensure(&self, target: &Path, lock: &Path, extra: &[&str], install: &[&str]) -> Value {
+        let out = self
+            .ensure_cmd(target, lock, extra, install)
+            .output()
+            .unwrap();
+        outcome(&out)
+    }
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+fn outcome(out: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "ensure failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON outcome in:\n{stdout}\n{stderr}"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// A requirements file in `dir`.
+fn lock_file(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, body).unwrap();
+    p
+}
+
+/// The install command of a venv with the packages of `lock` from the wheelhouse. It names the
+/// target only through $HOTSTART_ENV_TARGET, so it is the same command for every target.
+fn venv_install(lock: &Path) -> Vec<String> {
+    let script = format!(
+        "'{py}' -m venv --without-pip \"$HOTSTART_ENV_TARGET\" && \
+         '{py}' -m pip --disable-pip-version-check --python \"$HOTSTART_ENV_TARGET/bin/python\" \
+         install -q --no-index --find-links '{wh}' -r '{lock}'",
+        py = python().display(),
+        wh = wheelhouse().display(),
+        lock = lock.display()
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Node {
+    Dir {
+        mode: u32,
+        mtime: (i64, i64),
+    },
+    File {
+        mode: u32,
+        mtime: (i64, i64),
+        hash: ChunkId,
+        /// The bytes, kept only for files that name the path being compared away.
+        bytes: Option<Vec<u8>>,
+    },
+    Symlink {
+        target: String,
+        mtime: (i64, i64),
+    },
+}
+
+/// Every entry under `root`: kind, mode, mtime, content hash, symlink target. Files that contain
+/// `needle` keep their bytes.
+fn listing(root: &Path, needle: &str) -> BTreeMap<String, Node> {
+    fn go(root: &Path, dir: &Path, needle: &[u8], out: &mut BTreeMap<String, Node>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            let mtime = (m.mtime(), m.mtime_nsec());
+            let node = if m.file_type().is_symlink() {
+                let target = std::fs::read_link(&p).unwrap();
+                Node::Symlink {
+                    target: target.to_string_lossy().into_owned(),
+                    mtime,
+                }
+            } else if m.is_dir() {
+                go(root, &p, needle, out);
+                Node::Dir {
+                    mode: m.mode() & 0o7777,
+                    mtime,
+                }
+            } else {
+                let data = std::fs::read(&p).unwrap();
+                let names = data.windows(needle.len()).any(|w| w == needle);
+                Node::File {
+                    mode: m.mode() & 0o7777,
+                    mtime,
+                    hash: ChunkId::of(&data),
+                    bytes: names.then_some(data),
+                }
+            };
+            out.insert(rel, node);
+        }
+    }
+    let mut out = BTreeMap::new();
+    go(root, root, needle.as_bytes(), &mut out);
+    out
+}
+
+fn assert_same_entries(a: &BTreeMap<String, Node>, b: &BTreeMap<String, Node>) {
+    let ka: Vec<_> = a.keys().collect();
+    let kb: Vec<_> = b.keys().collect();
+    assert_eq!(ka, kb, "entry lists differ");
+}
+
+/// Asserts `restored` equals `original` entry for entry (bytes, modes, mtimes, symlinks).
+fn assert_identical(original: &BTreeMap<String, Node>, restored: &BTreeMap<String, Node>) {
+    assert_same_entries(original, restored);
+    for (k, v) in original {
+        let mut w = restored[k].clone();
+        if let (Node::File { bytes: b1, .. }, Node::File { bytes: b2, .. }) = (v, &mut w) {
+            *b2 = b1.clone(); // both hashed; the kept bytes are only for relocation checks
+        }
+        assert!(v == &w, "{k} differs:\n  {v:?}\n  {w:?}");
+    }
+}
+
+/// Runs `python -c code` from a venv and returns its stdout.
+fn run_python(venv: &Path, code: &str) -> String {
+    let out = Command::new(venv.join("bin/python"))
+        .args(["-c", code])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}/bin/python -c {code:?}: {}",
+        venv.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+const IMPORT_NUMPY: &str = "import sys, numpy, tqdm; print(sys.prefix); print(numpy.__file__); print(numpy.arange(10).sum())";
+
+/// Capture a numpy venv, delete it, restore it at the same path and at another path.
+fn a_numpy_venv_round_trips_at_the_same_and_another_path(f: &Fixture) {
+    let lock = lock_file(
+        f.work.path(),
+        "requirements.txt",
+        &std::fs::read_to_string(root().join("scripts/wheelhouse-test.txt")).unwrap(),
+    );
+    let install = venv_install(&lock);
+    let a = f.path("jobs/a/venv");
+    let a_str = a.display().to_string();
+    let reloc = ["--relocatable"];
+
+    let first = f.ensure(&a, &lock, &reloc, &strs(&install));
+    assert_eq!(first["action"], "installed", "{first}");
+    assert_eq!(first["published"], true, "{first}");
+    let key = first["key"].as_str().unwrap().to_string();
+    let original = listing(&a, &a_str);
+    assert!(
+        original.len() > 1000,
+        "a real numpy venv: {}",
+        original.len()
+    );
+
+    // Same path: identical, and numpy works.
+    std::fs::remove_dir_all(&a).unwrap();
+    let restored = f.ensure(&a, &lock, &reloc, &strs(&install));
+    assert_eq!(restored["action"], "restored", "{restored}");
+    assert_eq!(restored["key"], key.as_str());
+    assert!(restored.get("relocated").is_none(), "{restored}");
+    assert!(
+        restored["linked"].as_u64().unwrap() > 100,
+        "small files are hard-linked from the chunk cache: {restored}"
+    );
+    assert_identical(&original, &listing(&a, &a_str));
+    let out = run_python(&a, IMPORT_NUMPY);
+    assert!(out.starts_with(&format!("{a_str}\n{a_str}/lib/")), "{out}");
+    assert!(out.ends_with("\n45"), "{out}");
+
+    // Again: nothing to do.
+    let again = f.ensure(&a, &lock, &reloc, &strs(&install));
+    assert_eq!(again["action"], "present", "{again}");
+
+    // Another path: relocated.
+    let b = f.path("elsewhere/b/venv");
+    let b_str = b.display().to_string();
+    let moved = f.ensure(&b, &lock, &reloc, &strs(&install));
+    assert_eq!(moved["action"], "restored", "{moved}");
+    let rewritten: Vec<String> =
+        serde_json::from_value(moved["relocated"]["rewritten"].clone()).unwrap();
+    for must in ["pyvenv.cfg", "bin/activate", "bin/tqdm", "bin/f2py"] {
+        assert!(
+            rewritten.iter().any(|r| r == must),
+            "{must} not rewritten: {rewritten:?}"
+        );
+    }
+    let relocated = listing(&b, &a_str);
+    assert_same_entries(&original, &relocated);
+    for (k, v) in &original {
+        let got = &relocated[k];
+        if rewritten.contains(k) {
+            let (
+                Node::File {
+                    mode: m1,
+                    mtime: t1,
+                    bytes: Some(old),
+                    ..
+                },
+                Node::File {
+                    mode: m2,
+                    mtime: t2,
+                    hash,
+                    ..
+                },
+            ) = (v, got)
+            else {
+                panic!("{k}: rewritten but {v:?} / {got:?}");
+            };
+            let want = String::from_utf8(old.clone())
+                .unwrap()
+                .replace(&a_str, &b_str);
+            assert_eq!(*hash, ChunkId::of(want.as_bytes()), "{k}: content");
+            assert_eq!((m1, t1), (m2, t2), "{k}: mode and mtime kept");
+        } else {
+            let mut w = got.clone();
+            if let (Node::File { bytes: b1, .. }, Node::File { bytes: b2, .. }) = (v, &mut w) {
+                *b2 = b1.clone();
+            }
+            assert!(v == &w, "{k} differs:\n  {v:?}\n  {w:?}");
+        }
+    }
+    // No text file at the new place names the old one any more.
+    for (k, v) in &relocated {
+        if let Node::File {
+            bytes: Some(data), ..
+        } = v
+        {
+            assert!(
+                data.contains(&0) || k.ends_with(".pyc"),
+                "{k} still names {a_str}"
+            );
+        }
+    }
+    let out = run_python(&b, IMPORT_NUMPY);
+    assert!(out.starts_with(&format!("{b_str}\n{b_str}/lib/")), "{out}");
+    // A console script runs through its rewritten shebang.
+    let tqdm = Command::new(b.join("bin/tqdm"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(tqdm.status.success(), "{tqdm:?}");
+    assert_eq!(String::from_utf8_lossy(&tqdm.stdout).trim(), "4.70.1");
+    // The environment at `a` was left as it was.
+    assert_identical(&original, &listing(&a, &a_str));
+}
+
+/// The smallest real environment: a venv without pip, plus `six` from the wheelhouse.
+fn small_venv(f: &Fixture) -> (PathBuf, Vec<String>) {
+    let lock = lock_file(f.work.path(), "small.txt", "six==1.17.0\n");
+    let install = venv_install(&lock);
+    (lock, install)
+}
+
+fn key_of(f: &Fixture, args: &[&str]) -> String {
+    let out = f
+        .hotstart()
+        .args(["env", "key"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let key = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(key.len(), 64, "{key}");
+    key
+}
+
+/// Interpreters on this machine, found the way a user would name them.
+fn interpreters() -> Vec<PathBuf> {
+    let mut out = vec![python(), PathBuf::from("/usr/bin/python3")];
+    for minor in 8..=14 {
+        if let Ok(p) = which(&format!("python3.{minor}")) {
+            out.push(p);
+        }
+    }
+    // pyenv shims exist for versions that are not selected; keep what really runs.
+    out.retain(|p| {
+        Command::new(p)
+            .args(["-c", "pass"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    out
+}
+
+fn which(name: &str) -> Result<PathBuf, ()> {
+    let path = std::env::var_os("PATH").ok_or(())?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or(())
+}
+
+#[test]
+fn the_key_changes_with_every_input_and_only_then() {
+    let f = Fixture::local();
+    let lock = lock_file(f.work.path(), "requirements.txt", "numpy==2.4.6\n");
+    let py = python().display().to_string();
+    let base = |target: &str, cmd: &str| {
+        vec![
+            "--lock".to_string(),
+            lock.display().to_string(),
+            "--python".into(),
+            py.clone(),
+            "--target".into(),
+            target.to_string(),
+            "--".into(),
+            "sh".into(),
+            "-c".into(),
+            cmd.to_string(),
+        ]
+    };
+    let k = key_of(&f, &strs(&base("/opt/venv", "pip install")));
+    assert_eq!(
+        k,
+        key_of(&f, &strs(&base("/opt/venv", "pip install"))),
+        "same inputs, same key"
+    );
+    // The same bytes under another name and place: the same key.
+    let copy = f.path("elsewhere/reqs.txt");
+    std::fs::create_dir_all(copy.parent().unwrap()).unwrap();
+    std::fs::copy(&lock, &copy).unwrap();
+    let mut moved = base("/opt/venv", "pip install");
+    moved[1] = copy.display().to_string();
+    assert_eq!(key_of(&f, &strs(&moved)), k);
+    // A relative target means the same absolute path.
+    let rel = base("venv", "pip install");
+    let cwd_key = {
+        let out = f
+            .hotstart()
+            .current_dir("/opt")
+            .args(["env", "key"])
+            .args(&rel)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(cwd_key, k, "venv relative to /opt is /opt/venv");
+
+    let mut keys = std::collections::HashSet::from([k.clone()]);
+    let mut differs = |what: &str, args: Vec<String>| {
+        let key = key_of(&f, &strs(&args));
+        assert!(keys.insert(key), "{what} did not change the key");
+    };
+    differs("target", base("/opt/venv2", "pip install"));
+    differs("command", base("/opt/venv", "pip install -q"));
+    std::fs::write(&lock, "numpy==2.4.5\n").unwrap();
+    differs("lock bytes", base("/opt/venv", "pip install"));
+    std::fs::write(&lock, "numpy==2.4.6\n").unwrap();
+    let mut reloc = base("/opt/venv", "pip install");
+    reloc.insert(0, "--relocatable".into());
+    differs("relocatable", reloc.clone());
+    // Relocatable keys ignore the target.
+    let mut reloc2 = base("/elsewhere", "pip install");
+    reloc2.insert(0, "--relocatable".into());
+    assert_eq!(key_of(&f, &strs(&reloc)), key_of(&f, &strs(&reloc2)));
+
+    // Another interpreter (version or installation): another key.
+    let mut by_python = BTreeMap::new();
+    for p in interpreters() {
+        let mut args = base("/opt/venv", "pip install");
+        args[3] = p.display().to_string();
+        by_python.insert(key_of(&f, &strs(&args)), p);
+    }
+    assert!(
+        by_python.len() >= 2,
+        "need two distinct Python interpreters to test this (found {:?}); scripts/setup.sh \
+         makes .venv from python3 on PATH and Debian's python3 is /usr/bin/python3",
+        interpreters()
+    );
+
+    // A missing lock file or interpreter is a clear error.
+    let out = f
+        .hotstart()
+        .args(["env", "key", "--lock", "/nonexistent/req.txt"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("/nonexistent/req.txt"),
+        "{out:?}"
+    );
+    let out = f
+        .hotstart()
+        .args(["env", "key", "--python", "/nonexistent/python"])
+        .arg("--lock")
+        .arg(&lock)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("/nonexistent/python"),
+        "{err}"
+    );
+}
+
+/// Files and directories beside `target` whose names show they are a restore's leftovers.
+fn leftovers(target: &Path) -> Vec<String> {
+    let name = target.file_name().unwrap().to_string_lossy().into_owned();
+    std::fs::read_dir(target.parent().unwrap())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&format!(".{name}.hotstart-")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A published venv (six) whose stored chunk of `six.py` is then damaged: the restore fails
+/// naming the chunk, and nothing is left at the target.
+fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory(f: &Fixture) {
+    let (lock, install) = small_venv(f);
+    let target = f.path("venv");
+    let first = f.ensure(&target, &lock, &[], &strs(&install));
+    assert_eq!(first["published"], true, "{first}");
+    // Damage the stored chunk of six.py (one chunk: the file is under 1 MiB).
+    let six_py = walk_files(&target)
+        .into_iter()
+        .find(|p| p.ends_with("site-packages/six.py"))
+        .expect("six.py in the venv");
+    let id = ChunkId::of(&std::fs::read(six_py).unwrap());
+    let store = f.open_store();
+    let object = format!("envs/{}", id.key());
+    let mut frame = block_on(store.get(&object)).unwrap().to_vec();
+    let mid = frame.len() / 2;
+    frame[mid] ^= 0x40;
+    block_on(store.put(&object, frame.into())).unwrap();
+
+    std::fs::remove_dir_all(&target).unwrap();
+    let out = f
+        .ensure_cmd(&target, &lock, &[], &strs(&install))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("corrupt chunk {id}")), "{err}");
+    assert!(err.contains("restoring snapshot"), "{err}");
+    assert!(!target.exists(), "no directory at the target");
+    assert!(leftovers(&target).is_empty(), "{:?}", leftovers(&target));
+    // The install command did not run instead: the damage is reported, not papered over.
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("installed"));
+}
+
+/// Install commands that fail (pip itself, a script's exit code, a signal, a missing program)
+/// publish nothing, remove what they left, and hand back their exit code.
+fn a_failing_install_publishes_nothing_and_returns_its_exit_code(f: &Fixture) {
+    let target = f.path("venv");
+    // Real pip, asked for a package the wheelhouse does not have.
+    let lock = lock_file(
+        f.work.path(),
+        "missing.txt",
+        "six==1.17.0\nno-such-package==1.0\n",
+    );
+    let out = f
+        .ensure_cmd(&target, &lock, &[], &strs(&venv_install(&lock)))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "pip's exit code: {err}");
+    assert!(
+        err.contains("no-such-package"),
+        "pip's output is streamed: {err}"
+    );
+    assert!(
+        err.contains("failed with exit code 1; nothing was published"),
+        "{err}"
+    );
+    assert!(!target.exists(), "the venv pip left is removed");
+    assert_eq!(
+        f.stored_objects(),
+        Vec::<String>::new(),
+        "nothing published"
+    );
+
+    // A code no hotstart failure uses, so it can only be the command's.
+    let failing = [
+        "sh",
+        "-c",
+        "mkdir -p \"$HOTSTART_ENV_TARGET\" && echo half > \"$HOTSTART_ENV_TARGET/x\" && \
+         echo 'installer says no' >&2 && exit 7",
+    ];
+    let out = f
+        .ensure_cmd(&target, &lock, &[], &failing)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(err.contains("installer says no"), "{err}");
+    assert!(err.contains("exit code 7"), "{err}");
+    assert!(!target.exists(), "what it left is removed");
+
+    // A signal is reported as 128 + its number.
+    let killed = ["sh", "-c", "kill -TERM $$"];
+    let out = f.ensure_cmd(&target, &lock, &[], &killed).output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15));
+
+    // A command that cannot start is a clear error too.
+    let out = f
+        .ensure_cmd(&target, &lock, &[], &["/nonexistent/installer"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/installer"));
+    assert_eq!(
+        f.stored_objects(),
+        Vec::<String>::new(),
+        "nothing published"
+    );
+
+    // Then a pip install that works installs and publishes.
+    let (lock, install) = small_venv(f);
+    let ok = f.ensure(&target, &lock, &[], &strs(&install));
+    assert_eq!(ok["action"], "installed", "{ok}");
+    assert_eq!(ok["published"], true, "{ok}");
+    assert_eq!(
+        run_python(&target, "import six; print(six.__version__)"),
+        "1.17.0"
+    );
+    let key = ok["key"].as_str().unwrap();
+    let stored = f.stored_objects();
+    assert!(
+        stored.contains(&format!("envs/snapshots/{key}/snapshot.json")),
+        "{stored:?}"
+    );
+}
+
+fn walk_files(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// An install command that counts its runs in `counter` and takes a second.
+fn counting_install(counter: &Path) -> Vec<String> {
+    let script = format!(
+        "echo run >> '{}' && sleep 1 && mkdir -p \"$HOTSTART_ENV_TARGET/lib\" && \
+         echo 'print(42)' > \"$HOTSTART_ENV_TARGET/lib/app.py\"",
+        counter.display()
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+/// The real venv install of `lock` that first counts its run in `counter`, then waits while
+/// `hold` exists: a test decides when it goes on, so other ensures start while it is under way.
+fn held_install(lock: &Path, counter: &Path, hold: &Path) -> Vec<String> {
+    let mut install = venv_install(lock);
+    install[2] = format!(
+        "echo run >> '{counter}' && while [ -e '{hold}' ]; do sleep 0.05; done && {pip}",
+        counter = counter.display(),
+        hold = hold.display(),
+        pip = install[2]
+    );
+    install
+}
+
+fn runs(counter: &Path) -> usize {
+    std::fs::read_to_string(counter)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// Waits (with a generous watchdog, not a timing assumption) until `cond` holds.
+fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !cond() {
+        assert!(Instant::now() < deadline, "gave up waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running `hotstart env ensure --json` (logging at info), its stderr read as it comes.
+struct Running {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    stderr: String,
+}
+
+impl Running {
+    fn start(mut cmd: Command) -> Running {
+        let mut child = cmd
+            .env("HOTSTART_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Running {
+            child,
+            lines,
+            stderr: String::new(),
+        }
+    }
+
+    /// Waits until it has written a line containing `what` to stderr.
+    fn wait_for(&mut self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while !self.stderr.contains(what) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.stderr.push_str(&line);
+                    self.stderr.push('\n');
+                }
+                Err(e) => panic!("{e}: no {what:?} in its stderr:\n{}", self.stderr),
+            }
+        }
+    }
+
+    /// Waits for it to exit; its JSON outcome.
+    fn finish(mut self) -> Value {
+        let out = self.child.wait_with_output().unwrap();
+        // The reader thread ends when the pipe closes.
+        self.stderr.extend(self.lines.iter().map(|l| l + "\n"));
+        outcome(&Output {
+            stderr: self.stderr.into_bytes(),
+            ..out
+        })
+    }
+}
+
+/// Two ensures of one key on a node, the second started while the first is installing: it waits
+/// on the node lock, then reuses what the first made; pip runs once.
+fn concurrent_ensures_of_one_key_install_once(f: &Fixture) {
+    let (lock, _) = small_venv(f);
+    let counter = f.path("runs");
+    let hold = f.path("hold");
+    let install = held_install(&lock, &counter, &hold);
+    let six = "import six; print(six.__version__)";
+
+    // One target: the second finds the environment in place.
+    let target = f.path("venv");
+    std::fs::write(&hold, "").unwrap();
+    let first = Running::start(f.ensure_cmd(&target, &lock, &[], &strs(&install)));
+    wait_until("the first install starts", || runs(&counter) == 1);
+    let mut second = Running::start(f.ensure_cmd(&target, &lock, &[], &strs(&install)));
+    second.wait_for("waiting for another ensure on this node");
+    std::fs::remove_file(&hold).unwrap();
+    let (a, b) = (first.finish(), second.finish());
+    assert_eq!(
+        (&a["action"], &b["action"]),
+        (&"installed".into(), &"present".into())
+    );
+    assert_eq!(runs(&counter), 1, "pip ran once");
+    assert_eq!(run_python(&target, six), "1.17.0");
+
+    // A relocatable key at two targets: the second waits on the key, then restores the snapshot
+    // the first published.
+    let reloc = ["--relocatable"];
+    let (t1, t2) = (f.path("r1/venv"), f.path("r2/venv"));
+    std::fs::write(&hold, "").unwrap();
+    let first = Running::start(f.ensure_cmd(&t1, &lock, &reloc, &strs(&install)));
+    wait_until("the first install starts", || runs(&counter) == 2);
+    let mut second = Running::start(f.ensure_cmd(&t2, &lock, &reloc, &strs(&install)));
+    second.wait_for("waiting for another ensure on this node");
+    std::fs::remove_file(&hold).unwrap();
+    let (a, b) = (first.finish(), second.finish());
+    assert_eq!(
+        (&a["action"], &b["action"]),
+        (&"installed".into(), &"restored".into())
+    );
+    assert_eq!(a["key"], b["key"]);
+    assert_eq!(
+        runs(&counter),
+        2,
+        "pip ran once more, for the relocatable key"
+    );
+    for t in [&t1, &t2] {
+        assert_eq!(run_python(t, six), "1.17.0");
+    }
+}
+
+/// Two nodes (separate caches, so no shared node lock) miss one key at once and both install:
+/// exactly one snapshot is committed, the loser's tree is removed, and a third node restores.
+fn nodes_racing_to_publish_one_key_leave_one_snapshot(f: &Fixture) {
+    let (lock, _) = small_venv(f);
+    let counter = f.path("runs");
+    let hold = f.path("hold");
+    let install = held_install(&lock, &counter, &hold);
+    let reloc = ["--relocatable"];
+    std::fs::write(&hold, "").unwrap();
+    let nodes: Vec<Running> = (0..2)
+        .map(|i| {
+            let mut cmd = f.ensure_cmd(
+                &f.path(&format!("node-{i}/venv")),
+                &lock,
+                &reloc,
+                &strs(&install),
+            );
+            cmd.env("HOTSTART_CACHE_DIR", f.path(&format!("node-{i}/cache")));
+            Running::start(cmd)
+        })
+        .collect();
+    wait_until("both nodes missed and started installing", || {
+        runs(&counter) == 2
+    });
+    std::fs::remove_file(&hold).unwrap();
+    let outcomes: Vec<Value> = nodes.into_iter().map(Running::finish).collect();
+    for o in &outcomes {
+        assert_eq!(o["action"], "installed", "{o}");
+        assert!(
+            o.get("publish_error").is_none(),
+            "losing is not an error: {o}"
+        );
+    }
+    let won = outcomes.iter().filter(|o| o["published"] == true).count();
+    assert_eq!(
+        won, 1,
+        "exactly one node's snapshot is committed: {outcomes:?}"
+    );
+
+    // One record and one tree for the key: the loser removed its tree.
+    let key = outcomes[0]["key"].as_str().unwrap();
+    let mut names: Vec<String> = f
+        .stored_objects()
+        .into_iter()
+        .filter_map(|k| {
+            Some(
+                k.strip_prefix(&format!("envs/snapshots/{key}/"))?
+                    .to_string(),
+            )
+        })
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(names[0], "snapshot.json", "{names:?}");
+    assert!(names[1].starts_with("tree-"), "{names:?}");
+
+    // A third node restores the committed snapshot; pip does not run again.
+    let target = f.path("node-3/venv");
+    let third = f
+        .ensure_cmd(&target, &lock, &reloc, &strs(&install))
+        .env("HOTSTART_CACHE_DIR", f.path("node-3/cache"))
+        .output()
+        .unwrap();
+    assert_eq!(outcome(&third)["action"], "restored");
+    assert_eq!(runs(&counter), 2);
+    assert_eq!(
+        run_python(&target, "import six; print(six.__version__)"),
+        "1.17.0"
+    );
+}
+
+#[test]
+fn a_killed_install_is_redone_and_foreign_directories_are_left_alone() {
+    let f = Fixture::local();
+    let lock = lock_file(f.work.path(), "requirements.txt", "app==3\n");
+    let target = f.path("venv");
+    let hold = f.path("hold");
+    std::fs::write(&hold, "").unwrap();
+    let script = format!(
+        "mkdir -p \"$HOTSTART_ENV_TARGET\" && echo half > \"$HOTSTART_ENV_TARGET/half\" && \
+         while [ -e '{hold}' ]; do sleep 0.1; done && echo done > \"$HOTSTART_ENV_TARGET/done\"",
+        hold = hold.display()
+    );
+    let install = ["sh", "-c", script.as_str()];
+    let mut child = f
+        .ensure_cmd(&target, &lock, &[], &install)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !target.join("half").exists() {
+        assert!(Instant::now() < deadline, "the installer never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // kill -9 the whole process group: ensure and its installer.
+    // SAFETY: kill(2) with a process group id we created; no memory is involved.
+    let rc = unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+    assert_eq!(rc, 0);
+    child.wait().unwrap();
+    assert!(target.join("half").exists() && !target.join("done").exists());
+
+    // The next ensure knows the half-installed directory is its own, removes it, installs again.
+    std::fs::remove_file(&hold).unwrap();
+    let ok = f.ensure(&target, &lock, &[], &install);
+    assert_eq!(ok["action"], "installed", "{ok}");
+    assert!(target.join("done").exists());
+
+    // A directory this node did not make is never touched.
+    let foreign = f.path("foreign");
+    std::fs::create_dir(&foreign).unwrap();
+    std::fs::write(foreign.join("mine"), "precious").unwrap();
+    let out = f
+        .ensure_cmd(&foreign, &lock, &[], &install)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("was not created by `hotstart env ensure`"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(foreign.join("mine")).unwrap(),
+        "precious"
+    );
+}
+
+#[test]
+fn restores_copy_across_file_systems_and_replace_an_outdated_environment() {
+    let f = Fixture::local();
+    let (lock, install) = small_venv(&f);
+    let here = f.path("venv");
+    let first = f.ensure(&here, &lock, &["--relocatable"], &strs(&install));
+    assert_eq!(first["action"], "installed");
+    let here_str = here.display().to_string();
+    let original = listing(&here, &here_str);
+
+    // tmpfs is another file system than the chunk cache: every file is written, none linked.
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let there = shm.path().join("venv");
+    let restored = f.ensure(&there, &lock, &["--relocatable"], &strs(&install));
+    assert_eq!(restored["action"], "restored");
+    assert_eq!(restored["linked"], 0, "{restored}");
+    assert!(restored["files"].as_u64().unwrap() > 10);
+    let out = run_python(&there, "import six; print(six.__version__)");
+    assert_eq!(out, "1.17.0");
+    for (path, node) in listing(&there, &here_str) {
+        if let Node::File { .. } = node {
+            let m = std::fs::metadata(there.join(&path)).unwrap();
+            assert_eq!(m.nlink(), 1, "{path} is a copy");
+        }
+    }
+
+    // The requirements change: the environment this node made is replaced, in one step.
+    std::fs::write(&lock, "six==1.17.0\nidna==3.20\n").unwrap();
+    let inode_before = std::fs::metadata(&here).unwrap().ino();
+    let updated = f.ensure(&here, &lock, &["--relocatable"], &strs(&install));
+    assert_eq!(updated["action"], "installed", "{updated}");
+    assert_ne!(updated["key"], first["key"]);
+    assert_eq!(
+        run_python(&here, "import idna, six; print(idna.__version__)"),
+        "3.20"
+    );
+    assert_ne!(std::fs::metadata(&here).unwrap().ino(), inode_before);
+    // Back to the first requirements: a hit, swapped in over the newer environment.
+    std::fs::write(&lock, "six==1.17.0\n").unwrap();
+    let back = f.ensure(&here, &lock, &["--relocatable"], &strs(&install));
+    assert_eq!(back["action"], "restored", "{back}");
+    assert_identical(&original, &listing(&here, &here_str));
+    assert!(leftovers(&here).is_empty(), "{:?}", leftovers(&here));
+}
+
+#[test]
+fn ls_and_gc_through_the_command_line() {
+    let f = Fixture::local();
+    let lock = lock_file(f.work.path(), "requirements.txt", "app==4\n");
+    let counter = f.path("runs");
+    let install = counting_install(&counter);
+    let one = f.ensure(&f.path("one"), &lock, &[], &strs(&install));
+    let two = f.ensure(&f.path("two"), &lock, &[], &strs(&install));
+    let (k1, k2) = (one["key"].as_str().unwrap(), two["key"].as_str().unwrap());
+
+    let ls = f
+        .hotstart()
+        .args(["env", "ls", "--store", &f.store])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&ls.stdout);
+    assert!(ls.status.success(), "{ls:?}");
+    assert!(
+        table.contains(&k1[..16]) && table.contains(&k2[..16]),
+        "{table}"
+    );
+    assert!(
+        table.contains(&f.path("one").display().to_string()),
+        "{table}"
+    );
+    assert!(
+        String::from_utf8_lossy(&ls.stderr).contains("2 snapshots"),
+        "{ls:?}"
+    );
+
+    let gc = f
+        .hotstart()
+        .args([
+            "env", "gc", "--store", &f.store, "--grace", "0s", "--key", k1,
+        ])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&gc.stdout);
+    assert!(gc.status.success(), "{gc:?}");
+    assert!(
+        report.contains(&format!("deleted snapshot {k1}")),
+        "{report}"
+    );
+    assert!(report.contains("kept 1 snapshots"), "{report}");
+    let ls = f
+        .hotstart()
+        .args(["env", "ls", "--json", "--store", &f.store])
+        .output()
+        .unwrap();
+    let lines: Vec<Value> = String::from_utf8_lossy(&ls.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["key"], k2);
+
+    let bad = f
+        .hotstart()
+        .args(["env", "gc", "--store", &f.store, "--key", "xyz"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a snapshot key"));
+}
+
+/// Runs each scenario against both stores: a local directory, and S3 on a real SeaweedFS server
+/// (which fails rather than skips when CI is set).
+macro_rules! on_both_stores {
+    ($($scenario:ident),* $(,)?) => {
+        mod local_directory {
+            $(
+                #[test]
+                fn $scenario() {
+                    super::$scenario(&super::Fixture::local());
+                }
+            )*
+        }
+        mod seaweedfs {
+            $(
+                #[test]
+                fn $scenario() {
+                    let bucket = stringify!($scenario).replace('_', "-");
+                    let Some(f) = super::Fixture::seaweedfs(&bucket) else {
+                        return;
+                    };
+                    super::$scenario(&f);
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(
+    a_numpy_venv_round_trips_at_the_same_and_another_path,
+    a_corrupt_chunk_fails_the_restore_and_leaves_no_directory,
+    a_failing_install_publishes_nothing_and_returns_its_exit_code,
+    concurrent_ensures_of_one_key_install_once,
+    nodes_racing_to_publish_one_key_leave_one_snapshot,
+);
