@@ -23,7 +23,7 @@ use hotstart_ckpt::sidecar::config::Size;
     Each sidecar may hold up to 6 times --size of shared memory (its own rank's newest\n\
     checkpoint and the one being saved, and the same for the replicas it holds), so the default\n\
     1 GiB needs about 20 GiB of memory in all; each checkpoint is also written to the disk tier\n\
-    and to the store (about 12 GiB of disk at any time for the default).")]
+    and to the store (about 18 GiB of disk for the default; the demo checks both before it starts).")]
 pub struct DemoArgs {
     /// Object store of the store tier (s3://bucket/prefix, a directory, ...) [default: a
     /// directory in the demo's working directory].

@@ -64,6 +64,8 @@ pub enum Error {
     },
     #[error("check failed: {0}")]
     Check(String),
+    #[error("{0}")]
+    Resources(String),
     #[error("unexpected: {0}")]
     Protocol(String),
 }

@@ -311,6 +311,67 @@ fn corrupt(file: &std::path::Path) -> Result<u64> {
 }
 
 /// Runs the whole demo.
+/// Refuses to start when the machine cannot hold the demo, rather than have the kernel kill a
+/// sidecar halfway: the sidecars' memory budgets must fit in the memory available now, and the
+/// disk tiers plus a local store (two complete steps and one being written, per rank and tier)
+/// in the free space of the working directory.
+fn preflight(cfg: &DemoConfig, layout: &crate::cluster::Layout) -> Result<()> {
+    let n = cfg.nodes as u64;
+    let memory = n * layout.memory_budget;
+    if let Some(available) = mem_available()
+        && available < memory
+    {
+        return Err(Error::Resources(format!(
+            "{} nodes with {} of state each need about {} of memory; {} is available: \
+             try a smaller --size",
+            n,
+            crate::bytes(cfg.state_bytes),
+            crate::bytes(memory),
+            crate::bytes(available)
+        )));
+    }
+    let tiers = if cfg.store.is_some() { 1 } else { 2 };
+    let disk = n * cfg.state_bytes * 3 * tiers;
+    std::fs::create_dir_all(&cfg.dir).map_err(|source| Error::Io {
+        what: "create the demo directory",
+        source,
+    })?;
+    if let Some(free) = free_bytes(&cfg.dir)
+        && free < disk
+    {
+        return Err(Error::Resources(format!(
+            "the disk tiers{} need about {} in {}; {} is free: try a smaller --size or \
+             another --dir",
+            if tiers == 2 { " and the store" } else { "" },
+            crate::bytes(disk),
+            cfg.dir.display(),
+            crate::bytes(free)
+        )));
+    }
+    Ok(())
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
+/// Bytes free to an unprivileged user on the file system of `dir`.
+fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `path` is NUL-terminated and `st` is writable memory of the struct's size.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statvfs filled the struct when it returned 0.
+    (rc == 0)
+        .then(|| unsafe { st.assume_init() })
+        .map(|st| st.f_bavail * st.f_frsize)
+}
+
 pub fn run(cfg: &DemoConfig) -> Result<Summary> {
     let started = Instant::now();
     let n = cfg.nodes;
@@ -332,6 +393,7 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         seed: cfg.seed,
         every: e,
     };
+    preflight(cfg, &layout)?;
     let mut demo = Demo {
         cluster: Cluster::new(layout)?,
         view: View::new(n, cfg.live),
