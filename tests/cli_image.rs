@@ -6,24 +6,13 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hotstart_testkit::SeaweedFs;
 use hotstart_testkit::tree::{assert_trees_equal, sample_dir};
+use hotstart_testkit::{SeaweedFs, run_ok};
 
 fn hotstart(env: &[(String, String)]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_hotstart"));
     c.envs(env.iter().map(|(k, v)| (k, v)));
     c
-}
-
-fn run_ok(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run hotstart");
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A `hotstart image mount` child, stopped (SIGINT) and waited for on drop.

@@ -3,21 +3,10 @@
 use std::path::Path;
 use std::process::Command;
 
-use hotstart_testkit::{SeaweedFs, pattern};
+use hotstart_testkit::{SeaweedFs, pattern, run_ok};
 
 fn hotstart() -> Command {
     Command::new(env!("CARGO_BIN_EXE_hotstart"))
-}
-
-fn run_ok(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run hotstart");
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Upload, list, download; the downloaded bytes equal the source.

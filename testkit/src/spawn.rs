@@ -104,3 +104,15 @@ pub fn spawn_tied(mut cmd: Command, netns: Option<&str>) -> io::Result<Child> {
         .recv()
         .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
 }
+
+/// Runs `cmd` to completion and returns its stdout; panics with both outputs when it fails.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run the command");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
