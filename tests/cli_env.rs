@@ -273,14 +273,20 @@ fn run_python(venv: &Path, code: &str) -> String {
 
 const IMPORT_NUMPY: &str = "import sys, numpy, tqdm; print(sys.prefix); print(numpy.__file__); print(numpy.arange(10).sum())";
 
-/// Capture a numpy venv, delete it, restore it at the same path and at another path.
-fn a_numpy_venv_round_trips_at_the_same_and_another_path(f: &Fixture) {
+/// The whole test wheelhouse (numpy and friends): its lock file and install command.
+fn numpy_venv(f: &Fixture) -> (PathBuf, Vec<String>) {
     let lock = lock_file(
         f.work.path(),
         "requirements.txt",
         &std::fs::read_to_string(root().join("scripts/wheelhouse-test.txt")).unwrap(),
     );
     let install = venv_install(&lock);
+    (lock, install)
+}
+
+/// Capture a numpy venv, delete it, restore it at the same path and at another path.
+fn a_numpy_venv_round_trips_at_the_same_and_another_path(f: &Fixture) {
+    let (lock, install) = numpy_venv(f);
     let a = f.path("jobs/a/venv");
     let a_str = a.display().to_string();
     let reloc = ["--relocatable"];
@@ -1185,12 +1191,7 @@ impl Drop for LazyRun {
 /// imports from the mount, the second start prefetches exactly the chunks the first read, and
 /// the mount shows every file as it was installed.
 fn a_lazy_mount_serves_a_numpy_venv_and_replays_its_profile(f: &Fixture) {
-    let lock = lock_file(
-        f.work.path(),
-        "requirements.txt",
-        &std::fs::read_to_string(root().join("scripts/wheelhouse-test.txt")).unwrap(),
-    );
-    let install = venv_install(&lock);
+    let (lock, install) = numpy_venv(f);
     let venv = f.path("venv");
     let venv_str = venv.display().to_string();
     let first = f.ensure(&venv, &lock, &[], &strs(&install));
