@@ -5,12 +5,17 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
+use hotstart_fuse::MountOptions;
+use hotstart_prefetch::LazyConfig;
 use hotstart_snapshot::gc::{GcOptions, gc, list};
 use hotstart_snapshot::{
-    EnsureConfig, EnvStore, Key, KeyInputs, KeySpec, RestoreOptions, default_cache_dir, ensure,
+    EnsureConfig, EnvStore, Key, KeyInputs, KeySpec, LazyOutcome, Outcome, RestoreOptions,
+    default_cache_dir, ensure, ensure_lazy,
 };
 use hotstart_store::{ChunkStoreConfig, Store};
 use humansize::{BINARY, format_size};
+
+use crate::mount_cmd::Signals;
 
 #[derive(Debug, Subcommand)]
 pub enum EnvCommand {
@@ -40,6 +45,21 @@ pub enum EnvCommand {
     /// complete snapshot is published. A failing install command publishes nothing, removes what
     /// it left in DIR, and hotstart exits with its exit code. DIR must be absent or made by an
     /// earlier ensure on this node (which is replaced when the inputs changed).
+    ///
+    /// With --lazy, a hit mounts the snapshot read-only at DIR instead of restoring it: files are
+    /// fetched as they are first read, the chunks that earlier lazy starts of this snapshot read
+    /// (on any node) are prefetched ahead of them in order, and this run's first reads are
+    /// recorded into that profile, kept in the store beside the snapshot. ensure then stays in
+    /// the foreground serving the mount until SIGINT or SIGTERM, unmounts and merges the
+    /// profile. DIR may then also be an empty directory (it is mounted on, and left in place);
+    /// an absent DIR is created and removed again at unmount. A snapshot that names its capture
+    /// path (a venv does) mounts only at that path: elsewhere --lazy refuses, and an eager
+    /// ensure restores and rewrites it. On a miss --lazy installs and publishes as usual and
+    /// exits: DIR is then a real directory, as it is when it already holds the environment.
+    ///
+    ///   hotstart env ensure --lazy --store s3://bucket/envs --lock requirements.txt \
+    ///       --target /opt/venv -- sh -c '...' &
+    ///   # ... the job runs from /opt/venv; then: kill %1 (unmounts, saves the profile)
     #[command(verbatim_doc_comment)]
     Ensure(EnsureArgs),
     /// List the snapshots in a store: key, age, size, interpreter, target and install command.
@@ -117,9 +137,17 @@ pub struct EnsureArgs {
     /// Chunks fetched or uploaded at once.
     #[arg(long, default_value_t = 32)]
     chunks_in_flight: usize,
-    /// Print the outcome as one JSON object on stdout.
+    /// Print the outcome as one JSON object on stdout (with --lazy, after unmounting, with the
+    /// mount's report under "mount").
     #[arg(long)]
     json: bool,
+    /// On a hit, mount the snapshot read-only and lazily at DIR (with its prefetch profile)
+    /// instead of restoring it, and serve it until SIGINT or SIGTERM; see above.
+    #[arg(long)]
+    lazy: bool,
+    /// With --lazy: memory for verified chunks, in MiB (prefetched chunks wait here to be read).
+    #[arg(long, default_value_t = 1024, value_name = "MIB")]
+    lazy_memory_mib: u64,
     /// The install command (after `--`), run on a miss. It sees HOTSTART_ENV_TARGET and
     /// HOTSTART_ENV_KEY.
     #[arg(last = true, required = true, value_name = "INSTALL COMMAND")]
@@ -213,13 +241,77 @@ async fn ensure_cmd(args: EnsureArgs) -> anyhow::Result<()> {
         concurrency: args.files_in_flight,
         link_from_cache: !args.no_hardlinks,
     };
+    if args.lazy {
+        let lazy = LazyConfig {
+            memory_cache: args.lazy_memory_mib << 20,
+            mount: MountOptions {
+                fs_name: "hotstart-env".to_string(),
+                ..LazyConfig::default().mount
+            },
+            ..LazyConfig::default()
+        };
+        return ensure_lazy_cmd(&store, &cfg, lazy, args.json).await;
+    }
     // Errors (a failing install command included) propagate as the library's own error, so the
     // caller can turn an install failure into its exit code.
     let outcome = ensure(&store, &cfg).await?;
-    if args.json {
+    print_outcome(&outcome, args.json);
+    Ok(())
+}
+
+fn print_outcome(outcome: &Outcome, json: bool) {
+    if json {
         println!("{}", outcome.to_json());
     }
     eprintln!("hotstart env: {outcome}");
+}
+
+/// `ensure --lazy`: mount on a hit and serve until SIGINT or SIGTERM (or an unmount from
+/// outside); otherwise what an eager ensure did.
+async fn ensure_lazy_cmd(
+    store: &Store,
+    cfg: &EnsureConfig,
+    lazy: LazyConfig,
+    json: bool,
+) -> anyhow::Result<()> {
+    // Caught from before the mount, so a signal while mounting is not lost.
+    let mut signals = Signals::install()?;
+    let mut mounted = match ensure_lazy(store, cfg, lazy).await? {
+        LazyOutcome::Eager(outcome) => {
+            print_outcome(&outcome, json);
+            eprintln!(
+                "hotstart env: --lazy: {} is a real directory, nothing is mounted",
+                outcome.target.display()
+            );
+            return Ok(());
+        }
+        LazyOutcome::Mounted(m) => m,
+    };
+    let target = mounted.target.clone();
+    eprintln!("hotstart env: {mounted}; Ctrl-C or SIGTERM unmounts");
+    let replayed = tokio::select! {
+        r = mounted.mount_mut().prefetch_done() => Some(r.unwrap_or_default()),
+        r = signals.wait_or(|| false, &target) => { r?; None }
+    };
+    if let Some(r) = replayed {
+        if r.planned == 0 {
+            eprintln!("hotstart env: no profile yet; this run records one");
+        } else {
+            eprintln!(
+                "hotstart env: prefetched the profile: {} chunks, {}",
+                r.planned,
+                size(r.planned_bytes)
+            );
+        }
+        signals
+            .wait_or(|| mounted.mount().is_finished(), &target)
+            .await?;
+    }
+    let done = mounted.unmount().await?;
+    if json {
+        println!("{}", done.to_json());
+    }
+    eprintln!("hotstart env: {done}");
     Ok(())
 }
 

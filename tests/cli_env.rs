@@ -273,14 +273,20 @@ fn run_python(venv: &Path, code: &str) -> String {
 
 const IMPORT_NUMPY: &str = "import sys, numpy, tqdm; print(sys.prefix); print(numpy.__file__); print(numpy.arange(10).sum())";
 
-/// Capture a numpy venv, delete it, restore it at the same path and at another path.
-fn a_numpy_venv_round_trips_at_the_same_and_another_path(f: &Fixture) {
+/// The whole test wheelhouse (numpy and friends): its lock file and install command.
+fn numpy_venv(f: &Fixture) -> (PathBuf, Vec<String>) {
     let lock = lock_file(
         f.work.path(),
         "requirements.txt",
         &std::fs::read_to_string(root().join("scripts/wheelhouse-test.txt")).unwrap(),
     );
     let install = venv_install(&lock);
+    (lock, install)
+}
+
+/// Capture a numpy venv, delete it, restore it at the same path and at another path.
+fn a_numpy_venv_round_trips_at_the_same_and_another_path(f: &Fixture) {
+    let (lock, install) = numpy_venv(f);
     let a = f.path("jobs/a/venv");
     let a_str = a.display().to_string();
     let reloc = ["--relocatable"];
@@ -555,15 +561,10 @@ fn leftovers(target: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// A published venv (six) whose stored chunk of `six.py` is then damaged: the restore fails
-/// naming the chunk, and nothing is left at the target.
-fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory(f: &Fixture) {
-    let (lock, install) = small_venv(f);
-    let target = f.path("venv");
-    let first = f.ensure(&target, &lock, &[], &strs(&install));
-    assert_eq!(first["published"], true, "{first}");
-    // Damage the stored chunk of six.py (one chunk: the file is under 1 MiB).
-    let six_py = walk_files(&target)
+/// Flips a bit in the stored chunk of `six.py` of the venv at `venv` (one chunk: the file is
+/// under 1 MiB); returns the chunk's id.
+fn damage_six_py(f: &Fixture, venv: &Path) -> ChunkId {
+    let six_py = walk_files(venv)
         .into_iter()
         .find(|p| p.ends_with("site-packages/six.py"))
         .expect("six.py in the venv");
@@ -574,6 +575,17 @@ fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory(f: &Fixture) {
     let mid = frame.len() / 2;
     frame[mid] ^= 0x40;
     block_on(store.put(&object, frame.into())).unwrap();
+    id
+}
+
+/// A published venv (six) whose stored chunk of `six.py` is then damaged: the restore fails
+/// naming the chunk, and nothing is left at the target.
+fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory(f: &Fixture) {
+    let (lock, install) = small_venv(f);
+    let target = f.path("venv");
+    let first = f.ensure(&target, &lock, &[], &strs(&install));
+    assert_eq!(first["published"], true, "{first}");
+    let id = damage_six_py(f, &target);
 
     std::fs::remove_dir_all(&target).unwrap();
     let out = f
@@ -1082,6 +1094,263 @@ fn ls_and_gc_through_the_command_line() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a snapshot key"));
 }
 
+/// Whether `path` is a mountpoint right now.
+fn is_mounted(path: &Path) -> bool {
+    let want = path.display().to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+}
+
+/// A running `hotstart env ensure --lazy --json`. Dropped without [`LazyRun::stop`] (a failed
+/// assertion), it is stopped with SIGTERM and its mount removed, so nothing stays mounted.
+struct LazyRun {
+    run: Option<Running>,
+    target: PathBuf,
+}
+
+impl LazyRun {
+    /// Starts `ensure --lazy` with the node cache `cache` and waits until it serves the mount.
+    fn start(
+        f: &Fixture,
+        target: &Path,
+        lock: &Path,
+        extra: &[&str],
+        install: &[String],
+        cache: &str,
+    ) -> LazyRun {
+        let mut args = vec!["--lazy"];
+        args.extend_from_slice(extra);
+        let mut cmd = f.ensure_cmd(target, lock, &args, &strs(install));
+        cmd.env("HOTSTART_CACHE_DIR", f.path(cache));
+        let mut run = LazyRun {
+            run: Some(Running::start(cmd)),
+            target: target.to_path_buf(),
+        };
+        run.wait_for("Ctrl-C or SIGTERM unmounts");
+        assert!(
+            is_mounted(target),
+            "{} is not a mountpoint",
+            target.display()
+        );
+        run
+    }
+
+    fn wait_for(&mut self, what: &str) {
+        self.run.as_mut().unwrap().wait_for(what);
+    }
+
+    /// Waits until the profile was prefetched (or found empty).
+    fn wait_prefetched(&mut self) -> bool {
+        let run = self.run.as_mut().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            if run.stderr.contains("prefetched the profile") {
+                return true;
+            }
+            if run.stderr.contains("no profile yet") {
+                return false;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match run.lines.recv_timeout(left) {
+                Ok(line) => run.stderr.push_str(&(line + "\n")),
+                Err(e) => panic!("{e}: never prefetched:\n{}", run.stderr),
+            }
+        }
+    }
+
+    /// SIGTERM, as a job's end would send it; the JSON outcome printed after unmounting.
+    fn stop(mut self) -> Value {
+        let run = self.run.take().unwrap();
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        unsafe { libc::kill(run.child.id() as i32, libc::SIGTERM) };
+        let out = run.finish();
+        assert!(!is_mounted(&self.target), "still mounted after SIGTERM");
+        out
+    }
+}
+
+impl Drop for LazyRun {
+    fn drop(&mut self) {
+        if let Some(mut run) = self.run.take() {
+            // SAFETY: as in `stop`.
+            unsafe { libc::kill(run.child.id() as i32, libc::SIGTERM) };
+            let _ = run.child.wait();
+        }
+        if is_mounted(&self.target) {
+            let _ = Command::new("fusermount3")
+                .arg("-uz")
+                .arg(&self.target)
+                .status();
+        }
+    }
+}
+
+/// A numpy venv published by one node and mounted lazily at its path by two others: numpy
+/// imports from the mount, the second start prefetches exactly the chunks the first read, and
+/// the mount shows every file as it was installed.
+fn a_lazy_mount_serves_a_numpy_venv_and_replays_its_profile(f: &Fixture) {
+    let (lock, install) = numpy_venv(f);
+    let venv = f.path("venv");
+    let venv_str = venv.display().to_string();
+    let first = f.ensure(&venv, &lock, &[], &strs(&install));
+    assert_eq!(first["published"], true, "{first}");
+    let original = listing(&venv, &venv_str);
+    std::fs::remove_dir_all(&venv).unwrap();
+
+    // Another node, no profile yet: numpy imports from the mount; the reads become the profile.
+    let mut one = LazyRun::start(f, &venv, &lock, &[], &install, "node-b");
+    assert!(!one.wait_prefetched(), "no profile before the first start");
+    let out = run_python(&venv, IMPORT_NUMPY);
+    assert!(
+        out.starts_with(&format!("{venv_str}\n{venv_str}/lib/")),
+        "{out}"
+    );
+    assert!(out.ends_with("\n45"), "{out}");
+    let r1 = one.stop();
+    assert_eq!(r1["action"], "mounted", "{r1}");
+    assert_eq!(r1["key"], first["key"]);
+    assert!(
+        !venv.exists(),
+        "the mountpoint ensure made is removed again"
+    );
+    let read1 = r1["mount"]["chunks_read"].as_u64().unwrap();
+    assert!(read1 > 0, "{r1}");
+    assert_eq!(r1["mount"]["planned_chunks"], 0, "{r1}");
+    assert!(
+        r1["mount"]["chunk_bytes_read"].as_u64().unwrap() < r1["bytes"].as_u64().unwrap(),
+        "importing numpy reads part of the environment: {r1}"
+    );
+
+    // A third node: the profile in the store is replayed, exactly the chunks the first start
+    // read, and the same import finds them local.
+    let mut two = LazyRun::start(f, &venv, &lock, &[], &install, "node-c");
+    assert!(two.wait_prefetched(), "the second start prefetches");
+    assert_eq!(run_python(&venv, IMPORT_NUMPY), out);
+    let r2 = two.stop();
+    let m = &r2["mount"];
+    assert_eq!(m["planned_chunks"].as_u64().unwrap(), read1, "{r2}");
+    assert_eq!(m["prefetched_chunks"], m["planned_chunks"], "{r2}");
+    assert!(m["hit_rate"].as_f64().unwrap() >= 0.9, "{r2}");
+
+    // The mount is the environment, file for file: bytes, modes, mtimes, symlinks.
+    let three = LazyRun::start(f, &venv, &lock, &[], &install, "node-c");
+    assert_identical(&original, &listing(&venv, &venv_str));
+    three.stop();
+}
+
+/// A damaged chunk of a lazily mounted snapshot: reading its file fails with EIO (never wrong
+/// bytes), and the rest of the environment reads fine.
+fn a_corrupt_chunk_reads_as_eio_from_a_lazy_mount(f: &Fixture) {
+    let (lock, install) = small_venv(f);
+    let venv = f.path("venv");
+    let first = f.ensure(&venv, &lock, &[], &strs(&install));
+    assert_eq!(first["published"], true, "{first}");
+    let cfg = std::fs::read(venv.join("pyvenv.cfg")).unwrap();
+    let six_py = walk_files(&venv)
+        .into_iter()
+        .find(|p| p.ends_with("site-packages/six.py"))
+        .unwrap();
+    damage_six_py(f, &venv);
+    std::fs::remove_dir_all(&venv).unwrap();
+
+    let run = LazyRun::start(f, &venv, &lock, &[], &install, "node-b");
+    assert_eq!(std::fs::read(venv.join("pyvenv.cfg")).unwrap(), cfg);
+    let err = std::fs::read(&six_py).expect_err("a corrupt chunk must not read");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    // Again, from the cache of the failed fetch, if any: still an error.
+    let err = std::fs::read(&six_py).expect_err("a corrupt chunk must not read");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    let r = run.stop();
+    assert_eq!(r["action"], "mounted", "{r}");
+}
+
+/// What `--lazy` accepts as its target and what it refuses, with clear errors.
+#[test]
+fn lazy_targets_are_checked_like_eager_ones() {
+    let f = Fixture::local();
+    let (lock, install) = small_venv(&f);
+    let six = "import six; print(six.__version__)";
+
+    // A miss installs a real directory and exits; a second --lazy finds it in place.
+    let venv = f.path("venv");
+    let out = f
+        .ensure_cmd(&venv, &lock, &["--lazy"], &strs(&install))
+        .output()
+        .unwrap();
+    assert_eq!(outcome(&out)["action"], "installed");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing is mounted"));
+    assert!(!is_mounted(&venv));
+    let again = f.ensure(&venv, &lock, &["--lazy"], &strs(&install));
+    assert_eq!(again["action"], "present", "{again}");
+
+    // An environment of other inputs that this node made is replaced by the mount, as an eager
+    // restore replaces it; a second --lazy of the mounted target is refused, and leaves the
+    // mount alone.
+    let other = lock_file(f.work.path(), "other.txt", "six==1.17.0\n# another lock\n");
+    let replaced = f.ensure(&venv, &other, &[], &strs(&venv_install(&other)));
+    assert_eq!(replaced["action"], "installed", "{replaced}");
+    let run = LazyRun::start(&f, &venv, &lock, &[], &install, "node-a");
+    assert_eq!(run_python(&venv, six), "1.17.0");
+    let out = f
+        .ensure_cmd(&venv, &lock, &["--lazy"], &strs(&install))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("was not created by `hotstart env ensure`"),
+        "{err}"
+    );
+    assert_eq!(run_python(&venv, six), "1.17.0");
+    run.stop();
+    assert!(!venv.exists());
+
+    // An empty directory is mounted on and left in place.
+    std::fs::create_dir(&venv).unwrap();
+    let run = LazyRun::start(&f, &venv, &lock, &[], &install, "node-a");
+    assert_eq!(run_python(&venv, six), "1.17.0");
+    run.stop();
+    assert!(std::fs::read_dir(&venv).unwrap().next().is_none());
+
+    // A directory with something in it is not.
+    std::fs::write(venv.join("mine"), "precious").unwrap();
+    let out = f
+        .ensure_cmd(&venv, &lock, &["--lazy"], &strs(&install))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("was not created by"));
+    assert_eq!(
+        std::fs::read_to_string(venv.join("mine")).unwrap(),
+        "precious"
+    );
+
+    // A relocatable venv names its path: mounted elsewhere it is refused, not served broken.
+    let reloc = ["--relocatable"];
+    let here = f.path("r1/venv");
+    let installed = f.ensure(&here, &lock, &reloc, &strs(&install));
+    assert_eq!(installed["published"], true, "{installed}");
+    let there = f.path("r2/venv");
+    let out = f
+        .ensure_cmd(&there, &lock, &["--lazy", "--relocatable"], &strs(&install))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("a lazy mount cannot rewrite them") && err.contains("r1/venv"),
+        "{err}"
+    );
+    assert!(!there.exists(), "nothing is left at the refused target");
+    // At the path it was captured at, it mounts.
+    std::fs::remove_dir_all(&here).unwrap();
+    let run = LazyRun::start(&f, &here, &lock, &reloc, &install, "node-b");
+    assert_eq!(run_python(&here, six), "1.17.0");
+    run.stop();
+}
+
 /// Runs each scenario against both stores: a local directory, and S3 on a real SeaweedFS server
 /// (which fails rather than skips when CI is set).
 macro_rules! on_both_stores {
@@ -1115,4 +1384,6 @@ on_both_stores!(
     a_failing_install_publishes_nothing_and_returns_its_exit_code,
     concurrent_ensures_of_one_key_install_once,
     nodes_racing_to_publish_one_key_leave_one_snapshot,
+    a_lazy_mount_serves_a_numpy_venv_and_replays_its_profile,
+    a_corrupt_chunk_reads_as_eio_from_a_lazy_mount,
 );

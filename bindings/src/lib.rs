@@ -9,11 +9,13 @@
 //!   the engine reads until the staging copy is over;
 //! - [`memory`]: tensors and load destinations described by address and length, checked
 //!   (lengths, null addresses, overlaps) before the engine sees them;
-//! - [`errors`]: engine errors as `hotstart.errors` exceptions carrying the engine's message.
+//! - [`errors`]: engine errors as `hotstart.errors` exceptions carrying the engine's message;
+//! - [`env`]: `hotstart.env.ensure`, dependency snapshots (`hotstart-snapshot`).
 //!
 //! Every call that can block (back-pressure on save, waits, loads, listings) releases the GIL.
 
 pub mod engine;
+pub mod env;
 pub mod errors;
 pub mod handle;
 pub mod memory;
@@ -35,6 +37,8 @@ fn init_logging() {
 mod _core {
     #[pymodule_export]
     use super::engine::Engine;
+    #[pymodule_export]
+    use super::env::env_ensure;
     #[pymodule_export]
     use super::handle::SaveHandle;
 

@@ -49,3 +49,19 @@ def errors() -> str:
 def distributed(sd: Dict[str, Any]) -> None:
     dcp_save(sd, storage_writer=StorageWriter(store="s3://b", job="dcp", keep=0), checkpoint_id=3)
     dcp_load(sd, storage_reader=StorageReader(store="s3://b", job="dcp", step=3))
+
+
+def environment() -> Optional[int]:
+    try:
+        r: hotstart.env.EnsureResult = hotstart.env.ensure(
+            "s3://b/envs", ["requirements.txt"], "/opt/venv", ["sh", "-c", "pip install -r requirements.txt"],
+            relocatable=True,
+        )
+        action: str = r.action
+        published: Optional[bool] = r.published
+        del action, published
+        return r.files
+    except hotstart.InstallFailed as e:
+        return e.returncode
+    except (hotstart.TargetInUse, hotstart.CorruptSnapshot):
+        return None

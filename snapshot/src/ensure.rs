@@ -23,7 +23,7 @@ use serde_json::json;
 use crate::capture::{CaptureReport, capture};
 use crate::error::{Error, Result};
 use crate::key::{Key, KeyInputs, KeySpec, absolute};
-use crate::node::{NodeState, Phase, TargetState};
+use crate::node::{NodeLock, NodeState, Phase, TargetState};
 use crate::record::EnvStore;
 use crate::restore::{RestoreOptions, RestoreReport, remove_leftovers, remove_tree, restore};
 use crate::store_lock::LockTiming;
@@ -121,6 +121,65 @@ pub enum Action {
 /// Makes `cfg.target` hold the environment of `cfg`'s inputs; see the module documentation.
 #[tracing::instrument(skip_all, fields(target = %cfg.target.display()))]
 pub async fn ensure(store: &Store, cfg: &EnsureConfig) -> Result<Outcome> {
+    let p = prepare(cfg).await?;
+    let replace = match p.found {
+        Found::Present => return Ok(p.done(Action::Present)),
+        Found::Foreign => {
+            return Err(Error::TargetInUse {
+                target: p.target.clone(),
+            });
+        }
+        Found::Absent => false,
+        Found::Ours => true,
+    };
+    let env = EnvStore::new(store, cfg.chunk_config())?;
+    if let Some(record) = env.record(&p.key).await? {
+        let report = restore(&env, &record, &p.target, replace, &cfg.restore).await?;
+        p.node.write(&TargetState::ready(&p.target, &p.key)?)?;
+        return Ok(p.done(Action::Restored(report)));
+    }
+    install_and_capture(p, cfg, &env).await
+}
+
+/// What is at the target, as `ensure` finds it once it holds the node locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// Nothing.
+    Absent,
+    /// An environment of the same key that this node put there.
+    Present,
+    /// Another environment (or a started install) that this node put there: ensure may replace it.
+    Ours,
+    /// Something this node did not put there.
+    Foreign,
+}
+
+/// An `ensure` that holds its node locks and knows what is at the target.
+pub(crate) struct Prepared {
+    pub(crate) started: Instant,
+    pub(crate) key: Key,
+    pub(crate) inputs: KeyInputs,
+    pub(crate) target: PathBuf,
+    pub(crate) node: NodeState,
+    pub(crate) found: Found,
+    pub(crate) target_lock: NodeLock,
+    pub(crate) _key_lock: NodeLock,
+}
+
+impl Prepared {
+    pub(crate) fn done(&self, action: Action) -> Outcome {
+        Outcome {
+            key: self.key,
+            target: self.target.clone(),
+            action,
+            seconds: self.started.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+/// Steps 1 to 3 of the module documentation: the key, the node locks, the leftovers of
+/// interrupted restores removed, and what is at the target.
+pub(crate) async fn prepare(cfg: &EnsureConfig) -> Result<Prepared> {
     let started = Instant::now();
     if cfg.install.is_empty() {
         return Err(Error::config("give the install command"));
@@ -137,71 +196,78 @@ pub async fn ensure(store: &Store, cfg: &EnsureConfig) -> Result<Outcome> {
 
     let node = NodeState::open(&cfg.cache_dir.join("env"))?;
     let target_lock = node.lock_target(&target).await?;
-    let _key_lock = node.lock_key(&key).await?;
+    let key_lock = node.lock_key(&key).await?;
     remove_leftovers(&target)?;
 
-    let done = |action| Outcome {
-        key,
-        target: target.clone(),
-        action,
-        seconds: started.elapsed().as_secs_f64(),
-    };
-    // Whether an environment this node put at the target is to be replaced.
-    let replace = match std::fs::symlink_metadata(&target) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+    let found = match std::fs::symlink_metadata(&target) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Found::Absent,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            return Err(Error::config(format!(
+                "{} is a lazy mount whose process has died; unmount it with `fusermount3 -u {}`",
+                target.display(),
+                target.display()
+            )));
+        }
         Err(e) => return Err(Error::io("stat", &target, e)),
         Ok(m) => match node.read(&target) {
-            Some(s) if s.describes(&m) => {
-                if s.holds(&key) {
-                    return Ok(done(Action::Present));
-                }
-                true
-            }
-            _ => return Err(Error::TargetInUse { target }),
+            Some(s) if s.describes(&m) && s.holds(&key) => Found::Present,
+            Some(s) if s.describes(&m) => Found::Ours,
+            _ => Found::Foreign,
         },
     };
+    Ok(Prepared {
+        started,
+        key,
+        inputs,
+        target,
+        node,
+        found,
+        target_lock,
+        _key_lock: key_lock,
+    })
+}
 
-    let env = EnvStore::new(store, cfg.chunk_config())?;
-    if let Some(record) = env.record(&key).await? {
-        let report = restore(&env, &record, &target, replace, &cfg.restore).await?;
-        node.write(&TargetState::ready(&target, &key)?)?;
-        return Ok(done(Action::Restored(report)));
+/// Step 5 of the module documentation: a miss. An environment of this node at the target
+/// ([`Found::Ours`]) is removed first.
+pub(crate) async fn install_and_capture(
+    p: Prepared,
+    cfg: &EnsureConfig,
+    env: &EnvStore,
+) -> Result<Outcome> {
+    let target = &p.target;
+    if p.found == Found::Ours {
+        remove_tree(target);
     }
-
-    // Miss: install in place.
-    if replace {
-        remove_tree(&target);
-    }
-    node.write(&TargetState {
-        target: crate::key::path_string(&target)?,
-        key: key.to_hex(),
+    p.node.write(&TargetState {
+        target: crate::key::path_string(target)?,
+        key: p.key.to_hex(),
         phase: Phase::Installing,
         dev: 0,
         ino: 0,
         boot_id: crate::node::boot_id(),
     })?;
     let install_started = Instant::now();
-    if let Err(e) = run_install(&cfg.install, &target, &key, &target_lock).await {
-        remove_tree(&target);
-        node.clear(&target);
+    if let Err(e) = run_install(&cfg.install, target, &p.key, &p.target_lock).await {
+        remove_tree(target);
+        p.node.clear(target);
         return Err(e);
     }
     let install_seconds = install_started.elapsed().as_secs_f64();
     if !target.is_dir() {
-        node.clear(&target);
+        p.node.clear(target);
         return Err(Error::config(format!(
             "the install command succeeded but {} is not a directory; it must install into the target",
             target.display()
         )));
     }
-    node.write(&TargetState::ready(&target, &key)?)?;
-    let capture = capture(&env, &key, &inputs, &target, cfg.lock_timing)
+    p.node.write(&TargetState::ready(target, &p.key)?)?;
+    let capture = capture(env, &p.key, &p.inputs, target, cfg.lock_timing)
         .await
         .map_err(|e| {
             tracing::warn!(error = %e, "installed, but could not publish the snapshot");
             e.to_string()
         });
-    Ok(done(Action::Installed {
+    Ok(p.done(Action::Installed {
         install_seconds,
         capture: Box::new(capture),
     }))
@@ -213,7 +279,7 @@ async fn run_install(
     install: &[String],
     target: &std::path::Path,
     key: &Key,
-    target_lock: &crate::node::NodeLock,
+    target_lock: &NodeLock,
 ) -> Result<()> {
     let command = install.join(" ");
     let held = target_lock.inheritable()?;

@@ -51,6 +51,31 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// A lazy mount that could not be made, or unmounted.
+    #[error("lazy mount of snapshot {key} at {target}: {source}", target = target.display())]
+    Mount {
+        key: String,
+        target: PathBuf,
+        #[source]
+        source: Box<hotstart_prefetch::Error>,
+    },
+
+    /// A snapshot whose files name the path it was captured at, asked to be mounted lazily at
+    /// another path: a read-only mount cannot rewrite them.
+    #[error(
+        "snapshot {key} was captured at {captured_at} and {refs} of its entries (e.g. {example}) \
+         name that path; a lazy mount cannot rewrite them. Mount it at {captured_at}, or restore \
+         it eagerly at {target}, which rewrites them",
+        target = target.display()
+    )]
+    LazyRelocation {
+        key: String,
+        captured_at: String,
+        target: PathBuf,
+        refs: usize,
+        example: String,
+    },
+
     /// A store-side lock that is held by someone else (gc against a running capture).
     #[error("{what} is locked by {holder}; retry once it has finished")]
     Locked { what: String, holder: String },
@@ -108,6 +133,7 @@ impl Error {
         match self {
             Error::Store(e) => e.is_corrupt(),
             Error::Restore { source, .. } => source.is_corrupt(),
+            Error::Mount { source, .. } => source.is_corrupt(),
             _ => false,
         }
     }

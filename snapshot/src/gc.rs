@@ -9,7 +9,8 @@
 //!    for any reason but being gone stops gc before anything else is deleted: deleting chunks on
 //!    a partial view could break a snapshot that is fine.
 //! 3. Trees no record names (left by a capture that lost the race to commit, or that died before
-//!    committing) and chunks outside the live set are deleted once older than the grace period,
+//!    committing), lazy-mount artifacts (profile, traces, run reports) of snapshots that are gone,
+//!    and chunks outside the live set are deleted once older than the grace period,
 //!    so an upload in progress by a capture that took its lock after gc finished is not touched.
 
 use std::collections::HashSet;
@@ -58,6 +59,8 @@ pub struct GcReport {
     pub kept: usize,
     /// Tree objects removed (of removed snapshots, and orphans).
     pub trees: u64,
+    /// Lazy-mount artifacts removed (profiles, traces, run reports of removed snapshots).
+    pub artifacts: u64,
     /// Chunks removed and their stored bytes.
     pub chunks: u64,
     pub chunk_bytes: u64,
@@ -156,16 +159,25 @@ async fn collect(env: &EnvStore, opts: &GcOptions) -> Result<GcReport> {
     let old_enough =
         |modified: SystemTime| now.duration_since(modified).unwrap_or_default() >= opts.grace;
     let doomed_keys: HashSet<&str> = doomed.iter().map(|r| r.key.as_str()).collect();
+    let live_keys: HashSet<&str> = live_records.iter().map(|r| r.key.as_str()).collect();
     for o in env.root().list("snapshots").await? {
         let mut parts = o.key.split('/').skip(1);
         let (Some(key), Some(file)) = (parts.next(), parts.next()) else {
             continue;
         };
-        if !file.starts_with("tree-") || live_trees.contains(&o.key) {
+        if file == "snapshot.json" || live_trees.contains(&o.key) {
             continue;
         }
-        if doomed_keys.contains(key) || old_enough(o.last_modified) {
-            report.trees += 1;
+        if file.starts_with("tree-") {
+            if doomed_keys.contains(key) || old_enough(o.last_modified) {
+                report.trees += 1;
+                deletions.push(o.key);
+            }
+        } else if doomed_keys.contains(key)
+            || (!live_keys.contains(key) && old_enough(o.last_modified))
+        {
+            // Lazy mounts' profile, traces and run reports of a snapshot that is gone.
+            report.artifacts += 1;
             deletions.push(o.key);
         }
     }

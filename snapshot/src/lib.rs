@@ -18,15 +18,16 @@
 //! - [`gc`]: listing snapshots and deleting old ones and unreferenced chunks, excluded from
 //!   running captures by [`store_lock`].
 //!
-//! A restore materialises the tree eagerly. The same record and tree are what a lazy mount
-//! would serve: [`EnvStore::record`] and [`EnvStore::tree`] hand them out with the chunk store,
-//! which is all a "mount this tree from this store" API needs.
+//! - [`lazy`]: `ensure` that, on a hit, mounts the snapshot read-only and lazily through
+//!   `hotstart-prefetch` instead of restoring it, with a hot-chunk profile kept beside the
+//!   snapshot ([`EnvStore::artifacts`]) and replayed by every later mount on any node.
 
 pub mod capture;
 pub mod ensure;
 pub mod error;
 pub mod gc;
 pub mod key;
+pub mod lazy;
 pub mod node;
 pub mod record;
 pub mod relocate;
@@ -40,6 +41,7 @@ pub use capture::{CaptureReport, capture};
 pub use ensure::{Action, EnsureConfig, Outcome, ensure};
 pub use error::{Error, Result};
 pub use key::{Key, KeyInputs, KeySpec, Platform, PythonInfo};
+pub use lazy::{LazyOutcome, MountedEnv, Unmounted, ensure_lazy};
 pub use record::{EnvStore, PathRef, PathRefKind, SnapshotRecord};
 pub use relocate::RelocateReport;
 pub use restore::{RestoreOptions, RestoreReport, restore};

@@ -7,6 +7,9 @@
 //! envs/chunks/<2 hex>/<64 hex>          file contents, content-addressed (shared by all snapshots)
 //! envs/snapshots/<key>/tree-<16 hex>    the encoded Tree (named by its own hash)
 //! envs/snapshots/<key>/snapshot.json    the record: written last, only if absent
+//! envs/snapshots/<key>/profile          hot chunks of lazy mounts (see [`EnvStore::artifacts`])
+//! envs/snapshots/<key>/traces/<run>     the trace of a lazy mount still running
+//! envs/snapshots/<key>/runs/<run>.json  the report of each finished lazy mount
 //! envs/locks/<kind>-<host>-<pid>-<n>    who is capturing or collecting right now
 //! ```
 //!
@@ -19,6 +22,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use hotstart_prefetch::ArtifactDir;
 use hotstart_store::object_store::prefix::PrefixStore;
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store, Tree};
 use serde::{Deserialize, Serialize};
@@ -120,6 +124,13 @@ impl EnvStore {
     pub fn tree_key(key: &Key, encoded: &[u8]) -> String {
         let hash = blake3::hash(encoded).to_hex();
         format!("{SNAPSHOTS}/{key}/tree-{}", &hash[..16])
+    }
+
+    /// Where the lazy mounts of `key` keep their profile, traces and run reports, relative to
+    /// [`EnvStore::root`] (which is the chunk store's store): beside the snapshot, so every node
+    /// that mounts it replays the same profile, and `gc` removes them with it.
+    pub fn artifacts(key: &Key) -> ArtifactDir {
+        ArtifactDir::new(format!("{SNAPSHOTS}/{key}/"))
     }
 
     /// The committed snapshot of `key`, if there is one.

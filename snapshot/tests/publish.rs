@@ -206,6 +206,21 @@ async fn gc_keeps_what_snapshots_use(store: Store) {
         .put(&orphan, bytes::Bytes::from_static(b"HSTREE"))
         .await
         .unwrap();
+    // Lazy mounts' artifacts beside each snapshot: a's go with it, b's stay.
+    let (art_a, art_b) = (EnvStore::artifacts(&ka), EnvStore::artifacts(&kb));
+    let artifact_keys = |dir: &hotstart_prefetch::ArtifactDir| {
+        [
+            dir.profile_key(),
+            dir.trace_key("run-1"),
+            dir.run_key("run-0"),
+        ]
+    };
+    for k in artifact_keys(&art_a).iter().chain(&artifact_keys(&art_b)) {
+        env.root()
+            .put(k, bytes::Bytes::from_static(b"artifact"))
+            .await
+            .unwrap();
+    }
     let chunks_before = keys_under(env.root(), "chunks").await.len();
     let unique_a = hotstart_store::ChunkId::of(&pattern(10_000, 101)).key();
     assert!(
@@ -253,7 +268,18 @@ async fn gc_keeps_what_snapshots_use(store: Store) {
     let chunks_left = keys_under(env.root(), "chunks").await;
     assert_eq!(chunks_left.len(), chunks_before - 2);
     assert!(!chunks_left.contains(&unique_a));
-    assert!(!keys_under(env.root(), "snapshots").await.contains(&orphan));
+    let snapshots_left = keys_under(env.root(), "snapshots").await;
+    assert!(!snapshots_left.contains(&orphan));
+    assert_eq!(report.artifacts, 3, "{report:?}");
+    for k in artifact_keys(&art_a) {
+        assert!(!snapshots_left.contains(&k), "{k} outlived its snapshot");
+    }
+    for k in artifact_keys(&art_b) {
+        assert!(
+            snapshots_left.contains(&k),
+            "{k} of a kept snapshot was deleted"
+        );
+    }
 
     // b still restores whole.
     let out = work.path().join("b-again");

@@ -6,24 +6,28 @@
 >>> h.wait_staged()          # before optimizer.step(); persistence goes on in the background
 >>> state = ck.load()        # newest complete step, verified; or ck.load(state) in place
 
+``hotstart.env.ensure`` restores a dependency snapshot instead of reinstalling an environment.
 ``hotstart.torch`` has torch.distributed.checkpoint storage backends (``StorageWriter``,
 ``StorageReader``); importing ``hotstart`` itself does not import torch or numpy.
 """
 
 from __future__ import annotations
 
-from . import errors
+from . import env, errors
 from ._checkpointer import Checkpointer, SaveHandle
 from ._core import CUDA_BUILT, __version__
 from .errors import (
     ConfigError,
     CorruptCheckpoint,
+    CorruptSnapshot,
     CudaError,
     HotstartError,
+    InstallFailed,
     NoCheckpoint,
     SaveSkipped,
     StateDictError,
     StoreError,
+    TargetInUse,
 )
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "SaveHandle",
     "CUDA_BUILT",
     "__version__",
+    "env",
     "errors",
     # the exceptions, as hotstart.errors lists them
     "HotstartError",
@@ -41,4 +46,7 @@ __all__ = [
     "StoreError",
     "SaveSkipped",
     "CudaError",
+    "InstallFailed",
+    "TargetInUse",
+    "CorruptSnapshot",
 ]

@@ -3,7 +3,7 @@
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypedDict, final
 
-__all__ = ["CUDA_BUILT", "Engine", "SaveHandle", "__version__"]
+__all__ = ["CUDA_BUILT", "Engine", "SaveHandle", "__version__", "env_ensure"]
 
 __version__: str
 CUDA_BUILT: bool
@@ -79,3 +79,16 @@ class Engine:
     def complete_steps(self) -> List[int]: ...
     def wait(self) -> None: ...
     def gc(self) -> Dict[str, List[int]]: ...
+
+def env_ensure(
+    store: str,
+    locks: List[str],
+    target: str,
+    command: List[str],
+    *,
+    python: Optional[str] = None,
+    relocatable: bool = False,
+    cache_dir: Optional[str] = None,
+    cache_size: Optional[int] = None,
+    hardlinks: bool = True,
+) -> str: ...

@@ -15,6 +15,9 @@ __all__ = [
     "StoreError",
     "SaveSkipped",
     "CudaError",
+    "InstallFailed",
+    "TargetInUse",
+    "CorruptSnapshot",
 ]
 
 
@@ -52,3 +55,23 @@ class SaveSkipped(HotstartError):
 class CudaError(HotstartError):
     """A CUDA tensor that cannot be served: no CUDA driver, no such device, a build without CUDA
     support, or a failed driver call."""
+
+
+class InstallFailed(HotstartError):
+    """``hotstart.env.ensure``: the install command failed; nothing was published and what it
+    left at the target was removed. ``returncode`` is its exit status (128 + the signal number
+    when a signal killed it)."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+class TargetInUse(HotstartError, FileExistsError):
+    """``hotstart.env.ensure``: the target exists and was not made by ``ensure`` on this node;
+    it is left alone."""
+
+
+class CorruptSnapshot(HotstartError):
+    """``hotstart.env.ensure``: a stored snapshot (record, tree or chunk) failed verification;
+    nothing was left at the target."""
