@@ -23,7 +23,7 @@ use std::time::Instant;
 use anyhow::Context;
 
 use crate::chart;
-use crate::report::Report;
+use crate::report::{Report, show_target};
 
 /// Options of `hotstart-benches all`.
 #[derive(Debug, clap::Args)]
@@ -298,7 +298,7 @@ fn readme_summary(reports: &[(&str, Report)]) -> String {
                 r.what,
                 r.peer,
                 r.ratio(),
-                r.target.unwrap_or_default(),
+                show_target(r.target.unwrap_or_default()),
                 if r.met() == Some(true) { "✓" } else { "✗" }
             ));
         }

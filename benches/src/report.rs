@@ -131,6 +131,11 @@ pub struct Report {
     pub notes: Vec<String>,
 }
 
+/// A target ratio for people: at most two decimals (1/1.3 shows as 0.77).
+pub fn show_target(t: f64) -> String {
+    format!("{}", (t * 100.0).round() / 100.0)
+}
+
 /// Median of durations.
 pub fn median(mut xs: Vec<Duration>) -> Duration {
     xs.sort();
@@ -174,8 +179,8 @@ impl Report {
         s.push_str("| measurement | hotstart | peer | peer's | ratio | target |\n|---|---:|---|---:|---:|---:|\n");
         for r in &self.rows {
             let target = match (r.target, r.met()) {
-                (Some(t), Some(true)) => format!("≥ {t} ✓"),
-                (Some(t), _) => format!("≥ {t} ✗"),
+                (Some(t), Some(true)) => format!("≥ {} ✓", show_target(t)),
+                (Some(t), _) => format!("≥ {} ✗", show_target(t)),
                 (None, _) => "-".into(),
             };
             s.push_str(&format!(

@@ -301,9 +301,13 @@ impl Tree {
     /// Creates every entry under `dest` (created if missing), fetching file contents from
     /// `chunks`. Refuses, before writing anything, a tree with an unsafe path.
     pub async fn materialize(&self, dest: &Path, chunks: &ChunkStore) -> Result<()> {
-        self.materialize_with(dest, chunks, &MaterializeOptions::default())
-            .await
-            .map(|_| ())
+        // Small files are one round trip each, so a tree of many small files is latency-bound
+        // unless as many fetches overlap as the chunk store allows.
+        let opts = MaterializeOptions {
+            concurrency: chunks.config().concurrency,
+            ..MaterializeOptions::default()
+        };
+        self.materialize_with(dest, chunks, &opts).await.map(|_| ())
     }
 
     /// [`Tree::materialize`] with explicit options: how many files are written at once, and
@@ -345,8 +349,6 @@ impl Tree {
             }
         }
         let (links, plain): (Vec<_>, Vec<_>) = files.into_iter().partition(|(_, _, t)| t.is_some());
-        // Many files at once: small files are one round trip each, so a tree of many small files
-        // is latency-bound unless their fetches overlap.
         let linked: Vec<bool> = futures::stream::iter(plain)
             .map(|(e, abs, _)| write_file(e, abs, chunks, opts.link_from_cache))
             .buffer_unordered(opts.concurrency.max(1))
