@@ -1012,7 +1012,9 @@ fn restores_copy_across_file_systems_and_replace_an_outdated_environment() {
 
     // The requirements change: the environment this node made is replaced, in one step.
     std::fs::write(&lock, "six==1.17.0\nidna==3.20\n").unwrap();
-    let inode_before = std::fs::metadata(&here).unwrap().ino();
+    // Held open so that its inode number cannot be reused by the replacement.
+    let old_dir = std::fs::File::open(&here).unwrap();
+    let inode_before = old_dir.metadata().unwrap().ino();
     let updated = f.ensure(&here, &lock, &["--relocatable"], &strs(&install));
     assert_eq!(updated["action"], "installed", "{updated}");
     assert_ne!(updated["key"], first["key"]);
