@@ -286,6 +286,7 @@ impl Sidecar {
             let core = core.clone();
             tokio::task::spawn_blocking(move || core.recover())
         };
+        let mut prober_thread = None;
         let shut_early = tokio::select! {
             r = recovery => {
                 if let Err(e) = r {
@@ -310,17 +311,24 @@ impl Sidecar {
                 Ok(())
             })?;
             let prober = core.clone();
-            std::thread::Builder::new()
-                .name("hotstart-probe".into())
-                .spawn(move || {
-                    while !prober.stopped.load(Ordering::Acquire) {
-                        std::thread::sleep(prober.cfg.probe_interval);
-                        if prober.life.get() == State::Ready {
-                            prober.probe();
+            // Parked between probes and unparked at shutdown, so that it lets go of the core
+            // (and the memory it holds) as soon as the sidecar stops.
+            prober_thread = Some(
+                std::thread::Builder::new()
+                    .name("hotstart-probe".into())
+                    .spawn(move || {
+                        loop {
+                            std::thread::park_timeout(prober.cfg.probe_interval);
+                            if prober.stopped.load(Ordering::Acquire) {
+                                break;
+                            }
+                            if prober.life.get() == State::Ready {
+                                prober.probe();
+                            }
                         }
-                    }
-                })
-                .map_err(|e| Error::io("spawn prober", "", e))?;
+                    })
+                    .map_err(|e| Error::io("spawn prober", "", e))?,
+            );
             info!(socket = %socket.display(), "sidecar ready");
             shutdown.await;
         }
@@ -341,6 +349,9 @@ impl Sidecar {
         let _ = std::os::unix::net::UnixStream::connect(&core.cfg.socket);
         let _ = std::fs::remove_file(&core.cfg.socket);
         http.abort();
+        if let Some(t) = prober_thread {
+            t.thread().unpark();
+        }
         Ok(report)
     }
 }

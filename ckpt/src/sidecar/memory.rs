@@ -20,7 +20,7 @@
 //! progress) lets go of it.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use tracing::info;
@@ -87,18 +87,24 @@ impl Shard {
 }
 
 /// Bytes charged to the budget, given back on drop.
+///
+/// The memory tier holds the segments that hold the charges, so a charge refers to it weakly:
+/// a strong reference would be a cycle, and a stopped sidecar would never free its segments.
 #[derive(Debug)]
 pub struct Charge {
-    mem: Arc<Memory>,
+    mem: Weak<Memory>,
     bytes: u64,
 }
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        let mut s = self.mem.lock();
+        let Some(mem) = self.mem.upgrade() else {
+            return;
+        };
+        let mut s = mem.lock();
         s.used -= self.bytes;
         drop(s);
-        self.mem.freed.notify_all();
+        mem.freed.notify_all();
     }
 }
 
@@ -178,7 +184,7 @@ impl Memory {
                 s.used += need;
                 s.peak = s.peak.max(s.used);
                 return Ok(Charge {
-                    mem: self.clone(),
+                    mem: Arc::downgrade(self),
                     bytes: need,
                 });
             }
@@ -237,7 +243,7 @@ impl Memory {
         s.used += need;
         s.peak = s.peak.max(s.used);
         Some(Charge {
-            mem: self.clone(),
+            mem: Arc::downgrade(self),
             bytes: need,
         })
     }
@@ -447,6 +453,20 @@ mod tests {
         assert_eq!(mem.stats().evictions, 0);
         assert!(mem.take_spare("j", 0, 4096).is_none());
         drop(c);
+    }
+
+    #[test]
+    fn dropping_the_memory_tier_frees_what_it_holds() {
+        let mem = Memory::new(4 * 4096, "me");
+        mem.insert(shard(&mem, "j", 0, 1, 4096).unwrap());
+        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
+        mem.put_spare("j", 0, spare);
+        let weak = Arc::downgrade(&mem);
+        drop(mem);
+        assert!(
+            weak.upgrade().is_none(),
+            "shards and spares keep the memory tier alive"
+        );
     }
 
     #[test]
