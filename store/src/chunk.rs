@@ -325,6 +325,19 @@ impl ChunkStore {
         fetch.await.map_err(Error::Shared)
     }
 
+    /// [`ChunkStore::get`] for a caller that writes the bytes to a file of its own and then
+    /// hands that file to the cache ([`ChunkCache::adopt`]): a chunk that is not cached yet is
+    /// fetched and verified but not written to the cache, so its bytes are written once.
+    pub async fn get_uncached(&self, id: &ChunkId) -> Result<Bytes> {
+        if let Some(cache) = &self.inner.cache
+            && let Some(bytes) = cache.get(id).await?
+        {
+            self.inner.stats.lock().cache_hits += 1;
+            return Ok(bytes);
+        }
+        self.fetch(*id, false).await
+    }
+
     /// Many chunks with bounded concurrency, in input order.
     pub async fn get_many(&self, ids: &[ChunkId]) -> Result<Vec<Bytes>> {
         futures::stream::iter(ids)
@@ -339,7 +352,7 @@ impl ChunkStore {
     fn spawn_fetch(&self, id: ChunkId) -> SharedFetch {
         let this = self.clone();
         let task = tokio::spawn(async move {
-            let res = this.fetch(id).await;
+            let res = this.fetch(id, true).await;
             this.inner.fetching.lock().remove(&id);
             res
         });
@@ -353,7 +366,8 @@ impl ChunkStore {
         .shared()
     }
 
-    async fn fetch(&self, id: ChunkId) -> Result<Bytes> {
+    /// Fetches and verifies `id`, writing it to the cache when `cache` is set.
+    async fn fetch(&self, id: ChunkId, cache: bool) -> Result<Bytes> {
         let frame = self.inner.store.get(&id.key()).await?;
         {
             let mut stats = self.inner.stats.lock();
@@ -361,16 +375,21 @@ impl ChunkStore {
             stats.fetched_bytes += frame.len() as u64;
         }
         let max = self.inner.cfg.max_chunk_size;
-        let plain = tokio::task::spawn_blocking(move || decode_frame(&id, &frame, max))
-            .await
-            .map_err(|e| Error::task("chunk decode", e))??;
-        self.inner.present.lock().insert(id);
-        if let Some(cache) = &self.inner.cache {
-            // A cache that cannot be written is a slower read next time, not a failed read.
-            if let Err(e) = cache.insert(&id, &plain).await {
+        let cache = self.inner.cache.clone().filter(|_| cache);
+        // Decoded and cached on one blocking thread: one hand-off per chunk, not two.
+        let plain = tokio::task::spawn_blocking(move || {
+            let plain = decode_frame(&id, &frame, max)?;
+            if let Some(cache) = cache
+                && let Err(e) = cache.insert_blocking(&id, &plain)
+            {
+                // A cache that cannot be written is a slower read next time, not a failed read.
                 tracing::warn!(chunk = %id, error = %e, "could not cache chunk");
             }
-        }
+            Ok::<_, Error>(plain)
+        })
+        .await
+        .map_err(|e| Error::task("chunk decode", e))??;
+        self.inner.present.lock().insert(id);
         Ok(plain)
     }
 }

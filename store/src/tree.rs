@@ -21,6 +21,7 @@ use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -397,7 +398,8 @@ pub struct MaterializeOptions {
     /// Files written at once (each also fetches up to 8 of its chunks ahead).
     pub concurrency: usize,
     /// Hard-link files of exactly one chunk from the chunk store's local cache when the cache is
-    /// on the destination's file system; such files then share their inode with the cache (and
+    /// on the destination's file system (a chunk not cached yet is written into the file, which
+    /// the cache then adopts as its copy); such files then share their inode with the cache (and
     /// with other trees restored from it), so they must be replaced, never modified in place.
     pub link_from_cache: bool,
 }
@@ -416,7 +418,8 @@ impl Default for MaterializeOptions {
 pub struct MaterializeStats {
     /// Regular files created (hard links of the tree included).
     pub files: u64,
-    /// Files hard-linked from the chunk cache rather than written.
+    /// Files that share their inode with the chunk cache: hard-linked from it, or written and
+    /// then adopted by it ([`ChunkCache::adopt`](crate::ChunkCache::adopt)).
     pub linked: u64,
     /// Bytes of file content in the tree.
     pub bytes: u64,
@@ -463,7 +466,15 @@ fn safe_join(dest: &Path, rel: &str, known: &mut HashSet<PathBuf>) -> Result<Pat
     Ok(cur)
 }
 
-/// Writes one file entry; `Ok(true)` when it was hard-linked from the chunk cache instead.
+/// Runs blocking file-system work on the blocking pool, so that the files of a tree are
+/// created, written and linked in parallel rather than one at a time on the runtime's thread.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::task("write files", e))?
+}
+
+/// Writes one file entry; `Ok(true)` when it shares its inode with the chunk cache.
 async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) -> Result<bool> {
     let EntryKind::File { size, chunks: refs } = &e.kind else {
         return Ok(false);
@@ -487,22 +498,33 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             .open(abs)
             .map_err(|err| Error::io("create file", abs, err))
     };
+    let (mode, mtime_ns) = (e.mode, e.mtime_ns);
     // A file with extended attributes gets its own inode: the cache's is shared.
-    let link = link && e.xattrs.is_empty();
-    if let ([only], true, Some(cache)) = (refs.as_slice(), link, chunks.cache()) {
-        // Fetching (or re-reading) the chunk verifies it and leaves it in the cache.
-        let data = chunks.get(&only.id).await?;
+    let link = link && e.xattrs.is_empty() && chunks.cache().is_some();
+    if let ([only], true) = (refs.as_slice(), link) {
+        // Verified, from the cache if it holds the chunk (then linked from it) or from the
+        // store (then written here once and adopted by the cache).
+        let data = chunks.get_uncached(&only.id).await?;
         check_len(0, data.len())?;
-        if cache.link_to(&only.id, &abs, e.mode, e.mtime_ns)? {
-            return Ok(true);
-        }
-        let mut file = create(&abs)?;
-        std::io::Write::write_all(&mut file, &data)
-            .map_err(|err| Error::io("write file", &abs, err))?;
-        set_file_metadata(&file, &abs, e)?;
-        return Ok(false);
+        let (chunks, id) = (chunks.clone(), only.id);
+        return blocking(move || {
+            let cache = chunks.cache().expect("checked above");
+            if cache.link_to(&id, &abs, mode, mtime_ns)? {
+                return Ok(true);
+            }
+            let mut file = create(&abs)?;
+            std::io::Write::write_all(&mut file, &data)
+                .map_err(|err| Error::io("write file", &abs, err))?;
+            set_fd_metadata(&file, &abs, mode, mtime_ns)?;
+            drop(file);
+            cache.adopt(&id, &abs, data.len() as u64, mode)
+        })
+        .await;
     }
-    let mut file = create(&abs)?;
+    let file = Arc::new({
+        let abs = abs.clone();
+        blocking(move || create(&abs)).await?
+    });
     let ids: Vec<ChunkId> = refs.iter().map(|c| c.id).collect();
     let mut written = 0u64;
     // Fetch ahead while writing in order.
@@ -513,9 +535,13 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
     while let Some(data) = stream.next().await {
         let data = data?;
         check_len(i, data.len())?;
-        std::io::Write::write_all(&mut file, &data)
-            .map_err(|err| Error::io("write file", &abs, err))?;
         written += data.len() as u64;
+        let (file, abs) = (file.clone(), abs.clone());
+        blocking(move || {
+            std::io::Write::write_all(&mut &*file, &data)
+                .map_err(|err| Error::io("write file", &abs, err))
+        })
+        .await?;
         i += 1;
     }
     if written != *size {
@@ -524,13 +550,8 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             reason: format!("{}: wrote {written} bytes, expected {size}", e.path),
         });
     }
-    set_file_metadata(&file, &abs, e)?;
+    blocking(move || set_fd_metadata(&file, &abs, mode, mtime_ns)).await?;
     Ok(false)
-}
-
-/// Gives a written file its entry's mode and mtime through its descriptor (no path lookups).
-fn set_file_metadata(file: &std::fs::File, abs: &Path, e: &Entry) -> Result<()> {
-    set_fd_metadata(file, abs, e.mode, e.mtime_ns)
 }
 
 /// Sets the permission bits and the access and modification times of an open file.

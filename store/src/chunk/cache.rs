@@ -209,7 +209,17 @@ impl ChunkCache {
 
     /// Caches verified plaintext, evicting least recently used chunks beyond the capacity.
     pub async fn insert(&self, id: &ChunkId, data: &Bytes) -> Result<()> {
-        if data.len() as u64 > self.inner.capacity {
+        let (this, id, data) = (self.clone(), *id, data.clone());
+        tokio::task::spawn_blocking(move || this.insert_blocking(&id, &data))
+            .await
+            .map_err(|e| Error::task("cache write", e))?
+    }
+
+    /// [`ChunkCache::insert`] on the calling thread, for callers already off the runtime (a
+    /// fetch writes the chunk it has just decoded without another hand-off between threads).
+    pub fn insert_blocking(&self, id: &ChunkId, data: &[u8]) -> Result<()> {
+        let len = data.len() as u64;
+        if len > self.inner.capacity {
             return Ok(());
         }
         let path = self.path_of(id);
@@ -218,21 +228,22 @@ impl ChunkCache {
             std::process::id(),
             self.inner.tmp_counter.fetch_add(1, Ordering::Relaxed)
         ));
-        let data = data.clone();
-        let len = data.len() as u64;
-        tokio::task::spawn_blocking(move || {
-            if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent)
-                    .map_err(|e| Error::io("create cache directory", parent, e))?;
+        // The fan-out directory is made on the first write into it, not checked on every one.
+        let written = match std::fs::write(&tmp, data) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)
+                        .map_err(|e| Error::io("create cache directory", parent, e))?;
+                }
+                std::fs::write(&tmp, data)
             }
-            std::fs::write(&tmp, &data).map_err(|e| Error::io("write cached chunk", &tmp, e))?;
-            std::fs::rename(&tmp, &path).map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                Error::io("rename cached chunk", &path, e)
-            })
-        })
-        .await
-        .map_err(|e| Error::task("cache write", e))??;
+            other => other,
+        };
+        written.map_err(|e| Error::io("write cached chunk", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::io("rename cached chunk", &path, e)
+        })?;
         let evicted = {
             let mut lru = self.inner.lru.lock();
             lru.touch(*id, len);
@@ -240,6 +251,47 @@ impl ChunkCache {
         };
         self.remove_files(&evicted);
         Ok(())
+    }
+
+    /// Takes `path`, a complete file holding exactly the (verified) bytes of chunk `id`, into
+    /// the cache as a hard link of it: a restore that has just written the file then needn't
+    /// write the cache's copy too. The file shares its inode with the cache from then on, as one
+    /// [`ChunkCache::link_to`] made does. `Ok(false)`, and nothing done, when `id` is cached
+    /// already, `mode` would make the cache file unreadable, or `path` is on another file
+    /// system.
+    pub fn adopt(&self, id: &ChunkId, path: &Path, len: u64, mode: u32) -> Result<bool> {
+        if len > self.inner.capacity || mode & 0o400 == 0 || self.file(id).is_some() {
+            return Ok(false);
+        }
+        let dest = self.path_of(id);
+        let linked = match std::fs::hard_link(path, &dest) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if let Some(parent) = dest.parent() {
+                    std::fs::create_dir_all(parent)
+                        .map_err(|e| Error::io("create cache directory", parent, e))?;
+                }
+                std::fs::hard_link(path, &dest)
+            }
+            other => other,
+        };
+        match linked {
+            Ok(()) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AlreadyExists
+                    || e.kind() == std::io::ErrorKind::CrossesDevices
+                    || e.raw_os_error() == Some(libc::EMLINK) =>
+            {
+                return Ok(false);
+            }
+            Err(e) => return Err(Error::io("link into the chunk cache", &dest, e)),
+        }
+        let evicted = {
+            let mut lru = self.inner.lru.lock();
+            lru.touch(*id, len);
+            lru.evict(self.inner.capacity)
+        };
+        self.remove_files(&evicted);
+        Ok(true)
     }
 
     /// Drops `id` from the cache.
@@ -348,6 +400,46 @@ mod tests {
                     .unwrap()
             );
             assert!(!shm.path().join("x").exists());
+        }
+    }
+
+    #[tokio::test]
+    async fn adopt_takes_a_written_file_as_the_cached_copy() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let cache = ChunkCache::open(&dir.path().join("cache"), 1 << 20).unwrap();
+        let data = Bytes::from_static(b"import os\n");
+        let id = ChunkId::of(&data);
+        let file = dir.path().join("restored.py");
+        std::fs::write(&file, &data).unwrap();
+        let len = data.len() as u64;
+
+        // Unreadable for the cache: left alone.
+        assert!(!cache.adopt(&id, &file, len, 0o200).unwrap());
+        assert!(!cache.contains(&id));
+
+        assert!(cache.adopt(&id, &file, len, 0o644).unwrap());
+        assert!(cache.contains(&id));
+        assert_eq!(
+            std::fs::metadata(&file).unwrap().ino(),
+            std::fs::metadata(cache.path_of(&id)).unwrap().ino()
+        );
+        assert_eq!(cache.bytes(), len);
+        // A hit reads (and checks) the adopted bytes; a second adoption changes nothing.
+        assert_eq!(cache.get(&id).await.unwrap().unwrap(), data);
+        let other = dir.path().join("again.py");
+        std::fs::write(&other, &data).unwrap();
+        assert!(!cache.adopt(&id, &other, len, 0o644).unwrap());
+        assert_eq!(std::fs::metadata(&other).unwrap().nlink(), 1);
+
+        // Another file system: no link, no error.
+        if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
+            let data = Bytes::from_static(b"elsewhere");
+            let id = ChunkId::of(&data);
+            let there = shm.path().join("x");
+            std::fs::write(&there, &data).unwrap();
+            assert!(!cache.adopt(&id, &there, 9, 0o644).unwrap());
+            assert!(!cache.contains(&id));
         }
     }
 }
