@@ -325,6 +325,19 @@ impl ChunkStore {
         fetch.await.map_err(Error::Shared)
     }
 
+    /// The verified bytes of `id` from the local cache, on the calling thread (for callers
+    /// already off the runtime); `None` when it is not cached.
+    pub fn get_cached_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
+        let Some(cache) = &self.inner.cache else {
+            return Ok(None);
+        };
+        let hit = cache.get_blocking(id)?;
+        if hit.is_some() {
+            self.inner.stats.lock().cache_hits += 1;
+        }
+        Ok(hit)
+    }
+
     /// [`ChunkStore::get`] for a caller that writes the bytes to a file of its own and then
     /// hands that file to the cache ([`ChunkCache::adopt`]): a chunk that is not cached yet is
     /// fetched and verified but not written to the cache, so its bytes are written once.

@@ -474,20 +474,22 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .map_err(|e| Error::task("write files", e))?
 }
 
+/// `Ok` when a fetched chunk has the length the tree gives it.
+fn check_len(c: &ChunkRef, got: usize) -> Result<()> {
+    if got as u64 == u64::from(c.len) {
+        Ok(())
+    } else {
+        Err(Error::Corrupt {
+            id: c.id.to_hex(),
+            reason: format!("{got} bytes, the tree says {}", c.len),
+        })
+    }
+}
+
 /// Writes one file entry; `Ok(true)` when it shares its inode with the chunk cache.
 async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) -> Result<bool> {
     let EntryKind::File { size, chunks: refs } = &e.kind else {
         return Ok(false);
-    };
-    let check_len = |i: usize, got: usize| {
-        if got as u64 == refs[i].len as u64 {
-            Ok(())
-        } else {
-            Err(Error::Corrupt {
-                id: refs[i].id.to_hex(),
-                reason: format!("{got} bytes, the tree says {}", refs[i].len),
-            })
-        }
     };
     let create = |abs: &Path| {
         std::fs::OpenOptions::new()
@@ -502,24 +504,41 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
     // A file with extended attributes gets its own inode: the cache's is shared.
     let link = link && e.xattrs.is_empty() && chunks.cache().is_some();
     if let ([only], true) = (refs.as_slice(), link) {
-        // Verified, from the cache if it holds the chunk (then linked from it) or from the
-        // store (then written here once and adopted by the cache).
-        let data = chunks.get_uncached(&only.id).await?;
-        check_len(0, data.len())?;
-        let (chunks, id) = (chunks.clone(), only.id);
-        return blocking(move || {
+        let (only, id) = (*only, only.id);
+        let place = move |chunks: &ChunkStore, data: &[u8]| -> Result<bool> {
             let cache = chunks.cache().expect("checked above");
             if cache.link_to(&id, &abs, mode, mtime_ns)? {
                 return Ok(true);
             }
             let mut file = create(&abs)?;
-            std::io::Write::write_all(&mut file, &data)
+            std::io::Write::write_all(&mut file, data)
                 .map_err(|err| Error::io("write file", &abs, err))?;
             set_fd_metadata(&file, &abs, mode, mtime_ns)?;
             drop(file);
             cache.adopt(&id, &abs, data.len() as u64, mode)
-        })
-        .await;
+        };
+        // A cached chunk is read back, verified and linked in one hand-off to the blocking
+        // pool; one that is not is fetched, written here once and adopted by the cache.
+        let cached = if !chunks.cache().is_some_and(|c| c.contains(&id)) {
+            None
+        } else {
+            let (chunks, place) = (chunks.clone(), place.clone());
+            blocking(move || match chunks.get_cached_blocking(&id)? {
+                Some(data) => {
+                    check_len(&only, data.len())?;
+                    place(&chunks, &data).map(Some)
+                }
+                None => Ok(None),
+            })
+            .await?
+        };
+        if let Some(linked) = cached {
+            return Ok(linked);
+        }
+        let data = chunks.get_uncached(&id).await?;
+        check_len(&only, data.len())?;
+        let chunks = chunks.clone();
+        return blocking(move || place(&chunks, &data)).await;
     }
     let file = Arc::new({
         let abs = abs.clone();
@@ -534,7 +553,7 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
     let mut i = 0;
     while let Some(data) = stream.next().await {
         let data = data?;
-        check_len(i, data.len())?;
+        check_len(&refs[i], data.len())?;
         written += data.len() as u64;
         let (file, abs) = (file.clone(), abs.clone());
         blocking(move || {

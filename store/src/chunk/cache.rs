@@ -184,26 +184,31 @@ impl ChunkCache {
         if self.file(id).is_none() {
             return Ok(None);
         }
+        let (this, id) = (self.clone(), *id);
+        tokio::task::spawn_blocking(move || this.get_blocking(&id))
+            .await
+            .map_err(|e| Error::task("cache read", e))?
+    }
+
+    /// [`ChunkCache::get`] on the calling thread, for callers already off the runtime.
+    pub fn get_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
+        if self.file(id).is_none() {
+            return Ok(None);
+        }
         let path = self.path_of(id);
-        let id = *id;
-        let read = tokio::task::spawn_blocking(move || {
-            let data = std::fs::read(&path)?;
-            Ok::<_, std::io::Error>((ChunkId::of(&data) == id).then_some(data))
-        })
-        .await
-        .map_err(|e| Error::task("cache read", e))?;
+        let read = std::fs::read(&path).map(|data| (ChunkId::of(&data) == *id).then_some(data));
         match read {
             Ok(Some(data)) => Ok(Some(Bytes::from(data))),
             Ok(None) => {
                 tracing::warn!(chunk = %id, "cached chunk does not match its id; dropping it");
-                self.remove(&id);
+                self.remove(id);
                 Ok(None)
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                self.inner.lru.lock().remove(&id);
+                self.inner.lru.lock().remove(id);
                 Ok(None)
             }
-            Err(e) => Err(Error::io("read cached chunk", self.path_of(&id), e)),
+            Err(e) => Err(Error::io("read cached chunk", path, e)),
         }
     }
 
