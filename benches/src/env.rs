@@ -77,15 +77,16 @@ pub struct EnvArgs {
     /// Leave out the lock with a package built from source.
     #[arg(long)]
     no_sdist: bool,
-    /// Directory (on the disk to measure) for the venvs, stores and caches.
+    /// Directory (on the disk to measure) for the venvs, stores and caches; nothing is deleted
+    /// until the end, so it needs about 30 GB free for the full set.
     #[arg(long, default_value = "/var/tmp")]
     dir: PathBuf,
     /// The interpreter the venvs are made from.
     #[arg(long, default_value = ".venv/bin/python")]
     python: PathBuf,
-    /// Seconds to wait after emptying the trash between groups of runs (see `Trash`); 0 for a
-    /// quick check.
-    #[arg(long, default_value_t = 61)]
+    /// Seconds to let the disk settle (after a sync) between groups of runs (see `Trash`); 0
+    /// for a quick check.
+    #[arg(long, default_value_t = 10)]
     settle: u64,
     /// Write the results as Markdown to this file too.
     #[arg(long)]
@@ -216,14 +217,6 @@ fn timed(cmd: &mut Command) -> anyhow::Result<Duration> {
     Ok(t.elapsed())
 }
 
-fn remove(path: &Path) -> anyhow::Result<()> {
-    match std::fs::remove_dir_all(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("remove {}", path.display())),
-    }
-}
-
 fn du(path: &Path) -> u64 {
     let out = Command::new("du").args(["-sb"]).arg(path).output();
     out.ok()
@@ -281,10 +274,21 @@ pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
         Set::Full => "numpy, pandas",
         Set::Small => "numpy, requests",
     };
+    let mut works = Vec::new();
     for (label, lock) in locks {
         eprintln!("== {label} ==");
         let lazy_imports = (label == "wheels").then_some(imports);
-        let m = runtime.block_on(measure(args, &setup, weed.as_ref(), &lock, lazy_imports))?;
+        // Kept (with everything each measurement wrote) until the end: see `Trash`.
+        let work = tempfile::tempdir_in(&args.dir)?;
+        let m = runtime.block_on(measure(
+            work.path(),
+            args,
+            &setup,
+            weed.as_ref(),
+            &lock,
+            lazy_imports,
+        ))?;
+        works.push(work);
         let size = format!("{} MB, {} files", m.bytes / 1_000_000, m.files);
         let with_sdist = label != "wheels";
         for (store, cold, warm) in &m.restores {
@@ -336,11 +340,13 @@ pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
     table.finish(args.markdown.as_deref())
 }
 
-/// Where replaced venvs and caches go until a group of runs is over. Deleting tens of thousands
-/// of files just before a timed run makes the next file creations slow on some ext4 setups
-/// (without a journal, new inodes skip ones freed in the last minute), which would charge one
-/// tool for another's cleanup; so nothing is deleted inside a group, and between groups the
-/// trash is emptied, synced, and left to settle for `--settle` seconds.
+/// Where replaced venvs and caches go: nothing is deleted until the whole benchmark is over.
+/// Creating files soon after tens of thousands were deleted on the same ext4 file system is slow
+/// (new inodes skip ones freed in the last minute, or the last six while their inode table
+/// block is dirty, which creating files makes it), which would charge one tool for another's
+/// cleanup. So every tool writes into inodes nobody freed during the run; between groups of runs
+/// the file system is synced and left for `--settle` seconds, so the writeback of one group
+/// does not run during the next.
 struct Trash {
     dir: PathBuf,
     n: usize,
@@ -364,10 +370,8 @@ impl Trash {
         }
     }
 
-    /// Empties the trash before the next group of timed runs.
+    /// Quiets the disk before the next group of timed runs.
     fn settle(&mut self) -> anyhow::Result<()> {
-        remove(&self.dir)?;
-        std::fs::create_dir_all(&self.dir)?;
         run_ok(&mut Command::new("sync"))?;
         std::thread::sleep(self.settle);
         Ok(())
@@ -375,19 +379,19 @@ impl Trash {
 }
 
 async fn measure(
+    work: &Path,
     args: &EnvArgs,
     setup: &Setup,
     weed: Option<&SeaweedFs>,
     lock_body: &str,
     lazy_imports: Option<&str>,
 ) -> anyhow::Result<Measured> {
-    let work = tempfile::tempdir_in(&args.dir)?;
-    let mut trash = Trash::new(work.path(), Duration::from_secs(args.settle))?;
-    let lock = work.path().join("requirements.txt");
+    let mut trash = Trash::new(work, Duration::from_secs(args.settle))?;
+    let lock = work.join("requirements.txt");
     std::fs::write(&lock, lock_body)?;
-    let target = work.path().join("venv");
+    let target = work.join("venv");
     let runs = args.runs;
-    let node = |name: &str| work.path().join(name);
+    let node = |name: &str| work.join(name);
 
     // pip: the first run is the miss of an `ensure`, which captures and publishes the result.
     let local = Store::open(&node("store").display().to_string())?;
@@ -463,7 +467,7 @@ async fn measure(
             .arg("czf")
             .arg(&tgz)
             .arg("-C")
-            .arg(work.path())
+            .arg(work)
             .arg("venv"),
     )?;
     let copy_src = node("venv-src");
@@ -474,11 +478,7 @@ async fn measure(
     for _ in 0..runs {
         trash.retire(&target)?;
         tar.push(timed(
-            Command::new("tar")
-                .arg("xzf")
-                .arg(&tgz)
-                .arg("-C")
-                .arg(work.path()),
+            Command::new("tar").arg("xzf").arg(&tgz).arg("-C").arg(work),
         )?);
         trash.retire(&target)?;
         cp.push(timed(
