@@ -43,6 +43,10 @@ pub struct AllArgs {
     /// Leave README.md alone.
     #[arg(long)]
     no_readme: bool,
+    /// Run nothing: rewrite BENCHMARKS.md, the charts and the README summary from the reports
+    /// already in --out.
+    #[arg(long)]
+    no_run: bool,
 }
 
 /// How one benchmark runs.
@@ -204,7 +208,7 @@ pub fn all(args: &AllArgs) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
     let mut failed = Vec::new();
-    for b in &chosen {
+    for b in chosen.iter().filter(|_| !args.no_run) {
         let started = Instant::now();
         eprintln!("\n==== {} : {}", b.name, describe(runner(b)));
         let md = args.out.join(format!("{}.md", b.name));
