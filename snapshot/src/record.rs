@@ -19,11 +19,8 @@
 //! whose upload was cut short is never seen, and when several nodes capture one key at once the
 //! first complete one wins and the others keep theirs local.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use hotstart_prefetch::ArtifactDir;
-use hotstart_store::object_store::prefix::PrefixStore;
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store, Tree};
 use serde::{Deserialize, Serialize};
 
@@ -100,7 +97,7 @@ impl EnvStore {
     /// The environments under `store` (whose URL may carry its own prefix), with chunks cached as
     /// `chunk_cfg` says.
     pub fn new(store: &Store, chunk_cfg: ChunkStoreConfig) -> Result<EnvStore> {
-        let root = store.wrap(|inner| Arc::new(PrefixStore::new(inner, ENV_PREFIX)));
+        let root = store.prefixed(ENV_PREFIX);
         let chunks = ChunkStore::new(root.clone(), chunk_cfg)?;
         Ok(EnvStore { root, chunks })
     }

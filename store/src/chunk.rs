@@ -351,6 +351,30 @@ impl ChunkStore {
         self.fetch(*id, false).await
     }
 
+    /// [`ChunkStore::get_uncached`] on the calling thread, for callers already off the runtime,
+    /// when no network is involved: from the local cache, or from the store when it is a local
+    /// directory ([`Store::is_local`]). `Ok(None)` when the chunk would have to come from a
+    /// remote store.
+    pub fn get_uncached_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
+        if let Some(hit) = self.get_cached_blocking(id)? {
+            return Ok(Some(hit));
+        }
+        let Some(frame) = self.inner.store.get_blocking(&id.key()) else {
+            return Ok(None);
+        };
+        let frame = frame?;
+        self.count_fetch(frame.len());
+        let plain = decode_frame(id, &frame, self.inner.cfg.max_chunk_size)?;
+        self.inner.present.lock().insert(*id);
+        Ok(Some(plain))
+    }
+
+    fn count_fetch(&self, frame_len: usize) {
+        let mut stats = self.inner.stats.lock();
+        stats.fetched += 1;
+        stats.fetched_bytes += frame_len as u64;
+    }
+
     /// Many chunks with bounded concurrency, in input order.
     pub async fn get_many(&self, ids: &[ChunkId]) -> Result<Vec<Bytes>> {
         futures::stream::iter(ids)
@@ -382,11 +406,7 @@ impl ChunkStore {
     /// Fetches and verifies `id`, writing it to the cache when `cache` is set.
     async fn fetch(&self, id: ChunkId, cache: bool) -> Result<Bytes> {
         let frame = self.inner.store.get(&id.key()).await?;
-        {
-            let mut stats = self.inner.stats.lock();
-            stats.fetched += 1;
-            stats.fetched_bytes += frame.len() as u64;
-        }
+        self.count_fetch(frame.len());
         let max = self.inner.cfg.max_chunk_size;
         let cache = self.inner.cache.clone().filter(|_| cache);
         // Decoded and cached on one blocking thread: one hand-off per chunk, not two.

@@ -474,6 +474,18 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .map_err(|e| Error::task("write files", e))?
 }
 
+/// `Ok` when a file's chunks added up to the size the tree gives it.
+fn check_written(path: &str, written: u64, size: u64) -> Result<()> {
+    if written == size {
+        Ok(())
+    } else {
+        Err(Error::Format {
+            what: "tree",
+            reason: format!("{path}: wrote {written} bytes, expected {size}"),
+        })
+    }
+}
+
 /// `Ok` when a fetched chunk has the length the tree gives it.
 fn check_len(c: &ChunkRef, got: usize) -> Result<()> {
     if got as u64 == u64::from(c.len) {
@@ -500,7 +512,7 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             .open(abs)
             .map_err(|err| Error::io("create file", abs, err))
     };
-    let (mode, mtime_ns) = (e.mode, e.mtime_ns);
+    let (mode, mtime_ns, size) = (e.mode, e.mtime_ns, *size);
     // A file with extended attributes gets its own inode: the cache's is shared.
     let link = link && e.xattrs.is_empty() && chunks.cache().is_some();
     if let ([only], true) = (refs.as_slice(), link) {
@@ -517,13 +529,15 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             drop(file);
             cache.adopt(&id, &abs, data.len() as u64, mode)
         };
-        // A cached chunk is read back, verified and linked in one hand-off to the blocking
-        // pool; one that is not is fetched, written here once and adopted by the cache.
-        let cached = if !chunks.cache().is_some_and(|c| c.contains(&id)) {
+        // A chunk near at hand (cached, or in a local-directory store) is read, verified and
+        // placed in one hand-off to the blocking pool; one from a remote store is fetched here,
+        // then written into the tree once and adopted by the cache.
+        let near = chunks.store().is_local() || chunks.cache().is_some_and(|c| c.contains(&id));
+        let placed = if !near {
             None
         } else {
             let (chunks, place) = (chunks.clone(), place.clone());
-            blocking(move || match chunks.get_cached_blocking(&id)? {
+            blocking(move || match chunks.get_uncached_blocking(&id)? {
                 Some(data) => {
                     check_len(&only, data.len())?;
                     place(&chunks, &data).map(Some)
@@ -532,13 +546,36 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             })
             .await?
         };
-        if let Some(linked) = cached {
+        if let Some(linked) = placed {
             return Ok(linked);
         }
         let data = chunks.get_uncached(&id).await?;
         check_len(&only, data.len())?;
         let chunks = chunks.clone();
         return blocking(move || place(&chunks, &data)).await;
+    }
+    if chunks.store().is_local() {
+        // Reading a local store costs less than a hand-off per chunk: the whole file is written
+        // by one blocking thread, and its chunks are not copied into the cache (the store is
+        // as near as the cache would be).
+        let (chunks, refs, path) = (chunks.clone(), refs.clone(), e.path.clone());
+        return blocking(move || {
+            let mut file = create(&abs)?;
+            let mut written = 0u64;
+            for r in &refs {
+                let data = chunks
+                    .get_uncached_blocking(&r.id)?
+                    .ok_or_else(|| Error::NotFound { key: r.id.key() })?;
+                check_len(r, data.len())?;
+                std::io::Write::write_all(&mut file, &data)
+                    .map_err(|err| Error::io("write file", &abs, err))?;
+                written += data.len() as u64;
+            }
+            check_written(&path, written, size)?;
+            set_fd_metadata(&file, &abs, mode, mtime_ns)?;
+            Ok(false)
+        })
+        .await;
     }
     let file = Arc::new({
         let abs = abs.clone();
@@ -563,12 +600,7 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
         .await?;
         i += 1;
     }
-    if written != *size {
-        return Err(Error::Format {
-            what: "tree",
-            reason: format!("{}: wrote {written} bytes, expected {size}", e.path),
-        });
-    }
+    check_written(&e.path, written, size)?;
     blocking(move || set_fd_metadata(&file, &abs, mode, mtime_ns)).await?;
     Ok(false)
 }
@@ -829,6 +861,61 @@ mod tests {
         };
         let enc = tree.encode().unwrap();
         assert!(matches!(Tree::decode(&enc), Err(Error::UnsafePath { .. })));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn materialize_from_a_local_store_caches_only_what_it_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let big: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(src.join("small.py"), b"x = 1\n").unwrap();
+        std::fs::write(src.join("big.so"), &big).unwrap();
+        let cfg = crate::ChunkStoreConfig {
+            cache_dir: Some(dir.path().join("cache")),
+            ..Default::default()
+        };
+        let store = crate::Store::open(dir.path().join("store").to_str().unwrap()).unwrap();
+        let chunks = ChunkStore::new(store.prefixed("envs"), cfg).unwrap();
+        let tree = Tree::build(&src, &chunks, 1024).await.unwrap();
+        let opts = MaterializeOptions {
+            concurrency: 4,
+            link_from_cache: true,
+        };
+        let out = dir.path().join("out");
+        let stats = tree.materialize_with(&out, &chunks, &opts).await.unwrap();
+        assert_eq!(std::fs::read(out.join("big.so")).unwrap(), big);
+        assert_eq!(std::fs::read(out.join("small.py")).unwrap(), b"x = 1\n");
+        // The small file became the cache's copy; the large file's chunks stay in the store
+        // only, since reading them from a local store costs no more than from the cache.
+        assert_eq!(stats.linked, 1);
+        let cache = chunks.cache().unwrap();
+        assert!(cache.contains(&ChunkId::of(b"x = 1\n")));
+        let big_refs = match &tree
+            .entries
+            .iter()
+            .find(|e| e.path == "big.so")
+            .unwrap()
+            .kind
+        {
+            EntryKind::File { chunks, .. } => chunks.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert!(big_refs.len() > 1);
+        assert!(big_refs.iter().all(|r| !cache.contains(&r.id)));
+        assert_eq!(chunks.stats().fetched, 1 + big_refs.len() as u64);
+        // A chunk that went bad in the store fails the restore with the chunk named.
+        let victim = big_refs[1].id;
+        let frame = chunks.store().get(&victim.key()).await.unwrap();
+        let mut bad = frame.to_vec();
+        let last = bad.len() - 1;
+        bad[last] ^= 0xff;
+        chunks.store().put(&victim.key(), bad.into()).await.unwrap();
+        let err = tree
+            .materialize_with(&dir.path().join("out2"), &chunks, &opts)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(&victim.to_hex()), "{err}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

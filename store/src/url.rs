@@ -105,6 +105,7 @@ impl StoreUrl {
     /// configuration keys such as `aws_endpoint`, `aws_allow_http`, `aws_access_key_id`.
     pub fn open_with(&self, options: &[(String, String)]) -> Result<Store> {
         let label = self.to_string();
+        let mut local = None;
         let (inner, prefix): (Arc<dyn ObjectStore>, &str) = match self {
             StoreUrl::Local { root } => {
                 std::fs::create_dir_all(root)
@@ -115,7 +116,9 @@ impl StoreUrl {
                         reason: e.to_string(),
                     })?
                     .with_automatic_cleanup(true);
-                (Arc::new(fs), "")
+                let fs = Arc::new(fs);
+                local = Some((fs.clone(), String::new()));
+                (fs, "")
             }
             StoreUrl::Memory { prefix } => {
                 (Arc::new(object_store::memory::InMemory::new()), prefix)
@@ -132,6 +135,7 @@ impl StoreUrl {
         Ok(Store {
             inner,
             label: label.into(),
+            local,
         })
     }
 }
@@ -243,6 +247,10 @@ pub struct ObjectInfo {
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
     label: Arc<str>,
+    /// The same backend when it is a local directory opened from its URL, and the key prefix
+    /// applied since ([`Store::prefixed`]), for reads on the calling thread; `None` for remote
+    /// stores and wrapped ones (a wrapper sees every read).
+    local: Option<(Arc<object_store::local::LocalFileSystem>, String)>,
 }
 
 impl fmt::Debug for Store {
@@ -268,6 +276,7 @@ impl Store {
         Store {
             inner,
             label: label.into().into(),
+            local: None,
         }
     }
 
@@ -276,6 +285,20 @@ impl Store {
         Store {
             inner: f(self.inner.clone()),
             label: self.label.clone(),
+            local: None,
+        }
+    }
+
+    /// The same store with every key under `prefix`.
+    pub fn prefixed(&self, prefix: &str) -> Store {
+        let prefix = prefix.trim_matches('/');
+        Store {
+            inner: Arc::new(PrefixStore::new(self.inner.clone(), prefix)),
+            label: self.label.clone(),
+            local: self
+                .local
+                .as_ref()
+                .map(|(fs, outer)| (fs.clone(), format!("{outer}{prefix}/"))),
         }
     }
 
@@ -339,6 +362,32 @@ impl Store {
         res.bytes().await.map_err(|e| Error::store(key, e))
     }
 
+    /// Whether this store is a local directory read directly by [`Store::get_blocking`].
+    pub fn is_local(&self) -> bool {
+        self.local.is_some()
+    }
+
+    /// Reads a whole object on the calling thread, for callers already off the async runtime,
+    /// when this store is a local directory: `None` for any other store (use [`Store::get`]).
+    /// Saves the hand-off to a blocking thread that every async read of a local file costs,
+    /// which is most of the cost of reading many small objects.
+    pub fn get_blocking(&self, key: &str) -> Option<Result<Bytes>> {
+        let (local, prefix) = self.local.as_ref()?;
+        let read = || {
+            let file = local
+                .path_to_filesystem(&Self::path(&format!("{prefix}{key}"))?)
+                .map_err(|e| Error::store(key, e))?;
+            match std::fs::read(&file) {
+                Ok(data) => Ok(Bytes::from(data)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::NotFound {
+                    key: key.to_string(),
+                }),
+                Err(e) => Err(Error::io("read object", &file, e)),
+            }
+        };
+        Some(read())
+    }
+
     /// The size of an object.
     pub async fn size(&self, key: &str) -> Result<u64> {
         let path = Self::path(key)?;
@@ -394,6 +443,32 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn get_blocking_reads_local_directories_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).unwrap();
+        store
+            .put("envs/chunks/ab", Bytes::from_static(b"frame"))
+            .await
+            .unwrap();
+        let read = |s: &Store, key: &str| s.get_blocking(key).map(|r| r.map(|b| b.to_vec()));
+        assert!(store.is_local());
+        assert_eq!(read(&store, "envs/chunks/ab").unwrap().unwrap(), b"frame");
+        // A prefix keeps the direct path, and both paths agree on where a key lives.
+        let envs = store.prefixed("envs");
+        assert!(envs.is_local());
+        assert_eq!(read(&envs, "chunks/ab").unwrap().unwrap(), b"frame");
+        assert_eq!(&envs.get("chunks/ab").await.unwrap()[..], b"frame");
+        let missing = read(&envs, "chunks/cd").unwrap().unwrap_err();
+        assert!(missing.is_not_found(), "{missing}");
+        assert!(read(&envs, "../escape").unwrap().is_err());
+        // A wrapper must see every read, so a wrapped store has no direct path.
+        let wrapped = store.wrap(|inner| inner);
+        assert!(!wrapped.is_local() && read(&wrapped, "envs/chunks/ab").is_none());
+        let memory = Store::open("memory://").unwrap();
+        assert!(!memory.is_local() && read(&memory, "x").is_none());
+    }
 
     #[test]
     fn parses_every_scheme() {
