@@ -4,10 +4,11 @@
 //!    by its decoder, every chunk against its hash as it is read).
 //! 2. Materialise the tree into a temporary directory beside the target (same file system, so
 //!    the final rename is atomic): many files at once, each fetching several chunks ahead, so
-//!    chunk fetches run in parallel. A file of one chunk is hard-linked from the local chunk cache
-//!    when the cache is on the same file system (see
-//!    [`ChunkCache::link_to`](hotstart_store::ChunkCache::link_to)); everything else is written.
-//!    Modes, symlinks, hard links and mtimes are as captured.
+//!    chunk fetches run in parallel. A file is hard-linked from the local chunk cache when the
+//!    cache is on the same file system and holds it (a file of one chunk as that chunk, a larger
+//!    one whole: see [`ChunkCache::link_to`](hotstart_store::ChunkCache::link_to) and
+//!    [`ChunkCache::file_key`](hotstart_store::ChunkCache::file_key)); everything else is written
+//!    and then becomes the cache's copy. Modes, symlinks, hard links and mtimes are as captured.
 //! 3. If the target is not where the snapshot was captured, relocate (see [`crate::relocate`]).
 //! 4. Rename the temporary directory into place, or, when an older environment occupies the
 //!    target and may be replaced, swap the two atomically (`renameat2(RENAME_EXCHANGE)`) and then

@@ -350,8 +350,15 @@ impl Tree {
             }
         }
         let (links, plain): (Vec<_>, Vec<_>) = files.into_iter().partition(|(_, _, t)| t.is_some());
+        // Hard links need the cache on the destination's file system; elsewhere every file is
+        // written and a remote store's chunks are cached one by one.
+        let link = opts.link_from_cache
+            && chunks.cache().is_some_and(|c| {
+                let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+                dev(c.dir()).is_some_and(|d| dev(&dest) == Some(d))
+            });
         let linked: Vec<bool> = futures::stream::iter(plain)
-            .map(|(e, abs, _)| write_file(e, abs, chunks, opts.link_from_cache))
+            .map(|(e, abs, _)| write_file(e, abs, chunks, link))
             .buffer_unordered(opts.concurrency.max(1))
             .try_collect()
             .await?;
@@ -554,10 +561,34 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
         let chunks = chunks.clone();
         return blocking(move || place(&chunks, &data)).await;
     }
+    // A file of several chunks is kept in the cache whole (a hard link, as a one-chunk file is)
+    // under a key derived from its chunk list; a later restore re-hashes it and links it.
+    let whole = (link && refs.len() > 1).then(|| crate::ChunkCache::file_key(refs));
+    if let Some(key) = whole
+        && chunks.cache().is_some_and(|c| c.contains(&key))
+    {
+        let (chunks, refs, abs) = (chunks.clone(), refs.clone(), abs.clone());
+        let linked = blocking(move || {
+            let cache = chunks.cache().expect("checked above");
+            Ok(cache.verify_file(&key, &refs)? && cache.link_to(&key, &abs, mode, mtime_ns)?)
+        })
+        .await?;
+        if linked {
+            return Ok(true);
+        }
+    }
+    // The written file gets its metadata, then becomes the cache's copy.
+    let finish = move |chunks: &ChunkStore, file: &std::fs::File, abs: &Path| -> Result<bool> {
+        set_fd_metadata(file, abs, mode, mtime_ns)?;
+        match (whole, chunks.cache()) {
+            (Some(key), Some(cache)) => cache.adopt(&key, abs, size, mode),
+            _ => Ok(false),
+        }
+    };
     if chunks.store().is_local() {
         // Reading a local store costs less than a hand-off per chunk: the whole file is written
         // by one blocking thread, and its chunks are not copied into the cache (the store is
-        // as near as the cache would be).
+        // as near as the cache would be; the file itself may become the cache's copy).
         let (chunks, refs, path) = (chunks.clone(), refs.clone(), e.path.clone());
         return blocking(move || {
             let mut file = create(&abs)?;
@@ -572,8 +603,7 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
                 written += data.len() as u64;
             }
             check_written(&path, written, size)?;
-            set_fd_metadata(&file, &abs, mode, mtime_ns)?;
-            Ok(false)
+            finish(&chunks, &file, &abs)
         })
         .await;
     }
@@ -581,11 +611,15 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
         let abs = abs.clone();
         blocking(move || create(&abs)).await?
     });
-    let ids: Vec<ChunkId> = refs.iter().map(|c| c.id).collect();
     let mut written = 0u64;
-    // Fetch ahead while writing in order.
-    let mut stream = futures::stream::iter(ids.iter())
-        .map(|id| chunks.get(id))
+    // Fetch ahead while writing in order. A file the cache keeps whole needs no cached chunks.
+    let mut stream = futures::stream::iter(refs.iter())
+        .map(|r| async move {
+            match whole {
+                Some(_) => chunks.get_uncached(&r.id).await,
+                None => chunks.get(&r.id).await,
+            }
+        })
         .buffered(8);
     let mut i = 0;
     while let Some(data) = stream.next().await {
@@ -601,8 +635,8 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
         i += 1;
     }
     check_written(&e.path, written, size)?;
-    blocking(move || set_fd_metadata(&file, &abs, mode, mtime_ns)).await?;
-    Ok(false)
+    let chunks = chunks.clone();
+    blocking(move || finish(&chunks, &file, &abs)).await
 }
 
 /// Sets the permission bits and the access and modification times of an open file.
@@ -864,7 +898,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn materialize_from_a_local_store_caches_only_what_it_links() {
+    async fn materialize_from_a_local_store_caches_whole_files() {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("src");
         std::fs::create_dir_all(&src).unwrap();
@@ -886,9 +920,9 @@ mod tests {
         let stats = tree.materialize_with(&out, &chunks, &opts).await.unwrap();
         assert_eq!(std::fs::read(out.join("big.so")).unwrap(), big);
         assert_eq!(std::fs::read(out.join("small.py")).unwrap(), b"x = 1\n");
-        // The small file became the cache's copy; the large file's chunks stay in the store
-        // only, since reading them from a local store costs no more than from the cache.
-        assert_eq!(stats.linked, 1);
+        // Both files became the cache's copies: the small one as its chunk, the large one whole.
+        // The large file's chunks are not cached one by one.
+        assert_eq!(stats.linked, 2);
         let cache = chunks.cache().unwrap();
         assert!(cache.contains(&ChunkId::of(b"x = 1\n")));
         let big_refs = match &tree
@@ -903,8 +937,29 @@ mod tests {
         };
         assert!(big_refs.len() > 1);
         assert!(big_refs.iter().all(|r| !cache.contains(&r.id)));
+        let whole = crate::ChunkCache::file_key(&big_refs);
+        let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+        assert_eq!(ino(&cache.path_of(&whole)), ino(&out.join("big.so")));
         assert_eq!(chunks.stats().fetched, 1 + big_refs.len() as u64);
+        // A second restore links both and fetches nothing.
+        let again = dir.path().join("again");
+        let stats = tree.materialize_with(&again, &chunks, &opts).await.unwrap();
+        assert_eq!(stats.linked, 2);
+        assert_eq!(chunks.stats().fetched, 1 + big_refs.len() as u64);
+        assert_eq!(ino(&again.join("big.so")), ino(&out.join("big.so")));
+        // A cached whole file that was changed is dropped, and the file written from the store.
+        std::fs::remove_dir_all(&out).unwrap();
+        std::fs::remove_dir_all(&again).unwrap();
+        let mut damaged = big.clone();
+        damaged[4000] ^= 1;
+        std::fs::write(cache.path_of(&whole), &damaged).unwrap();
+        let third = dir.path().join("third");
+        tree.materialize_with(&third, &chunks, &opts).await.unwrap();
+        assert_eq!(std::fs::read(third.join("big.so")).unwrap(), big);
+        assert_eq!(std::fs::read(cache.path_of(&whole)).unwrap(), big);
+        assert_eq!(chunks.stats().fetched, 1 + 2 * big_refs.len() as u64);
         // A chunk that went bad in the store fails the restore with the chunk named.
+        cache.remove(&whole);
         let victim = big_refs[1].id;
         let frame = chunks.store().get(&victim.key()).await.unwrap();
         let mut bad = frame.to_vec();
@@ -946,9 +1001,10 @@ mod tests {
         let out = dir.path().join("out");
         let stats = tree.materialize_with(&out, &chunks, &opts).await.unwrap();
         // small.py and same.py hold the same bytes with different modes: whichever comes first
-        // is linked, the other written. big.bin has several chunks and the empty file none.
+        // becomes the cache's copy, the other is written. big.bin has several chunks and is kept
+        // whole; the empty file has none.
         assert_eq!(stats.files, 4);
-        assert_eq!(stats.linked, 1);
+        assert_eq!(stats.linked, 2);
         let cache = chunks.cache().unwrap();
         let small_id = ChunkId::of(b"x = 1\n");
         let cached = std::fs::metadata(cache.path_of(&small_id)).unwrap();

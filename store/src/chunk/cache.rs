@@ -7,7 +7,9 @@
 //! a cache file damaged on disk is dropped and refetched rather than returned.
 //!
 //! [`ChunkCache::link_to`] hands a cache file out as a hard link (restoring a tree without writing
-//! its small files again). Such a file keeps its name in the cache and takes the linked entry's
+//! its files again). Besides chunks, the cache holds whole files of several chunks, named by a
+//! key derived from their chunk list ([`ChunkCache::file_key`]) and checked chunk by chunk before
+//! use ([`ChunkCache::verify_file`]). Such a file keeps its name in the cache and takes the linked entry's
 //! mode and mtime, so after a reopen it may rank older in the LRU order; evicting it removes only
 //! the cache's name.
 
@@ -21,6 +23,7 @@ use parking_lot::Mutex;
 use super::ChunkId;
 use crate::error::{Error, Result};
 use crate::lru::LruIndex;
+use crate::tree::ChunkRef;
 
 /// A bounded on-disk cache of verified chunk plaintext. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -82,6 +85,11 @@ impl ChunkCache {
         let evicted = cache.inner.lru.lock().evict(capacity);
         cache.remove_files(&evicted);
         Ok(cache)
+    }
+
+    /// The cache's directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
     }
 
     /// The file that holds `id` (whether or not it is cached).
@@ -258,8 +266,8 @@ impl ChunkCache {
         Ok(())
     }
 
-    /// Takes `path`, a complete file holding exactly the (verified) bytes of chunk `id`, into
-    /// the cache as a hard link of it: a restore that has just written the file then needn't
+    /// Takes `path`, a complete file holding exactly the (verified) bytes of chunk `id` (or of
+    /// the chunks whose [`ChunkCache::file_key`] `id` is), into the cache as a hard link of it: a restore that has just written the file then needn't
     /// write the cache's copy too. The file shares its inode with the cache from then on, as one
     /// [`ChunkCache::link_to`] made does. `Ok(false)`, and nothing done, when `id` is cached
     /// already, `mode` would make the cache file unreadable, or `path` is on another file
@@ -297,6 +305,55 @@ impl ChunkCache {
         };
         self.remove_files(&evicted);
         Ok(true)
+    }
+
+    /// The cache key of a whole file made of `chunks` in order. [`ChunkCache::adopt`] takes a
+    /// restored file of several chunks under it, so a later restore links the file as it links
+    /// a one-chunk file instead of writing it again. Derived under its own context, so it is
+    /// never the id of a chunk.
+    pub fn file_key(chunks: &[ChunkRef]) -> ChunkId {
+        let mut h = blake3::Hasher::new_derive_key("hotstart 2026 cached file of chunks");
+        for c in chunks {
+            h.update(&c.id.0);
+            h.update(&c.len.to_le_bytes());
+        }
+        ChunkId(*h.finalize().as_bytes())
+    }
+
+    /// Whether the cached file under `key` ([`ChunkCache::file_key`]) still holds exactly
+    /// `chunks`, each re-hashed; one that does not is dropped and reported as `false`, like a
+    /// damaged chunk.
+    pub fn verify_file(&self, key: &ChunkId, chunks: &[ChunkRef]) -> Result<bool> {
+        use std::io::Read;
+        if self.file(key).is_none() {
+            return Ok(false);
+        }
+        let path = self.path_of(key);
+        let mut file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.inner.lru.lock().remove(key);
+                return Ok(false);
+            }
+            Err(e) => return Err(Error::io("open cached file", path, e)),
+        };
+        let mut buf = Vec::new();
+        let mut intact = true;
+        for c in chunks {
+            buf.resize(c.len as usize, 0);
+            let read = file.read_exact(&mut buf);
+            if read.is_err() || ChunkId::of(&buf) != c.id {
+                intact = false;
+                break;
+            }
+        }
+        // Nothing may follow the last chunk.
+        intact = intact && file.read(&mut [0u8; 1]).is_ok_and(|n| n == 0);
+        if !intact {
+            tracing::warn!(path = %path.display(), "cached file does not match its chunks; dropping it");
+            self.remove(key);
+        }
+        Ok(intact)
     }
 
     /// Drops `id` from the cache.
@@ -446,5 +503,36 @@ mod tests {
             assert!(!cache.adopt(&id, &there, 9, 0o644).unwrap());
             assert!(!cache.contains(&id));
         }
+    }
+
+    #[test]
+    fn a_whole_file_is_checked_chunk_by_chunk_before_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = ChunkCache::open(&dir.path().join("cache"), 1 << 20).unwrap();
+        let parts: [&[u8]; 2] = [b"first chunk ", b"second"];
+        let refs: Vec<ChunkRef> = parts
+            .iter()
+            .map(|p| ChunkRef {
+                id: ChunkId::of(p),
+                len: p.len() as u32,
+            })
+            .collect();
+        let key = ChunkCache::file_key(&refs);
+        // Its own key: neither chunk's id, nor the key of the chunks in another order.
+        assert!(refs.iter().all(|r| r.id != key));
+        assert_ne!(key, ChunkCache::file_key(&[refs[1], refs[0]]));
+        assert_ne!(key, ChunkId::of(&parts.concat()));
+
+        let file = dir.path().join("lib.so");
+        std::fs::write(&file, parts.concat()).unwrap();
+        assert!(cache.adopt(&key, &file, 18, 0o644).unwrap());
+        assert!(cache.verify_file(&key, &refs).unwrap());
+        // One byte more at the end (through the shared inode): dropped, and a miss from then on.
+        let mut longer = parts.concat();
+        longer.push(b'!');
+        std::fs::write(&file, &longer).unwrap();
+        assert!(!cache.verify_file(&key, &refs).unwrap());
+        assert!(!cache.contains(&key) && !cache.path_of(&key).exists());
+        assert!(!cache.verify_file(&key, &refs).unwrap());
     }
 }
