@@ -22,6 +22,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -357,11 +358,31 @@ impl Tree {
                 let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
                 dev(c.dir()).is_some_and(|d| dev(&dest) == Some(d))
             });
-        let linked: Vec<bool> = futures::stream::iter(plain)
-            .map(|(e, abs, _)| write_file(e, abs, chunks, link))
-            .buffer_unordered(opts.concurrency.max(1))
-            .try_collect()
-            .await?;
+        // After the first error no new file is started, but those under way are waited for: their
+        // writes run on blocking threads that would otherwise go on creating files in `dest`
+        // while the caller removes it.
+        let failed = AtomicBool::new(false);
+        let mut writes = futures::stream::iter(
+            plain
+                .into_iter()
+                .take_while(|_| !failed.load(Ordering::Relaxed)),
+        )
+        .map(|(e, abs, _)| write_file(e, abs, chunks, link))
+        .buffer_unordered(opts.concurrency.max(1));
+        let (mut linked, mut error) = (Vec::new(), None);
+        while let Some(res) = writes.next().await {
+            match res {
+                Ok(l) => linked.push(l),
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    error.get_or_insert(e);
+                }
+            }
+        }
+        drop(writes);
+        if let Some(e) = error {
+            return Err(e);
+        }
         let mut stats = MaterializeStats {
             files: linked.len() as u64,
             linked: linked.iter().filter(|l| **l).count() as u64,
