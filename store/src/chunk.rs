@@ -364,9 +364,23 @@ impl ChunkStore {
         };
         let frame = frame?;
         self.count_fetch(frame.len());
-        let plain = decode_frame(id, &frame, self.inner.cfg.max_chunk_size)?;
+        self.decode(id, &frame).map(Some)
+    }
+
+    /// The stored frame of `id` as fetched, neither decoded nor verified nor cached: for a
+    /// caller that decodes it ([`ChunkStore::decode`]) on a blocking thread together with what
+    /// it does with the bytes, in one hand-off.
+    pub async fn fetch_frame(&self, id: &ChunkId) -> Result<Bytes> {
+        let frame = self.inner.store.get(&id.key()).await?;
+        self.count_fetch(frame.len());
+        Ok(frame)
+    }
+
+    /// The verified plaintext of a frame of `id` from [`ChunkStore::fetch_frame`].
+    pub fn decode(&self, id: &ChunkId, frame: &[u8]) -> Result<Bytes> {
+        let plain = decode_frame(id, frame, self.inner.cfg.max_chunk_size)?;
         self.inner.present.lock().insert(*id);
-        Ok(Some(plain))
+        Ok(plain)
     }
 
     fn count_fetch(&self, frame_len: usize) {
@@ -405,25 +419,21 @@ impl ChunkStore {
 
     /// Fetches and verifies `id`, writing it to the cache when `cache` is set.
     async fn fetch(&self, id: ChunkId, cache: bool) -> Result<Bytes> {
-        let frame = self.inner.store.get(&id.key()).await?;
-        self.count_fetch(frame.len());
-        let max = self.inner.cfg.max_chunk_size;
-        let cache = self.inner.cache.clone().filter(|_| cache);
+        let frame = self.fetch_frame(&id).await?;
+        let this = self.clone();
         // Decoded and cached on one blocking thread: one hand-off per chunk, not two.
-        let plain = tokio::task::spawn_blocking(move || {
-            let plain = decode_frame(&id, &frame, max)?;
-            if let Some(cache) = cache
+        tokio::task::spawn_blocking(move || {
+            let plain = this.decode(&id, &frame)?;
+            if let Some(cache) = this.inner.cache.as_ref().filter(|_| cache)
                 && let Err(e) = cache.insert_blocking(&id, &plain)
             {
                 // A cache that cannot be written is a slower read next time, not a failed read.
                 tracing::warn!(chunk = %id, error = %e, "could not cache chunk");
             }
-            Ok::<_, Error>(plain)
+            Ok(plain)
         })
         .await
-        .map_err(|e| Error::task("chunk decode", e))??;
-        self.inner.present.lock().insert(id);
-        Ok(plain)
+        .map_err(|e| Error::task("chunk decode", e))?
     }
 }
 

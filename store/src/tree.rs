@@ -559,7 +559,8 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
         };
         // A chunk near at hand (cached, or in a local-directory store) is read, verified and
         // placed in one hand-off to the blocking pool; one from a remote store is fetched here,
-        // then written into the tree once and adopted by the cache.
+        // then decoded, verified, written into the tree once and adopted by the cache in one
+        // hand-off.
         let near = chunks.store().is_local() || chunks.cache().is_some_and(|c| c.contains(&id));
         let placed = if !near {
             None
@@ -577,10 +578,14 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
         if let Some(linked) = placed {
             return Ok(linked);
         }
-        let data = chunks.get_uncached(&id).await?;
-        check_len(&only, data.len())?;
+        let frame = chunks.fetch_frame(&id).await?;
         let chunks = chunks.clone();
-        return blocking(move || place(&chunks, &data)).await;
+        return blocking(move || {
+            let data = chunks.decode(&id, &frame)?;
+            check_len(&only, data.len())?;
+            place(&chunks, &data)
+        })
+        .await;
     }
     // A file of several chunks is kept in the cache whole (a hard link, as a one-chunk file is)
     // under a key derived from its chunk list; a later restore re-hashes it and links it.
