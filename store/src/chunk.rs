@@ -309,10 +309,7 @@ impl ChunkStore {
 
     /// The verified plaintext of `id`.
     pub async fn get(&self, id: &ChunkId) -> Result<Bytes> {
-        if let Some(cache) = &self.inner.cache
-            && let Some(bytes) = cache.get(id).await?
-        {
-            self.inner.stats.lock().cache_hits += 1;
+        if let Some(bytes) = self.cached(id).await? {
             return Ok(bytes);
         }
         let fetch = {
@@ -325,27 +322,27 @@ impl ChunkStore {
         fetch.await.map_err(Error::Shared)
     }
 
-    /// The verified bytes of `id` from the local cache, on the calling thread (for callers
-    /// already off the runtime); `None` when it is not cached.
-    pub fn get_cached_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
+    /// The verified bytes of `id` from the local cache, counted as a hit; `None` when not cached.
+    async fn cached(&self, id: &ChunkId) -> Result<Option<Bytes>> {
         let Some(cache) = &self.inner.cache else {
             return Ok(None);
         };
-        let hit = cache.get_blocking(id)?;
+        let hit = cache.get(id).await?;
+        self.count_hit(&hit);
+        Ok(hit)
+    }
+
+    fn count_hit(&self, hit: &Option<Bytes>) {
         if hit.is_some() {
             self.inner.stats.lock().cache_hits += 1;
         }
-        Ok(hit)
     }
 
     /// [`ChunkStore::get`] for a caller that writes the bytes to a file of its own and then
     /// hands that file to the cache ([`ChunkCache::adopt`]): a chunk that is not cached yet is
     /// fetched and verified but not written to the cache, so its bytes are written once.
     pub async fn get_uncached(&self, id: &ChunkId) -> Result<Bytes> {
-        if let Some(cache) = &self.inner.cache
-            && let Some(bytes) = cache.get(id).await?
-        {
-            self.inner.stats.lock().cache_hits += 1;
+        if let Some(bytes) = self.cached(id).await? {
             return Ok(bytes);
         }
         self.fetch(*id, false).await
@@ -356,8 +353,12 @@ impl ChunkStore {
     /// directory ([`Store::is_local`]). `Ok(None)` when the chunk would have to come from a
     /// remote store.
     pub fn get_uncached_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
-        if let Some(hit) = self.get_cached_blocking(id)? {
-            return Ok(Some(hit));
+        if let Some(cache) = &self.inner.cache {
+            let hit = cache.get_blocking(id)?;
+            self.count_hit(&hit);
+            if hit.is_some() {
+                return Ok(hit);
+            }
         }
         let Some(frame) = self.inner.store.get_blocking(&id.key()) else {
             return Ok(None);

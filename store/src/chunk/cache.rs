@@ -6,12 +6,14 @@
 //! (oldest modification first) to rebuild the LRU order; on every hit the content is re-hashed, so
 //! a cache file damaged on disk is dropped and refetched rather than returned.
 //!
+//! Besides chunks, the cache holds whole files of several chunks, named by a key derived from
+//! their chunk list ([`ChunkCache::file_key`]) and checked chunk by chunk before use
+//! ([`ChunkCache::verify_file`]).
+//!
 //! [`ChunkCache::link_to`] hands a cache file out as a hard link (restoring a tree without writing
-//! its files again). Besides chunks, the cache holds whole files of several chunks, named by a
-//! key derived from their chunk list ([`ChunkCache::file_key`]) and checked chunk by chunk before
-//! use ([`ChunkCache::verify_file`]). Such a file keeps its name in the cache and takes the linked entry's
-//! mode and mtime, so after a reopen it may rank older in the LRU order; evicting it removes only
-//! the cache's name.
+//! its files again). Such a file keeps its name in the cache and takes the linked entry's mode and
+//! mtime, so after a reopen it may rank older in the LRU order; evicting it removes only the
+//! cache's name.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -189,7 +191,8 @@ impl ChunkCache {
     /// The verified plaintext of `id`, if cached. A cache file that no longer matches its id is
     /// removed and reported as a miss.
     pub async fn get(&self, id: &ChunkId) -> Result<Option<Bytes>> {
-        if self.file(id).is_none() {
+        // A miss needs no blocking thread; a hit is marked used by `get_blocking`.
+        if !self.contains(id) {
             return Ok(None);
         }
         let (this, id) = (self.clone(), *id);
