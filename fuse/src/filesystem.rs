@@ -58,6 +58,11 @@ pub struct CachePolicy {
     pub negative_ttl: Option<Duration>,
     /// Keep an inode's page cache across opens (the file's bytes cannot change under it).
     pub keep_page_cache: bool,
+    /// Opening a file or directory needs no handle and closing one nothing to finish (a tree
+    /// that never changes): where the kernel supports it, it is told to send no open, opendir,
+    /// flush or release at all, and it then keeps file pages and directory listings cached.
+    /// [`Filesystem::open`] is then never called, and reads and listings get handle 0.
+    pub stateless_open: bool,
 }
 
 fn read_only(what: &str, ino: u64) -> FsError {
@@ -252,6 +257,7 @@ impl Filesystem for StripedFs {
             ttl: self.config().stat_ttl,
             negative_ttl: None,
             keep_page_cache: false,
+            stateless_open: false,
         }
     }
 

@@ -13,22 +13,34 @@
 //! open (so "open existing without truncation" can be told apart), and a `max_background` large
 //! enough for many parallel reads.
 //!
+//! A request is first run on the session thread that read it, as far as it goes without
+//! waiting: what the filesystem answers from memory (a lookup, a read of cached bytes) is
+//! answered there, with no hand-off between threads; an operation that must wait (a GET) goes on
+//! as a task. For a process that opens thousands of small files one after another (Python
+//! importing packages), the hand-off was a large part of each request's time. `ioctl` is
+//! answered ENOTTY at once (Python asks `isatty` of every file it opens).
+//!
 //! What the kernel may cache comes from the filesystem's [`CachePolicy`]: the TTL of entries and
 //! attributes, whether "no such name" is cached too (a negative entry), and whether an open keeps
 //! the inode's page cache. Symlinks and extended attributes are passed through; a filesystem
-//! without xattrs answers ENOSYS once, so the kernel stops asking.
+//! without xattrs answers ENOSYS once, so the kernel stops asking. A filesystem whose opens are
+//! stateless ([`CachePolicy::stateless_open`]) answers open, opendir and flush ENOSYS where the
+//! kernel supports that, so it stops sending them (and release): three of the four requests
+//! that opening and closing a small file took; listings are then served by offset from
+//! [`Filesystem::readdir`] and kept in the kernel's page cache.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Waker};
 use std::time::SystemTime;
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
+    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, TimeOrNow, WriteFlags,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use parking_lot::Mutex;
 
@@ -45,6 +57,10 @@ pub(crate) struct FuseAdapter<F> {
     max_background: u16,
     dirs: Arc<Mutex<HashMap<u64, Arc<Vec<NodeEntry>>>>>,
     next_dir: AtomicU64,
+    /// The kernel sends no open, flush or release (set at `init`).
+    no_open: bool,
+    /// The kernel sends no opendir or releasedir (set at `init`).
+    no_opendir: bool,
 }
 
 /// A reply that can carry an error; every reply a spawned request sends is one.
@@ -66,6 +82,7 @@ error_reply!(
     ReplyAttr,
     ReplyCreate,
     ReplyData,
+    ReplyDirectory,
     ReplyEmpty,
     ReplyEntry,
     ReplyOpen,
@@ -86,12 +103,23 @@ impl<F: Filesystem> FuseAdapter<F> {
         R: ErrorReply + Send + 'static,
         T: Send + 'static,
     {
-        self.rt.spawn(async move {
+        self.run(async move {
             match op.await {
                 Ok(v) => ok(reply, v),
                 Err(e) => reply.fail(errno(what, &e)),
             }
         });
+    }
+
+    /// Runs `task` on this thread until it first has to wait, then as a task on the runtime.
+    fn run(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let _rt = self.rt.enter();
+        let mut task = Box::pin(task);
+        // A task left pending is polled again by the runtime at once, with its own waker.
+        let mut cx = Context::from_waker(Waker::noop());
+        if task.as_mut().poll(&mut cx).is_pending() {
+            self.rt.spawn(task);
+        }
     }
 
     pub(crate) fn new(fs: Arc<F>, rt: tokio::runtime::Handle, max_background: u16) -> Self {
@@ -102,6 +130,8 @@ impl<F: Filesystem> FuseAdapter<F> {
             max_background,
             dirs: Arc::new(Mutex::new(HashMap::new())),
             next_dir: AtomicU64::new(1),
+            no_open: false,
+            no_opendir: false,
         }
     }
 }
@@ -155,6 +185,29 @@ fn xattr_reply(reply: ReplyXattr, size: u32, bytes: &[u8]) {
     }
 }
 
+/// Fills `reply` with directory `ino`'s listing from `offset` on. Offsets: 1 = ".", 2 = "..",
+/// 3.. = entries; each entry carries the offset of the next.
+fn list_dir(mut reply: ReplyDirectory, ino: INodeNo, entries: &[NodeEntry], offset: u64) {
+    let dots = [
+        (ino, FileType::Directory, "."),
+        (ino, FileType::Directory, ".."),
+    ];
+    let listed = entries
+        .iter()
+        .map(|e| (INodeNo(e.ino), file_type(e.kind), e.name.as_str()));
+    for (i, (ino, kind, name)) in dots
+        .into_iter()
+        .chain(listed)
+        .enumerate()
+        .skip(offset as usize)
+    {
+        if reply.add(ino, i as u64 + 1, kind, name) {
+            break;
+        }
+    }
+    reply.ok();
+}
+
 /// A name as UTF-8, or EINVAL (object keys are UTF-8).
 fn utf8(name: &OsStr) -> Result<String, Errno> {
     name.to_str().map(str::to_string).ok_or_else(|| {
@@ -185,6 +238,11 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         let _ = config.set_max_readahead(MAX_IO);
         let _ = config.set_max_background(self.max_background);
         let _ = config.set_congestion_threshold(self.max_background / 4 * 3);
+        if self.policy.stateless_open {
+            let offered = config.capabilities();
+            self.no_open = offered.contains(InitFlags::FUSE_NO_OPEN_SUPPORT);
+            self.no_opendir = offered.contains(InitFlags::FUSE_NO_OPENDIR_SUPPORT);
+        }
         Ok(())
     }
 
@@ -200,7 +258,7 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
             );
         };
         // A cached "no such name": an entry reply for inode 0, valid for `negative`.
-        self.rt.spawn(async move {
+        self.run(async move {
             match fs.lookup(parent.0, &name).await {
                 Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
                 Err(e) if e.errno() == libc::ENOENT => {
@@ -331,6 +389,10 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if self.no_open {
+            // Stateless: the kernel opens without us from now on.
+            return reply.error(Errno::ENOSYS);
+        }
         let fs = self.fs.clone();
         let open_flags = if self.policy.keep_page_cache {
             FopenFlags::FOPEN_KEEP_CACHE
@@ -361,7 +423,7 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         }
         let name = name_or_reply!(name, reply);
         let fs = self.fs.clone();
-        self.rt.spawn(async move {
+        self.run(async move {
             match fs.getxattr(ino.0, &name).await {
                 Ok(Some(value)) => xattr_reply(reply, size, &value),
                 Ok(None) => reply.error(Errno::NO_XATTR),
@@ -465,6 +527,10 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        if self.no_open {
+            // Nothing to finish at close: the kernel stops sending flush.
+            return reply.error(Errno::ENOSYS);
+        }
         let fs = self.fs.clone();
         self.serve(
             "flush",
@@ -504,6 +570,10 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        if self.no_opendir {
+            // Listings are served by offset (`readdir`) and cached by the kernel.
+            return reply.error(Errno::ENOSYS);
+        }
         let fs = self.fs.clone();
         let dirs = self.dirs.clone();
         let fh = self.next_dir.fetch_add(1, Ordering::Relaxed);
@@ -520,30 +590,19 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
-        mut reply: ReplyDirectory,
+        reply: ReplyDirectory,
     ) {
+        if self.no_opendir && fh.0 == 0 {
+            let fs = self.fs.clone();
+            let op = async move { fs.readdir(ino.0).await };
+            return self.serve("readdir", reply, op, move |r, entries| {
+                list_dir(r, ino, &entries, offset);
+            });
+        }
         let Some(entries) = self.dirs.lock().get(&fh.0).cloned() else {
             return reply.error(Errno::EBADF);
         };
-        // Offsets: 1 = ".", 2 = "..", 3.. = entries; each entry carries the offset of the next.
-        let dots = [
-            (ino, FileType::Directory, "."),
-            (ino, FileType::Directory, ".."),
-        ];
-        let listed = entries
-            .iter()
-            .map(|e| (INodeNo(e.ino), file_type(e.kind), e.name.as_str()));
-        for (i, (ino, kind, name)) in dots
-            .into_iter()
-            .chain(listed)
-            .enumerate()
-            .skip(offset as usize)
-        {
-            if reply.add(ino, i as u64 + 1, kind, name) {
-                break;
-            }
-        }
-        reply.ok();
+        list_dir(reply, ino, &entries, offset);
     }
 
     fn releasedir(
@@ -556,6 +615,21 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
     ) {
         self.dirs.lock().remove(&fh.0);
         reply.ok();
+    }
+
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        // What any file that is not a terminal answers (`isatty` asks with TCGETS).
+        reply.error(Errno::ENOTTY);
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

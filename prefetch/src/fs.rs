@@ -270,6 +270,7 @@ impl Filesystem for ImageFs {
             ttl: self.ttl,
             negative_ttl: Some(self.ttl),
             keep_page_cache: true,
+            stateless_open: true,
         }
     }
 

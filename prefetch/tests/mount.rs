@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -127,6 +128,21 @@ fn images_mount_identical(env: &Env) {
             assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
             let err = std::fs::read(mp.join("data")).unwrap_err();
             assert_eq!(err.raw_os_error(), Some(libc::EISDIR), "{err}");
+            // Opens are stateless (the kernel stops sending them): writing is still refused,
+            // and `isatty` gets what any file that is not a terminal answers.
+            let big = mp.join("data/big");
+            let err = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&big)
+                .unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+            let f = std::fs::File::open(&big).unwrap();
+            // SAFETY: `f` is open for the whole call.
+            let tty = unsafe { libc::isatty(f.as_raw_fd()) };
+            assert_eq!(tty, 0);
+            let err = std::io::Error::last_os_error();
+            assert_eq!(err.raw_os_error(), Some(libc::ENOTTY), "{err}");
         });
         // The walk read every byte of every distinct chunk.
         let (_, tree) = env
