@@ -1,11 +1,10 @@
 //! `hotstart env ...`: dependency snapshots (key, ensure, ls, gc).
 
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use hotstart_fuse::MountOptions;
 use hotstart_prefetch::LazyConfig;
 use hotstart_snapshot::gc::{GcOptions, gc, list};
 use hotstart_snapshot::{
@@ -244,11 +243,7 @@ async fn ensure_cmd(args: EnsureArgs) -> anyhow::Result<()> {
     if args.lazy {
         let lazy = LazyConfig {
             memory_cache: args.lazy_memory_mib << 20,
-            mount: MountOptions {
-                fs_name: "hotstart-env".to_string(),
-                ..LazyConfig::default().mount
-            },
-            ..LazyConfig::default()
+            ..hotstart_snapshot::lazy_config()
         };
         return ensure_lazy_cmd(&store, &cfg, lazy, args.json).await;
     }
@@ -289,6 +284,7 @@ async fn ensure_lazy_cmd(
     };
     let target = mounted.target.clone();
     eprintln!("hotstart env: {mounted}; Ctrl-C or SIGTERM unmounts");
+    let mounted_at = Instant::now();
     let replayed = tokio::select! {
         r = mounted.mount_mut().prefetch_done() => Some(r.unwrap_or_default()),
         r = signals.wait_or(|| false, &target) => { r?; None }
@@ -298,9 +294,10 @@ async fn ensure_lazy_cmd(
             eprintln!("hotstart env: no profile yet; this run records one");
         } else {
             eprintln!(
-                "hotstart env: prefetched the profile: {} chunks, {}",
+                "hotstart env: prefetched the profile: {} chunks, {}, {:.2} s after mounting",
                 r.planned,
-                size(r.planned_bytes)
+                size(r.planned_bytes),
+                mounted_at.elapsed().as_secs_f64()
             );
         }
         signals

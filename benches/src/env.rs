@@ -38,10 +38,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use hotstart_prefetch::LazyConfig;
 use hotstart_snapshot::{
     Action, EnsureConfig, EnvStore, KeyInputs, LazyOutcome, capture, ensure as hs_ensure,
-    ensure_lazy,
+    ensure_lazy, lazy_config,
 };
 use hotstart_store::Store;
 use hotstart_testkit::SeaweedFs;
@@ -620,8 +619,7 @@ async fn lazy_start(
     code: &str,
 ) -> anyhow::Result<(Duration, f64)> {
     let t = Instant::now();
-    let LazyOutcome::Mounted(mounted) = ensure_lazy(store, cfg, LazyConfig::default()).await?
-    else {
+    let LazyOutcome::Mounted(mounted) = ensure_lazy(store, cfg, lazy_config()).await? else {
         bail!("expected a lazy mount of the snapshot");
     };
     let py = target.join("bin/python");

@@ -371,11 +371,16 @@ impl Loader {
     }
 
     /// The one fetch of `id`: from the store (through the disk cache), then into memory, then
-    /// out of the in-flight map.
+    /// out of the in-flight map. A chunk of a local-directory store is not copied into the disk
+    /// cache: it is on this node's disk already, and the copy cost as much CPU as the fetch.
     fn spawn_fetch(self: &Arc<Self>, id: ChunkId, origin: Origin) -> Flight {
         let this = self.clone();
         let task = tokio::spawn(async move {
-            let res = this.chunks.get(&id).await;
+            let res = if this.chunks.store().is_local() {
+                this.chunks.get_uncached(&id).await
+            } else {
+                this.chunks.get(&id).await
+            };
             this.finish_fetch(id, origin, &res);
             res
         });

@@ -21,8 +21,12 @@ use crate::key::{Key, KeyInputs, path_string};
 use crate::record::{EnvStore, PathRef, PathRefKind, RECORD_FORMAT, SnapshotRecord};
 use crate::store_lock::{LockKind, LockTiming, StoreLock};
 
-/// Bytes per chunk of file content.
-pub const CHUNK_SIZE: usize = 1 << 20;
+/// Bytes per chunk of file content. Most of an environment's files are smaller (one chunk
+/// each); a large shared library is cut into many, and a lazy mount fetches only the chunks a
+/// job touches: `import numpy, pandas` reads pages spread over every MiB of pyarrow's and
+/// openblas's libraries, so 1 MiB chunks fetched 28% of such an environment and 256 KiB 21%,
+/// for 10% more objects.
+pub const CHUNK_SIZE: usize = 256 << 10;
 
 /// What a capture did.
 #[derive(Debug, Clone)]

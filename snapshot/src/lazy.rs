@@ -63,6 +63,18 @@ pub struct MountedEnv {
     created: bool,
 }
 
+/// The kernel read-ahead of an environment's lazy mount: the kernel's own default. Imports
+/// touch a shared library's pages here and there; a wider window only fetches more chunks.
+pub const LAZY_READ_AHEAD: u64 = 128 << 10;
+
+/// [`LazyConfig`] as an environment wants it ([`LAZY_READ_AHEAD`], named `hotstart-env`).
+pub fn lazy_config() -> LazyConfig {
+    let mut cfg = LazyConfig::default();
+    cfg.mount.fs_name = "hotstart-env".to_string();
+    cfg.mount.kernel_read_ahead = Some(LAZY_READ_AHEAD);
+    cfg
+}
+
 /// Makes `cfg.target` hold the environment of `cfg`'s inputs, mounting the snapshot lazily on a
 /// hit; see the module documentation.
 #[tracing::instrument(skip_all, fields(target = %cfg.target.display()))]

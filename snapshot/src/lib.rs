@@ -41,7 +41,7 @@ pub use capture::{CaptureReport, capture};
 pub use ensure::{Action, EnsureConfig, Outcome, ensure};
 pub use error::{Error, Result};
 pub use key::{Key, KeyInputs, KeySpec, Platform, PythonInfo};
-pub use lazy::{LazyOutcome, MountedEnv, Unmounted, ensure_lazy};
+pub use lazy::{LAZY_READ_AHEAD, LazyOutcome, MountedEnv, Unmounted, ensure_lazy, lazy_config};
 pub use record::{EnvStore, PathRef, PathRefKind, SnapshotRecord};
 pub use relocate::RelocateReport;
 pub use restore::{RestoreOptions, RestoreReport, restore};
