@@ -7,6 +7,13 @@
 //! cache before it leaves the in-flight map, so no window exists in which a second reader would
 //! fetch it again.
 //!
+//! **The disk cache is written in the background.** A chunk fetched from a remote store goes
+//! into the memory cache at once and into the disk cache later, from a thread of its own at the
+//! lowest CPU priority, so the copy never competes with the job the mount serves (on a small
+//! node, writing 100 MB into the cache took as much CPU as fetching it). At most
+//! `CACHE_QUEUE` chunks wait for it; one that finds the queue full is not cached. A chunk
+//! of a local-directory store is not cached at all: it is on this node's disk already.
+//!
 //! **Demand and prefetch.** A read ([`Loader::demand`]) never waits behind the prefetcher: if its
 //! chunk is already in flight it waits for that fetch; otherwise it starts its own fetch at once,
 //! whatever the prefetcher's queue holds (the queued chunk "jumps the queue", and the prefetcher
@@ -24,15 +31,19 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
-use hotstart_store::{ChunkId, ChunkStore, LruIndex};
+use hotstart_store::{ChunkCache, ChunkId, ChunkStore, LruIndex};
 use parking_lot::Mutex;
 
 type Flight = Shared<BoxFuture<'static, Result<Bytes, Arc<hotstart_store::Error>>>>;
+
+/// Chunks waiting for the cache writer, at most.
+const CACHE_QUEUE: usize = 64;
 
 /// Who started a fetch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +149,8 @@ pub struct Loader {
     changed: tokio::sync::Notify,
     counters: Counters,
     start: Instant,
+    /// Fetched chunks on their way into the disk cache (`None`: not cached).
+    to_cache: Option<SyncSender<(ChunkId, Bytes)>>,
 }
 
 impl std::fmt::Debug for Loader {
@@ -162,7 +175,12 @@ impl Drop for InFlightGuard<'_> {
 impl Loader {
     /// A loader over `chunks` with a memory cache of `memory_bytes`; its clock starts now.
     pub fn new(chunks: ChunkStore, memory_bytes: u64) -> Loader {
+        let to_cache = match chunks.cache() {
+            Some(cache) if !chunks.store().is_local() => cache_writer(cache.clone()),
+            _ => None,
+        };
         Loader {
+            to_cache,
             chunks,
             mem: Mutex::new(MemCache {
                 index: LruIndex::default(),
@@ -370,17 +388,16 @@ impl Loader {
         self.chunks.cache().is_some_and(|c| c.contains(id))
     }
 
-    /// The one fetch of `id`: from the store (through the disk cache), then into memory, then
-    /// out of the in-flight map. A chunk of a local-directory store is not copied into the disk
-    /// cache: it is on this node's disk already, and the copy cost as much CPU as the fetch.
+    /// The one fetch of `id`: from the store, then into memory (and on to the cache writer),
+    /// then out of the in-flight map.
     fn spawn_fetch(self: &Arc<Self>, id: ChunkId, origin: Origin) -> Flight {
         let this = self.clone();
         let task = tokio::spawn(async move {
-            let res = if this.chunks.store().is_local() {
-                this.chunks.get_uncached(&id).await
-            } else {
-                this.chunks.get(&id).await
-            };
+            let res = this.chunks.get_uncached(&id).await;
+            if let (Ok(data), Some(tx)) = (&res, &this.to_cache) {
+                // A full queue skips this chunk: the cache is a hint, the memory tier has it.
+                let _ = tx.try_send((id, data.clone()));
+            }
             this.finish_fetch(id, origin, &res);
             res
         });
@@ -437,4 +454,32 @@ pub struct PrefetchDone {
     pub ok: bool,
     pub latency: Duration,
     pub bytes: u64,
+}
+
+/// Starts the thread that writes fetched chunks into `cache` at the lowest CPU priority; it
+/// ends when the loader (the sender) is gone and the queue is drained.
+fn cache_writer(cache: ChunkCache) -> Option<SyncSender<(ChunkId, Bytes)>> {
+    let (tx, rx) = sync_channel::<(ChunkId, Bytes)>(CACHE_QUEUE);
+    let started = std::thread::Builder::new()
+        .name("chunk-cache-writer".into())
+        .spawn(move || {
+            // SAFETY: plain syscalls on this thread's own id; on Linux the nice value is per
+            // thread.
+            unsafe {
+                let tid = libc::gettid();
+                libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
+            }
+            for (id, data) in rx {
+                if let Err(e) = cache.insert_blocking(&id, &data) {
+                    tracing::warn!(chunk = %id, error = %e, "could not cache chunk");
+                }
+            }
+        });
+    match started {
+        Ok(_) => Some(tx),
+        Err(e) => {
+            tracing::warn!(error = %e, "no chunk cache writer; fetched chunks stay in memory only");
+            None
+        }
+    }
 }

@@ -388,6 +388,61 @@ fn concurrent_readers_fetch_each_chunk_once_and_the_cache_stays_bounded() {
     assert!(cache.bytes() <= cap, "{} > {cap}", cache.bytes());
 }
 
+/// Chunks fetched from a store elsewhere reach the node's disk cache (written in the background,
+/// so they arrive shortly after the reads); a local-directory store's are not copied there.
+#[test]
+fn fetched_chunks_reach_the_disk_cache_unless_the_store_is_local() {
+    let env = Env::local();
+    let src = env.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let data = pattern(1 << 20, 4);
+    std::fs::write(src.join("lib.so"), &data).unwrap();
+    // Any wrapper makes the store one the loader treats as remote.
+    let remote = env
+        .store
+        .wrap(|inner| Arc::new(Counter::default()).wrap(inner));
+    let images = env.images_over(remote, "cache-remote", 1 << 30);
+    env.build(&images, &src, "lib:1", 64 << 10);
+    let (_, tree) = env
+        .rt
+        .block_on(images.open(&ImageRef::parse("lib:1").unwrap()))
+        .unwrap();
+    let ids = tree.chunk_ids();
+    assert_eq!(ids.len(), 16);
+    let cache = images.chunks().cache().unwrap().clone();
+    assert!(
+        ids.iter().all(|id| !cache.contains(id)),
+        "cached before any read"
+    );
+    let read = |images: &Images| {
+        env.with_mount(images, "lib:1", LazyConfig::default(), false, |mp| {
+            assert!(std::fs::read(mp.join("lib.so")).unwrap() == data);
+        })
+    };
+    read(&images);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !ids.iter().all(|id| cache.contains(id)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "fetched chunks never reached the cache"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The cached copies are the verified bytes.
+    for id in &ids {
+        let bytes = cache.get_blocking(id).unwrap().unwrap();
+        assert_eq!(hotstart_store::ChunkId::of(&bytes), *id);
+    }
+
+    let local = env.images("cache-local");
+    read(&local);
+    let cache = local.chunks().cache().unwrap();
+    assert!(
+        ids.iter().all(|id| !cache.contains(id)),
+        "a local store's chunks were copied"
+    );
+}
+
 /// A demand read of a chunk still queued for prefetch fetches it at once; the prefetcher finds
 /// it settled when it gets there. (No FUSE: the loader and the replay directly.)
 #[test]
