@@ -270,11 +270,11 @@ impl ChunkCache {
     }
 
     /// Takes `path`, a complete file holding exactly the (verified) bytes of chunk `id` (or of
-    /// the chunks whose [`ChunkCache::file_key`] `id` is), into the cache as a hard link of it: a restore that has just written the file then needn't
-    /// write the cache's copy too. The file shares its inode with the cache from then on, as one
-    /// [`ChunkCache::link_to`] made does. `Ok(false)`, and nothing done, when `id` is cached
-    /// already, `mode` would make the cache file unreadable, or `path` is on another file
-    /// system.
+    /// the chunks whose [`ChunkCache::file_key`] `id` is), into the cache as a hard link of it:
+    /// a restore that has just written the file then needn't write the cache's copy too. The
+    /// file shares its inode with the cache from then on, as one [`ChunkCache::link_to`] made
+    /// does. `Ok(false)`, and nothing done, when `id` is cached already, `mode` would make the
+    /// cache file unreadable, or `path` is on another file system.
     pub fn adopt(&self, id: &ChunkId, path: &Path, len: u64, mode: u32) -> Result<bool> {
         if len > self.inner.capacity || mode & 0o400 == 0 || self.file(id).is_some() {
             return Ok(false);
@@ -353,7 +353,8 @@ impl ChunkCache {
         // Nothing may follow the last chunk.
         intact = intact && file.read(&mut [0u8; 1]).is_ok_and(|n| n == 0);
         if !intact {
-            tracing::warn!(path = %path.display(), "cached file does not match its chunks; dropping it");
+            tracing::warn!(path = %path.display(),
+                "cached file does not match its chunks; dropping it");
             self.remove(key);
         }
         Ok(intact)
