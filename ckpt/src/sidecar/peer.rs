@@ -18,6 +18,7 @@
 //! every connection has its own thread, read and write timeouts, and bounded frames.
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
@@ -184,6 +185,16 @@ fn send_chunks<S: std::io::Read + std::io::Write>(
     Ok(())
 }
 
+/// Sends a shard's bytes from its segment, chunk by chunk, with `sendfile`.
+fn send_segment(conn: &mut Conn<TcpStream>, shard: &Shard) -> Result<()> {
+    let len = shard.len() as usize;
+    let step = (shard.manifest.chunk_size as usize).max(1);
+    for at in (0..len).step_by(step) {
+        conn.send_data_from(shard.seg.as_fd(), at as u64, step.min(len - at))?;
+    }
+    Ok(())
+}
+
 /// A fresh segment filled from a peer's stream and checked against `m`: the shard, or why not.
 fn receive_shard(
     core: &Core,
@@ -194,7 +205,7 @@ fn receive_shard(
     charge: super::memory::Charge,
 ) -> Result<std::result::Result<Arc<Shard>, String>> {
     let name = format!("hotstart-{}-{}-{}", info.job, info.step, info.rank);
-    let seg = Segment::create(&name, info.len as usize, Some(charge))
+    let seg = Segment::create_for_writes(&name, info.len as usize, Some(charge))
         .map_err(|e| Error::io("create shared memory", &name, e))?;
     if let Some(i) = recv_verified(conn, &m, core.threads, &|at, d| seg.write_at(at, d))? {
         core.metrics.failed(Failure::Checksum);
@@ -282,13 +293,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                             shard: s.info(),
                             manifest: s.manifest_json.clone(),
                         })
-                        .and_then(|()| {
-                            send_chunks(
-                                &mut conn,
-                                &s.seg.bytes()[..s.len() as usize],
-                                s.manifest.chunk_size,
-                            )
-                        }),
+                        .and_then(|()| send_segment(&mut conn, &s)),
                     None => conn.send(&PeerMsg::NotFound),
                 }
             }
@@ -573,7 +578,7 @@ impl Core {
                             self.memory
                                 .reserve(info.len, self.cfg.stage_timeout, &what)?;
                         let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-                        Segment::create(&name, info.len as usize, Some(charge))
+                        Segment::create_for_writes(&name, info.len as usize, Some(charge))
                             .map_err(|e| Error::io("create shared memory", &name, e))
                     },
                     |seg, at, d| seg.write_at(at, d),

@@ -473,6 +473,55 @@ impl Write for FdStream {
     }
 }
 
+impl Conn<std::net::TcpStream> {
+    /// Sends `len` bytes of the file `src` from `offset` as data frames, as [`Conn::send_data`]
+    /// sends a slice, but with `sendfile`: the file's pages go to the socket without being
+    /// copied through this process.
+    pub fn send_data_from(
+        &mut self,
+        src: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+    ) -> crate::Result<()> {
+        use std::os::fd::AsRawFd;
+        let end = offset + len as u64;
+        let mut at = offset;
+        while at < end {
+            let stop = at + (end - at).min(MAX_DATA as u64);
+            self.io
+                .write_all(&header(KIND_DATA, (stop - at) as usize))
+                .map_err(|e| self.io_error("send data", e))?;
+            while at < stop {
+                let mut off = libc::off_t::try_from(at)
+                    .map_err(|_| self.error("offset larger than off_t"))?;
+                // SAFETY: sendfile reads the file at `off` and writes the socket; it touches
+                // no memory of this process but `off`, which it advances.
+                let n = unsafe {
+                    libc::sendfile(
+                        self.io.as_raw_fd(),
+                        src.as_raw_fd(),
+                        &mut off,
+                        (stop - at) as usize,
+                    )
+                };
+                match n {
+                    n if n > 0 => at += n as u64,
+                    0 => {
+                        return Err(self.io_error("send data", io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    _ => {
+                        let e = io::Error::last_os_error();
+                        if e.kind() != io::ErrorKind::Interrupted {
+                            return Err(self.io_error("send data", e));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Conn<FdStream> {
     /// Sends a message with a file descriptor attached to it.
     pub fn send_fd<T: Serialize>(&mut self, msg: &T, fd: BorrowedFd<'_>) -> crate::Result<()> {
