@@ -10,7 +10,12 @@
 //!   fetches it from the first (every chunk verified as it arrives) and serves it; the
 //!   training process's whole `load` against one raw TCP stream of the same bytes into
 //!   pre-faulted memory (target ≥ 0.8). The fetch alone (the sidecar's own restore time) is
-//!   reported beside it.
+//!   reported beside it, and also against the raw stream into memory the process has not
+//!   touched yet, which is what the fetch has to fill.
+//!
+//! Restores are measured once the first sidecar has persisted the step (its disk and store
+//! writes would otherwise compete for the CPU), with the node's huge shared-memory pages set
+//! by `--shmem-huge-pages` (default `advise`, put back afterwards).
 //! * **Restart to state loaded**: a new process (this binary, `sidecar-restore`) from its first
 //!   instruction to its tensors loaded from the sidecar's memory (target ≤ 2 s for 4 GiB),
 //!   beside the same process loading the step from the object store (SeaweedFS on loopback).
@@ -27,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
-use hotstart_ckpt::sidecar::{Settings, Sidecar, Token, metrics};
+use hotstart_ckpt::sidecar::{Settings, Sidecar, Token, metrics, shm};
 use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel};
 use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
@@ -57,6 +62,11 @@ pub struct SidecarArgs {
     /// Write the results as Markdown to this file too.
     #[arg(long)]
     markdown: Option<PathBuf>,
+    /// The node's setting for huge shared-memory pages during the run
+    /// (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`: `never`, `advise`, ...), put back
+    /// afterwards; needs root. `as-is` leaves it alone.
+    #[arg(long, default_value = "advise")]
+    shmem_huge_pages: String,
 }
 
 /// The restarted training process of the restart measurement (run by the benchmark itself).
@@ -242,7 +252,17 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         total as f64 / (1u64 << 30) as f64,
         args.tensors
     );
-    let mut report = Report::new(&format!("hotstart sidecar benchmarks ({label})"));
+    let _setting = match args.shmem_huge_pages.as_str() {
+        "as-is" => None,
+        word => Some(
+            shm::ShmemEnabled::set(word)
+                .with_context(|| format!("set {} to {word} (needs root)", shm::SHMEM_ENABLED))?,
+        ),
+    };
+    let mut report = Report::new(&format!(
+        "hotstart sidecar benchmarks ({label}, shmem_enabled={})",
+        shm::thp_choice(shm::SHMEM_ENABLED).unwrap_or_else(|| "unknown".into())
+    ));
     let work = tempfile::Builder::new()
         .prefix("hotstart-sidecar-bench-")
         .tempdir_in(&args.dir)
@@ -269,10 +289,28 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
     let engine_a = engine(&a.socket, threads)?;
     eprintln!("sidecar: saving through node A");
     engine_a.save(1, state, Default::default())?.wait()?;
+    // Restores are measured on a quiet node: after A's background persistence.
+    let tiers: &[&str] = if store_url.is_some() {
+        &["disk", "store"]
+    } else {
+        &["disk"]
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    for tier in tiers {
+        let name = format!("hotstart_persisted_bytes_total{{tier=\"{tier}\"}}");
+        while a.metric(&name) < total as f64 {
+            ensure!(
+                Instant::now() < deadline,
+                "node A never persisted to {tier}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 
     let mut dst = AlignedBuf::zeroed(total);
     dst.fill(1); // pre-fault, as a model's parameters are
-    let (mut memcpy, mut memory, mut disk_load, mut peer, mut fetch, mut tcp) = (
+    let (mut memcpy, mut memory, mut disk_load, mut peer, mut fetch, mut tcp, mut tcp_fresh) = (
+        Vec::new(),
         Vec::new(),
         Vec::new(),
         Vec::new(),
@@ -321,14 +359,16 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         drop(engine_b);
         drop(b);
         tcp.push(raw_tcp(&sources, &mut dst)?);
+        tcp_fresh.push(raw_tcp(&sources, &mut AlignedBuf::zeroed(total))?);
         eprintln!(
-            "sidecar: run {run}: memcpy {:?}, memory {:?}, disk {:?}, peer {:?} (fetch {:?}), tcp {:?}",
+            "sidecar: run {run}: memcpy {:?}, memory {:?}, disk {:?}, peer {:?} (fetch {:?}), tcp {:?} (into new memory {:?})",
             memcpy[run],
             memory[run],
             disk_load.last(),
             peer[run],
             fetch[run],
-            tcp[run]
+            tcp[run],
+            tcp_fresh[run]
         );
     }
     let bytes = total as u64;
@@ -372,6 +412,13 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         &fetch,
         "one raw TCP stream into pre-faulted memory",
         &tcp,
+        None,
+    ));
+    report.add(row(
+        "peer fetch alone (sidecar's restore time)",
+        &fetch,
+        "one raw TCP stream into memory new to the process",
+        &tcp_fresh,
         None,
     ));
 
