@@ -60,7 +60,7 @@ use std::time::Duration;
 use hotstart_store::uring::UringConfig;
 use hotstart_store::wrap::{Counter, Interceptor};
 use hotstart_store::{Store, StripeConfig};
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 pub use auth::{ClusterKey, Identity};
 pub use config::{Settings, SidecarConfig, Token};
@@ -237,6 +237,13 @@ impl Sidecar {
             secure = core.cfg.token.is_some(),
             "sidecar bound"
         );
+        match shm::huge_pages() {
+            shm::HugePages::Never => info!(
+                "shared memory in 4 KiB pages (shmem_enabled); restores from memory run at about \
+                 half of memcpy: see the huge pages section of docs/CONFIGURATION.md"
+            ),
+            pages => debug!(?pages, "shared memory in 2 MiB pages"),
+        }
         Ok(Sidecar {
             core,
             peer_listener,
