@@ -155,17 +155,21 @@ impl Segment {
         charge: Option<Charge>,
     ) -> io::Result<Segment> {
         let seg = Segment::create(name, len, charge)?;
-        if huge_pages() == HugePages::Advise {
-            seg.allocate()
-        } else {
-            Ok(seg)
+        match huge_pages() {
+            HugePages::Advise => seg.allocate_with(HugePages::Advise),
+            _ => Ok(seg),
         }
     }
 
     /// Allocates (and zeroes) every page now: an error here, not a `SIGBUS` in whoever writes
     /// the segment later, when memory runs out.
     pub fn allocate(self) -> io::Result<Segment> {
-        if huge_pages() == HugePages::Advise {
+        self.allocate_with(huge_pages())
+    }
+
+    /// [`Segment::allocate`] under the node's setting `pages`.
+    fn allocate_with(self, pages: HugePages) -> io::Result<Segment> {
+        if pages == HugePages::Advise {
             // Huge pages are allocated only through a mapping that asks for them.
             let map = self.map_writable()?;
             // SAFETY: populating (allocating and zeroing) the pages of a mapping this function
@@ -277,12 +281,16 @@ fn seals(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
     cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) })
 }
 
-fn fd_len(fd: BorrowedFd<'_>) -> io::Result<usize> {
+fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
     // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat writes into the stat it is given.
     cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
-    usize::try_from(st.st_size)
+    Ok(st)
+}
+
+fn fd_len(fd: BorrowedFd<'_>) -> io::Result<usize> {
+    usize::try_from(fstat(fd)?.st_size)
         .ok()
         .filter(|&n| n > 0)
         .ok_or_else(|| io::Error::other("empty shared memory segment"))
@@ -638,11 +646,7 @@ mod tests {
     }
 
     fn allocated_bytes(fd: BorrowedFd<'_>) -> u64 {
-        // SAFETY: as in `fd_len`.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fstat writes into the stat it is given.
-        cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }).unwrap();
-        st.st_blocks as u64 * 512
+        fstat(fd).unwrap().st_blocks as u64 * 512
     }
 
     #[test]

@@ -23,7 +23,7 @@
 //! hashes of the manifest, which arrived in a tagged message.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use serde::de::DeserializeOwned;
@@ -483,7 +483,6 @@ impl Conn<std::net::TcpStream> {
         offset: u64,
         len: usize,
     ) -> crate::Result<()> {
-        use std::os::fd::AsRawFd;
         let end = offset + len as u64;
         let mut at = offset;
         while at < end {
