@@ -247,19 +247,10 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         step: 1,
     };
     let (_, _, _, back) = good()
-        .fetch(
-            &key,
-            2,
-            |i, _| Ok(std::sync::Mutex::new(vec![0u8; i.len as usize])),
-            |v, at, d| {
-                let at = at as usize;
-                v.lock().unwrap()[at..at + d.len()].copy_from_slice(d);
-                Ok(())
-            },
-        )
+        .fetch(&key, 2, |i, _| Ok(vec![0u8; i.len as usize]))
         .expect("fetch")
         .expect("held");
-    assert!(back.into_inner().unwrap() == file);
+    assert!(back == file);
     assert_eq!(
         cluster.ip(0).to_string() + ":" + &PEER_PORT.to_string(),
         n.peer.to_string()

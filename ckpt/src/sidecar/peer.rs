@@ -71,44 +71,48 @@ pub(crate) fn check_manifest(info: &ShardInfo, json: &str, from: &str) -> Result
 /// Bytes of shard data read from the socket at once.
 const PIECE: usize = 1 << 20;
 
-/// A piece of a shard on its way from the socket to the segment.
-struct Piece {
+/// Pieces a receiving worker may have queued before the socket reader waits for it: enough
+/// to keep it busy, few enough that it hashes each piece while it is still in cache.
+const QUEUED: usize = 4;
+
+/// A received piece of a shard, on its way to the worker that hashes its chunk.
+struct Piece<'a> {
     chunk: usize,
-    offset: u64,
-    buf: Vec<u8>,
-    len: usize,
+    data: &'a [u8],
     last: bool,
 }
 
-/// Receives a shard's data (the file `m` describes) and hands it to `write` (file offset,
-/// bytes), checking every chunk against the manifest on the way.
+/// Receives a shard's data (the file `m` describes) straight into `dst`, checking every chunk
+/// against the manifest on the way.
 ///
-/// The calling thread reads the stream in 1 MiB pieces into a small ring of buffers and hands
+/// The calling thread reads the stream in 1 MiB pieces into their place in `dst` and hands
 /// each piece to one of up to `threads` workers: all pieces of chunk `i` go to worker
-/// `i % workers`, in order, which hashes them while they are still in cache and writes them
-/// out, so chunks are hashed and written in parallel while the next ones arrive. `Ok(None)`
-/// when every chunk matches, `Ok(Some(i))` for the first chunk that does not (the whole stream
-/// is read either way, so the connection stays in step).
+/// `i % workers`, in order, which hashes them while they are still in cache, so chunks are
+/// hashed in parallel while the next ones arrive and every byte is copied once, from the
+/// socket to its place. `Ok(None)` when every chunk matches, `Ok(Some(i))` for the first chunk
+/// that does not (the whole stream is read either way, so the connection stays in step).
 pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
     conn: &mut Conn<S>,
     m: &Manifest,
     threads: usize,
-    write: &(dyn Fn(u64, &[u8]) -> std::io::Result<()> + Sync),
+    dst: &mut [u8],
 ) -> Result<Option<usize>> {
     let hashes = m.chunk_hashes();
+    if (dst.len() as u64) < m.file_len {
+        return Err(conn.error(format!(
+            "{} bytes of room for a shard of {}",
+            dst.len(),
+            m.file_len
+        )));
+    }
     let workers = threads.clamp(1, 8);
     let bad = Mutex::new(None::<usize>);
-    let failed = Mutex::new(None::<std::io::Error>);
-    let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
-    for _ in 0..2 * workers + 2 {
-        let _ = free_tx.send(vec![0u8; PIECE]);
-    }
     std::thread::scope(|scope| {
         let mut queues = Vec::with_capacity(workers);
         for _ in 0..workers {
-            let (tx, rx) = mpsc::channel::<Piece>();
+            let (tx, rx) = mpsc::sync_channel::<Piece<'_>>(QUEUED);
             queues.push(tx);
-            let (free_tx, hashes, bad, failed) = (free_tx.clone(), &hashes, &bad, &failed);
+            let (hashes, bad) = (&hashes, &bad);
             scope.spawn(move || {
                 let mut hasher: Option<(usize, blake3::Hasher)> = None;
                 for p in rx {
@@ -116,14 +120,7 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
                         hasher = Some((p.chunk, blake3::Hasher::new()));
                     }
                     if let Some((_, h)) = &mut hasher {
-                        h.update(&p.buf[..p.len]);
-                    }
-                    // Written outside the lock: workers write their pieces in parallel.
-                    if let Err(e) = write(p.offset, &p.buf[..p.len]) {
-                        failed
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .get_or_insert(e);
+                        h.update(p.data);
                     }
                     if p.last
                         && let Some((c, h)) = hasher.take()
@@ -132,32 +129,28 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
                         let mut b = bad.lock().unwrap_or_else(PoisonError::into_inner);
                         *b = Some(b.map_or(c, |j| j.min(c)));
                     }
-                    let _ = free_tx.send(p.buf);
                 }
             });
         }
-        let mut at = 0u64;
-        for (i, want) in (0..hashes.len()).map(|i| (i, m.chunk_range(i))) {
+        let mut rest = dst;
+        for i in 0..hashes.len() {
+            let want = m.chunk_range(i);
             let chunk_len = (want.end - want.start) as usize;
             let mut done = 0;
             while done < chunk_len {
                 let frame = conn.recv_data_len(chunk_len - done)?;
                 let mut got = 0;
                 while got < frame {
-                    let mut buf = free_rx
-                        .recv()
-                        .map_err(|_| conn.error("receive workers stopped"))?;
                     let n = (frame - got).min(PIECE);
-                    conn.read_payload(&mut buf[..n])?;
+                    let (piece, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                    rest = tail;
+                    conn.read_payload(piece)?;
                     got += n;
                     let piece = Piece {
                         chunk: i,
-                        offset: at,
-                        buf,
-                        len: n,
+                        data: piece,
                         last: done + got == chunk_len,
                     };
-                    at += n as u64;
                     if queues[i % workers].send(piece).is_err() {
                         return Err(conn.error("receive worker stopped"));
                     }
@@ -167,9 +160,6 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
         }
         Ok(())
     })?;
-    if let Some(e) = failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
-        return Err(Error::io("write received shard", "shared memory", e));
-    }
     Ok(bad.into_inner().unwrap_or_else(PoisonError::into_inner))
 }
 
@@ -205,9 +195,9 @@ fn receive_shard(
     charge: super::memory::Charge,
 ) -> Result<std::result::Result<Arc<Shard>, String>> {
     let name = format!("hotstart-{}-{}-{}", info.job, info.step, info.rank);
-    let seg = Segment::create_for_writes(&name, info.len as usize, Some(charge))
+    let mut seg = Segment::create_to_fill(&name, info.len as usize, Some(charge))
         .map_err(|e| Error::io("create shared memory", &name, e))?;
-    if let Some(i) = recv_verified(conn, &m, core.threads, &|at, d| seg.write_at(at, d))? {
+    if let Some(i) = recv_verified(conn, &m, core.threads, seg.bytes_mut())? {
         core.metrics.failed(Failure::Checksum);
         return Ok(Err(format!("chunk {i} does not match its checksum")));
     }
@@ -459,14 +449,13 @@ impl PeerClient {
     }
 
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
-    /// manifest), written piece by piece with `write` (the memory, file offset, bytes; from
-    /// several threads), every chunk verified. `None` when the peer does not hold it.
-    pub fn fetch<T: Sync>(
+    /// manifest; at least the shard's length), every chunk verified. `None` when the peer
+    /// does not hold it.
+    pub fn fetch<T: AsMut<[u8]>>(
         &mut self,
         key: &ShardKey,
         threads: usize,
         alloc: impl FnOnce(&ShardInfo, &Manifest) -> Result<T>,
-        write: impl Fn(&T, u64, &[u8]) -> std::io::Result<()> + Sync,
     ) -> Result<Option<(ShardInfo, Manifest, String, T)>> {
         self.conn.send(&PeerMsg::Fetch {
             job: key.job.clone(),
@@ -485,9 +474,8 @@ impl PeerClient {
         }
         let m = check_manifest(&info, &json, &self.peer.node)
             .map_err(|e| self.conn.violation(e.to_string()))?;
-        let mem = alloc(&info, &m)?;
-        let sink = |at: u64, d: &[u8]| write(&mem, at, d);
-        if let Some(i) = recv_verified(&mut self.conn, &m, threads, &sink)? {
+        let mut mem = alloc(&info, &m)?;
+        if let Some(i) = recv_verified(&mut self.conn, &m, threads, mem.as_mut())? {
             return Err(self
                 .conn
                 .error(format!("{key}: chunk {i} does not match its checksum")));
@@ -569,20 +557,15 @@ impl Core {
     ) -> Option<(Arc<Shard>, String)> {
         for m in members {
             let res = self.connect(m).and_then(|mut c| {
-                c.fetch(
-                    key,
-                    self.threads,
-                    |info, _| {
-                        let what = format!("{key} from {}", m.id.node);
-                        let charge =
-                            self.memory
-                                .reserve(info.len, self.cfg.stage_timeout, &what)?;
-                        let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-                        Segment::create_for_writes(&name, info.len as usize, Some(charge))
-                            .map_err(|e| Error::io("create shared memory", &name, e))
-                    },
-                    |seg, at, d| seg.write_at(at, d),
-                )
+                c.fetch(key, self.threads, |info, _| {
+                    let what = format!("{key} from {}", m.id.node);
+                    let charge = self
+                        .memory
+                        .reserve(info.len, self.cfg.stage_timeout, &what)?;
+                    let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
+                    Segment::create_to_fill(&name, info.len as usize, Some(charge))
+                        .map_err(|e| Error::io("create shared memory", &name, e))
+                })
             });
             match res {
                 Ok(Some((info, manifest, json, seg))) => {
@@ -616,5 +599,79 @@ impl Core {
             }
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Cursor;
+
+    use super::*;
+    use crate::format::Layout;
+    use crate::{Dtype, Tensor};
+
+    const CHUNK: usize = 2 << 20;
+
+    /// A shard file of a little over two chunks and its manifest.
+    fn shard() -> (Manifest, Vec<u8>) {
+        let bytes: Vec<u8> = (0..2 * CHUNK + 12345)
+            .map(|i| (i * 31 + i / 7) as u8)
+            .collect();
+        let t = Tensor::new("w", Dtype::U8, vec![bytes.len() as u64], bytes.clone()).unwrap();
+        let layout = Layout::new("j", 1, 0, 1, &[t]).unwrap();
+        let mut file = layout.header.clone();
+        file.extend_from_slice(&bytes);
+        let hashes: Vec<blake3::Hash> = file.chunks(CHUNK).map(blake3::hash).collect();
+        let m = Manifest::new(
+            "j",
+            1,
+            0,
+            1,
+            &layout,
+            CHUNK as u64,
+            &hashes,
+            &Default::default(),
+        );
+        (m, file)
+    }
+
+    /// The data frames a peer sends for `file`: chunk 1 in frames of 1000 bytes, the others in
+    /// frames larger than a piece.
+    fn stream(file: &[u8]) -> Cursor<Vec<u8>> {
+        let mut tx = Conn::new(Cursor::new(Vec::new()), "t", Side::Peer);
+        for (i, chunk) in file.chunks(CHUNK).enumerate() {
+            for frame in chunk.chunks(if i == 1 { 1000 } else { PIECE + PIECE / 2 }) {
+                tx.send_data(frame).unwrap();
+            }
+        }
+        Cursor::new(tx.get_ref().get_ref().clone())
+    }
+
+    #[test]
+    fn received_bytes_land_in_place_and_a_bad_chunk_is_named() {
+        let (m, file) = shard();
+        let mut dst = vec![0u8; file.len() + 7];
+        let mut rx = Conn::new(stream(&file), "t", Side::Peer);
+        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst).unwrap(), None);
+        assert!(dst[..file.len()] == file[..], "bytes differ");
+        assert_eq!(dst[file.len()..], [0; 7]);
+
+        let mut bad = file.clone();
+        bad[CHUNK + 5] ^= 1;
+        let mut rx = Conn::new(stream(&bad), "t", Side::Peer);
+        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst).unwrap(), Some(1));
+        // The whole stream was read: the connection stays in step.
+        assert_eq!(
+            rx.get_ref().position() as usize,
+            rx.get_ref().get_ref().len()
+        );
+
+        let mut rx = Conn::new(stream(&file), "t", Side::Peer);
+        let err = recv_verified(&mut rx, &m, 2, &mut dst[..file.len() - 1]).unwrap_err();
+        assert!(err.to_string().contains("bytes of room"), "{err}");
+
+        let mut rx = Conn::new(stream(&file[..file.len() - 3]), "t", Side::Peer);
+        let err = recv_verified(&mut rx, &m, 2, &mut dst).unwrap_err();
+        assert!(err.to_string().contains("connection closed"), "{err}");
     }
 }

@@ -244,8 +244,7 @@ impl Core {
                 self.metrics.failed(Failure::Budget);
             })?;
         let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-        let mut seg = Segment::create(&name, len, Some(charge))
-            .and_then(Segment::fill)
+        let mut seg = Segment::create_to_fill(&name, len, Some(charge))
             .map_err(|e| Error::io("create shared memory", &name, e))?;
         let n = manifest.chunks.len();
         let sources = inner.read_chunks(

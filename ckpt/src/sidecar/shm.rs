@@ -11,10 +11,10 @@
 //! process still has it mapped writable) and maps it read-only: from then on the bytes can
 //! never change, in any process, which is what makes handing out `&[u8]` over shared memory
 //! sound ([`Sealed`]). Restores send the sealed descriptor; the receiver checks the seals
-//! ([`Sealed::open`]) before it trusts the bytes. A segment received from a peer is written
-//! with `pwrite` ([`Segment::write_at`]: far cheaper than faulting fresh pages in through a
-//! mapping), one read back from disk or store through a private writable mapping
-//! ([`Filling`]); both are sealed the same way.
+//! ([`Sealed::open`]) before it trusts the bytes. A segment the sidecar fills itself (from a
+//! peer's stream, or read back from disk or store) is mapped writable in the sidecar alone with
+//! every page allocated and mapped up front ([`Segment::create_to_fill`], one `madvise` rather
+//! than a page fault per page), filled in place, and sealed the same way ([`Filling`]).
 //!
 //! The memory lives as long as any descriptor or mapping of it does, in any process; the
 //! sidecar's budget charge ([`super::memory::Charge`]) lives as long as the sidecar's own
@@ -146,19 +146,17 @@ impl Segment {
         })
     }
 
-    /// A new segment, as [`Segment::create`], to be filled with [`Segment::write_at`]: under
-    /// `advise` its pages are allocated first, as huge pages (`pwrite` alone would allocate
-    /// small ones); elsewhere as they are written.
-    pub fn create_for_writes(
-        name: &str,
-        len: usize,
-        charge: Option<Charge>,
-    ) -> io::Result<Segment> {
+    /// A new segment mapped writable in this process, to be filled here (from a peer's stream
+    /// or a tier) and then sealed: every page is allocated and mapped now, in huge pages where
+    /// the node allows, so the copy that fills it takes no page faults and running out of
+    /// memory is an error here.
+    pub fn create_to_fill(name: &str, len: usize, charge: Option<Charge>) -> io::Result<Filling> {
         let seg = Segment::create(name, len, charge)?;
-        match huge_pages() {
-            HugePages::Advise => seg.allocate_with(HugePages::Advise),
-            _ => Ok(seg),
+        let map = seg.map_writable()?;
+        if !populate(&map)? {
+            seg.fallocate()?;
         }
+        Ok(Filling { seg, map })
     }
 
     /// Allocates (and zeroes) every page now: an error here, not a `SIGBUS` in whoever writes
@@ -169,25 +167,21 @@ impl Segment {
 
     /// [`Segment::allocate`] under the node's setting `pages`.
     fn allocate_with(self, pages: HugePages) -> io::Result<Segment> {
-        if pages == HugePages::Advise {
-            // Huge pages are allocated only through a mapping that asks for them.
-            let map = self.map_writable()?;
-            // SAFETY: populating (allocating and zeroing) the pages of a mapping this function
-            // owns; no byte changes.
-            match cvt(unsafe {
-                libc::madvise(map.as_ptr().cast(), map.len(), libc::MADV_POPULATE_WRITE)
-            }) {
-                Ok(_) => return Ok(self),
-                // Before Linux 5.14: allocate them the usual way.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-                Err(e) => return Err(e),
-            }
+        // Huge pages are allocated only through a mapping that asks for them.
+        if pages == HugePages::Advise && populate(&self.map_writable()?)? {
+            return Ok(self);
         }
+        self.fallocate()?;
+        Ok(self)
+    }
+
+    /// Allocates every page with `fallocate` (in small pages under `advise`).
+    fn fallocate(&self) -> io::Result<()> {
         let size = libc::off_t::try_from(self.len)
             .map_err(|_| io::Error::other("segment larger than off_t"))?;
         // SAFETY: fallocate on a descriptor this segment owns.
         cvt(unsafe { libc::fallocate(self.fd.as_raw_fd(), 0, 0, size) })?;
-        Ok(self)
+        Ok(())
     }
 
     /// A segment received from the sidecar: its size is read from the descriptor, and it must
@@ -217,34 +211,6 @@ impl Segment {
         false
     }
 
-    /// Writes `data` at `offset` with `pwrite`: into the page cache of the segment directly,
-    /// which allocates fresh pages far faster than faulting them in through a mapping.
-    pub fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
-        if offset.saturating_add(data.len() as u64) > self.len as u64 {
-            return Err(io::Error::other("write past the end of the segment"));
-        }
-        let mut done = 0;
-        while done < data.len() {
-            let at = libc::off_t::try_from(offset + done as u64)
-                .map_err(|_| io::Error::other("offset larger than off_t"))?;
-            let rest = &data[done..];
-            // SAFETY: pwrite reads at most `rest.len()` bytes from `rest`.
-            let n =
-                unsafe { libc::pwrite(self.fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at) };
-            match n {
-                n if n > 0 => done += n as usize,
-                0 => return Err(io::ErrorKind::WriteZero.into()),
-                _ => {
-                    let e = io::Error::last_os_error();
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Maps the whole segment, read-write, shared: what a training process stages into.
     pub fn map_writable(&self) -> io::Result<Mapping> {
         Mapping::new(self.fd.as_fd(), self.len, true)
@@ -262,17 +228,61 @@ impl Segment {
             copy_mapped: huge_pages() != HugePages::Never,
         })
     }
-
-    /// Maps a new segment writable in this process only, for filling it here.
-    pub fn fill(self) -> io::Result<Filling> {
-        let map = self.map_writable()?;
-        Ok(Filling { seg: self, map })
-    }
 }
 
 impl AsFd for Segment {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+}
+
+/// Bytes of a mapping one thread populates at least.
+const POPULATE_PER_THREAD: usize = 64 << 20;
+/// The size of a huge page, which the ranges populated in parallel are cut on.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Allocates and maps every page of `map` now, in huge pages where the mapping may have them,
+/// with one `madvise` per thread over as many threads as the machine has (zeroing fresh memory
+/// is the whole cost, and it scales with cores); false where the kernel cannot (before Linux
+/// 5.14).
+fn populate(map: &Mapping) -> io::Result<bool> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let per = map
+        .len()
+        .div_ceil(threads)
+        .max(POPULATE_PER_THREAD)
+        .next_multiple_of(HUGE_PAGE);
+    let start = map.ptr() as usize;
+    let ranges: Vec<(usize, usize)> = (0..map.len())
+        .step_by(per)
+        .map(|at| (start + at, per.min(map.len() - at)))
+        .collect();
+    let results: Vec<io::Result<bool>> = std::thread::scope(|s| {
+        let others: Vec<_> = ranges[1..]
+            .iter()
+            .map(|&(addr, len)| s.spawn(move || populate_range(addr, len)))
+            .collect();
+        let mine = populate_range(ranges[0].0, ranges[0].1);
+        std::iter::once(mine)
+            .chain(others.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("populating thread panicked")))
+            }))
+            .collect()
+    });
+    results
+        .into_iter()
+        .try_fold(true, |all, r| r.map(|done| all && done))
+}
+
+/// [`populate`] for the `len` bytes at `addr`, part of a mapping the caller owns.
+fn populate_range(addr: usize, len: usize) -> io::Result<bool> {
+    // SAFETY: populating (allocating and zeroing) pages of a mapping the caller owns; no byte
+    // changes.
+    match cvt(unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) }) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -487,12 +497,18 @@ impl Region for Sealed {
     }
 }
 
-/// A new segment mapped writable in this process while it is filled (from a peer's stream or
-/// a tier), then sealed.
+/// A new segment mapped writable in this process alone while it is filled (from a peer's stream
+/// or a tier), then sealed.
 #[derive(Debug)]
 pub struct Filling {
     map: Mapping,
     seg: Segment,
+}
+
+impl AsMut<[u8]> for Filling {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.bytes_mut()
+    }
 }
 
 impl Filling {
@@ -502,6 +518,16 @@ impl Filling {
         // its descriptor never left it, so this is the only mapping, and the exclusive borrow
         // of `self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr(), self.map.len) }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.map.len
+    }
+
+    /// Never true.
+    pub fn is_empty(&self) -> bool {
+        false
     }
 
     /// Unmaps the writable mapping and seals the segment.
@@ -688,11 +714,10 @@ mod tests {
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), w.ptr(), len) };
             drop(w);
             let staged = seg.seal().unwrap();
-            // Received with `pwrite`, as from a peer.
-            let seg = Segment::create_for_writes("test", len, None).unwrap();
-            for (i, piece) in data.chunks(1 << 20).enumerate() {
-                seg.write_at((i << 20) as u64, piece).unwrap();
-            }
+            // Filled here, as from a peer.
+            let mut seg = Segment::create_to_fill("test", len, None).unwrap();
+            assert!(allocated_bytes(seg.seg.as_fd()) >= len as u64, "{word}");
+            seg.bytes_mut().copy_from_slice(&data);
             let received = seg.seal().unwrap();
             for sealed in [staged, received] {
                 assert_eq!(sealed.copy_mapped, want != HugePages::Never);
@@ -708,7 +733,7 @@ mod tests {
     #[test]
     fn descriptors_cross_a_socket() {
         let (a, b) = UnixStream::pair().unwrap();
-        let mut fill = Segment::create("test", 4096, None).unwrap().fill().unwrap();
+        let mut fill = Segment::create_to_fill("test", 4096, None).unwrap();
         fill.bytes_mut()[..5].copy_from_slice(b"hello");
         let sealed = fill.seal().unwrap();
         send(&a, b"frame", Some(sealed.as_fd())).unwrap();
