@@ -33,6 +33,7 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::memory::Charge;
 use crate::staging::Region;
@@ -236,43 +237,42 @@ impl AsFd for Segment {
     }
 }
 
-/// Bytes of a mapping one thread populates at least.
-const POPULATE_PER_THREAD: usize = 64 << 20;
-/// The size of a huge page, which the ranges populated in parallel are cut on.
-const HUGE_PAGE: usize = 2 << 20;
+/// Bytes of a mapping populated at once: threads take such blocks in turn until none is left,
+/// so they finish together however fast each one goes.
+const POPULATE_BLOCK: usize = 32 << 20;
 
 /// Allocates and maps every page of `map` now, in huge pages where the mapping may have them,
-/// with one `madvise` per thread over as many threads as the machine has (zeroing fresh memory
-/// is the whole cost, and it scales with cores); false where the kernel cannot (before Linux
-/// 5.14).
+/// over as many threads as the machine has (zeroing fresh memory is the whole cost, and it
+/// scales with cores); false where the kernel cannot (before Linux 5.14).
 fn populate(map: &Mapping) -> io::Result<bool> {
+    let blocks = map.len().div_ceil(POPULATE_BLOCK);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-    let per = map
-        .len()
-        .div_ceil(threads)
-        .max(POPULATE_PER_THREAD)
-        .next_multiple_of(HUGE_PAGE);
+    let next = AtomicUsize::new(0);
     let start = map.ptr() as usize;
-    let ranges: Vec<(usize, usize)> = (0..map.len())
-        .step_by(per)
-        .map(|at| (start + at, per.min(map.len() - at)))
-        .collect();
-    let results: Vec<io::Result<bool>> = std::thread::scope(|s| {
-        let others: Vec<_> = ranges[1..]
-            .iter()
-            .map(|&(addr, len)| s.spawn(move || populate_range(addr, len)))
-            .collect();
-        let mine = populate_range(ranges[0].0, ranges[0].1);
-        std::iter::once(mine)
-            .chain(others.into_iter().map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(io::Error::other("populating thread panicked")))
-            }))
-            .collect()
-    });
-    results
-        .into_iter()
-        .try_fold(true, |all, r| r.map(|done| all && done))
+    let work = || -> io::Result<bool> {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= blocks {
+                return Ok(true);
+            }
+            let at = i * POPULATE_BLOCK;
+            let done = populate_range(start + at, POPULATE_BLOCK.min(map.len() - at));
+            if !matches!(done, Ok(true)) {
+                // Nobody goes on after a failure.
+                next.store(blocks, Ordering::Relaxed);
+                return done;
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        let others: Vec<_> = (1..threads.min(blocks)).map(|_| s.spawn(work)).collect();
+        others.into_iter().fold(work(), |all, h| {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("populating thread panicked")));
+            all.and_then(|a| r.map(|b| a && b))
+        })
+    })
 }
 
 /// [`populate`] for the `len` bytes at `addr`, part of a mapping the caller owns.
@@ -677,7 +677,8 @@ mod tests {
 
     #[test]
     fn every_huge_page_setting_allocates_up_front_and_restores_the_same_bytes() {
-        let len = (8 << 20) + 4096 + 3;
+        // Three blocks to populate, the last a short one.
+        let len = 2 * POPULATE_BLOCK + 4096 + 3;
         let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
         for word in ["never", "advise", "within_size"] {
             let _setting = match ShmemEnabled::set(word) {
