@@ -520,16 +520,6 @@ impl Filling {
         unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr(), self.map.len) }
     }
 
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.map.len
-    }
-
-    /// Never true.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
     /// Unmaps the writable mapping and seals the segment.
     pub fn seal(self) -> io::Result<Sealed> {
         let Filling { map, seg } = self;
