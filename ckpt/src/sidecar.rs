@@ -239,8 +239,8 @@ impl Sidecar {
         );
         match shm::huge_pages() {
             shm::HugePages::Never => info!(
-                "shared memory in 4 KiB pages (shmem_enabled); restores from memory run at about \
-                 half of memcpy: see the huge pages section of docs/CONFIGURATION.md"
+                "shared memory in 4 KiB pages (shmem_enabled); restores from memory run at \
+                 0.5-0.85x of memcpy: see the huge pages section of docs/CONFIGURATION.md"
             ),
             pages => debug!(?pages, "shared memory in 2 MiB pages"),
         }

@@ -13,8 +13,9 @@
 //! sound ([`Sealed`]). Restores send the sealed descriptor; the receiver checks the seals
 //! ([`Sealed::open`]) before it trusts the bytes. A segment the sidecar fills itself (from a
 //! peer's stream, or read back from disk or store) is mapped writable in the sidecar alone with
-//! every page allocated and mapped up front ([`Segment::create_to_fill`], one `madvise` rather
-//! than a page fault per page), filled in place, and sealed the same way ([`Filling`]).
+//! every page allocated and mapped up front ([`Segment::create_to_fill`]: `madvise` on every
+//! core rather than a page fault per page), filled in place, and sealed the same way
+//! ([`Filling`]).
 //!
 //! The memory lives as long as any descriptor or mapping of it does, in any process; the
 //! sidecar's budget charge ([`super::memory::Charge`]) lives as long as the sidecar's own
@@ -163,13 +164,8 @@ impl Segment {
     /// Allocates (and zeroes) every page now: an error here, not a `SIGBUS` in whoever writes
     /// the segment later, when memory runs out.
     pub fn allocate(self) -> io::Result<Segment> {
-        self.allocate_with(huge_pages())
-    }
-
-    /// [`Segment::allocate`] under the node's setting `pages`.
-    fn allocate_with(self, pages: HugePages) -> io::Result<Segment> {
         // Huge pages are allocated only through a mapping that asks for them.
-        if pages == HugePages::Advise && populate(&self.map_writable()?)? {
+        if huge_pages() == HugePages::Advise && populate(&self.map_writable()?)? {
             return Ok(self);
         }
         self.fallocate()?;
