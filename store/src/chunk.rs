@@ -136,6 +136,8 @@ struct Inner {
     putting: Mutex<HashMap<ChunkId, SharedPut>>,
     /// Chunks this process has seen in the store (uploaded or checked).
     present: Mutex<HashSet<ChunkId>>,
+    /// Verified plaintext fetched ahead in bulk ([`ChunkStore::hold`]).
+    held: Mutex<HashMap<ChunkId, Bytes>>,
     stats: Mutex<ChunkStats>,
 }
 
@@ -148,6 +150,8 @@ pub struct ChunkStats {
     pub fetched_bytes: u64,
     /// Reads served from the local cache.
     pub cache_hits: u64,
+    /// Reads served from chunks held in memory ([`ChunkStore::hold`]).
+    pub held_hits: u64,
     /// Chunks uploaded.
     pub uploaded: u64,
     /// Compressed bytes uploaded.
@@ -180,6 +184,7 @@ impl ChunkStore {
                 fetching: Mutex::new(HashMap::new()),
                 putting: Mutex::new(HashMap::new()),
                 present: Mutex::new(HashSet::new()),
+                held: Mutex::new(HashMap::new()),
                 stats: Mutex::new(ChunkStats::default()),
             }),
         })
@@ -284,11 +289,10 @@ impl ChunkStore {
             self.inner.stats.lock().deduplicated += 1;
             return Ok(());
         }
-        let level = self.inner.cfg.zstd_level;
-        let frame = tokio::task::spawn_blocking(move || zstd::bulk::compress(&data, level))
+        let this = self.clone();
+        let frame = tokio::task::spawn_blocking(move || this.encode(&id, &data))
             .await
-            .map_err(|e| Error::task("chunk compress", e))?
-            .map_err(|e| Error::io("compress chunk", id.key(), e))?;
+            .map_err(|e| Error::task("chunk compress", e))??;
         let n = frame.len() as u64;
         self.inner.store.put(&id.key(), Bytes::from(frame)).await?;
         self.inner.present.lock().insert(id);
@@ -322,8 +326,43 @@ impl ChunkStore {
         fetch.await.map_err(Error::Shared)
     }
 
-    /// The verified bytes of `id` from the local cache, counted as a hit; `None` when not cached.
+    /// Decodes `frame`, checks it against `id` and keeps the plaintext in memory until
+    /// [`ChunkStore::release_held`]; reads of `id` find it there before the cache and the store.
+    /// For a caller that fetched many small chunks' frames in a few requests (a snapshot's pack),
+    /// so that reading them costs no request each. A frame that does not match `id` is
+    /// [`Error::Corrupt`] and nothing is held.
+    pub fn hold(&self, id: &ChunkId, frame: &[u8]) -> Result<()> {
+        let plain = self.decode(id, frame)?;
+        self.inner.held.lock().insert(*id, plain);
+        Ok(())
+    }
+
+    /// Whether `id` is held in memory ([`ChunkStore::hold`]).
+    pub fn is_held(&self, id: &ChunkId) -> bool {
+        self.inner.held.lock().contains_key(id)
+    }
+
+    /// Drops every chunk held in memory; returns how many there were. Reads go to the cache and
+    /// the store again.
+    pub fn release_held(&self) -> usize {
+        std::mem::take(&mut *self.inner.held.lock()).len()
+    }
+
+    /// The bytes of `id` held in memory, counted as a hit.
+    fn held(&self, id: &ChunkId) -> Option<Bytes> {
+        let hit = self.inner.held.lock().get(id).cloned();
+        if hit.is_some() {
+            self.inner.stats.lock().held_hits += 1;
+        }
+        hit
+    }
+
+    /// The verified bytes of `id` held in memory or in the local cache, counted as a hit; `None`
+    /// when neither has it.
     async fn cached(&self, id: &ChunkId) -> Result<Option<Bytes>> {
+        if let Some(bytes) = self.held(id) {
+            return Ok(Some(bytes));
+        }
         let Some(cache) = &self.inner.cache else {
             return Ok(None);
         };
@@ -349,10 +388,13 @@ impl ChunkStore {
     }
 
     /// [`ChunkStore::get_uncached`] on the calling thread, for callers already off the runtime,
-    /// when no network is involved: from the local cache, or from the store when it is a local
-    /// directory ([`Store::is_local`]). `Ok(None)` when the chunk would have to come from a
+    /// when no network is involved: held in memory, from the local cache, or from the store when
+    /// it is a local directory ([`Store::is_local`]). `Ok(None)` when the chunk would have to come from a
     /// remote store.
     pub fn get_uncached_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
+        if let Some(bytes) = self.held(id) {
+            return Ok(Some(bytes));
+        }
         if let Some(cache) = &self.inner.cache {
             let hit = cache.get_blocking(id)?;
             self.count_hit(&hit);
@@ -375,6 +417,12 @@ impl ChunkStore {
         let frame = self.inner.store.get(&id.key()).await?;
         self.count_fetch(frame.len());
         Ok(frame)
+    }
+
+    /// The stored frame of the chunk `data` whose id is `id`: zstd at the configured level.
+    pub fn encode(&self, id: &ChunkId, data: &[u8]) -> Result<Vec<u8>> {
+        zstd::bulk::compress(data, self.inner.cfg.zstd_level)
+            .map_err(|e| Error::io("compress chunk", id.key(), e))
     }
 
     /// The verified plaintext of a frame of `id` from [`ChunkStore::fetch_frame`].
@@ -512,6 +560,33 @@ mod tests {
         assert_eq!(counter.get(Op::Put).requests, 1);
         let stats = chunks.stats();
         assert_eq!((stats.uploaded, stats.deduplicated), (1, 7));
+    }
+
+    #[tokio::test]
+    async fn held_chunks_are_read_without_a_request_until_released() {
+        use crate::wrap::{Counter, Interceptor, Op};
+        let counter = Arc::new(Counter::default());
+        let store = Store::open("memory://")
+            .unwrap()
+            .wrap(|inner| counter.clone().wrap(inner));
+        let chunks = ChunkStore::new(store, ChunkStoreConfig::default()).unwrap();
+        let data = Bytes::from(vec![5u8; 70_000]);
+        let id = chunks.put(data.clone()).await.unwrap();
+        let frame = zstd::bulk::compress(&data, 1).unwrap();
+        // A frame of other bytes is refused and nothing is held.
+        let other = zstd::bulk::compress(&[6u8; 70_000], 1).unwrap();
+        assert!(chunks.hold(&id, &other).unwrap_err().is_corrupt());
+        assert!(!chunks.is_held(&id));
+        chunks.hold(&id, &frame).unwrap();
+        assert!(chunks.is_held(&id));
+        assert_eq!(chunks.get(&id).await.unwrap(), data);
+        assert_eq!(chunks.get_uncached(&id).await.unwrap(), data);
+        assert_eq!(chunks.get_uncached_blocking(&id).unwrap().unwrap(), data);
+        assert_eq!(counter.get(Op::Get).requests, 0);
+        assert_eq!(chunks.stats().held_hits, 3);
+        assert_eq!(chunks.release_held(), 1);
+        assert_eq!(chunks.get(&id).await.unwrap(), data);
+        assert_eq!(counter.get(Op::Get).requests, 1);
     }
 
     #[test]

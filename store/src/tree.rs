@@ -557,11 +557,13 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             drop(file);
             cache.adopt(&id, &abs, data.len() as u64, mode)
         };
-        // A chunk near at hand (cached, or in a local-directory store) is read, verified and
-        // placed in one hand-off to the blocking pool; one from a remote store is fetched here,
-        // then decoded, verified, written into the tree once and adopted by the cache in one
-        // hand-off.
-        let near = chunks.store().is_local() || chunks.cache().is_some_and(|c| c.contains(&id));
+        // A chunk near at hand (held in memory, cached, or in a local-directory store) is read,
+        // verified and placed in one hand-off to the blocking pool; one from a remote store is
+        // fetched here, then decoded, verified, written into the tree once and adopted by the
+        // cache in one hand-off.
+        let near = chunks.store().is_local()
+            || chunks.is_held(&id)
+            || chunks.cache().is_some_and(|c| c.contains(&id));
         let placed = if !near {
             None
         } else {
