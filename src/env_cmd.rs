@@ -390,9 +390,10 @@ async fn gc_cmd(args: GcArgs) -> anyhow::Result<()> {
         println!("{verb} snapshot {key}");
     }
     println!(
-        "{verb} {} snapshots, {} trees, {} chunks ({}); kept {} snapshots",
+        "{verb} {} snapshots, {} trees, {} packs, {} chunks ({}); kept {} snapshots",
         report.snapshots.len(),
         report.trees,
+        report.packs,
         report.chunks,
         size(report.chunk_bytes),
         report.kept

@@ -562,7 +562,8 @@ fn leftovers(target: &Path) -> Vec<String> {
 }
 
 /// Flips a bit in the stored chunk of `six.py` of the venv at `venv` (one chunk: the file is
-/// under 1 MiB); returns the chunk's id.
+/// under 1 MiB), and in its copy in every snapshot's pack (the layout of `hotstart_snapshot::pack`);
+/// returns the chunk's id.
 fn damage_six_py(f: &Fixture, venv: &Path) -> ChunkId {
     let six_py = walk_files(venv)
         .into_iter()
@@ -570,11 +571,30 @@ fn damage_six_py(f: &Fixture, venv: &Path) -> ChunkId {
         .expect("six.py in the venv");
     let id = ChunkId::of(&std::fs::read(six_py).unwrap());
     let store = f.open_store();
+    let flip = |object: &str, at: usize| {
+        let mut data = block_on(store.get(object)).unwrap().to_vec();
+        data[at] ^= 0x40;
+        block_on(store.put(object, data.into())).unwrap();
+    };
     let object = format!("envs/{}", id.key());
-    let mut frame = block_on(store.get(&object)).unwrap().to_vec();
-    let mid = frame.len() / 2;
-    frame[mid] ^= 0x40;
-    block_on(store.put(&object, frame.into())).unwrap();
+    let len = block_on(store.get(&object)).unwrap().len();
+    flip(&object, len / 2);
+    let packs = f
+        .stored_objects()
+        .into_iter()
+        .filter(|k| k.contains("/pack-"));
+    for pack in packs {
+        let data = block_on(store.get(&pack)).unwrap();
+        let count = u32::from_le_bytes(data[8..12].try_into().unwrap()) as usize;
+        let mut offset = 12 + 36 * count;
+        for entry in data[12..12 + 36 * count].chunks_exact(36) {
+            let len = u32::from_le_bytes(entry[32..].try_into().unwrap()) as usize;
+            if entry[..32] == id.0 {
+                flip(&pack, offset + len / 2);
+            }
+            offset += len;
+        }
+    }
     id
 }
 
@@ -894,7 +914,7 @@ fn nodes_racing_to_publish_one_key_leave_one_snapshot(f: &Fixture) {
         "exactly one node's snapshot is committed: {outcomes:?}"
     );
 
-    // One record and one tree for the key: the loser removed its tree.
+    // One record, one tree and one pack for the key: the loser removed its tree and pack.
     let key = outcomes[0]["key"].as_str().unwrap();
     let mut names: Vec<String> = f
         .stored_objects()
@@ -907,9 +927,10 @@ fn nodes_racing_to_publish_one_key_leave_one_snapshot(f: &Fixture) {
         })
         .collect();
     names.sort();
-    assert_eq!(names.len(), 2, "{names:?}");
-    assert_eq!(names[0], "snapshot.json", "{names:?}");
-    assert!(names[1].starts_with("tree-"), "{names:?}");
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert!(names[0].starts_with("pack-"), "{names:?}");
+    assert_eq!(names[1], "snapshot.json", "{names:?}");
+    assert!(names[2].starts_with("tree-"), "{names:?}");
 
     // A third node restores the committed snapshot; pip does not run again.
     let target = f.path("node-3/venv");

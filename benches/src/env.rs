@@ -601,11 +601,14 @@ async fn restore_once(store: &Store, cfg: &EnsureConfig) -> anyhow::Result<Durat
         bail!("expected a restore, got {:?}", out.action);
     };
     eprintln!(
-        "    restored {} files in {:.2} s ({} linked, {} chunks fetched)",
+        "    restored {} files in {:.2} s ({} linked, {} chunks fetched, {} from the pack in {} requests, {:.2} s)",
         r.files,
         took.as_secs_f64(),
         r.linked,
-        r.fetched_chunks
+        r.fetched_chunks,
+        r.packed_chunks,
+        r.pack_requests,
+        r.pack_seconds
     );
     Ok(took)
 }

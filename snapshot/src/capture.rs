@@ -6,9 +6,10 @@
 //!    already holds it, which deduplicates against every earlier snapshot (and within this one).
 //!    At the same time, find the entries that name the directory's own path (shebangs,
 //!    `pyvenv.cfg`, activate scripts, absolute symlinks), so a restore elsewhere can rewrite them.
-//! 3. Upload the encoded tree under a name derived from its hash, then commit the record with a
+//! 3. Read the small chunks back and upload them again as one pack ([`crate::pack`]).
+//! 4. Upload the encoded tree under a name derived from its hash, then commit the record with a
 //!    conditional create (see [`crate::record`]). When another node committed first, its
-//!    snapshot stands, this capture's tree object is removed, and the caller is told.
+//!    snapshot stands, this capture's tree and pack objects are removed, and the caller is told.
 
 use std::path::Path;
 use std::time::{Instant, SystemTime};
@@ -18,6 +19,7 @@ use hotstart_store::chunk::ChunkStats;
 
 use crate::error::{Error, Result};
 use crate::key::{Key, KeyInputs, path_string};
+use crate::pack::PackRef;
 use crate::record::{EnvStore, PathRef, PathRefKind, RECORD_FORMAT, SnapshotRecord};
 use crate::store_lock::{LockKind, LockTiming, StoreLock};
 
@@ -81,6 +83,19 @@ async fn build_and_commit(
     let scan = tokio::task::spawn_blocking(move || scan_path_refs(&scan_dir, &needle));
     let tree = Tree::build(dir, env.chunks(), CHUNK_SIZE).await?;
     let path_refs = scan.await.map_err(|e| Error::task("path scan", e))??;
+    let pack = match crate::pack::build(&tree, dir, env.chunks()).await? {
+        Some((data, chunks)) => {
+            let object = EnvStore::pack_key(key, &data);
+            let size = data.len() as u64;
+            env.root().put(&object, data).await?;
+            Some(PackRef {
+                object,
+                chunks,
+                size,
+            })
+        }
+        None => None,
+    };
     let encoded = tree.encode()?;
     let tree_key = EnvStore::tree_key(key, &encoded);
     env.root().put(&tree_key, encoded).await?;
@@ -99,6 +114,7 @@ async fn build_and_commit(
         bytes: tree.total_bytes(),
         chunks: tree.chunk_ids().len() as u64,
         path_refs,
+        pack: pack.clone(),
     };
     if env.commit(key, &record).await? {
         return Ok((record, true));
@@ -109,6 +125,11 @@ async fn build_and_commit(
     })?;
     if winner.tree != tree_key {
         env.root().delete(&tree_key).await?;
+    }
+    if let Some(ours) = pack
+        && winner.pack.as_ref().map(|p| &p.object) != Some(&ours.object)
+    {
+        env.root().delete(&ours.object).await?;
     }
     Ok((winner, false))
 }

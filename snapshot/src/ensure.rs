@@ -332,6 +332,8 @@ impl Outcome {
                 v["fetched_chunks"] = json!(r.fetched_chunks);
                 v["fetched_bytes"] = json!(r.fetched_bytes);
                 v["cache_hits"] = json!(r.cache_hits);
+                v["packed_chunks"] = json!(r.packed_chunks);
+                v["packed_bytes"] = json!(r.packed_bytes);
                 if let Some(rel) = &r.relocated {
                     v["relocated"] = json!({
                         "rewritten": rel.rewritten,
@@ -374,13 +376,23 @@ impl std::fmt::Display for Outcome {
             Action::Restored(r) => {
                 let mut s = format!(
                     "restored {key} into {target} in {secs:.2} s: {} files, {} ({} linked from the \
-                     chunk cache; fetched {} chunks, {})",
+                     chunk cache; fetched {} chunks, {}",
                     r.files,
                     size(r.bytes),
                     r.linked,
                     r.fetched_chunks,
                     size(r.fetched_bytes)
                 );
+                if r.packed_chunks > 0 {
+                    s += &format!(
+                        ", and {} small chunks in {} requests of their pack, {} in {:.2} s",
+                        r.packed_chunks,
+                        r.pack_requests,
+                        size(r.packed_bytes),
+                        r.pack_seconds
+                    );
+                }
+                s += ")";
                 if let Some(rel) = &r.relocated {
                     s += &format!(
                         "; relocated: rewrote {} files, re-pointed {} symlinks",

@@ -8,7 +8,7 @@
 //! 2. The chunks of every remaining snapshot's tree are the live set. A tree that cannot be read
 //!    for any reason but being gone stops gc before anything else is deleted: deleting chunks on
 //!    a partial view could break a snapshot that is fine.
-//! 3. Trees no record names (left by a capture that lost the race to commit, or that died before
+//! 3. Trees and packs no record names (left by a capture that lost the race to commit, or that died before
 //!    committing), lazy-mount artifacts (profile, traces, run reports) of snapshots that are gone,
 //!    and chunks outside the live set are deleted once older than the grace period,
 //!    so an upload in progress by a capture that took its lock after gc finished is not touched.
@@ -57,8 +57,9 @@ pub struct GcReport {
     pub snapshots: Vec<String>,
     /// Snapshots kept.
     pub kept: usize,
-    /// Tree objects removed (of removed snapshots, and orphans).
+    /// Tree and pack objects removed (of removed snapshots, and orphans).
     pub trees: u64,
+    pub packs: u64,
     /// Lazy-mount artifacts removed (profiles, traces, run reports of removed snapshots).
     pub artifacts: u64,
     /// Chunks removed and their stored bytes.
@@ -134,12 +135,14 @@ async fn collect(env: &EnvStore, opts: &GcOptions) -> Result<GcReport> {
 
     // The live set, before anything is deleted.
     let mut live: HashSet<ChunkId> = HashSet::new();
-    let mut live_trees: HashSet<String> = HashSet::new();
+    // Trees and packs that live records name.
+    let mut live_objects: HashSet<String> = HashSet::new();
     for rec in &live_records {
+        live_objects.extend(rec.pack.iter().map(|p| p.object.clone()));
         match env.tree(rec).await {
             Ok(tree) => {
                 live.extend(tree.chunk_ids());
-                live_trees.insert(rec.tree.clone());
+                live_objects.insert(rec.tree.clone());
             }
             Err(Error::BadSnapshot { .. }) => report.broken.push(rec.key.clone()),
             Err(e) => return Err(e),
@@ -165,12 +168,17 @@ async fn collect(env: &EnvStore, opts: &GcOptions) -> Result<GcReport> {
         let (Some(key), Some(file)) = (parts.next(), parts.next()) else {
             continue;
         };
-        if file == "snapshot.json" || live_trees.contains(&o.key) {
+        if file == "snapshot.json" || live_objects.contains(&o.key) {
             continue;
         }
-        if file.starts_with("tree-") {
+        let tree = file.starts_with("tree-");
+        if tree || file.starts_with("pack-") {
             if doomed_keys.contains(key) || old_enough(o.last_modified) {
-                report.trees += 1;
+                if tree {
+                    report.trees += 1;
+                } else {
+                    report.packs += 1;
+                }
                 deletions.push(o.key);
             }
         } else if doomed_keys.contains(key)

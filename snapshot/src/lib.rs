@@ -12,6 +12,8 @@
 //!   half-uploaded one is never seen.
 //! - [`restore`]: parallel chunk fetches, hard links from the local chunk cache, a temporary
 //!   directory renamed into place.
+//! - [`pack`]: a snapshot's small chunks again in one object, so a restore from a remote store
+//!   fetches them with a few large requests.
 //! - [`relocate`]: a snapshot restored at another path than it was captured at.
 //! - [`node`]: node-local file locks, so concurrent `ensure` calls for one key do the work once.
 //! - [`ensure`](ensure()): all of the above in one call, as `hotstart env ensure` runs it.
@@ -29,6 +31,7 @@ pub mod gc;
 pub mod key;
 pub mod lazy;
 pub mod node;
+pub mod pack;
 pub mod record;
 pub mod relocate;
 pub mod restore;

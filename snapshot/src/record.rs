@@ -6,6 +6,7 @@
 //! ```text
 //! envs/chunks/<2 hex>/<64 hex>          file contents, content-addressed (shared by all snapshots)
 //! envs/snapshots/<key>/tree-<16 hex>    the encoded Tree (named by its own hash)
+//! envs/snapshots/<key>/pack-<16 hex>    the small chunks again, in one object (see [`crate::pack`])
 //! envs/snapshots/<key>/snapshot.json    the record: written last, only if absent
 //! envs/snapshots/<key>/profile          hot chunks of lazy mounts (see [`EnvStore::artifacts`])
 //! envs/snapshots/<key>/traces/<run>     the trace of a lazy mount still running
@@ -26,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::key::{Key, KeyInputs};
+use crate::pack::PackRef;
 
 /// The format version of `snapshot.json` written by this build.
 pub const RECORD_FORMAT: u32 = 1;
@@ -57,6 +59,10 @@ pub struct SnapshotRecord {
     pub chunks: u64,
     /// Entries that mention `captured_at`, rewritten when restoring at another path.
     pub path_refs: Vec<PathRef>,
+    /// The pack of the small chunks, fetched in bulk by a restore (see [`crate::pack`]); absent
+    /// when the snapshot has no small chunks, or was captured by a build without packs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pack: Option<PackRef>,
 }
 
 /// An entry of a snapshot that names the path the snapshot was captured at.
@@ -119,8 +125,18 @@ impl EnvStore {
 
     /// The object key of a tree of `key` with encoded bytes `encoded`.
     pub fn tree_key(key: &Key, encoded: &[u8]) -> String {
-        let hash = blake3::hash(encoded).to_hex();
-        format!("{SNAPSHOTS}/{key}/tree-{}", &hash[..16])
+        Self::object_key(key, "tree", encoded)
+    }
+
+    /// The object key of a pack of `key` with bytes `data`.
+    pub fn pack_key(key: &Key, data: &[u8]) -> String {
+        Self::object_key(key, "pack", data)
+    }
+
+    /// `snapshots/<key>/<kind>-<16 hex of the hash of data>`.
+    fn object_key(key: &Key, kind: &str, data: &[u8]) -> String {
+        let hash = blake3::hash(data).to_hex();
+        format!("{SNAPSHOTS}/{key}/{kind}-{}", &hash[..16])
     }
 
     /// Where the lazy mounts of `key` keep their profile, traces and run reports, relative to
@@ -217,6 +233,14 @@ fn parse_record(key: &Key, data: &[u8]) -> Result<SnapshotRecord> {
         return Err(bad(format!(
             "record names a tree outside its snapshot: {}",
             record.tree
+        )));
+    }
+    if let Some(pack) = &record.pack
+        && !pack.object.starts_with(&format!("{SNAPSHOTS}/{key}/pack-"))
+    {
+        return Err(bad(format!(
+            "record names a pack outside its snapshot: {}",
+            pack.object
         )));
     }
     if !record.captured_at.starts_with('/') {

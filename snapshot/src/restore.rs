@@ -2,15 +2,17 @@
 //!
 //! 1. Read the record and the tree it names (both verified: the record against its key, the tree
 //!    by its decoder, every chunk against its hash as it is read).
-//! 2. Materialise the tree into a temporary directory beside the target (same file system, so
+//! 2. From a remote store, fetch the snapshot's small chunks in bulk from its pack and hold them
+//!    in memory for the next step (see [`crate::pack`]).
+//! 3. Materialise the tree into a temporary directory beside the target (same file system, so
 //!    the final rename is atomic): many files at once, each fetching several chunks ahead, so
 //!    chunk fetches run in parallel. A file is hard-linked from the local chunk cache when the
 //!    cache is on the same file system and holds it (a file of one chunk as that chunk, a larger
 //!    one whole: see [`ChunkCache::link_to`](hotstart_store::ChunkCache::link_to) and
 //!    [`ChunkCache::file_key`](hotstart_store::ChunkCache::file_key)); everything else is written
 //!    and then becomes the cache's copy. Modes, symlinks, hard links and mtimes are as captured.
-//! 3. If the target is not where the snapshot was captured, relocate (see [`crate::relocate`]).
-//! 4. Rename the temporary directory into place, or, when an older environment occupies the
+//! 4. If the target is not where the snapshot was captured, relocate (see [`crate::relocate`]).
+//! 5. Rename the temporary directory into place, or, when an older environment occupies the
 //!    target and may be replaced, swap the two atomically (`renameat2(RENAME_EXCHANGE)`) and then
 //!    delete the old one.
 //!
@@ -25,6 +27,7 @@ use std::time::Instant;
 use hotstart_store::{MaterializeOptions, Tree};
 
 use crate::error::{Error, Result};
+use crate::pack::PackLoad;
 use crate::record::{EnvStore, SnapshotRecord};
 use crate::relocate::{RelocateReport, relocate_dir};
 use crate::util::rename2;
@@ -55,10 +58,17 @@ pub struct RestoreReport {
     pub bytes: u64,
     /// Files hard-linked from the chunk cache instead of written.
     pub linked: u64,
-    /// Chunks and compressed bytes fetched from the store, and chunks served by the cache.
+    /// Chunks and compressed bytes fetched from the store one by one, and chunks served by the
+    /// cache.
     pub fetched_chunks: u64,
     pub fetched_bytes: u64,
     pub cache_hits: u64,
+    /// Chunks taken from the snapshot's pack ([`crate::pack`]), and the bytes, GETs and seconds
+    /// that fetched them.
+    pub packed_chunks: u64,
+    pub packed_bytes: u64,
+    pub pack_requests: u64,
+    pub pack_seconds: f64,
     /// What was rewritten because the target differs from the capture path.
     pub relocated: Option<RelocateReport>,
     pub seconds: f64,
@@ -85,6 +95,7 @@ pub async fn restore(
     let tmp = temp_beside(target, "tmp")?;
     let before = env.chunks().stats();
     let res = fill(env, record, &tree, &tmp, target, opts).await;
+    env.chunks().release_held();
     let mut report = match res {
         Ok(r) => r,
         Err(e) => {
@@ -117,6 +128,13 @@ async fn fill(
     opts: &RestoreOptions,
 ) -> Result<RestoreReport> {
     std::fs::create_dir(tmp).map_err(|e| Error::io("create directory", tmp, e))?;
+    // A local directory serves each chunk as fast as a pack would.
+    let packed = match &record.pack {
+        Some(pack) if !env.root().is_local() => {
+            crate::pack::load(env.chunks(), pack, tree, env.chunks().config().concurrency).await
+        }
+        _ => PackLoad::default(),
+    };
     let mopts = MaterializeOptions {
         concurrency: opts.concurrency,
         link_from_cache: opts.link_from_cache,
@@ -140,6 +158,10 @@ async fn fill(
         files: stats.files,
         bytes: stats.bytes,
         linked: stats.linked,
+        packed_chunks: packed.chunks,
+        packed_bytes: packed.bytes,
+        pack_requests: packed.requests,
+        pack_seconds: packed.seconds,
         relocated,
         ..Default::default()
     })

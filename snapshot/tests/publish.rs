@@ -93,7 +93,7 @@ async fn a_capture_cut_short_is_never_used(store: Store) {
         .await
         .unwrap();
     let puts = counter.get(Op::Put).requests;
-    assert!(puts >= 6, "lock, chunks, tree, record: {puts}");
+    assert!(puts >= 7, "lock, chunks, pack, tree, record: {puts}");
 
     // Cut after the lock, in the middle of the chunks, at the tree, and at the record itself;
     // each on an empty part of the store, so every attempt makes the same requests.
@@ -263,6 +263,7 @@ async fn gc_keeps_what_snapshots_use(store: Store) {
     assert_eq!(report.snapshots, vec![ka.to_hex()]);
     assert_eq!(report.kept, 1);
     assert_eq!(report.trees, 2, "a's tree and the orphan");
+    assert_eq!(report.packs, 1, "a's pack");
     // a's unique.py and its bin/tool (which names a's path) are gone; shared.so stays.
     assert_eq!(report.chunks, 2, "{report:?}");
     assert!(env.record(&ka).await.unwrap().is_none());
@@ -309,6 +310,151 @@ async fn gc_keeps_what_snapshots_use(store: Store) {
     assert_eq!((report.trees, report.chunks), (0, 0), "{report:?}");
 }
 
+/// Every regular file under `root` and its bytes, by relative path.
+fn files_of(root: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            if meta.is_dir() {
+                stack.push(path);
+            } else if meta.is_file() {
+                let rel = path.strip_prefix(root).unwrap().display().to_string();
+                out.insert(rel, std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// A remote store's restore takes the small chunks from the snapshot's pack in a few requests;
+/// a pack that is corrupt, cut short or gone is not trusted, and the restore fetches what it
+/// lacks chunk by chunk, always ending with the captured bytes.
+async fn small_chunks_come_from_the_pack_and_a_bad_pack_is_not_trusted(store: Store) {
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path().join("venv");
+    env_dir(&dir, 3);
+    // Forty small modules, two of them identical (one chunk in the pack).
+    for i in 0..40u64 {
+        let j = i.min(38);
+        let body = pattern(500 + 97 * j as usize, 1000 + j);
+        std::fs::write(dir.join(format!("lib/pkg/m{i}.py")), body).unwrap();
+    }
+    let inputs = inputs("pack", &dir);
+    let key = inputs.key();
+    let env = env_store(&store);
+    let record = capture(&env, &key, &inputs, &dir, quick_locks())
+        .await
+        .unwrap()
+        .record;
+    // unique.py, bin/tool and 39 distinct modules; shared.so's 256 KiB chunks are too large.
+    let pack = record.pack.clone().expect("the snapshot has small chunks");
+    assert_eq!(pack.chunks, 41, "{pack:?}");
+    let large = ((3 << 20) / hotstart_snapshot::capture::CHUNK_SIZE) as u64;
+    assert_eq!(record.chunks, 41 + large);
+    let want = files_of(&dir);
+
+    // Each restore on a node of its own: an empty chunk cache, its requests counted.
+    let remote = !store.is_local();
+    let packed =
+        hotstart_store::ChunkId::of(&std::fs::read(dir.join("lib/pkg/unique.py")).unwrap());
+    let run = |name: &'static str| {
+        let (store, record, work, want) = (
+            store.clone(),
+            record.clone(),
+            work.path().to_path_buf(),
+            &want,
+        );
+        async move {
+            let counter = Arc::new(Counter::default());
+            // (A wrapped store is not a local directory any more: only remote ones are wrapped.)
+            let counted = if store.is_local() {
+                store.clone()
+            } else {
+                store.wrap(|inner| counter.clone().wrap(inner))
+            };
+            let env = EnvStore::new(
+                &counted,
+                ChunkStoreConfig {
+                    cache_dir: Some(work.join(format!("cache-{name}"))),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let out = work.join(name);
+            let report = restore(&env, &record, &out, false, &RestoreOptions::default())
+                .await
+                .unwrap();
+            // bin/tool names the new path (relocated); every other file is byte for byte the same.
+            let mut got = files_of(&out);
+            got.remove("bin/tool");
+            let mut expected = want.clone();
+            expected.remove("bin/tool");
+            assert_eq!(got, expected, "{name}");
+            assert!(
+                !env.chunks().is_held(&packed),
+                "{name}: released after the restore"
+            );
+            (report, counter.get(Op::Get).requests)
+        }
+    };
+
+    let (whole, gets) = run("whole").await;
+    if remote {
+        assert_eq!(whole.packed_chunks, 41, "{whole:?}");
+        assert_eq!(
+            whole.fetched_chunks, large,
+            "only the large chunks one by one"
+        );
+        // The tree, the pack's index and its one range of frames, and the large chunks (the
+        // caller read the record).
+        assert_eq!(gets, 1 + 2 + large, "{whole:?}");
+    } else {
+        assert_eq!(whole.packed_chunks, 0, "a local directory needs no pack");
+    }
+
+    // A flipped byte in the last frame: that chunk alone is fetched on its own.
+    let original = env.root().get(&pack.object).await.unwrap();
+    let mut bad = original.to_vec();
+    let at = bad.len() - 5;
+    bad[at] ^= 0x40;
+    env.root().put(&pack.object, bad.into()).await.unwrap();
+    let (flipped, _) = run("flipped").await;
+    if remote {
+        assert_eq!(flipped.packed_chunks, 40, "{flipped:?}");
+        assert_eq!(flipped.fetched_chunks, large + 1, "{flipped:?}");
+    }
+
+    // Cut short, then gone: everything comes chunk by chunk.
+    env.root()
+        .put(&pack.object, original.slice(..original.len() / 2))
+        .await
+        .unwrap();
+    // (Two files with one chunk may each fetch it: at least every distinct chunk is fetched.)
+    let (cut, _) = run("cut").await;
+    assert_eq!(cut.packed_chunks, 0, "{cut:?}");
+    assert!(cut.fetched_chunks >= 41 + large, "{cut:?}");
+    env.root().delete(&pack.object).await.unwrap();
+    let (gone, _) = run("gone").await;
+    assert_eq!(gone.packed_chunks, 0, "{gone:?}");
+    assert!(gone.fetched_chunks >= 41 + large, "{gone:?}");
+
+    // A record that names a pack outside its own snapshot is refused.
+    let mut hostile = record.clone();
+    hostile.pack.as_mut().unwrap().object = format!("snapshots/{}/pack-0", Key([7; 32]));
+    env.root()
+        .put(
+            &EnvStore::record_key(&key),
+            serde_json::to_vec(&hostile).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let err = env.record(&key).await.unwrap_err();
+    assert!(matches!(err, Error::BadSnapshot { .. }), "{err}");
+}
+
 macro_rules! backends {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -351,4 +497,5 @@ backends!(
     a_capture_cut_short_is_never_used,
     snapshots_share_chunks,
     gc_keeps_what_snapshots_use,
+    small_chunks_come_from_the_pack_and_a_bad_pack_is_not_trusted,
 );
