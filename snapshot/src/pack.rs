@@ -5,10 +5,11 @@
 //! of them at most 64 KiB, and a restore that fetches each with its own GET is bound by requests
 //! per second, not by bytes. So a capture also writes, beside the tree, one object holding the
 //! zstd frames of every distinct chunk of at most [`PACK_CHUNK_MAX`] bytes (up to
-//! [`PACK_MAX_BYTES`] of them), and names it in the record ([`PackRef`]). A restore from a remote
-//! store reads the pack's index, fetches the frames of the chunks it will read (those the node's
-//! chunk cache does not hold, alone or as part of a whole file) in ranged GETs of up to 4 MiB, checks every frame against its chunk id and holds the
-//! plaintext in memory ([`ChunkStore::hold`]) while the tree is materialised, then drops it.
+//! [`PACK_MAX_BYTES`] of plaintext in all), and names it in the record ([`PackRef`]). A restore
+//! from a remote store reads the pack's index, fetches the frames of the chunks it will read
+//! (those the node's chunk cache does not hold, alone or as part of a whole file) in ranged GETs
+//! of up to 4 MiB, checks every frame against its chunk id and holds the plaintext in memory
+//! ([`ChunkStore::hold`]) while the tree is materialised, then drops it.
 //!
 //! The pack copies chunks, it does not move them: every chunk is still stored on its own, where
 //! lazy mounts, deduplication across snapshots and builds that know no packs find it. It costs
@@ -262,7 +263,7 @@ fn ranges(frames: Vec<Frame>) -> Vec<Vec<Frame>> {
     out
 }
 
-/// What [`load`] did.
+/// What fetching a pack for a restore did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PackLoad {
     /// Chunks held in memory from the pack.
