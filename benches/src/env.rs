@@ -601,7 +601,8 @@ async fn restore_once(store: &Store, cfg: &EnsureConfig) -> anyhow::Result<Durat
         bail!("expected a restore, got {:?}", out.action);
     };
     eprintln!(
-        "    restored {} files in {:.2} s ({} linked, {} chunks fetched, {} from the pack in {} requests, {:.2} s)",
+        "    restored {} files in {:.2} s ({} linked, {} chunks fetched, {} from the pack in {} \
+         requests, {:.2} s)",
         r.files,
         took.as_secs_f64(),
         r.linked,

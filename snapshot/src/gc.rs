@@ -4,14 +4,15 @@
 //! "this chunk is already there" and its commit while chunks are deleted. Then:
 //!
 //! 1. Snapshots chosen by key or by age lose their record first (from then on nobody restores
-//!    them) and then their trees.
+//!    them) and then their trees and packs.
 //! 2. The chunks of every remaining snapshot's tree are the live set. A tree that cannot be read
 //!    for any reason but being gone stops gc before anything else is deleted: deleting chunks on
 //!    a partial view could break a snapshot that is fine.
-//! 3. Trees and packs no record names (left by a capture that lost the race to commit, or that died before
-//!    committing), lazy-mount artifacts (profile, traces, run reports) of snapshots that are gone,
-//!    and chunks outside the live set are deleted once older than the grace period,
-//!    so an upload in progress by a capture that took its lock after gc finished is not touched.
+//! 3. Trees and packs no record names (left by a capture that lost the race to commit, or that
+//!    died before committing), lazy-mount artifacts (profile, traces, run reports) of snapshots
+//!    that are gone, and chunks outside the live set are deleted once older than the grace
+//!    period, so an upload in progress by a capture that took its lock after gc finished is not
+//!    touched.
 
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
