@@ -361,7 +361,8 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         tcp.push(raw_tcp(&sources, &mut dst)?);
         tcp_fresh.push(raw_tcp(&sources, &mut AlignedBuf::zeroed(total))?);
         eprintln!(
-            "sidecar: run {run}: memcpy {:?}, memory {:?}, disk {:?}, peer {:?} (fetch {:?}), tcp {:?} (into new memory {:?})",
+            "sidecar: run {run}: memcpy {:?}, memory {:?}, disk {:?}, peer {:?} (fetch {:?}), tcp {:?} \
+             (into new memory {:?})",
             memcpy[run],
             memory[run],
             disk_load.last(),

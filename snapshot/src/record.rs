@@ -6,7 +6,7 @@
 //! ```text
 //! envs/chunks/<2 hex>/<64 hex>          file contents, content-addressed (shared by all snapshots)
 //! envs/snapshots/<key>/tree-<16 hex>    the encoded Tree (named by its own hash)
-//! envs/snapshots/<key>/pack-<16 hex>    the small chunks again, in one object (see [`crate::pack`])
+//! envs/snapshots/<key>/pack-<16 hex>    the small chunks again, in one object ([`crate::pack`])
 //! envs/snapshots/<key>/snapshot.json    the record: written last, only if absent
 //! envs/snapshots/<key>/profile          hot chunks of lazy mounts (see [`EnvStore::artifacts`])
 //! envs/snapshots/<key>/traces/<run>     the trace of a lazy mount still running

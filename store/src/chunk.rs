@@ -389,8 +389,8 @@ impl ChunkStore {
 
     /// [`ChunkStore::get_uncached`] on the calling thread, for callers already off the runtime,
     /// when no network is involved: held in memory, from the local cache, or from the store when
-    /// it is a local directory ([`Store::is_local`]). `Ok(None)` when the chunk would have to come from a
-    /// remote store.
+    /// it is a local directory ([`Store::is_local`]). `Ok(None)` when the chunk would have to
+    /// come from a remote store.
     pub fn get_uncached_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
         if let Some(bytes) = self.held(id) {
             return Ok(Some(bytes));
@@ -534,6 +534,7 @@ pub fn decode_frame(id: &ChunkId, frame: &[u8], max_chunk_size: usize) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wrap::{Counter, Interceptor, Op};
 
     #[test]
     fn hex_round_trip_and_key_layout() {
@@ -546,14 +547,21 @@ mod tests {
         assert_eq!(serde_json::from_str::<ChunkId>(&json).unwrap(), id);
     }
 
-    #[tokio::test]
-    async fn concurrent_puts_of_one_chunk_upload_once() {
-        use crate::wrap::{Counter, Interceptor, Op};
+    /// Chunks in a memory store whose requests are counted.
+    fn counted_chunks() -> (Arc<Counter>, ChunkStore) {
         let counter = Arc::new(Counter::default());
         let store = Store::open("memory://")
             .unwrap()
             .wrap(|inner| counter.clone().wrap(inner));
-        let chunks = ChunkStore::new(store, ChunkStoreConfig::default()).unwrap();
+        (
+            counter.clone(),
+            ChunkStore::new(store, ChunkStoreConfig::default()).unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn concurrent_puts_of_one_chunk_upload_once() {
+        let (counter, chunks) = counted_chunks();
         let data = Bytes::from(vec![9u8; 100_000]);
         let ids = chunks.put_many(vec![data.clone(); 8]).await.unwrap();
         assert!(ids.iter().all(|id| *id == ChunkId::of(&data)));
@@ -564,15 +572,10 @@ mod tests {
 
     #[tokio::test]
     async fn held_chunks_are_read_without_a_request_until_released() {
-        use crate::wrap::{Counter, Interceptor, Op};
-        let counter = Arc::new(Counter::default());
-        let store = Store::open("memory://")
-            .unwrap()
-            .wrap(|inner| counter.clone().wrap(inner));
-        let chunks = ChunkStore::new(store, ChunkStoreConfig::default()).unwrap();
+        let (counter, chunks) = counted_chunks();
         let data = Bytes::from(vec![5u8; 70_000]);
         let id = chunks.put(data.clone()).await.unwrap();
-        let frame = zstd::bulk::compress(&data, 1).unwrap();
+        let frame = chunks.encode(&id, &data).unwrap();
         // A frame of other bytes is refused and nothing is held.
         let other = zstd::bulk::compress(&[6u8; 70_000], 1).unwrap();
         assert!(chunks.hold(&id, &other).unwrap_err().is_corrupt());
