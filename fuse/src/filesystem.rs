@@ -63,6 +63,12 @@ pub struct CachePolicy {
     /// flush or release at all, and it then keeps file pages and directory listings cached.
     /// [`Filesystem::open`] is then never called, and reads and listings get handle 0.
     pub stateless_open: bool,
+    /// Listings carry every entry's attributes (READDIRPLUS), so the kernel learns a listed
+    /// directory's names in one request instead of one lookup each (Python lists a package
+    /// directory, then opens what it found). For filesystems whose [`Filesystem::getattr`]
+    /// answers from memory; each entry listed then counts as one lookup of its inode, which
+    /// the kernel later forgets.
+    pub listing_attrs: bool,
 }
 
 fn read_only(what: &str, ino: u64) -> FsError {
@@ -258,6 +264,8 @@ impl Filesystem for StripedFs {
             negative_ttl: None,
             keep_page_cache: false,
             stateless_open: false,
+            // Attributes of listed objects may need a request each.
+            listing_attrs: false,
         }
     }
 

@@ -11,7 +11,10 @@
 //! EIO, and only that file's reads that touch it.
 //!
 //! Nothing can change, so the kernel may cache everything for as long as it likes: entries,
-//! attributes and negative lookups get the configured TTL, and open files keep their page cache.
+//! attributes and negative lookups get the configured TTL, open files keep their page cache,
+//! symlink targets are cached, and listings carry every entry's attributes, so a process that
+//! lists a directory and then opens what it found (Python's import system) sends no lookup for
+//! those names.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -271,6 +274,7 @@ impl Filesystem for ImageFs {
             negative_ttl: Some(self.ttl),
             keep_page_cache: true,
             stateless_open: true,
+            listing_attrs: true,
         }
     }
 
