@@ -8,7 +8,7 @@
 //! 1. the local disk cache, if configured (plaintext files, LRU by bytes); the bytes are hashed
 //!    and a mismatching cache file is dropped and refetched;
 //! 2. otherwise a fetch from the store, **single-flight**: concurrent readers of one chunk share
-//!    one request. The frame is decompressed with its declared size bounded by
+//!    one request (whichever way they read it: cached, uncached, or as the raw frame). The frame is decompressed with its declared size bounded by
 //!    `max_chunk_size` (a hostile frame cannot make us allocate more), hashed, and only then
 //!    handed out and cached. A mismatch is [`Error::Corrupt`] naming the chunk: never wrong bytes.
 //!
@@ -131,7 +131,11 @@ struct Inner {
     store: Store,
     cfg: ChunkStoreConfig,
     cache: Option<ChunkCache>,
+    /// Reads in progress (fetch, decode, cache), so that concurrent readers of a chunk share one.
     fetching: Mutex<HashMap<ChunkId, SharedFetch>>,
+    /// GETs of frames in progress, shared by every reader of the chunk, whatever it does with
+    /// the frame.
+    frames: Mutex<HashMap<ChunkId, SharedFetch>>,
     /// Uploads in progress, so that two writers of the same new chunk upload it once.
     putting: Mutex<HashMap<ChunkId, SharedPut>>,
     /// Chunks this process has seen in the store (uploaded or checked).
@@ -182,6 +186,7 @@ impl ChunkStore {
                 cfg,
                 cache,
                 fetching: Mutex::new(HashMap::new()),
+                frames: Mutex::new(HashMap::new()),
                 putting: Mutex::new(HashMap::new()),
                 present: Mutex::new(HashSet::new()),
                 held: Mutex::new(HashMap::new()),
@@ -316,14 +321,13 @@ impl ChunkStore {
         if let Some(bytes) = self.cached(id).await? {
             return Ok(bytes);
         }
-        let fetch = {
-            let mut fetching = self.inner.fetching.lock();
-            fetching
-                .entry(*id)
-                .or_insert_with(|| self.spawn_fetch(*id))
-                .clone()
-        };
-        fetch.await.map_err(Error::Shared)
+        let id = *id;
+        self.single_flight(
+            |i| &i.fetching,
+            id,
+            move |this| async move { this.fetch(id, true).await },
+        )
+        .await
     }
 
     /// Decodes `frame`, checks it against `id` and keeps the plaintext in memory until
@@ -414,9 +418,17 @@ impl ChunkStore {
     /// caller that decodes it ([`ChunkStore::decode`]) on a blocking thread together with what
     /// it does with the bytes, in one hand-off.
     pub async fn fetch_frame(&self, id: &ChunkId) -> Result<Bytes> {
-        let frame = self.inner.store.get(&id.key()).await?;
-        self.count_fetch(frame.len());
-        Ok(frame)
+        let id = *id;
+        self.single_flight(
+            |i| &i.frames,
+            id,
+            move |this| async move {
+                let frame = this.inner.store.get(&id.key()).await?;
+                this.count_fetch(frame.len());
+                Ok(frame)
+            },
+        )
+        .await
     }
 
     /// The stored frame of the chunk `data` whose id is `id`: zstd at the configured level.
@@ -447,23 +459,41 @@ impl ChunkStore {
             .await
     }
 
-    /// Starts the one fetch of `id` that every concurrent reader waits on. It runs as its own task
-    /// so it completes (and leaves the single-flight map) even if its first reader goes away.
-    fn spawn_fetch(&self, id: ChunkId) -> SharedFetch {
-        let this = self.clone();
-        let task = tokio::spawn(async move {
-            let res = this.fetch(id, true).await;
-            this.inner.fetching.lock().remove(&id);
-            res
-        });
-        async move {
-            match task.await {
-                Ok(res) => res.map_err(Arc::new),
-                Err(e) => Err(Arc::new(Error::task("chunk fetch", e))),
-            }
-        }
-        .boxed()
-        .shared()
+    /// Waits for the operation on `id` in progress in the map `flights` picks, or starts
+    /// `start` as that operation. It runs as its own task, so it completes (and leaves the map)
+    /// even if its first reader goes away.
+    async fn single_flight<F, Fut>(
+        &self,
+        flights: fn(&Inner) -> &Mutex<HashMap<ChunkId, SharedFetch>>,
+        id: ChunkId,
+        start: F,
+    ) -> Result<Bytes>
+    where
+        F: FnOnce(ChunkStore) -> Fut,
+        Fut: Future<Output = Result<Bytes>> + Send + 'static,
+    {
+        let flight = flights(&self.inner)
+            .lock()
+            .entry(id)
+            .or_insert_with(|| {
+                let this = self.clone();
+                let op = start(self.clone());
+                let task = tokio::spawn(async move {
+                    let res = op.await;
+                    flights(&this.inner).lock().remove(&id);
+                    res
+                });
+                async move {
+                    match task.await {
+                        Ok(res) => res.map_err(Arc::new),
+                        Err(e) => Err(Arc::new(Error::task("chunk fetch", e))),
+                    }
+                }
+                .boxed()
+                .shared()
+            })
+            .clone();
+        flight.await.map_err(Error::Shared)
     }
 
     /// Fetches and verifies `id`, writing it to the cache when `cache` is set.
@@ -568,6 +598,34 @@ mod tests {
         assert_eq!(counter.get(Op::Put).requests, 1);
         let stats = chunks.stats();
         assert_eq!((stats.uploaded, stats.deduplicated), (1, 7));
+    }
+
+    #[tokio::test]
+    async fn concurrent_reads_of_one_chunk_share_one_get_whichever_way_they_read() {
+        let (counter, chunks) = counted_chunks();
+        let data = Bytes::from(vec![3u8; 90_000]);
+        let id = chunks.put(data.clone()).await.unwrap();
+        let frame = chunks.encode(&id, &data).unwrap();
+        let reads = (0..12).map(|i| {
+            let chunks = chunks.clone();
+            async move {
+                match i % 3 {
+                    0 => chunks.get(&id).await.unwrap(),
+                    1 => chunks.get_uncached(&id).await.unwrap(),
+                    _ => chunks
+                        .decode(&id, &chunks.fetch_frame(&id).await.unwrap())
+                        .unwrap(),
+                }
+            }
+        });
+        for read in futures::future::join_all(reads).await {
+            assert_eq!(read, data);
+        }
+        assert_eq!(counter.get(Op::Get).requests, 1);
+        assert_eq!(chunks.stats().fetched, 1);
+        // Once it is done, a later read is a new request.
+        assert_eq!(chunks.fetch_frame(&id).await.unwrap(), frame);
+        assert_eq!(counter.get(Op::Get).requests, 2);
     }
 
     #[tokio::test]
