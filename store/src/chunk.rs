@@ -8,9 +8,10 @@
 //! 1. the local disk cache, if configured (plaintext files, LRU by bytes); the bytes are hashed
 //!    and a mismatching cache file is dropped and refetched;
 //! 2. otherwise a fetch from the store, **single-flight**: concurrent readers of one chunk share
-//!    one request (whichever way they read it: cached, uncached, or as the raw frame). The frame is decompressed with its declared size bounded by
-//!    `max_chunk_size` (a hostile frame cannot make us allocate more), hashed, and only then
-//!    handed out and cached. A mismatch is [`Error::Corrupt`] naming the chunk: never wrong bytes.
+//!    one request (whichever way they read it: cached, uncached, or as the raw frame). The
+//!    frame is decompressed with its declared size bounded by `max_chunk_size` (a hostile frame
+//!    cannot make us allocate more), hashed, and only then handed out and cached. A mismatch
+//!    is [`Error::Corrupt`] naming the chunk: never wrong bytes.
 //!
 //! Writing a chunk hashes it, skips it when the store already has it (a HEAD, or this process saw
 //! it already), and otherwise compresses and PUTs it. Batches run with bounded concurrency;
