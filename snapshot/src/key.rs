@@ -80,14 +80,27 @@ pub struct PythonInfo {
     pub base_prefix: String,
 }
 
-const PROBE: &str = "import json, os, platform, sys, sysconfig
-print(json.dumps({
-    'implementation': sys.implementation.name,
-    'version': platform.python_version(),
-    'soabi': sysconfig.get_config_var('SOABI') or '',
-    'abiflags': getattr(sys, 'abiflags', ''),
-    'base_prefix': os.path.realpath(sys.base_prefix),
-}))";
+/// Asked with `-I -S` (no site, so no `.pth` file runs) and without importing `platform`,
+/// `sysconfig` or `json`, which took most of the probe's time: `platform.python_version()` is
+/// the first word of `sys.version`, and CPython's first extension suffix is `.<SOABI>.so`.
+/// `sysconfig` is asked only when that suffix does not look like one (`-S` leaves
+/// `sys.base_prefix` as it is: a venv's base is found at startup, not by `site`). Answers are
+/// separated by NUL, which no path can hold.
+const PROBE: &str = "import os, sys
+from importlib.machinery import EXTENSION_SUFFIXES as x
+s = x[0] if x else ''
+tag = sys.implementation.cache_tag or ''
+soabi = s[1:-3] if tag and s.startswith('.' + tag + '-') and s.endswith('.so') else None
+if soabi is None:
+    import sysconfig
+    soabi = sysconfig.get_config_var('SOABI') or ''
+sys.stdout.write('\\0'.join([
+    sys.implementation.name,
+    sys.version.split()[0],
+    soabi,
+    getattr(sys, 'abiflags', ''),
+    os.path.realpath(sys.base_prefix),
+]))";
 
 impl PythonInfo {
     /// Runs `python` (a command on `PATH` or a path) in isolated mode and reads its answers.
@@ -97,7 +110,7 @@ impl PythonInfo {
             reason,
         };
         let out = std::process::Command::new(python)
-            .args(["-I", "-c", PROBE])
+            .args(["-I", "-S", "-c", PROBE])
             .stdin(std::process::Stdio::null())
             .output()
             .map_err(|e| fail(e.to_string()))?;
@@ -108,11 +121,21 @@ impl PythonInfo {
                 String::from_utf8_lossy(&out.stderr).trim()
             )));
         }
-        serde_json::from_slice(&out.stdout).map_err(|e| {
-            fail(format!(
-                "unexpected answer {:?}: {e}",
-                String::from_utf8_lossy(&out.stdout)
-            ))
+        let answer =
+            String::from_utf8(out.stdout).map_err(|e| fail(format!("answer is not UTF-8: {e}")))?;
+        let fields: Vec<&str> = answer.split('\0').collect();
+        let [implementation, version, soabi, abiflags, base_prefix] = fields[..] else {
+            return Err(fail(format!("unexpected answer {answer:?}")));
+        };
+        if implementation.is_empty() || version.is_empty() || base_prefix.is_empty() {
+            return Err(fail(format!("unexpected answer {answer:?}")));
+        }
+        Ok(PythonInfo {
+            implementation: implementation.to_string(),
+            version: version.to_string(),
+            soabi: soabi.to_string(),
+            abiflags: abiflags.to_string(),
+            base_prefix: base_prefix.to_string(),
         })
     }
 }
@@ -376,6 +399,48 @@ mod tests {
             change(&mut i);
             assert!(seen.insert(i.key()), "{what} did not change the key");
         }
+    }
+
+    /// What the probe used to ask, the slow way: `platform`, `sysconfig` and `json` after `site`.
+    fn asked_the_slow_way(python: &Path) -> PythonInfo {
+        let out = std::process::Command::new(python)
+            .args([
+                "-I",
+                "-c",
+                "import json, os, platform, sys, sysconfig; print(json.dumps({\
+                 'implementation': sys.implementation.name, \
+                 'version': platform.python_version(), \
+                 'soabi': sysconfig.get_config_var('SOABI') or '', \
+                 'abiflags': getattr(sys, 'abiflags', ''), \
+                 'base_prefix': os.path.realpath(sys.base_prefix)}))",
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    #[test]
+    fn the_probe_answers_what_platform_and_sysconfig_say_for_a_venv_too() {
+        let system = PythonInfo::probe("python3").unwrap();
+        let base = PathBuf::from(&system.base_prefix);
+        assert!(base.is_absolute(), "{system:?}");
+        assert!(system.soabi.starts_with("cpython-"), "{system:?}");
+        let dir = tempfile::tempdir().unwrap();
+        let venv = dir.path().join("venv");
+        let made = std::process::Command::new("python3")
+            .args(["-m", "venv", "--without-pip"])
+            .arg(&venv)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let python = venv.join("bin/python");
+        let in_venv = PythonInfo::probe(python.to_str().unwrap()).unwrap();
+        assert_eq!(in_venv, asked_the_slow_way(&python));
+        // Without `site`, a venv still reports its base installation, as `python3` does.
+        assert_eq!(in_venv, system);
+        let err = PythonInfo::probe(dir.path().join("missing").to_str().unwrap()).unwrap_err();
+        assert!(matches!(err, Error::Python { .. }), "{err}");
     }
 
     #[test]
