@@ -109,8 +109,14 @@ impl Profile {
     }
 
     /// Merges one run's trace: a new run number, every read chunk's count, last run and time
-    /// updated, chunks unread for `decay_runs` runs dropped, and the order recomputed.
+    /// updated, chunks unread for `decay_runs` runs dropped, and the order recomputed. A trace
+    /// that read nothing (a mount whose job never started, or died before its first read) says
+    /// nothing about what a start reads and is not a run: a few of them in a row would
+    /// otherwise empty the profile.
     pub fn merge(&mut self, trace: &Trace, decay_runs: u32) {
+        if trace.accesses.is_empty() {
+            return;
+        }
         self.runs += 1;
         let run = self.runs;
         let mut at: HashMap<ChunkId, usize> = self
@@ -257,6 +263,22 @@ mod tests {
         p.merge(&trace(&[(1, 1), (2, 2), (4, 3)]), 2);
         let ids: HashSet<ChunkId> = p.entries.iter().map(|e| e.id).collect();
         assert_eq!(ids, [id(1), id(2), id(4)].into_iter().collect());
+    }
+
+    #[test]
+    fn mounts_that_read_nothing_are_not_runs() {
+        let mut p = Profile::default();
+        p.merge(&trace(&[(1, 10), (2, 20)]), 2);
+        let before = p.clone();
+        for _ in 0..5 {
+            p.merge(&trace(&[]), 2);
+        }
+        assert_eq!(p, before);
+        // A run that reads something still decays what it did not read.
+        p.merge(&trace(&[(1, 1)]), 2);
+        p.merge(&trace(&[(1, 1)]), 2);
+        assert_eq!(p.runs, 3);
+        assert_eq!(p.entries.iter().map(|e| e.id).collect::<Vec<_>>(), [id(1)]);
     }
 
     #[test]
