@@ -110,15 +110,19 @@ pub async fn load_profile(store: &Store, dir: &ArtifactDir) -> Result<Profile> {
     }
 }
 
-/// Merges `traces` into the profile under `dir` and writes it back; returns it. A profile that
-/// cannot be decoded (damaged, or of another format version) is replaced: it is only a hint,
-/// and keeping it would stop every later run from being recorded.
+/// Merges `traces` into the profile under `dir` and writes it back. A profile that cannot be
+/// decoded (damaged, or of another format version) is replaced: it is only a hint, and keeping
+/// it would stop every later run from being recorded. Traces that read nothing are not runs
+/// ([`Profile::merge`]): with only those, the profile is neither read nor written.
 async fn merge_traces(
     store: &Store,
     dir: &ArtifactDir,
     traces: &[Trace],
     decay_runs: u32,
-) -> Result<Profile> {
+) -> Result<()> {
+    if traces.iter().all(|t| t.accesses.is_empty()) {
+        return Ok(());
+    }
     let mut profile = match load_profile(store, dir).await {
         Ok(p) => p,
         Err(e @ Error::Format { .. }) => {
@@ -131,7 +135,7 @@ async fn merge_traces(
         profile.merge(t, decay_runs);
     }
     store.put(&dir.profile_key(), profile.encode()?).await?;
-    Ok(profile)
+    Ok(())
 }
 
 /// Traces under `dir` whose mounts ended or died, merged into the profile and removed.

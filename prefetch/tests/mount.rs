@@ -307,6 +307,29 @@ fn a_damaged_profile_costs_only_the_prefetch() {
     assert_eq!((profile.runs, runs.len()), (2, 2));
 }
 
+/// A mount that reads nothing (its job never started) leaves the profile as it was, byte for
+/// byte: it is not a run, and five of them do not decay the profile away.
+#[test]
+fn a_mount_that_reads_nothing_leaves_the_profile_alone() {
+    let env = Env::local();
+    let src = env.path("job");
+    write_job_tree(&src);
+    let images = env.images("cache-0");
+    env.build(&images, &src, "job:v1", 64 << 10);
+    let image = ImageRef::parse("job:v1").unwrap();
+    let key = image.artifacts().profile_key();
+    env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    let recorded = env.rt.block_on(env.store.get(&key)).unwrap();
+    for i in 0..5 {
+        let images = env.images(&format!("cache-idle-{i}"));
+        env.with_mount(&images, "job:v1", LazyConfig::default(), true, |_| {});
+    }
+    assert_eq!(env.rt.block_on(env.store.get(&key)).unwrap(), recorded);
+    let (profile, runs) = env.rt.block_on(images.stats(&image)).unwrap();
+    assert_eq!((profile.runs, runs.len()), (1, 6));
+    assert!(!profile.entries.is_empty());
+}
+
 /// A chunk of `a` whose stored bytes were replaced: reading `a` is EIO, `b` reads fine.
 fn corrupt_chunk_is_eio(env: &Env) {
     let src = env.path("src");
