@@ -40,6 +40,7 @@ pub mod tier;
 
 mod engine;
 mod load;
+mod memcopy;
 mod staging;
 
 pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, SOCKET_ENV, WhenFull};

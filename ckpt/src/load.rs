@@ -603,7 +603,10 @@ fn scatter_chunk(
                 match pieces.get_mut(piece) {
                     Some((start, dst)) if *start <= at => {
                         let k = (*start + dst.len()).min(end) - at;
-                        dst[at - *start..at - *start + k].copy_from_slice(&src[..k]);
+                        crate::memcopy::copy_cold(
+                            &mut dst[at - *start..at - *start + k],
+                            &src[..k],
+                        );
                         at += k;
                     }
                     next => {

@@ -445,7 +445,7 @@ impl Sealed {
                 .ok()
                 .and_then(|at| self.bytes().get(at..at.checked_add(buf.len())?))
                 .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
-            buf.copy_from_slice(src);
+            crate::memcopy::copy_cold(buf, src);
             return Ok(());
         }
         let mut done = 0;
