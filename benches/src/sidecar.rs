@@ -9,9 +9,10 @@
 //! * **Restore from a peer over loopback**: a second sidecar that does not hold the step
 //!   fetches it from the first (every chunk verified as it arrives) and serves it; the
 //!   training process's whole `load` against one raw TCP stream of the same bytes into
-//!   pre-faulted memory (target ≥ 0.8). The fetch alone (the sidecar's own restore time) is
-//!   reported beside it, and also against the raw stream into memory the process has not
-//!   touched yet, which is what the fetch has to fill.
+//!   pre-faulted memory (target ≥ 0.8), and against the same stream hashed with blake3 on as
+//!   many threads as it arrives (what verifying every byte costs on this machine). The fetch
+//!   alone (the sidecar's own restore time) is reported beside it, and also against the raw
+//!   stream into memory the process has not touched yet, which is what the fetch has to fill.
 //!
 //! Restores are measured once the first sidecar has persisted the step (its disk and store
 //! writes would otherwise compete for the CPU), with the node's huge shared-memory pages set
@@ -215,6 +216,52 @@ fn raw_tcp(src: &[Bytes], dst: &mut [u8]) -> anyhow::Result<Duration> {
     })
 }
 
+/// [`raw_tcp`] with every byte hashed with blake3 as it arrives: the stream is read in 8 MiB
+/// pieces straight into `dst`, and each piece is hashed by one of `threads` workers while the
+/// next one arrives. What any verified transfer has to pay on this machine, beside what the
+/// peer restore pays (which also fills memory new to its sidecar and copies out).
+fn raw_tcp_hashed(src: &[Bytes], dst: &mut [u8], threads: usize) -> anyhow::Result<Duration> {
+    const PIECE: usize = 8 << 20;
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    std::thread::scope(|s| -> anyhow::Result<Duration> {
+        let sender = s.spawn(move || -> std::io::Result<()> {
+            let (mut sock, _) = l.accept()?;
+            for b in src {
+                sock.write_all(b)?;
+            }
+            Ok(())
+        });
+        let t = Instant::now();
+        let mut sock = TcpStream::connect(addr)?;
+        let workers: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                let (tx, rx) = std::sync::mpsc::sync_channel::<&[u8]>(2);
+                let worker = s.spawn(move || rx.iter().map(blake3::hash).last());
+                (tx, worker)
+            })
+            .collect();
+        for (i, piece) in dst.chunks_mut(PIECE).enumerate() {
+            sock.read_exact(piece)?;
+            workers[i % workers.len()]
+                .0
+                .send(piece)
+                .map_err(|_| anyhow::anyhow!("hashing worker stopped"))?;
+        }
+        for (tx, worker) in workers {
+            drop(tx);
+            worker
+                .join()
+                .map_err(|_| anyhow::anyhow!("hashing worker panicked"))?;
+        }
+        let took = t.elapsed();
+        sender
+            .join()
+            .map_err(|_| anyhow::anyhow!("sender panicked"))??;
+        Ok(took)
+    })
+}
+
 fn engine(socket: &Path, threads: usize) -> anyhow::Result<Engine> {
     let mut cfg = EngineConfig::new(JOB, 0, 1).sidecar(socket);
     cfg.threads = threads;
@@ -318,6 +365,7 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         Vec::new(),
         Vec::new(),
     );
+    let mut tcp_hashed = Vec::new();
     let cold = drop_page_cache().is_ok();
     for run in 0..args.runs {
         memcpy.push(parallel_memcpy(&mut dst, &sources, threads));
@@ -360,16 +408,18 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         drop(b);
         tcp.push(raw_tcp(&sources, &mut dst)?);
         tcp_fresh.push(raw_tcp(&sources, &mut AlignedBuf::zeroed(total))?);
+        tcp_hashed.push(raw_tcp_hashed(&sources, &mut dst, threads)?);
         eprintln!(
             "sidecar: run {run}: memcpy {:?}, memory {:?}, disk {:?}, peer {:?} (fetch {:?}), tcp {:?} \
-             (into new memory {:?})",
+             (into new memory {:?}, hashed {:?})",
             memcpy[run],
             memory[run],
             disk_load.last(),
             peer[run],
             fetch[run],
             tcp[run],
-            tcp_fresh[run]
+            tcp_fresh[run],
+            tcp_hashed[run]
         );
     }
     let bytes = total as u64;
@@ -407,6 +457,15 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         "one raw TCP stream into pre-faulted memory",
         &tcp,
         Some(0.8),
+    ));
+    report.add(row(
+        "restore from a peer over loopback (fetch, verify, copy out)",
+        &peer,
+        &format!(
+            "one raw TCP stream into pre-faulted memory, hashed with blake3 ({threads} threads)"
+        ),
+        &tcp_hashed,
+        None,
     ));
     report.add(row(
         "peer fetch alone (sidecar's restore time)",
