@@ -192,9 +192,12 @@ fn slices(dst: &mut [u8], per: usize) -> Vec<&mut [u8]> {
     dst.chunks_mut(per).collect()
 }
 
-/// Streams `len` bytes of `src` (repeated) over one loopback TCP connection into `dst`; the
-/// time from connect to the last byte received.
-fn raw_tcp(src: &[Bytes], dst: &mut [u8]) -> anyhow::Result<Duration> {
+/// Streams `src` over one loopback TCP connection to `receive`; the time from connect until
+/// `receive` returns.
+fn raw_stream(
+    src: &[Bytes],
+    receive: impl FnOnce(TcpStream) -> anyhow::Result<()>,
+) -> anyhow::Result<Duration> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let addr = l.local_addr()?;
     std::thread::scope(|s| -> anyhow::Result<Duration> {
@@ -206,8 +209,7 @@ fn raw_tcp(src: &[Bytes], dst: &mut [u8]) -> anyhow::Result<Duration> {
             Ok(())
         });
         let t = Instant::now();
-        let mut sock = TcpStream::connect(addr)?;
-        sock.read_exact(dst)?;
+        receive(TcpStream::connect(addr)?)?;
         let took = t.elapsed();
         sender
             .join()
@@ -216,49 +218,40 @@ fn raw_tcp(src: &[Bytes], dst: &mut [u8]) -> anyhow::Result<Duration> {
     })
 }
 
+/// The bytes of `src` streamed over loopback TCP straight into `dst`.
+fn raw_tcp(src: &[Bytes], dst: &mut [u8]) -> anyhow::Result<Duration> {
+    raw_stream(src, |mut sock| Ok(sock.read_exact(dst)?))
+}
+
 /// [`raw_tcp`] with every byte hashed with blake3 as it arrives: the stream is read in 8 MiB
 /// pieces straight into `dst`, and each piece is hashed by one of `threads` workers while the
 /// next one arrives. What any verified transfer has to pay on this machine, beside what the
 /// peer restore pays (which also fills memory new to its sidecar and copies out).
 fn raw_tcp_hashed(src: &[Bytes], dst: &mut [u8], threads: usize) -> anyhow::Result<Duration> {
     const PIECE: usize = 8 << 20;
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    std::thread::scope(|s| -> anyhow::Result<Duration> {
-        let sender = s.spawn(move || -> std::io::Result<()> {
-            let (mut sock, _) = l.accept()?;
-            for b in src {
-                sock.write_all(b)?;
+    raw_stream(src, |mut sock| {
+        std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    let (tx, rx) = std::sync::mpsc::sync_channel::<&[u8]>(2);
+                    (tx, s.spawn(move || rx.iter().map(blake3::hash).last()))
+                })
+                .collect();
+            for (i, piece) in dst.chunks_mut(PIECE).enumerate() {
+                sock.read_exact(piece)?;
+                workers[i % workers.len()]
+                    .0
+                    .send(piece)
+                    .map_err(|_| anyhow::anyhow!("hashing worker stopped"))?;
+            }
+            for (tx, worker) in workers {
+                drop(tx);
+                worker
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("hashing worker panicked"))?;
             }
             Ok(())
-        });
-        let t = Instant::now();
-        let mut sock = TcpStream::connect(addr)?;
-        let workers: Vec<_> = (0..threads.max(1))
-            .map(|_| {
-                let (tx, rx) = std::sync::mpsc::sync_channel::<&[u8]>(2);
-                let worker = s.spawn(move || rx.iter().map(blake3::hash).last());
-                (tx, worker)
-            })
-            .collect();
-        for (i, piece) in dst.chunks_mut(PIECE).enumerate() {
-            sock.read_exact(piece)?;
-            workers[i % workers.len()]
-                .0
-                .send(piece)
-                .map_err(|_| anyhow::anyhow!("hashing worker stopped"))?;
-        }
-        for (tx, worker) in workers {
-            drop(tx);
-            worker
-                .join()
-                .map_err(|_| anyhow::anyhow!("hashing worker panicked"))?;
-        }
-        let took = t.elapsed();
-        sender
-            .join()
-            .map_err(|_| anyhow::anyhow!("sender panicked"))??;
-        Ok(took)
+        })
     })
 }
 
