@@ -439,6 +439,8 @@ impl Sealed {
     /// Copies the bytes at `offset` into `buf`. Where shared memory has huge pages, from the
     /// mapping (one fault per 2 MiB); otherwise with `pread`, straight from the segment's pages
     /// without a page fault per 4 KiB (a page-cache lookup per 4 KiB instead, which is cheaper).
+    /// From the mapping, large pieces are written with streaming stores (`buf` is a restore's
+    /// destination, not read again soon: see `memcopy`).
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         if self.copy_mapped {
             let src = usize::try_from(offset)
