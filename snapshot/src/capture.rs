@@ -6,7 +6,7 @@
 //!    already holds it, which deduplicates against every earlier snapshot (and within this one).
 //!    At the same time, find the entries that name the directory's own path (shebangs,
 //!    `pyvenv.cfg`, activate scripts, absolute symlinks), so a restore elsewhere can rewrite them.
-//! 3. Read the small chunks back and upload them again as one pack ([`crate::pack`]).
+//! 3. Read the chunks back and upload them again as one pack ([`crate::pack`]).
 //! 4. Upload the encoded tree under a name derived from its hash, then commit the record with a
 //!    conditional create (see [`crate::record`]). When another node committed first, its
 //!    snapshot stands, this capture's tree and pack objects are removed, and the caller is told.

@@ -385,7 +385,7 @@ impl std::fmt::Display for Outcome {
                 );
                 if r.packed_chunks > 0 {
                     s += &format!(
-                        ", and {} small chunks in {} requests of their pack, {} in {:.2} s",
+                        ", and {} chunks in {} requests of their pack, {} in {:.2} s",
                         r.packed_chunks,
                         r.pack_requests,
                         size(r.packed_bytes),

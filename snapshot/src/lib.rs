@@ -12,7 +12,7 @@
 //!   half-uploaded one is never seen.
 //! - [`restore`]: parallel chunk fetches, hard links from the local chunk cache, a temporary
 //!   directory renamed into place.
-//! - [`pack`]: a snapshot's small chunks again in one object, so a restore from a remote store
+//! - [`pack`]: a snapshot's chunks again in one object, so a restore from a remote store
 //!   fetches them with a few large requests.
 //! - [`relocate`]: a snapshot restored at another path than it was captured at.
 //! - [`node`]: node-local file locks, so concurrent `ensure` calls for one key do the work once.

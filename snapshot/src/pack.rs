@@ -1,22 +1,25 @@
-//! Packs: a snapshot's small chunks in one object, so that a restore from a remote store fetches
-//! them with a few large requests instead of one request each.
+//! Packs: a snapshot's chunks in one object, so that a restore from a remote store fetches them
+//! with a few large requests instead of one request each.
 //!
 //! An environment is mostly small files. The 502 MB venv of the benchmark is 10,703 chunks, 8,843
 //! of them at most 64 KiB, and a restore that fetches each with its own GET is bound by requests
 //! per second, not by bytes. So a capture also writes, beside the tree, one object holding the
-//! zstd frames of every distinct chunk of at most [`PACK_CHUNK_MAX`] bytes (up to
-//! [`PACK_MAX_BYTES`] of plaintext in all), and names it in the record ([`PackRef`]). A restore
-//! from a remote store reads the pack's index, fetches the frames of the chunks it will read
-//! (those the node's chunk cache does not hold, alone or as part of a whole file) in ranged GETs
-//! of up to 4 MiB, checks every frame against its chunk id and holds the plaintext in memory
-//! ([`ChunkStore::hold`]) while the tree is materialised, then drops it.
+//! zstd frames of every distinct chunk of the snapshot in tree order (up to [`PACK_MAX_BYTES`]
+//! of plaintext in all), and names it in the record ([`PackRef`]). A restore from a remote store
+//! reads the pack's index and announces the chunks it will read (those the node's chunk cache
+//! does not hold, alone or as part of a whole file) to the chunk store
+//! ([`ChunkStore::expect`]); then it writes the tree while it fetches their frames, in tree
+//! order, in ranged GETs of up to 4 MiB, and holds them in memory as they arrive
+//! ([`ChunkStore::hold`]). A file whose chunks are announced waits for them rather than fetching
+//! them on its own; every frame is checked against its chunk id when it is read, and all are
+//! dropped when the restore ends.
 //!
 //! The pack copies chunks, it does not move them: every chunk is still stored on its own, where
 //! lazy mounts, deduplication across snapshots and builds that know no packs find it. It costs
-//! the store the compressed size of the small chunks once more per snapshot (34 MB for that
-//! venv's 156 MB of chunks). And it is only ever a shortcut: a pack that is missing, truncated or
-//! malformed, or a frame that does not match its id, is logged and skipped, and the chunks
-//! concerned are fetched one by one as before.
+//! the store the compressed size of the snapshot's chunks once more (156 MB for that venv), and
+//! a restore at most [`PACK_MAX_BYTES`] of memory. And it is only ever a shortcut: a pack that is
+//! missing, truncated or malformed, a range that cannot be fetched, or a frame that does not
+//! match its id, is logged and skipped, and the chunks concerned are fetched one by one.
 //!
 //! Layout, integers little-endian:
 //!
@@ -39,21 +42,19 @@ use hotstart_store::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::capture::CHUNK_SIZE;
 use crate::error::{Error, Result};
 
-/// Chunks of at most this many bytes of plaintext go into the pack. Larger ones are few (1,860
-/// of the 10,703 in the benchmark's venv) and big enough that fetching them one by one is not
-/// bound by the number of requests.
-pub const PACK_CHUNK_MAX: u32 = 64 << 10;
-/// At most this many bytes of plaintext go into one pack: a restore holds them in memory.
-pub const PACK_MAX_BYTES: u64 = 256 << 20;
+/// At most this many bytes of plaintext go into one pack: a restore holds their frames in
+/// memory. The chunks of a larger snapshot past this much are fetched one by one.
+pub const PACK_MAX_BYTES: u64 = 1 << 30;
 
 const MAGIC: &[u8; 8] = b"HSPACK01";
 const HEADER: u64 = 12;
 const INDEX_ENTRY: u64 = 36;
-/// A frame longer than this cannot hold a chunk of [`PACK_CHUNK_MAX`] bytes (zstd's worst case
-/// adds a few hundred bytes): an index that says otherwise is refused.
-const FRAME_MAX: u32 = PACK_CHUNK_MAX + 4096;
+/// A frame longer than this cannot hold a chunk of a snapshot ([`CHUNK_SIZE`] bytes at most;
+/// zstd's worst case adds a few hundred): an index that says otherwise is refused.
+const FRAME_MAX: u32 = CHUNK_SIZE as u32 + 4096;
 /// Largest index read (bounds what a hostile record can make us fetch before the index is seen).
 const INDEX_MAX: u64 = 64 << 20;
 /// Bytes per ranged GET of frames.
@@ -89,7 +90,7 @@ struct Source {
     len: u32,
 }
 
-/// The pack of `tree`'s small chunks, read back from `dir` (which the tree was just built from)
+/// The pack of `tree`'s chunks, read back from `dir` (which the tree was just built from)
 /// and encoded as `chunks` encodes chunks; `None` when no chunk qualifies. A chunk whose bytes
 /// changed since the tree was built is left out (with a log line): the pack never holds a frame
 /// that does not match its id. Returns the bytes and the number of chunks.
@@ -108,8 +109,7 @@ pub(crate) async fn build(
         .map_err(|e| Error::task("build pack", e))
 }
 
-/// The distinct chunks of at most [`PACK_CHUNK_MAX`] bytes, in tree order, up to
-/// [`PACK_MAX_BYTES`] in all.
+/// The distinct chunks, in tree order, up to [`PACK_MAX_BYTES`] in all.
 fn select(tree: &Tree, dir: &Path) -> Vec<Source> {
     let (mut seen, mut total, mut out) = (HashSet::new(), 0u64, Vec::new());
     for e in &tree.entries {
@@ -119,7 +119,7 @@ fn select(tree: &Tree, dir: &Path) -> Vec<Source> {
         let mut offset = 0u64;
         for c in chunks {
             let len = u64::from(c.len);
-            if c.len <= PACK_CHUNK_MAX && total + len <= PACK_MAX_BYTES && seen.insert(c.id) {
+            if total + len <= PACK_MAX_BYTES && seen.insert(c.id) {
                 total += len;
                 out.push(Source {
                     id: c.id,
@@ -210,7 +210,7 @@ impl Frame {
 }
 
 /// The frames an index describes, checked against the record: the count it names, lengths a
-/// small chunk can have, and frames that end exactly where the object does.
+/// chunk can have, and frames that end exactly where the object does.
 fn parse_index(data: &[u8], pack: &PackRef) -> std::result::Result<Vec<Frame>, String> {
     if data.len() < HEADER as usize || &data[..8] != MAGIC {
         return Err("not a pack (bad magic)".into());
@@ -275,32 +275,47 @@ pub struct PackLoad {
     pub seconds: f64,
 }
 
-/// Holds in `chunks` every chunk of the pack `pack` (an object of `chunks`' store) that a restore
-/// of `tree` will read, each checked against its id, with up to `concurrency` ranged GETs at
-/// once. Never fails: a pack that cannot be used is logged, and whatever it did not provide is
-/// fetched chunk by chunk by the restore.
-pub(crate) async fn load(
-    chunks: &ChunkStore,
-    pack: &PackRef,
-    tree: &Tree,
-    concurrency: usize,
-) -> PackLoad {
-    let started = std::time::Instant::now();
-    let mut done = PackLoad::default();
+/// A pack whose index is read and whose wanted chunks are announced to the chunk store; the
+/// restore writes the tree while [`Loading::fetch`] delivers them.
+pub(crate) struct Loading {
+    chunks: ChunkStore,
+    object: String,
+    /// The reader and the frames still to fetch; `None` when the pack cannot be used.
+    fetch: Option<(StripedReader, Vec<Frame>)>,
+    done: PackLoad,
+    started: std::time::Instant,
+}
+
+/// Starts using the pack `pack` (an object of `chunks`' store) for a restore of `tree`: reads
+/// its index and announces every chunk the restore will read from it ([`ChunkStore::expect`]).
+/// Never fails: a pack that cannot be used is logged, and the restore fetches its chunks one by
+/// one.
+pub(crate) async fn start(chunks: &ChunkStore, pack: &PackRef, tree: &Tree) -> Loading {
+    let mut loading = Loading {
+        chunks: chunks.clone(),
+        object: pack.object.clone(),
+        fetch: None,
+        done: PackLoad::default(),
+        started: std::time::Instant::now(),
+    };
     let covered = cached_whole(tree, chunks);
     let wanted = |id: &ChunkId| {
         !chunks.is_held(id)
             && !covered.contains(id)
             && !chunks.cache().is_some_and(|c| c.contains(id))
     };
-    if let Err(reason) = load_into(chunks, pack, concurrency, wanted, &mut done).await {
-        tracing::warn!(
-            pack = %pack.object, %reason, held = done.chunks,
-            "pack not used in full; the chunks it did not provide are fetched one by one"
-        );
+    match read_index(chunks, pack, &mut loading.done).await {
+        Ok((reader, frames)) => {
+            let frames: Vec<Frame> = frames.into_iter().filter(|f| wanted(&f.id)).collect();
+            chunks.expect(frames.iter().map(|f| f.id));
+            loading.fetch = Some((reader, frames));
+        }
+        Err(reason) => tracing::warn!(
+            pack = %pack.object, %reason,
+            "pack not used; its chunks are fetched one by one"
+        ),
     }
-    done.seconds = started.elapsed().as_secs_f64();
-    done
+    loading
 }
 
 /// The chunks of `tree`'s files that the local cache holds whole: a restore links those files
@@ -320,13 +335,12 @@ fn cached_whole(tree: &Tree, chunks: &ChunkStore) -> HashSet<ChunkId> {
         .collect()
 }
 
-async fn load_into(
+/// A reader of the pack and the frames its index lists, checked against the record.
+async fn read_index(
     chunks: &ChunkStore,
     pack: &PackRef,
-    concurrency: usize,
-    wanted: impl Fn(&ChunkId) -> bool,
     done: &mut PackLoad,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(StripedReader, Vec<Frame>), String> {
     let index_len = pack
         .index_len()
         .ok_or_else(|| format!("{} chunks cannot fit in {} bytes", pack.chunks, pack.size))?;
@@ -343,55 +357,81 @@ async fn load_into(
         .map_err(|e| e.to_string())?;
     done.bytes += index.len() as u64;
     done.requests += 1;
-    let wanted: Vec<Frame> = parse_index(&index, pack)?
-        .into_iter()
-        .filter(|f| wanted(&f.id))
-        .collect();
-    let mut fetches = futures::stream::iter(ranges(wanted))
-        .map(|group| {
-            let (reader, chunks) = (reader.clone(), chunks.clone());
-            async move {
-                let start = group[0].offset;
-                let len = (group[group.len() - 1].end() - start) as usize;
-                let data = reader
-                    .read_at(start, len)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                tokio::task::spawn_blocking(move || {
-                    let (mut held, mut bad) = (0u64, None);
-                    for f in &group {
-                        let at = (f.offset - start) as usize;
-                        match chunks.hold(&f.id, &data[at..at + f.len as usize]) {
-                            Ok(()) => held += 1,
-                            Err(e) => {
-                                bad.get_or_insert(e.to_string());
-                            }
+    Ok((reader, parse_index(&index, pack)?))
+}
+
+impl Loading {
+    /// Fetches the announced frames in tree order, up to `concurrency` ranged GETs at once, and
+    /// holds each range's frames as it arrives. The chunks of a range that cannot be fetched are
+    /// no longer announced (their readers fetch them one by one), and neither is anything left
+    /// when this ends or is dropped.
+    pub(crate) async fn fetch(mut self, concurrency: usize) -> PackLoad {
+        let Some((reader, frames)) = self.fetch.take() else {
+            return self.done;
+        };
+        let announced = Announced {
+            chunks: &self.chunks,
+            ids: frames.iter().map(|f| f.id).collect(),
+        };
+        let mut fetches = futures::stream::iter(ranges(frames))
+            .map(|group| {
+                let (reader, chunks) = (reader.clone(), self.chunks.clone());
+                async move {
+                    let start = group[0].offset;
+                    let len = (group[group.len() - 1].end() - start) as usize;
+                    match reader.read_at(start, len).await {
+                        Ok(data) => {
+                            let held = group.len() as u64;
+                            chunks.hold(group.iter().map(|f| {
+                                let at = (f.offset - start) as usize;
+                                (f.id, data.slice(at..at + f.len as usize))
+                            }));
+                            Ok((held, len as u64))
+                        }
+                        Err(e) => {
+                            chunks.not_coming(group.iter().map(|f| f.id));
+                            Err(e.to_string())
                         }
                     }
-                    Ok((held, len as u64, bad))
-                })
-                .await
-                .map_err(|e| e.to_string())?
-            }
-        })
-        .buffer_unordered(concurrency.max(1));
-    let mut first_error = None;
-    while let Some(res) = fetches.next().await {
-        match res {
-            Ok((held, bytes, bad)) => {
-                done.chunks += held;
-                done.bytes += bytes;
-                done.requests += 1;
-                if let Some(e) = bad {
+                }
+            })
+            .buffer_unordered(concurrency.max(1));
+        let mut first_error = None;
+        while let Some(res) = fetches.next().await {
+            match res {
+                Ok((held, bytes)) => {
+                    self.done.chunks += held;
+                    self.done.bytes += bytes;
+                    self.done.requests += 1;
+                }
+                Err(e) => {
                     first_error.get_or_insert(e);
                 }
             }
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
         }
+        drop(announced);
+        if let Some(reason) = first_error {
+            tracing::warn!(
+                pack = %self.object, %reason, held = self.done.chunks,
+                "pack not used in full; the chunks it did not provide are fetched one by one"
+            );
+        }
+        self.done.seconds = self.started.elapsed().as_secs_f64();
+        self.done
     }
-    first_error.map_or(Ok(()), Err)
+}
+
+/// Chunks announced to a chunk store; whatever was not held by the time this is dropped is no
+/// longer announced, so that no reader waits for a frame that will not come.
+struct Announced<'a> {
+    chunks: &'a ChunkStore,
+    ids: Vec<ChunkId>,
+}
+
+impl Drop for Announced<'_> {
+    fn drop(&mut self) {
+        self.chunks.not_coming(self.ids.iter().copied());
+    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! ```text
 //! envs/chunks/<2 hex>/<64 hex>          file contents, content-addressed (shared by all snapshots)
 //! envs/snapshots/<key>/tree-<16 hex>    the encoded Tree (named by its own hash)
-//! envs/snapshots/<key>/pack-<16 hex>    the small chunks again, in one object ([`crate::pack`])
+//! envs/snapshots/<key>/pack-<16 hex>    the chunks again, in one object ([`crate::pack`])
 //! envs/snapshots/<key>/snapshot.json    the record: written last, only if absent
 //! envs/snapshots/<key>/profile          hot chunks of lazy mounts (see [`EnvStore::artifacts`])
 //! envs/snapshots/<key>/traces/<run>     the trace of a lazy mount still running
@@ -59,8 +59,8 @@ pub struct SnapshotRecord {
     pub chunks: u64,
     /// Entries that mention `captured_at`, rewritten when restoring at another path.
     pub path_refs: Vec<PathRef>,
-    /// The pack of the small chunks, fetched in bulk by a restore (see [`crate::pack`]); absent
-    /// when the snapshot has no small chunks, or was captured by a build without packs.
+    /// The pack of the snapshot's chunks, fetched in bulk by a restore (see [`crate::pack`]);
+    /// absent when the snapshot has no chunks, or was captured by a build without packs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pack: Option<PackRef>,
 }

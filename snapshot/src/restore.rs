@@ -2,8 +2,9 @@
 //!
 //! 1. Read the record and the tree it names (both verified: the record against its key, the tree
 //!    by its decoder, every chunk against its hash as it is read).
-//! 2. From a remote store, fetch the snapshot's small chunks in bulk from its pack and hold them
-//!    in memory for the next step (see [`crate::pack`]).
+//! 2. From a remote store, read the index of the snapshot's pack and announce the chunks it will
+//!    provide; fetch them in bulk, in tree order, and hold them in memory while the next step
+//!    runs and waits for them (see [`crate::pack`]).
 //! 3. Materialise the tree into a temporary directory beside the target (same file system, so
 //!    the final rename is atomic): many files at once, each fetching several chunks ahead, so
 //!    chunk fetches run in parallel. A file is hard-linked from the local chunk cache when the
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use futures::FutureExt;
 use hotstart_store::{MaterializeOptions, Tree};
 
 use crate::error::{Error, Result};
@@ -63,7 +65,7 @@ pub struct RestoreReport {
     pub fetched_chunks: u64,
     pub fetched_bytes: u64,
     pub cache_hits: u64,
-    /// Chunks taken from the snapshot's pack ([`crate::pack`]), and the bytes, GETs and seconds
+    /// Chunks held from the snapshot's pack ([`crate::pack`]), and the bytes, GETs and seconds
     /// that fetched them.
     pub packed_chunks: u64,
     pub packed_bytes: u64,
@@ -129,17 +131,28 @@ async fn fill(
 ) -> Result<RestoreReport> {
     std::fs::create_dir(tmp).map_err(|e| Error::io("create directory", tmp, e))?;
     // A local directory serves each chunk as fast as a pack would.
-    let packed = match &record.pack {
+    let loading = match &record.pack {
         Some(pack) if !env.root().is_local() => {
-            crate::pack::load(env.chunks(), pack, tree, env.chunks().config().concurrency).await
+            Some(crate::pack::start(env.chunks(), pack, tree).await)
         }
-        _ => PackLoad::default(),
+        _ => None,
     };
     let mopts = MaterializeOptions {
         concurrency: opts.concurrency,
         link_from_cache: opts.link_from_cache,
     };
-    let stats = tree.materialize_with(tmp, env.chunks(), &mopts).await?;
+    let fetch_pack = async {
+        match loading {
+            Some(l) => l.fetch(env.chunks().config().concurrency).await,
+            None => PackLoad::default(),
+        }
+    };
+    // Both at once; a failed materialisation stops the fetch (its announcements end with it).
+    let (packed, stats) = futures::future::try_join(
+        fetch_pack.map(Ok),
+        tree.materialize_with(tmp, env.chunks(), &mopts),
+    )
+    .await?;
     let new = crate::key::path_string(target)?;
     let relocated = if record.captured_at != new {
         let (dir, refs, old) = (

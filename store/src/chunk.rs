@@ -5,6 +5,8 @@
 //! snapshots or checkpoints contain them, and a chunk can be checked against its own name.
 //!
 //! Reading a chunk:
+//! 0. frames a caller fetched in bulk and holds in memory ([`ChunkStore::hold`]), or waits for
+//!    when it announced them ([`ChunkStore::expect`]); checked as they are read;
 //! 1. the local disk cache, if configured (plaintext files, LRU by bytes); the bytes are hashed
 //!    and a mismatching cache file is dropped and refetched;
 //! 2. otherwise a fetch from the store, **single-flight**: concurrent readers of one chunk share
@@ -27,7 +29,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use futures::{StreamExt, TryStreamExt};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 
 pub use cache::ChunkCache;
@@ -141,9 +143,22 @@ struct Inner {
     putting: Mutex<HashMap<ChunkId, SharedPut>>,
     /// Chunks this process has seen in the store (uploaded or checked).
     present: Mutex<HashSet<ChunkId>>,
-    /// Verified plaintext fetched ahead in bulk ([`ChunkStore::hold`]).
-    held: Mutex<HashMap<ChunkId, Bytes>>,
+    /// Frames fetched ahead in bulk ([`ChunkStore::hold`]) and those announced.
+    held: Mutex<Held>,
+    /// Woken whenever `held` changes, for readers waiting on an announced chunk: on a blocking
+    /// thread, and on the runtime.
+    held_changed: Condvar,
+    held_notify: tokio::sync::Notify,
     stats: Mutex<ChunkStats>,
+}
+
+/// Frames a caller fetched in bulk for the reads of one job (a snapshot's pack for a restore).
+#[derive(Default)]
+struct Held {
+    /// Stored frames, decoded and checked against their ids when read.
+    frames: HashMap<ChunkId, Bytes>,
+    /// Chunks announced ([`ChunkStore::expect`]) and not held yet: their reads wait.
+    coming: HashSet<ChunkId>,
 }
 
 /// What a chunk store did, for tests and reports.
@@ -190,7 +205,9 @@ impl ChunkStore {
                 frames: Mutex::new(HashMap::new()),
                 putting: Mutex::new(HashMap::new()),
                 present: Mutex::new(HashSet::new()),
-                held: Mutex::new(HashMap::new()),
+                held: Mutex::new(Held::default()),
+                held_changed: Condvar::new(),
+                held_notify: tokio::sync::Notify::new(),
                 stats: Mutex::new(ChunkStats::default()),
             }),
         })
@@ -331,41 +348,134 @@ impl ChunkStore {
         .await
     }
 
-    /// Decodes `frame`, checks it against `id` and keeps the plaintext in memory until
-    /// [`ChunkStore::release_held`]; reads of `id` find it there before the cache and the store.
-    /// For a caller that fetched many small chunks' frames in a few requests (a snapshot's pack),
-    /// so that reading them costs no request each. A frame that does not match `id` is
-    /// [`Error::Corrupt`] and nothing is held.
-    pub fn hold(&self, id: &ChunkId, frame: &[u8]) -> Result<()> {
-        let plain = self.decode(id, frame)?;
-        self.inner.held.lock().insert(*id, plain);
-        Ok(())
-    }
-
-    /// Whether `id` is held in memory ([`ChunkStore::hold`]).
-    pub fn is_held(&self, id: &ChunkId) -> bool {
-        self.inner.held.lock().contains_key(id)
-    }
-
-    /// Drops every chunk held in memory; returns how many there were. Reads go to the cache and
-    /// the store again.
-    pub fn release_held(&self) -> usize {
-        std::mem::take(&mut *self.inner.held.lock()).len()
-    }
-
-    /// The bytes of `id` held in memory, counted as a hit.
-    fn held(&self, id: &ChunkId) -> Option<Bytes> {
-        let hit = self.inner.held.lock().get(id).cloned();
-        if hit.is_some() {
-            self.inner.stats.lock().held_hits += 1;
+    /// Announces that the caller is fetching the frames of `ids` in bulk and will
+    /// [`hold`](ChunkStore::hold) them: until it does, or gives up on them
+    /// ([`ChunkStore::not_coming`]), their reads wait for them instead of fetching each on its
+    /// own. The caller must end every announcement one way or the other.
+    pub fn expect(&self, ids: impl IntoIterator<Item = ChunkId>) {
+        let mut held = self.inner.held.lock();
+        for id in ids {
+            if !held.frames.contains_key(&id) {
+                held.coming.insert(id);
+            }
         }
-        hit
+    }
+
+    /// Keeps stored frames in memory until [`ChunkStore::release_held`]; reads of their chunks
+    /// find them there before the cache and the store. For a caller that fetched many chunks'
+    /// frames in a few requests (a snapshot's pack), so that reading them costs no request each.
+    /// A frame is decoded and checked against its id when it is read; one that does not match
+    /// is logged and dropped, and its chunk is read from the cache or the store as if it had
+    /// never been held.
+    pub fn hold(&self, frames: impl IntoIterator<Item = (ChunkId, Bytes)>) {
+        {
+            let mut held = self.inner.held.lock();
+            for (id, frame) in frames {
+                held.coming.remove(&id);
+                held.frames.insert(id, frame);
+            }
+        }
+        self.held_changed();
+    }
+
+    /// Ends the announcement of `ids` that were not held: their reads stop waiting and go to the
+    /// cache and the store.
+    pub fn not_coming(&self, ids: impl IntoIterator<Item = ChunkId>) {
+        {
+            let mut held = self.inner.held.lock();
+            for id in ids {
+                held.coming.remove(&id);
+            }
+        }
+        self.held_changed();
+    }
+
+    /// Whether `id` is held in memory or announced ([`ChunkStore::hold`],
+    /// [`ChunkStore::expect`]).
+    pub fn is_held(&self, id: &ChunkId) -> bool {
+        let held = self.inner.held.lock();
+        held.frames.contains_key(id) || held.coming.contains(id)
+    }
+
+    /// Drops every frame held in memory and every announcement; returns how many frames there
+    /// were. Reads go to the cache and the store again.
+    pub fn release_held(&self) -> usize {
+        let frames = std::mem::take(&mut *self.inner.held.lock()).frames.len();
+        self.held_changed();
+        frames
+    }
+
+    fn held_changed(&self) {
+        self.inner.held_changed.notify_all();
+        self.inner.held_notify.notify_waiters();
+    }
+
+    /// `Some(Some(frame))` when `id` is held, `Some(None)` when it is neither held nor announced,
+    /// `None` while it is announced and not held yet.
+    fn held_frame(held: &Held, id: &ChunkId) -> Option<Option<Bytes>> {
+        match held.frames.get(id) {
+            Some(frame) => Some(Some(frame.clone())),
+            None if held.coming.contains(id) => None,
+            None => Some(None),
+        }
+    }
+
+    /// The bytes of `id` held in memory, waiting for them if they were announced (on a blocking
+    /// thread), counted as a hit.
+    fn held_blocking(&self, id: &ChunkId) -> Option<Bytes> {
+        let mut held = self.inner.held.lock();
+        let frame = loop {
+            match Self::held_frame(&held, id) {
+                Some(frame) => break frame?,
+                None => self.inner.held_changed.wait(&mut held),
+            }
+        };
+        drop(held);
+        self.decode_held(id, &frame)
+    }
+
+    /// [`ChunkStore::held_blocking`] on the runtime.
+    async fn held(&self, id: &ChunkId) -> Option<Bytes> {
+        let found = Self::held_frame(&self.inner.held.lock(), id);
+        let frame = match found {
+            Some(frame) => frame?,
+            None => self.held_wait(id).await?,
+        };
+        self.decode_held(id, &frame)
+    }
+
+    /// The frame of the announced chunk `id`, once it is held; `None` when it will not be.
+    async fn held_wait(&self, id: &ChunkId) -> Option<Bytes> {
+        loop {
+            let changed = self.inner.held_notify.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let found = Self::held_frame(&self.inner.held.lock(), id);
+            match found {
+                Some(frame) => return frame,
+                None => changed.await,
+            }
+        }
+    }
+
+    fn decode_held(&self, id: &ChunkId, frame: &[u8]) -> Option<Bytes> {
+        match self.decode(id, frame) {
+            Ok(plain) => {
+                self.inner.stats.lock().held_hits += 1;
+                Some(plain)
+            }
+            Err(e) => {
+                tracing::warn!(chunk = %id, error = %e, "a frame held in memory does not match its chunk; reading it again");
+                self.inner.held.lock().frames.remove(id);
+                None
+            }
+        }
     }
 
     /// The verified bytes of `id` held in memory or in the local cache, counted as a hit; `None`
     /// when neither has it.
     async fn cached(&self, id: &ChunkId) -> Result<Option<Bytes>> {
-        if let Some(bytes) = self.held(id) {
+        if let Some(bytes) = self.held(id).await {
             return Ok(Some(bytes));
         }
         let Some(cache) = &self.inner.cache else {
@@ -393,11 +503,11 @@ impl ChunkStore {
     }
 
     /// [`ChunkStore::get_uncached`] on the calling thread, for callers already off the runtime,
-    /// when no network is involved: held in memory, from the local cache, or from the store when
-    /// it is a local directory ([`Store::is_local`]). `Ok(None)` when the chunk would have to
-    /// come from a remote store.
+    /// when no network is involved: held in memory (waiting for it while it is announced), from
+    /// the local cache, or from the store when it is a local directory ([`Store::is_local`]).
+    /// `Ok(None)` when the chunk would have to come from a remote store.
     pub fn get_uncached_blocking(&self, id: &ChunkId) -> Result<Option<Bytes>> {
-        if let Some(bytes) = self.held(id) {
+        if let Some(bytes) = self.held_blocking(id) {
             return Ok(Some(bytes));
         }
         if let Some(cache) = &self.inner.cache {
@@ -634,12 +744,8 @@ mod tests {
         let (counter, chunks) = counted_chunks();
         let data = Bytes::from(vec![5u8; 70_000]);
         let id = chunks.put(data.clone()).await.unwrap();
-        let frame = chunks.encode(&id, &data).unwrap();
-        // A frame of other bytes is refused and nothing is held.
-        let other = zstd::bulk::compress(&[6u8; 70_000], 1).unwrap();
-        assert!(chunks.hold(&id, &other).unwrap_err().is_corrupt());
-        assert!(!chunks.is_held(&id));
-        chunks.hold(&id, &frame).unwrap();
+        let frame = Bytes::from(chunks.encode(&id, &data).unwrap());
+        chunks.hold([(id, frame)]);
         assert!(chunks.is_held(&id));
         assert_eq!(chunks.get(&id).await.unwrap(), data);
         assert_eq!(chunks.get_uncached(&id).await.unwrap(), data);
@@ -647,7 +753,57 @@ mod tests {
         assert_eq!(counter.get(Op::Get).requests, 0);
         assert_eq!(chunks.stats().held_hits, 3);
         assert_eq!(chunks.release_held(), 1);
+        assert!(!chunks.is_held(&id));
         assert_eq!(chunks.get(&id).await.unwrap(), data);
+        assert_eq!(counter.get(Op::Get).requests, 1);
+    }
+
+    #[tokio::test]
+    async fn a_held_frame_of_other_bytes_is_dropped_and_the_chunk_fetched() {
+        let (counter, chunks) = counted_chunks();
+        let data = Bytes::from(vec![5u8; 70_000]);
+        let id = chunks.put(data.clone()).await.unwrap();
+        let other = zstd::bulk::compress(&[6u8; 70_000], 1).unwrap();
+        chunks.hold([(id, Bytes::from(other))]);
+        assert_eq!(chunks.get(&id).await.unwrap(), data);
+        assert_eq!(counter.get(Op::Get).requests, 1);
+        assert_eq!(chunks.stats().held_hits, 0);
+        assert!(!chunks.is_held(&id), "the bad frame is gone");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_of_announced_chunks_wait_for_them() {
+        let (counter, chunks) = counted_chunks();
+        let a = Bytes::from(vec![1u8; 50_000]);
+        let b = Bytes::from(vec![2u8; 50_000]);
+        let (ia, ib) = (
+            chunks.put(a.clone()).await.unwrap(),
+            chunks.put(b.clone()).await.unwrap(),
+        );
+        chunks.expect([ia, ib]);
+        assert!(chunks.is_held(&ia) && chunks.is_held(&ib));
+        let blocking = {
+            let chunks = chunks.clone();
+            tokio::task::spawn_blocking(move || chunks.get_uncached_blocking(&ia).unwrap())
+        };
+        let waiting = {
+            let chunks = chunks.clone();
+            tokio::spawn(async move { chunks.get(&ia).await.unwrap() })
+        };
+        let given_up = {
+            let chunks = chunks.clone();
+            tokio::spawn(async move { chunks.get(&ib).await.unwrap() })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!blocking.is_finished() && !waiting.is_finished() && !given_up.is_finished());
+        chunks.hold([(ia, Bytes::from(chunks.encode(&ia, &a).unwrap()))]);
+        assert_eq!(blocking.await.unwrap().unwrap(), a);
+        assert_eq!(waiting.await.unwrap(), a);
+        assert_eq!(counter.get(Op::Get).requests, 0, "served from memory");
+        assert!(!given_up.is_finished());
+        // Never delivered: the reader fetches it.
+        chunks.not_coming([ib]);
+        assert_eq!(given_up.await.unwrap(), b);
         assert_eq!(counter.get(Op::Get).requests, 1);
     }
 

@@ -613,27 +613,34 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
             _ => Ok(false),
         }
     };
-    if chunks.store().is_local() {
-        // Reading a local store costs less than a hand-off per chunk: the whole file is written
-        // by one blocking thread, and its chunks are not copied into the cache (the store is
-        // as near as the cache would be; the file itself may become the cache's copy).
-        let (chunks, refs, path) = (chunks.clone(), refs.clone(), e.path.clone());
-        return blocking(move || {
+    if chunks.store().is_local() || refs.iter().all(|r| chunks.is_held(&r.id)) {
+        // Reading a local store or chunks held in memory costs less than a hand-off per chunk:
+        // the whole file is written by one blocking thread, and its chunks are not copied into
+        // the cache (the file itself may become the cache's copy). A held chunk that turns out
+        // not to be there (its bulk fetch failed) sends the file down the fetching path below.
+        let (chunks, refs, path, abs) = (chunks.clone(), refs.clone(), e.path.clone(), abs.clone());
+        let written = blocking(move || {
             let mut file = create(&abs)?;
             let mut written = 0u64;
             for r in &refs {
-                let data = chunks
-                    .get_uncached_blocking(&r.id)?
-                    .ok_or_else(|| Error::NotFound { key: r.id.key() })?;
+                let Some(data) = chunks.get_uncached_blocking(&r.id)? else {
+                    drop(file);
+                    std::fs::remove_file(&abs)
+                        .map_err(|err| Error::io("remove file", &abs, err))?;
+                    return Ok(None);
+                };
                 check_len(r, data.len())?;
                 std::io::Write::write_all(&mut file, &data)
                     .map_err(|err| Error::io("write file", &abs, err))?;
                 written += data.len() as u64;
             }
             check_written(&path, written, size)?;
-            finish(&chunks, &file, &abs)
+            finish(&chunks, &file, &abs).map(Some)
         })
-        .await;
+        .await?;
+        if let Some(linked) = written {
+            return Ok(linked);
+        }
     }
     let file = Arc::new({
         let abs = abs.clone();
