@@ -626,6 +626,7 @@ async fn lazy_start(
     let LazyOutcome::Mounted(mounted) = ensure_lazy(store, cfg, lazy_config()).await? else {
         bail!("expected a lazy mount of the snapshot");
     };
+    let mounted_after = mounted.seconds;
     let py = target.join("bin/python");
     let code = code.to_string();
     let imported =
@@ -636,9 +637,10 @@ async fn lazy_start(
     let r = &done.report;
     let fetched = (r.prefetched_bytes + r.demand_fetch_bytes) as f64 / done.bytes.max(1) as f64;
     eprintln!(
-        "    --lazy: ensure + import in {:.3} s; {} chunks planned, hit rate {:.1}%, fetched {:.1}% \
-         of {} MB",
+        "    --lazy: ensure + import in {:.3} s (mounted after {:.3} s); {} chunks planned, hit \
+         rate {:.1}%, fetched {:.1}% of {} MB",
         took.as_secs_f64(),
+        mounted_after,
         r.planned_chunks,
         r.hit_rate * 100.0,
         fetched * 100.0,
