@@ -276,14 +276,24 @@ pub struct PackLoad {
 }
 
 /// A pack whose index is read and whose wanted chunks are announced to the chunk store; the
-/// restore writes the tree while [`Loading::fetch`] delivers them.
+/// restore writes the tree while [`Loading::fetch`] delivers them. Whatever was announced and
+/// not delivered when this is dropped is no longer announced, so no reader waits for a frame
+/// that will not come.
 pub(crate) struct Loading {
     chunks: ChunkStore,
     object: String,
-    /// The reader and the frames still to fetch; `None` when the pack cannot be used.
-    fetch: Option<(StripedReader, Vec<Frame>)>,
+    /// `None` when the pack cannot be used.
+    reader: Option<StripedReader>,
+    /// The frames announced.
+    frames: Vec<Frame>,
     done: PackLoad,
     started: std::time::Instant,
+}
+
+impl Drop for Loading {
+    fn drop(&mut self) {
+        self.chunks.not_coming(self.frames.iter().map(|f| f.id));
+    }
 }
 
 /// Starts using the pack `pack` (an object of `chunks`' store) for a restore of `tree`: reads
@@ -294,7 +304,8 @@ pub(crate) async fn start(chunks: &ChunkStore, pack: &PackRef, tree: &Tree) -> L
     let mut loading = Loading {
         chunks: chunks.clone(),
         object: pack.object.clone(),
-        fetch: None,
+        reader: None,
+        frames: Vec::new(),
         done: PackLoad::default(),
         started: std::time::Instant::now(),
     };
@@ -306,9 +317,9 @@ pub(crate) async fn start(chunks: &ChunkStore, pack: &PackRef, tree: &Tree) -> L
     };
     match read_index(chunks, pack, &mut loading.done).await {
         Ok((reader, frames)) => {
-            let frames: Vec<Frame> = frames.into_iter().filter(|f| wanted(&f.id)).collect();
-            chunks.expect(frames.iter().map(|f| f.id));
-            loading.fetch = Some((reader, frames));
+            loading.frames = frames.into_iter().filter(|f| wanted(&f.id)).collect();
+            chunks.expect(loading.frames.iter().map(|f| f.id));
+            loading.reader = Some(reader);
         }
         Err(reason) => tracing::warn!(
             pack = %pack.object, %reason,
@@ -363,17 +374,12 @@ async fn read_index(
 impl Loading {
     /// Fetches the announced frames in tree order, up to `concurrency` ranged GETs at once, and
     /// holds each range's frames as it arrives. The chunks of a range that cannot be fetched are
-    /// no longer announced (their readers fetch them one by one), and neither is anything left
-    /// when this ends or is dropped.
+    /// no longer announced: their readers fetch them one by one.
     pub(crate) async fn fetch(mut self, concurrency: usize) -> PackLoad {
-        let Some((reader, frames)) = self.fetch.take() else {
+        let Some(reader) = self.reader.clone() else {
             return self.done;
         };
-        let announced = Announced {
-            chunks: &self.chunks,
-            ids: frames.iter().map(|f| f.id).collect(),
-        };
-        let mut fetches = futures::stream::iter(ranges(frames))
+        let mut fetches = futures::stream::iter(ranges(self.frames.clone()))
             .map(|group| {
                 let (reader, chunks) = (reader.clone(), self.chunks.clone());
                 async move {
@@ -409,7 +415,6 @@ impl Loading {
                 }
             }
         }
-        drop(announced);
         if let Some(reason) = first_error {
             tracing::warn!(
                 pack = %self.object, %reason, held = self.done.chunks,
@@ -418,19 +423,6 @@ impl Loading {
         }
         self.done.seconds = self.started.elapsed().as_secs_f64();
         self.done
-    }
-}
-
-/// Chunks announced to a chunk store; whatever was not held by the time this is dropped is no
-/// longer announced, so that no reader waits for a frame that will not come.
-struct Announced<'a> {
-    chunks: &'a ChunkStore,
-    ids: Vec<ChunkId>,
-}
-
-impl Drop for Announced<'_> {
-    fn drop(&mut self) {
-        self.chunks.not_coming(self.ids.iter().copied());
     }
 }
 
