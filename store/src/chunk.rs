@@ -436,26 +436,16 @@ impl ChunkStore {
 
     /// [`ChunkStore::held_blocking`] on the runtime.
     async fn held(&self, id: &ChunkId) -> Option<Bytes> {
-        let found = Self::held_frame(&self.inner.held.lock(), id);
-        let frame = match found {
-            Some(frame) => frame?,
-            None => self.held_wait(id).await?,
-        };
-        self.decode_held(id, &frame)
-    }
-
-    /// The frame of the announced chunk `id`, once it is held; `None` when it will not be.
-    async fn held_wait(&self, id: &ChunkId) -> Option<Bytes> {
-        loop {
+        let frame = loop {
+            // Made before the check: a `notify_waiters` after it wakes it, polled or not.
             let changed = self.inner.held_notify.notified();
-            let mut changed = std::pin::pin!(changed);
-            changed.as_mut().enable();
             let found = Self::held_frame(&self.inner.held.lock(), id);
             match found {
-                Some(frame) => return frame,
+                Some(frame) => break frame?,
                 None => changed.await,
             }
-        }
+        };
+        self.decode_held(id, &frame)
     }
 
     fn decode_held(&self, id: &ChunkId, frame: &[u8]) -> Option<Bytes> {
