@@ -12,11 +12,13 @@
 //! - [`Images`]: build, list, inspect, open, mount, pull and report on named images.
 //! - [`ImageFs`] (`fs.rs`): the read-only filesystem, a plain type served by `hotstart-fuse`'s
 //!   adapter; [`Loader`] (`loader.rs`): memory and disk caches, single-flight fetches, demand
-//!   before prefetch, the counters; `prefetch.rs`: replay with an adaptive window;
+//!   before prefetch, the counters; [`decode`]: prefetched chunks decoded at the lowest CPU
+//!   priority; `prefetch.rs`: replay with an adaptive window;
 //!   `profile.rs`: traces and profiles; [`LazyMount`] (`mount.rs`): all of it for one mount;
 //!   [`MountReport`] (`report.rs`) and [`metrics`]: what a mount did.
 
 pub mod build;
+pub mod decode;
 pub mod error;
 pub mod fs;
 pub mod image;

@@ -19,7 +19,10 @@
 //! whatever the prefetcher's queue holds (the queued chunk "jumps the queue", and the prefetcher
 //! skips it when it gets there). The prefetcher ([`Loader::prefetch`]) only starts fetches while
 //! the number of fetches in flight, demand ones included, is below its window (see
-//! `prefetch.rs`), so demand reads always come first.
+//! `prefetch.rs`), so demand reads always come first. Prefetched chunks are decoded
+//! (decompressed and verified) at the lowest CPU priority ([`crate::decode`]), so a replay
+//! never takes CPU from the job it runs ahead of; a read that waits for one has it decoded at
+//! once.
 //!
 //! **What is counted** (per mount, see `report.rs`): the first demand of each chunk is recorded
 //! with its time since the mount started (this is the trace a profile is made of); it is a
@@ -39,6 +42,8 @@ use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use hotstart_store::{ChunkCache, ChunkId, ChunkStore, LruIndex};
 use parking_lot::Mutex;
+
+use crate::decode::{Decoder, lowest_cpu_priority};
 
 type Flight = Shared<BoxFuture<'static, Result<Bytes, Arc<hotstart_store::Error>>>>;
 
@@ -151,6 +156,8 @@ pub struct Loader {
     start: Instant,
     /// Fetched chunks on their way into the disk cache (`None`: not cached).
     to_cache: Option<SyncSender<(ChunkId, Bytes)>>,
+    /// Decodes prefetched frames at the lowest CPU priority (`None`: on the blocking pool).
+    decoder: Option<Decoder>,
 }
 
 impl std::fmt::Debug for Loader {
@@ -181,6 +188,7 @@ impl Loader {
         };
         Loader {
             to_cache,
+            decoder: Decoder::start(chunks.clone()),
             chunks,
             mem: Mutex::new(MemCache {
                 index: LruIndex::default(),
@@ -238,11 +246,11 @@ impl Loader {
         }
         self.demand_inflight.fetch_add(1, Ordering::AcqRel);
         let _guard = InFlightGuard(&self.demand_inflight, &self.changed);
-        let flight = {
+        let (flight, prefetching) = {
             let mut inflight = self.inflight.lock();
             match inflight.get(&id) {
-                Some((_, f)) => Some(f.clone()),
-                None if self.on_disk(&id) => None,
+                Some((origin, f)) => (Some(f.clone()), *origin == Origin::Prefetch),
+                None if self.on_disk(&id) => (None, false),
                 None => {
                     let f = self.spawn_fetch(id, Origin::Demand);
                     inflight.insert(id, (Origin::Demand, f.clone()));
@@ -250,10 +258,14 @@ impl Loader {
                     self.counters
                         .demand_fetch_bytes
                         .fetch_add(len as u64, Ordering::Relaxed);
-                    Some(f)
+                    (Some(f), false)
                 }
             }
         };
+        if let (true, Some(d)) = (prefetching, &self.decoder) {
+            // Not left to the low-priority decoding threads now that a read waits for it.
+            d.expedite(&id);
+        }
         match flight {
             Some(f) => {
                 let waited = Instant::now();
@@ -393,7 +405,16 @@ impl Loader {
     fn spawn_fetch(self: &Arc<Self>, id: ChunkId, origin: Origin) -> Flight {
         let this = self.clone();
         let task = tokio::spawn(async move {
-            let res = this.chunks.get_uncached(&id).await;
+            let res = match (origin, &this.decoder) {
+                (Origin::Prefetch, Some(d)) => match this.chunks.fetch_frame(&id).await {
+                    Ok(frame) => {
+                        d.decode(id, frame, || this.seen.lock().contains_key(&id))
+                            .await
+                    }
+                    Err(e) => Err(e),
+                },
+                _ => this.chunks.get_uncached(&id).await,
+            };
             if let (Ok(data), Some(tx)) = (&res, &this.to_cache) {
                 // A full queue skips this chunk: the cache is a hint, the memory tier has it.
                 let _ = tx.try_send((id, data.clone()));
@@ -463,12 +484,7 @@ fn cache_writer(cache: ChunkCache) -> Option<SyncSender<(ChunkId, Bytes)>> {
     let started = std::thread::Builder::new()
         .name("chunk-cache-writer".into())
         .spawn(move || {
-            // SAFETY: plain syscalls on this thread's own id; on Linux the nice value is per
-            // thread.
-            unsafe {
-                let tid = libc::gettid();
-                libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
-            }
+            lowest_cpu_priority();
             for (id, data) in rx {
                 if let Err(e) = cache.insert_blocking(&id, &data) {
                     tracing::warn!(chunk = %id, error = %e, "could not cache chunk");
