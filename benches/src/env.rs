@@ -24,9 +24,9 @@
 //! **`--lazy` with a profile** (the wheels-only lock): `python -c "import numpy, pandas"` (numpy
 //! and requests for `--set small`) from a lazy mount of the snapshot, on a new node (empty chunk
 //! cache) after one earlier lazy start recorded the profile, against the same import from a
-//! local venv (restored eagerly, page cache warm). hotstart's time runs from the `ensure` call
-//! (key, record, tree, mount, the profile's prefetch racing the import) to the import's end; the
-//! bytes fetched (prefetched plus demand-fetched, plaintext) are reported as a fraction of the
+//! local venv (restored eagerly, page cache warm), the two alternating run by run. hotstart's
+//! time runs from the `ensure` call (key, record, tree, mount, the profile's prefetch racing
+//! the import) to the import's end; the bytes fetched (prefetched plus demand-fetched, plaintext) are reported as a fraction of the
 //! environment's file bytes.
 //!
 //! Targets: restore ≥ 5× faster than pip and no slower than uv with a cold cache; with the
@@ -533,7 +533,9 @@ async fn measure(
         restores.push((name.clone(), median(cold), median(warm_runs)));
     }
 
-    // --lazy with a profile, against the same import from the local venv.
+    // --lazy with a profile, against the same import from the local venv. The two alternate
+    // (the local venv moved aside while the snapshot is mounted at its path), so a machine
+    // that speeds up or slows down during the run moves both alike.
     let (mut local_import, mut lazy) = (Duration::ZERO, Vec::new());
     if let Some(imports) = lazy_imports {
         let code = format!("import {imports}");
@@ -541,40 +543,45 @@ async fn measure(
         c.cache_dir = node("local-venv");
         trash.retire(&target)?;
         hs_ensure(&local, &c).await?;
-        let import = || {
-            let mut cmd = Command::new(target.join("bin/python"));
-            cmd.args(["-c", &code]);
-            cmd
+        let import = || -> anyhow::Result<Duration> {
+            timed(Command::new(target.join("bin/python")).args(["-c", &code]))
         };
-        run_ok(&mut import())?; // the page cache, warm as for every other tool
+        import()?; // the page cache, warm as for every other tool
+        let aside = target.with_extension("local");
         let mut local_runs = Vec::new();
-        for _ in 0..runs {
-            local_runs.push(timed(&mut import())?);
+        for (s, (name, store)) in stores.iter().enumerate() {
+            // One start records the profile; then each run is a new node that replays it.
+            let mut c = cfg.clone();
+            let mut start = |cache: String| {
+                c.cache_dir = node(&cache);
+                let c = c.clone();
+                let (target, aside, code) = (&target, &aside, &code);
+                async move {
+                    std::fs::rename(target, aside)?;
+                    let started = lazy_start(store, &c, target, code).await;
+                    std::fs::rename(aside, target)?;
+                    anyhow::Ok((started?, c.cache_dir))
+                }
+            };
+            let (_, cache) = start(format!("lazy-{s}-record")).await?;
+            trash.retire(&cache)?;
+            let (mut took, mut fetched) = (Vec::new(), Vec::new());
+            for i in 0..runs {
+                local_runs.push(import()?);
+                let ((t, f), cache) = start(format!("lazy-{s}-{i}")).await?;
+                took.push(t);
+                fetched.push(f);
+                trash.retire(&cache)?;
+            }
+            fetched.sort_by(f64::total_cmp);
+            lazy.push((name.clone(), median(took), fetched[fetched.len() / 2]));
         }
         local_import = median(local_runs);
         eprintln!(
             "  import from a local venv: {:.3} s",
             local_import.as_secs_f64()
         );
-        trash.retire(&target)?;
         trash.retire(&c.cache_dir)?;
-        for (s, (name, store)) in stores.iter().enumerate() {
-            // One start records the profile; then each run is a new node that replays it.
-            let mut c = cfg.clone();
-            c.cache_dir = node(&format!("lazy-{s}-record"));
-            lazy_start(store, &c, &target, &code).await?;
-            trash.retire(&c.cache_dir)?;
-            let (mut took, mut fetched) = (Vec::new(), Vec::new());
-            for i in 0..runs {
-                c.cache_dir = node(&format!("lazy-{s}-{i}"));
-                let (t, f) = lazy_start(store, &c, &target, &code).await?;
-                took.push(t);
-                fetched.push(f);
-                trash.retire(&c.cache_dir)?;
-            }
-            fetched.sort_by(f64::total_cmp);
-            lazy.push((name.clone(), median(took), fetched[fetched.len() / 2]));
-        }
     }
     trash.retire(&target)?;
     trash.settle()?;
