@@ -26,8 +26,8 @@
 //! cache) after one earlier lazy start recorded the profile, against the same import from a
 //! local venv (restored eagerly, page cache warm), the two alternating run by run. hotstart's
 //! time runs from the `ensure` call (key, record, tree, mount, the profile's prefetch racing
-//! the import) to the import's end; the bytes fetched (prefetched plus demand-fetched, plaintext) are reported as a fraction of the
-//! environment's file bytes.
+//! the import) to the import's end; the bytes fetched (prefetched plus demand-fetched,
+//! plaintext) are reported as a fraction of the environment's file bytes.
 //!
 //! Targets: restore ≥ 5× faster than pip and no slower than uv with a cold cache; with the
 //! sdist, ≥ 10× faster than uv with a cold cache; `--lazy` with a profile within 1.5× of a local

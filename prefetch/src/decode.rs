@@ -61,11 +61,12 @@ impl Decoder {
     /// `None` if no thread could be started, and the caller decodes as it did before.
     pub fn start(chunks: ChunkStore) -> Option<Decoder> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let decoder = Decoder::with_threads(chunks, cores.min(MAX_THREADS));
-        (decoder.threads > 0).then_some(decoder.inner)
+        let (decoder, started) = Decoder::with_threads(chunks, cores.min(MAX_THREADS));
+        (started > 0).then_some(decoder)
     }
 
-    fn with_threads(chunks: ChunkStore, threads: usize) -> Started {
+    /// A decoder with `threads` threads, and how many of them started.
+    fn with_threads(chunks: ChunkStore, threads: usize) -> (Decoder, usize) {
         let shared = Arc::new(Shared {
             chunks,
             queue: Mutex::new(Queue::default()),
@@ -79,7 +80,7 @@ impl Decoder {
                 .spawn(move || {
                     lowest_cpu_priority();
                     while let Some(job) = shared.next() {
-                        let _ = job.done.send(shared.chunks.decode(&job.id, &job.frame));
+                        shared.run(job);
                     }
                 });
             match spawned {
@@ -87,10 +88,7 @@ impl Decoder {
                 Err(e) => tracing::warn!(error = %e, "cannot start a prefetch decoding thread"),
             }
         }
-        Started {
-            inner: Decoder { shared },
-            threads: started,
-        }
+        (Decoder { shared }, started)
     }
 
     /// The verified plaintext of `frame`, the stored frame of `id`: decoded by the
@@ -102,33 +100,24 @@ impl Decoder {
         frame: Bytes,
         demanded: impl FnOnce() -> bool,
     ) -> Result<Bytes> {
-        // The frame back when a read waits for it, else where its plaintext will come from.
-        let queued = {
+        let (done, rx) = oneshot::channel();
+        let job = Job { id, frame, done };
+        let now = {
             let mut queue = self.lock();
             if demanded() {
-                Err(frame)
+                Some(job)
             } else {
-                let (done, rx) = oneshot::channel();
-                queue.jobs.push_back(Job { id, frame, done });
-                Ok(rx)
+                queue.jobs.push_back(job);
+                None
             }
         };
-        let rx = match queued {
-            Ok(rx) => rx,
-            Err(frame) => {
-                let chunks = self.shared.chunks.clone();
-                return tokio::task::spawn_blocking(move || chunks.decode(&id, &frame))
-                    .await
-                    .map_err(|e| Error::Task {
-                        what: "prefetch decode",
-                        message: e.to_string(),
-                    })?;
-            }
-        };
-        self.shared.ready.notify_one();
+        match now {
+            Some(job) => self.run_now(job),
+            None => self.shared.ready.notify_one(),
+        }
         rx.await.map_err(|_| Error::Task {
             what: "prefetch decode",
-            message: "the decoding thread is gone".into(),
+            message: "the decoding was dropped".into(),
         })?
     }
 
@@ -143,11 +132,14 @@ impl Decoder {
             }
         };
         if let Some(job) = job {
-            let shared = self.shared.clone();
-            tokio::task::spawn_blocking(move || {
-                let _ = job.done.send(shared.chunks.decode(&job.id, &job.frame));
-            });
+            self.run_now(job);
         }
+    }
+
+    /// Decodes `job` at normal priority on the runtime's blocking pool.
+    fn run_now(&self, job: Job) {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || shared.run(job));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
@@ -167,6 +159,10 @@ impl Shared {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn run(&self, job: Job) {
+        let _ = job.done.send(self.chunks.decode(&job.id, &job.frame));
+    }
+
     /// The next queued job, waiting for one; `None` once the decoder is dropped.
     fn next(&self) -> Option<Job> {
         let mut queue = self.lock();
@@ -183,12 +179,6 @@ impl Shared {
                 .unwrap_or_else(PoisonError::into_inner);
         }
     }
-}
-
-/// A decoder and how many of its threads started.
-struct Started {
-    inner: Decoder,
-    threads: usize,
 }
 
 /// Gives the calling thread the lowest CPU priority (nice 19; on Linux the nice value is per
@@ -241,9 +231,9 @@ mod tests {
     async fn a_demanded_chunk_does_not_wait_for_the_low_priority_threads() {
         let chunks = chunks();
         // No decoding threads: a queued frame would wait for ever.
-        let started = Decoder::with_threads(chunks.clone(), 0);
-        assert_eq!(started.threads, 0);
-        let decoder = Arc::new(started.inner);
+        let (decoder, started) = Decoder::with_threads(chunks.clone(), 0);
+        assert_eq!(started, 0);
+        let decoder = Arc::new(decoder);
 
         // Demanded before its frame arrived: decoded at once.
         let (id, frame) = frame_of(&chunks, &[1u8; 5000]);
