@@ -21,6 +21,13 @@
 //! store error aborts the upload and poisons the handle: the caller gets EIO and the previous
 //! version of the object (if any) is untouched. A handle whose file was unlinked while open aborts
 //! instead of committing.
+//!
+//! **Writing on after a commit.** Every close of a descriptor is a flush, including the close of
+//! a copy the application never uses: a child forked while the file was being written closes its
+//! copy when it execs or exits. So a commit does not end the file: the handle keeps its bytes (the
+//! head in memory, a stream's tee or the spill file on disk) until release, writes may go on, and
+//! the next commit publishes the whole file again. Only a streamed file whose tee was dropped
+//! keeps nothing; writing to it after a commit is refused like a seek back.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -38,7 +45,8 @@ enum Sink {
     /// Streaming, with the tee while it fits the spill limit.
     Stream(Box<StripedWriter>, Option<SpillFile>),
     Spill(SpillFile),
-    Committed,
+    /// Committed, with no copy of the bytes kept (streamed without a tee, or unlinked).
+    Sealed,
     Poisoned,
 }
 
@@ -50,6 +58,9 @@ pub struct WriteHandle {
     spill: SpillSpace,
     sink: Sink,
     len: u64,
+    /// The store holds bytes `0..len` as written: a commit published them and nothing changed
+    /// since.
+    committed: bool,
     shared: Writing,
     /// Why the tee was dropped, reported by a later seek back.
     tee_lost: Option<SpillError>,
@@ -70,6 +81,7 @@ impl WriteHandle {
             spill,
             sink: Sink::Head(BytesMut::new(), None),
             len: 0,
+            committed: false,
             shared,
             tee_lost: None,
         }
@@ -85,10 +97,12 @@ impl WriteHandle {
     }
 
     pub fn is_committed(&self) -> bool {
-        matches!(self.sink, Sink::Committed)
+        self.committed
     }
 
+    /// Records a change: the file is `len` bytes long and differs from what was committed.
     fn set_len(&mut self, len: u64) {
+        self.committed = false;
         self.len = len;
         self.shared.len.store(len, Ordering::Relaxed);
     }
@@ -101,7 +115,9 @@ impl WriteHandle {
     }
 
     async fn poison(&mut self, e: FsError) -> FsError {
-        tracing::warn!(path = %self.key, error = %e, "write failed; upload aborted, nothing visible");
+        tracing::warn!(path = %self.key, error = %e, "write failed; upload aborted, this version of the file will not be published");
+        // Whatever an earlier commit published, the file as written cannot be: close says so.
+        self.committed = false;
         if let Sink::Stream(w, _) = std::mem::replace(&mut self.sink, Sink::Poisoned) {
             let _ = w.abort().await;
         }
@@ -111,13 +127,7 @@ impl WriteHandle {
     /// Writes `data` at `offset`; returns the bytes written (all of them).
     pub async fn write(&mut self, offset: u64, data: &[u8]) -> FsResult<usize> {
         match &mut self.sink {
-            // An empty file committed by the close of a duplicate descriptor (`echo hi > f`:
-            // the shell dup2s and closes before writing) is written again and re-committed.
-            Sink::Committed if self.len == 0 => {
-                self.sink = Sink::Head(BytesMut::new(), None);
-                return Box::pin(self.write(offset, data)).await;
-            }
-            Sink::Committed | Sink::Poisoned => {
+            Sink::Poisoned => {
                 return Err(FsError::Poisoned {
                     path: self.key.clone(),
                 });
@@ -165,7 +175,7 @@ impl WriteHandle {
                 self.restart_in_spill().await;
                 return Box::pin(self.write(offset, data)).await;
             }
-            Sink::Stream(_, None) => {
+            Sink::Stream(_, None) | Sink::Sealed => {
                 let e = match self.tee_lost.take() {
                     Some(source) => self.spill_err(source),
                     None => FsError::Invalid {
@@ -301,43 +311,55 @@ impl WriteHandle {
         Ok(())
     }
 
-    /// Makes the object visible (once); later calls return at once.
+    /// Publishes the file as written so far (the whole of it, atomically) and returns its length.
+    /// A commit with nothing written since the last one returns at once. The bytes are kept, so
+    /// writes may go on and be published by a later commit.
     pub async fn commit(&mut self) -> FsResult<u64> {
-        if self.shared.cancelled.load(Ordering::Relaxed) {
-            if let Sink::Stream(w, _) = std::mem::replace(&mut self.sink, Sink::Committed) {
-                let _ = w.abort().await;
-            }
-            self.sink = Sink::Committed;
+        if self.committed {
             return Ok(self.len);
         }
-        let res: FsResult<()> = match std::mem::replace(&mut self.sink, Sink::Poisoned) {
-            Sink::Committed => {
-                self.sink = Sink::Committed;
-                return Ok(self.len);
-            }
+        if self.shared.cancelled.load(Ordering::Relaxed) {
+            // Unlinked while open: nothing is published.
+            self.sink = match std::mem::replace(&mut self.sink, Sink::Poisoned) {
+                Sink::Stream(w, tee) => {
+                    let _ = w.abort().await;
+                    tee.map_or(Sink::Sealed, Sink::Spill)
+                }
+                other => other,
+            };
+            self.committed = true;
+            return Ok(self.len);
+        }
+        let kept: FsResult<Sink> = match std::mem::replace(&mut self.sink, Sink::Poisoned) {
+            Sink::Sealed => Ok(Sink::Sealed),
             Sink::Poisoned => Err(FsError::Poisoned {
                 path: self.key.clone(),
             }),
-            Sink::Head(buf, _permit) => self
-                .store
-                .put(&self.key, buf.freeze())
-                .await
-                .map_err(|e| FsError::store(&self.key, e)),
-            Sink::Stream(w, _tee) => w
+            Sink::Head(buf, permit) => {
+                let bytes = buf.freeze();
+                self.store
+                    .put(&self.key, bytes.clone())
+                    .await
+                    .map(|_| Sink::Head(BytesMut::from(bytes), permit))
+                    .map_err(|e| FsError::store(&self.key, e))
+            }
+            Sink::Stream(w, tee) => w
                 .finish()
                 .await
-                .map(|_| ())
+                .map(|_| tee.map_or(Sink::Sealed, Sink::Spill))
                 .map_err(|e| FsError::store(&self.key, e)),
             Sink::Spill(f) => {
                 let (store, key, cfg) = (self.store.clone(), self.key.clone(), self.cfg.clone());
                 upload_spill(store, key, cfg, self.len, &f)
                     .await
+                    .map(|()| Sink::Spill(f))
                     .map_err(|e| FsError::store(&self.key, e))
             }
         };
-        match res {
-            Ok(()) => {
-                self.sink = Sink::Committed;
+        match kept {
+            Ok(kept) => {
+                self.sink = kept;
+                self.committed = true;
                 Ok(self.len)
             }
             Err(e) => Err(self.poison(e).await),

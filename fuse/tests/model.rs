@@ -21,6 +21,8 @@ enum Op {
         len: usize,
         seed: u8,
         chunk: usize,
+        /// Commit (as another descriptor's close does) after every this many chunks; 0: never.
+        flush_every: usize,
     },
     Read {
         dir: usize,
@@ -58,14 +60,16 @@ fn op() -> impl Strategy<Value = Op> {
             n.clone(),
             0..300_000usize,
             any::<u8>(),
-            1..100_000usize
+            1..100_000usize,
+            prop_oneof![Just(0usize), 1..4usize],
         )
-            .prop_map(|(dir, name, len, seed, chunk)| Op::Write {
+            .prop_map(|(dir, name, len, seed, chunk, flush_every)| Op::Write {
                 dir,
                 name,
                 len,
                 seed,
-                chunk
+                chunk,
+                flush_every,
             }),
         (d.clone(), n.clone()).prop_map(|(dir, name)| Op::Read { dir, name }),
         (d.clone(), n.clone()).prop_map(|(dir, name)| Op::Mkdir { dir, name }),
@@ -162,6 +166,7 @@ async fn run(ops: Vec<Op>) {
                 len,
                 seed,
                 chunk,
+                flush_every,
             } => {
                 let (d, p) = (dir_path(dir), join(dir_path(dir), NAMES[name]));
                 let data: Vec<u8> = (0..len)
@@ -190,6 +195,9 @@ async fn run(ops: Vec<Op>) {
                         fs.write(fh, (i * chunk) as u64, c)
                             .await
                             .map_err(|e| e.errno())?;
+                        if flush_every > 0 && (i + 1) % flush_every == 0 {
+                            fs.flush(fh).await.map_err(|e| e.errno())?;
+                        }
                     }
                     fs.release(fh).await.map_err(|e| e.errno())
                 }

@@ -21,6 +21,15 @@ struct Mounted {
 
 impl Mounted {
     fn new(store: Store, fs: FsConfig) -> Mounted {
+        // Why a request failed (the filesystem's warnings) appears in a failing test's output;
+        // HOTSTART_LOG (e.g. `hotstart_fuse=debug`) asks for more.
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("HOTSTART_LOG")
+                    .unwrap_or_else(|_| "warn".into()),
+            )
+            .try_init();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(4)
             .enable_all()
@@ -122,6 +131,31 @@ fn sizes_round_trip(m: &Mounted, stripe: usize) {
         .collect();
     names.sort();
     assert_eq!(names, ["f0", "f1", "f2", "f3", "f4", "f5", "f6"]);
+}
+
+/// A child started while a file is being written gets a copy of its descriptor and closes it
+/// when it execs (close-on-exec), which commits the file so far; the writer goes on and its own
+/// close publishes the whole file.
+fn write_across_a_child_exec(m: &Mounted, stripe: usize) {
+    let data = pattern(2 * stripe + 12_345, 42);
+    let p = m.path().join("forked");
+    let mut f = std::fs::File::create(&p).unwrap();
+    // Once while the file is held in memory, once after it began streaming.
+    let mut written = 0;
+    for end in [stripe / 2, stripe + 1] {
+        f.write_all(&data[written..end]).unwrap();
+        written = end;
+        assert!(Command::new("true").status().unwrap().success());
+        assert!(
+            m.get("forked") == data[..end],
+            "the child's close published the file so far"
+        );
+    }
+    f.write_all(&data[stripe + 1..]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(std::fs::read(&p).unwrap() == data, "through the mount");
+    assert!(m.get("forked") == data, "in the store");
 }
 
 fn namespace_and_refusals(m: &Mounted) {
@@ -255,6 +289,7 @@ fn local_directory_store() {
         "the kernel reads ahead by the configured window, not its 128 KiB default"
     );
     sizes_round_trip(&m, stripe);
+    write_across_a_child_exec(&m, stripe);
     namespace_and_refusals(&m);
     python_zipfile(&m);
     python_zipfile_large(&m);
@@ -284,6 +319,7 @@ fn seaweedfs_store() {
         "the kernel reads ahead by the configured window, not its 128 KiB default"
     );
     sizes_round_trip(&m, stripe);
+    write_across_a_child_exec(&m, stripe);
     namespace_and_refusals(&m);
     python_zipfile(&m);
     python_zipfile_large(&m);

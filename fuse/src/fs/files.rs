@@ -6,7 +6,8 @@
 //! or `O_TRUNC` (the object is replaced whole at commit; overwriting in place is refused with
 //! EPERM because objects cannot be modified in place); it returns a [`WriteHandle`]. The file's
 //! inode carries a [`Writing`] marker until the handle commits, so stat and readdir show it at
-//! its current length. `flush` and `fsync` commit; `release` commits if nothing has yet.
+//! its current length. `flush` and `fsync` commit what was written so far; writes may go on and
+//! `release` commits what no earlier commit published.
 //!
 //! **Memory.** Read-ahead buffers and upload parts of every handle draw from one [`ByteBudget`].
 //! The handle table is the budget's [`Reclaim`]: when an acquire cannot be served, it takes back
@@ -324,8 +325,8 @@ impl StripedFs {
     }
 
     /// close(2) of one descriptor: commits a write handle, so close reports upload errors.
-    /// An empty file committed this way may still be written through another descriptor of the
-    /// same handle (shells `dup2` and close before writing): it is then committed again.
+    /// Another descriptor of the same handle (a forked child's copy, a shell's `dup2`) may go on
+    /// writing: the next commit publishes the whole file again.
     pub async fn flush(&self, fh: u64) -> FsResult<()> {
         let mut h = self.lock(fh).await?;
         match &mut *h {
@@ -334,8 +335,8 @@ impl StripedFs {
         }
     }
 
-    /// fsync(2): the object is visible and durable when this returns. Later writes to the
-    /// handle are refused (the object is immutable once committed).
+    /// fsync(2): the object is visible and durable when this returns; later writes are published
+    /// by the next commit.
     pub async fn fsync(&self, fh: u64) -> FsResult<()> {
         let mut h = self.lock(fh).await?;
         match &mut *h {

@@ -214,6 +214,15 @@ async fn seek_back_without_a_local_copy_is_enospc_and_nothing_is_visible() {
     let _ = fs.release(fh).await;
     assert!(fs.store().get("s").await.is_err());
     assert_eq!(fs.spill_space().used(), 0);
+    // Without a local copy, a write after a commit cannot be published with the rest: refused.
+    let (_, fh) = fs.create(ROOT, "u", libc::O_WRONLY).await.unwrap();
+    fs.write(fh, 0, &data(200_000)).await.unwrap();
+    fs.flush(fh).await.unwrap();
+    let err = fs.write(fh, 200_000, b"x").await.unwrap_err();
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    assert_eq!(fs.flush(fh).await.unwrap_err().errno(), libc::EIO);
+    let _ = fs.release(fh).await;
+    assert!(fs.store().get("u").await.unwrap() == data(200_000));
     // Within the limit, a file written out of order works; past it, its writes are ENOSPC.
     let (_, fh) = fs.create(ROOT, "t", libc::O_WRONLY).await.unwrap();
     fs.write(fh, 10, b"later").await.unwrap();
@@ -268,6 +277,71 @@ async fn close_of_a_duplicate_before_any_write_does_not_commit() {
     fs.flush(fh).await.unwrap();
     fs.release(fh).await.unwrap();
     assert_eq!(fs.store().get("redir").await.unwrap(), &b"hi\n"[..]);
+}
+
+/// A close of another descriptor of the handle (a forked child's copy, closed when it execs or
+/// exits) publishes what was written so far; the writer goes on, and its own close publishes the
+/// whole file. A file kept in memory, streamed with a local copy, or spilled: each keeps its bytes.
+#[tokio::test]
+async fn writes_go_on_after_a_close_of_another_descriptor() {
+    let counter = Arc::new(Counter::default());
+    let store = Store::open("memory://")
+        .unwrap()
+        .wrap(|inner| counter.clone().wrap(inner));
+    let fs = StripedFs::new(store, small());
+    let stripe = 64 << 10;
+    for (name, len, seek_back) in [
+        ("head", 1_000, false),
+        ("stream", 3 * stripe + 5_000, false),
+        ("spill", 3 * stripe + 5_000, true),
+    ] {
+        let body = data(len);
+        let half = len / 2;
+        let (attr, fh) = fs.create(ROOT, name, libc::O_WRONLY).await.unwrap();
+        if seek_back {
+            fs.write(fh, 0, &[0u8; 30]).await.unwrap();
+        }
+        for at in (if seek_back { 30 } else { 0 }..half).step_by(10_000) {
+            let end = (at + 10_000).min(half);
+            fs.write(fh, at as u64, &body[at..end]).await.unwrap();
+        }
+        if seek_back {
+            fs.write(fh, 0, &body[..30]).await.unwrap();
+        }
+        fs.flush(fh).await.unwrap();
+        assert!(
+            fs.store().get(name).await.unwrap() == body[..half],
+            "{name}: the other close published the first half"
+        );
+        counter.reset();
+        fs.flush(fh).await.unwrap();
+        for op in [Op::Put, Op::MultipartStart, Op::PutPart] {
+            assert_eq!(
+                counter.get(op).requests,
+                0,
+                "{name}: nothing new, nothing sent"
+            );
+        }
+        for at in (half..len).step_by(10_000) {
+            let end = (at + 10_000).min(len);
+            fs.write(fh, at as u64, &body[at..end]).await.unwrap();
+        }
+        assert_eq!(fs.getattr(attr.ino).await.unwrap().size, len as u64);
+        assert_eq!(
+            &fs.read(fh, 0, 100).await.unwrap()[..],
+            &body[..100],
+            "{name}: read back while open"
+        );
+        fs.flush(fh).await.unwrap();
+        fs.release(fh).await.unwrap();
+        assert!(
+            fs.store().get(name).await.unwrap() == body,
+            "{name}: the writer's close published the whole file"
+        );
+        assert_eq!(fs.getattr(attr.ino).await.unwrap().size, len as u64);
+    }
+    assert_eq!(fs.spill_space().used(), 0, "spill files go at release");
+    assert_eq!(fs.budget().in_use(), 0);
 }
 
 #[tokio::test]
