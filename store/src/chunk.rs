@@ -436,16 +436,29 @@ impl ChunkStore {
 
     /// [`ChunkStore::held_blocking`] on the runtime.
     async fn held(&self, id: &ChunkId) -> Option<Bytes> {
-        let frame = loop {
+        let frame = self.held_async(id, false).await?;
+        self.decode_held(id, &frame)
+    }
+
+    /// The frame of `id` held in memory, waiting for it while it is announced; `take` removes
+    /// it from memory.
+    async fn held_async(&self, id: &ChunkId, take: bool) -> Option<Bytes> {
+        loop {
             // Made before the check: a `notify_waiters` after it wakes it, polled or not.
             let changed = self.inner.held_notify.notified();
-            let found = Self::held_frame(&self.inner.held.lock(), id);
+            let found = {
+                let mut held = self.inner.held.lock();
+                let found = Self::held_frame(&held, id);
+                if take && matches!(found, Some(Some(_))) {
+                    held.frames.remove(id);
+                }
+                found
+            };
             match found {
-                Some(frame) => break frame?,
+                Some(frame) => return frame,
                 None => changed.await,
             }
-        };
-        self.decode_held(id, &frame)
+        }
     }
 
     fn decode_held(&self, id: &ChunkId, frame: &[u8]) -> Option<Bytes> {
@@ -517,8 +530,14 @@ impl ChunkStore {
 
     /// The stored frame of `id` as fetched, neither decoded nor verified nor cached: for a
     /// caller that decodes it ([`ChunkStore::decode`]) on a blocking thread together with what
-    /// it does with the bytes, in one hand-off.
+    /// it does with the bytes, in one hand-off. A frame held in memory ([`ChunkStore::hold`],
+    /// waited for while it is announced) is taken from there instead: such a caller keeps the
+    /// chunk it decodes, and reads it no more through this store.
     pub async fn fetch_frame(&self, id: &ChunkId) -> Result<Bytes> {
+        if let Some(frame) = self.held_async(id, true).await {
+            self.inner.stats.lock().held_hits += 1;
+            return Ok(frame);
+        }
         let id = *id;
         self.single_flight(
             |i| &i.frames,
@@ -735,7 +754,7 @@ mod tests {
         let data = Bytes::from(vec![5u8; 70_000]);
         let id = chunks.put(data.clone()).await.unwrap();
         let frame = Bytes::from(chunks.encode(&id, &data).unwrap());
-        chunks.hold([(id, frame)]);
+        chunks.hold([(id, frame.clone())]);
         assert!(chunks.is_held(&id));
         assert_eq!(chunks.get(&id).await.unwrap(), data);
         assert_eq!(chunks.get_uncached(&id).await.unwrap(), data);
@@ -746,6 +765,13 @@ mod tests {
         assert!(!chunks.is_held(&id));
         assert_eq!(chunks.get(&id).await.unwrap(), data);
         assert_eq!(counter.get(Op::Get).requests, 1);
+        // A caller of `fetch_frame` takes a held frame: it is read once from memory.
+        chunks.hold([(id, frame.clone())]);
+        assert_eq!(chunks.fetch_frame(&id).await.unwrap(), frame);
+        assert!(!chunks.is_held(&id), "taken");
+        assert_eq!(counter.get(Op::Get).requests, 1);
+        assert_eq!(chunks.fetch_frame(&id).await.unwrap(), frame);
+        assert_eq!(counter.get(Op::Get).requests, 2);
     }
 
     #[tokio::test]
@@ -766,11 +792,13 @@ mod tests {
         let (counter, chunks) = counted_chunks();
         let a = Bytes::from(vec![1u8; 50_000]);
         let b = Bytes::from(vec![2u8; 50_000]);
-        let (ia, ib) = (
+        let c = Bytes::from(vec![3u8; 50_000]);
+        let (ia, ib, ic) = (
             chunks.put(a.clone()).await.unwrap(),
             chunks.put(b.clone()).await.unwrap(),
+            chunks.put(c.clone()).await.unwrap(),
         );
-        chunks.expect([ia, ib]);
+        chunks.expect([ia, ib, ic]);
         assert!(chunks.is_held(&ia) && chunks.is_held(&ib));
         let blocking = {
             let chunks = chunks.clone();
@@ -780,15 +808,27 @@ mod tests {
             let chunks = chunks.clone();
             tokio::spawn(async move { chunks.get(&ia).await.unwrap() })
         };
+        let taking = {
+            let chunks = chunks.clone();
+            tokio::spawn(async move { chunks.fetch_frame(&ic).await.unwrap() })
+        };
         let given_up = {
             let chunks = chunks.clone();
             tokio::spawn(async move { chunks.get(&ib).await.unwrap() })
         };
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        assert!(!blocking.is_finished() && !waiting.is_finished() && !given_up.is_finished());
-        chunks.hold([(ia, Bytes::from(chunks.encode(&ia, &a).unwrap()))]);
+        for task in [&waiting, &taking, &given_up] {
+            assert!(!task.is_finished(), "waits while announced");
+        }
+        assert!(!blocking.is_finished());
+        let frame_c = Bytes::from(chunks.encode(&ic, &c).unwrap());
+        chunks.hold([
+            (ia, Bytes::from(chunks.encode(&ia, &a).unwrap())),
+            (ic, frame_c.clone()),
+        ]);
         assert_eq!(blocking.await.unwrap().unwrap(), a);
         assert_eq!(waiting.await.unwrap(), a);
+        assert_eq!(taking.await.unwrap(), frame_c);
         assert_eq!(counter.get(Op::Get).requests, 0, "served from memory");
         assert!(!given_up.is_finished());
         // Never delivered: the reader fetches it.

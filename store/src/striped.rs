@@ -26,7 +26,7 @@ use std::io;
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
-use futures::stream::{self, BoxStream};
+use futures::stream::{self, BoxStream, FuturesUnordered};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{
@@ -316,11 +316,22 @@ impl StripedReader {
         let range = offset..offset.saturating_add(buf.len() as u64);
         self.check_range(&range)?;
         let stripe = self.cfg.effective_stripe();
-        stream::iter(buf.chunks_mut(stripe).zip(self.stripes(range)))
-            .map(|(slice, r)| self.fetch_into(r.start, slice))
-            .buffer_unordered(self.cfg.in_flight())
-            .try_collect::<()>()
-            .await
+        // A plain loop rather than a stream adapter over a closure: the future stays provably
+        // `Send` for any lifetime of `buf`, so callers can spawn what awaits it.
+        let mut stripes = buf.chunks_mut(stripe).zip(self.stripes(range));
+        let mut running = FuturesUnordered::new();
+        loop {
+            while running.len() < self.cfg.in_flight() {
+                let Some((slice, r)) = stripes.next() else {
+                    break;
+                };
+                running.push(self.fetch_into(r.start, slice));
+            }
+            match running.next().await {
+                Some(res) => res?,
+                None => return Ok(()),
+            }
+        }
     }
 }
 
