@@ -1256,6 +1256,20 @@ fn a_lazy_mount_serves_a_numpy_venv_and_replays_its_profile(f: &Fixture) {
     assert_eq!(m["planned_chunks"].as_u64().unwrap(), read1, "{r2}");
     assert_eq!(m["prefetched_chunks"], m["planned_chunks"], "{r2}");
     assert!(m["hit_rate"].as_f64().unwrap() >= 0.9, "{r2}");
+    // From a remote store the planned chunks come from the snapshot's pack, several to a GET
+    // (the pack holds every chunk; the node's cache holds none); a local directory is read
+    // chunk by chunk.
+    let packed = r2["packed_chunks"].as_u64().unwrap();
+    if f.client.is_empty() {
+        assert_eq!(packed, 0, "{r2}");
+    } else {
+        assert_eq!(packed, read1, "{r2}");
+        let gets = r2["pack_requests"].as_u64().unwrap();
+        assert!(
+            gets > 1 && gets < read1 / 2,
+            "{gets} GETs for {read1} chunks: {r2}"
+        );
+    }
 
     // The mount is the environment, file for file: bytes, modes, mtimes, symlinks.
     let three = LazyRun::start(f, &venv, &lock, &[], &install, "node-c");

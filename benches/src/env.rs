@@ -645,13 +645,16 @@ async fn lazy_start(
     let fetched = (r.prefetched_bytes + r.demand_fetch_bytes) as f64 / done.bytes.max(1) as f64;
     eprintln!(
         "    --lazy: ensure + import in {:.3} s (mounted after {:.3} s); {} chunks planned, hit \
-         rate {:.1}%, fetched {:.1}% of {} MB",
+         rate {:.1}%, fetched {:.1}% of {} MB ({} chunks from the pack: {:.1} MB in {} GETs)",
         took.as_secs_f64(),
         mounted_after,
         r.planned_chunks,
         r.hit_rate * 100.0,
         fetched * 100.0,
-        done.bytes / 1_000_000
+        done.bytes / 1_000_000,
+        done.packed.chunks,
+        done.packed.bytes as f64 / 1e6,
+        done.packed.requests,
     );
     Ok((took, fetched))
 }

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use hotstart_fuse::{MountHandle, MountOptions};
 use hotstart_store::{ChunkId, ChunkStore, Store, Tree};
 use tokio::task::JoinHandle;
@@ -58,6 +59,24 @@ pub struct LazyConfig {
     pub ttl: Duration,
     /// The FUSE session (always mounted read-only).
     pub mount: MountOptions,
+    /// Told the replay's plan before the replay starts (see [`PlanHook`]).
+    pub on_plan: Option<PlanHook>,
+}
+
+/// Told the chunks a replay will prefetch, in replay order, before it prefetches any: a caller
+/// that can fetch them in bulk (a snapshot's pack, in a few ranged GETs instead of a request
+/// each) announces them to the chunk store ([`ChunkStore::expect`]) before the returned future
+/// ends and holds their frames as they arrive ([`ChunkStore::hold`]); the replay then takes
+/// each planned chunk from memory ([`ChunkStore::fetch_frame`]). When the replay ends, every
+/// frame still held is dropped ([`ChunkStore::release_held`]): what it planned is in the
+/// loader's memory cache by then.
+#[derive(Clone)]
+pub struct PlanHook(pub Arc<dyn Fn(Vec<ChunkId>) -> BoxFuture<'static, ()> + Send + Sync>);
+
+impl std::fmt::Debug for PlanHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PlanHook")
+    }
 }
 
 impl Default for LazyConfig {
@@ -76,6 +95,7 @@ impl Default for LazyConfig {
                 kernel_read_ahead: Some(KERNEL_READ_AHEAD),
                 ..MountOptions::default()
             },
+            on_plan: None,
         }
     }
 }
@@ -472,7 +492,17 @@ async fn prepare_and_replay(
                 return ReplayStats::default();
             }
         };
-        replay(loader, plan, cfg.replay, stop).await
+        let Some(hook) = cfg.on_plan.as_ref().filter(|_| !plan.is_empty()) else {
+            return replay(loader, plan, cfg.replay, stop).await;
+        };
+        (hook.0)(plan.iter().map(|(id, _)| *id).collect()).await;
+        let chunks = loader.chunks().clone();
+        let stats = replay(loader, plan, cfg.replay, stop).await;
+        let dropped = chunks.release_held();
+        if dropped > 0 {
+            tracing::debug!(dropped, "frames held for the replay and not taken");
+        }
+        stats
     };
     let merging = async {
         if cfg.record

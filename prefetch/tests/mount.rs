@@ -13,9 +13,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use hotstart_prefetch::{BuildConfig, ImageRef, Images, LazyConfig, MountReport, PrefetchConfig};
+use futures::FutureExt;
+use hotstart_prefetch::{
+    BuildConfig, ImageRef, Images, LazyConfig, MountReport, PlanHook, PrefetchConfig,
+};
 use hotstart_store::wrap::{Counter, Interceptor, Op, Throttle, ThrottleConfig};
-use hotstart_store::{ChunkStore, ChunkStoreConfig, EntryKind, Store};
+use hotstart_store::{ChunkId, ChunkStore, ChunkStoreConfig, EntryKind, Store};
 use hotstart_testkit::{SeaweedFs, pattern};
 
 /// One backend: a runtime for the mounts, the store, and a scratch directory.
@@ -241,8 +244,7 @@ fn record_then_prefetch(env: &Env) {
     };
     std::fs::write(v2.join("lib/b.so"), &b_new).unwrap();
     env.build(&images, &v2, "job:v1", chunk);
-    let images = env.images_over(slow, "cache-2", 1 << 30);
-    let ((), third) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, |mp| {
+    let job_v2 = |mp: &Path| {
         for (i, f) in HOT.iter().enumerate() {
             let want = if *f == "lib/b.so" {
                 b_new.clone()
@@ -251,7 +253,9 @@ fn record_then_prefetch(env: &Env) {
             };
             assert_eq!(std::fs::read(mp.join(f)).unwrap(), want, "{f}");
         }
-    });
+    };
+    let images = env.images_over(slow.clone(), "cache-2", 1 << 30);
+    let ((), third) = env.with_mount(&images, "job:v1", LazyConfig::default(), true, job_v2);
     // Only the first chunk of b.so changed (the byte flipped is in it).
     assert_eq!(third.planned_chunks, hot_chunks - 1, "{third:?}");
     assert_eq!(third.demand_fetches, 1, "{third:?}");
@@ -265,6 +269,53 @@ fn record_then_prefetch(env: &Env) {
     assert_eq!(profile.runs, 3);
     assert_eq!(runs.len(), 3);
     assert_eq!(runs[1], second);
+
+    // A fresh cache, and the plan handed to a hook that announces it and holds the frames (as
+    // a snapshot's pack does): the replay takes each planned chunk from memory, the store sends
+    // none of them, and nothing stays held.
+    let chunks = ChunkStore::new(
+        slow,
+        ChunkStoreConfig {
+            cache_dir: Some(env.path("cache-3")),
+            cache_capacity: 1 << 30,
+            ..ChunkStoreConfig::default()
+        },
+    )
+    .unwrap();
+    let planned = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let hook = {
+        let (chunks, store, planned) = (chunks.clone(), env.store.clone(), planned.clone());
+        PlanHook(Arc::new(move |plan: Vec<ChunkId>| {
+            let (chunks, store) = (chunks.clone(), store.clone());
+            chunks.expect(plan.iter().copied());
+            *planned.lock().unwrap() = plan.clone();
+            async move {
+                tokio::spawn(async move {
+                    for id in plan.into_iter().rev() {
+                        let frame = store.get(&id.key()).await.unwrap();
+                        chunks.hold([(id, frame)]);
+                    }
+                });
+            }
+            .boxed()
+        }))
+    };
+    let cfg = LazyConfig {
+        on_plan: Some(hook),
+        ..LazyConfig::default()
+    };
+    let ((), fourth) = env.with_mount(&Images::new(chunks.clone()), "job:v1", cfg, true, job_v2);
+    let planned = planned.lock().unwrap().clone();
+    assert_eq!(planned.len() as u64, fourth.planned_chunks, "{fourth:?}");
+    assert_eq!(
+        fourth.prefetched_chunks, fourth.planned_chunks,
+        "{fourth:?}"
+    );
+    assert_eq!(fourth.hits, fourth.chunks_read, "{fourth:?}");
+    let stats = chunks.stats();
+    assert_eq!(stats.held_hits, fourth.planned_chunks, "{stats:?}");
+    assert_eq!(stats.fetched, 0, "{stats:?}");
+    assert!(planned.iter().all(|id| !chunks.is_held(id)));
 }
 
 #[test]

@@ -18,6 +18,9 @@
 //! 5. Mount ([`LazyMount`]) with the snapshot's artifact directory
 //!    ([`EnvStore::artifacts`]): the profile that earlier mounts of this snapshot recorded, on
 //!    any node, is replayed ahead of the job, and this mount's first reads are recorded into it.
+//!    From a remote store, the replay's chunks come from the snapshot's pack ([`crate::pack`]):
+//!    announced before the replay starts, fetched in ranged GETs of at most 1 MiB in the order
+//!    the profile wants them, instead of one GET per chunk.
 //!    The node locks are released once mounted: a later `ensure` of the target finds a directory
 //!    it did not make and refuses it, rather than waiting for the mount to end.
 //!
@@ -25,14 +28,18 @@
 //! profile and stores the run's report beside the snapshot.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use hotstart_prefetch::{LazyConfig, LazyMount, MountReport};
-use hotstart_store::Store;
+use futures::FutureExt;
+use hotstart_prefetch::{LazyConfig, LazyMount, MountReport, PlanHook};
+use hotstart_store::{ChunkId, ChunkStore, Store};
 use serde_json::json;
+use tokio::task::JoinHandle;
 
 use crate::ensure::{Action, EnsureConfig, Found, Outcome, install_and_capture, prepare};
 use crate::error::{Error, Result};
 use crate::key::{Key, path_string};
+use crate::pack::{PackLoad, PackRef};
 use crate::record::{EnvStore, PathRefKind, SnapshotRecord};
 use crate::restore::remove_tree;
 
@@ -61,6 +68,28 @@ pub struct MountedEnv {
     mount: LazyMount,
     /// Whether the mountpoint was created by this mount (and is removed at unmount).
     created: bool,
+    /// The fetch of the replay's chunks from the pack, once the replay has planned it.
+    pack: PackSlot,
+}
+
+type PackSlot = Arc<Mutex<Option<JoinHandle<PackLoad>>>>;
+
+/// Ranged GETs of a pack in flight at once for a replay: the first ranges, which the job needs
+/// first, do not share the link with many later ones.
+const PLANNED_RANGES_IN_FLIGHT: usize = 8;
+
+/// The hook that fetches a replay's planned chunks from the pack `pack` (see the module
+/// documentation) and leaves the fetch in `slot`.
+fn fetch_plan_from_pack(chunks: ChunkStore, pack: PackRef, slot: PackSlot) -> PlanHook {
+    PlanHook(Arc::new(move |plan: Vec<ChunkId>| {
+        let (chunks, pack, slot) = (chunks.clone(), pack.clone(), slot.clone());
+        async move {
+            let loading = crate::pack::start_planned(&chunks, &pack, &plan).await;
+            let fetch = tokio::spawn(loading.fetch(PLANNED_RANGES_IN_FLIGHT));
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(fetch);
+        }
+        .boxed()
+    }))
 }
 
 /// The kernel read-ahead of an environment's lazy mount: the kernel's own default. Imports
@@ -81,7 +110,7 @@ pub fn lazy_config() -> LazyConfig {
 pub async fn ensure_lazy(
     store: &Store,
     cfg: &EnsureConfig,
-    lazy: LazyConfig,
+    mut lazy: LazyConfig,
 ) -> Result<LazyOutcome> {
     let p = prepare(cfg).await?;
     match p.found {
@@ -112,6 +141,10 @@ pub async fn ensure_lazy(
         // An empty directory: mounted on as it is.
         Found::Foreign | Found::Present => false,
     };
+    let pack = PackSlot::default();
+    if let Some(r) = record.pack.clone().filter(|_| !env.root().is_local()) {
+        lazy.on_plan = Some(fetch_plan_from_pack(env.chunks().clone(), r, pack.clone()));
+    }
     let label = format!("env:{}", p.key.short());
     let mounted = LazyMount::mount(
         env.chunks().clone(),
@@ -143,6 +176,7 @@ pub async fn ensure_lazy(
         seconds: p.started.elapsed().as_secs_f64(),
         mount,
         created,
+        pack,
     }))
 }
 
@@ -202,12 +236,23 @@ impl MountedEnv {
         {
             tracing::warn!(target = %self.target.display(), error = %e, "could not remove the mountpoint");
         }
+        let fetch = self.pack.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let packed = match fetch {
+            Some(f) if f.is_finished() => f.await.unwrap_or_default(),
+            Some(f) => {
+                // Cut short by the unmount: what it held is no longer wanted.
+                f.abort();
+                PackLoad::default()
+            }
+            None => PackLoad::default(),
+        };
         Ok(Unmounted {
             key: self.key,
             target: self.target,
             files: self.files,
             bytes: self.bytes,
             seconds: self.seconds,
+            packed,
             report,
         })
     }
@@ -223,14 +268,18 @@ pub struct Unmounted {
     pub bytes: u64,
     /// Seconds it took to mount.
     pub seconds: f64,
+    /// What fetching the replay's chunks from the snapshot's pack did (all zero when the store
+    /// is a local directory, there was no profile, or the fetch was cut short by the unmount).
+    pub packed: PackLoad,
     /// What the mount did (reads, hit rate, prefetch, stall), as stored beside the snapshot.
     pub report: MountReport,
 }
 
 impl Unmounted {
     /// The outcome as `hotstart env ensure --lazy --json` prints it: `action` `mounted`, `key`,
-    /// `target`, `seconds` (to mount), the snapshot's `files` and `bytes`, and the run's report
-    /// under `mount`.
+    /// `target`, `seconds` (to mount), the snapshot's `files` and `bytes`, the chunks, bytes
+    /// and GETs of the pack fetched for the replay (`packed_chunks`, `packed_bytes`,
+    /// `pack_requests`), and the run's report under `mount`.
     pub fn to_json(&self) -> serde_json::Value {
         json!({
             "action": "mounted",
@@ -239,6 +288,9 @@ impl Unmounted {
             "seconds": self.seconds,
             "files": self.files,
             "bytes": self.bytes,
+            "packed_chunks": self.packed.chunks,
+            "packed_bytes": self.packed.bytes,
+            "pack_requests": self.packed.requests,
             "mount": self.report,
         })
     }

@@ -30,7 +30,7 @@
 //! the frames, in index order
 //! ```
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -57,11 +57,28 @@ const INDEX_ENTRY: u64 = 36;
 const FRAME_MAX: u32 = CHUNK_SIZE as u32 + 4096;
 /// Largest index read (bounds what a hostile record can make us fetch before the index is seen).
 const INDEX_MAX: u64 = 64 << 20;
-/// Bytes per ranged GET of frames.
-const RANGE_MAX: u64 = 4 << 20;
-/// Frames not wanted (already cached) that a range reads across rather than starting another
-/// request.
-const GAP_MAX: u64 = 256 << 10;
+/// How a load cuts the frames it wants into ranged GETs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    /// Bytes per ranged GET, at most.
+    range_max: u64,
+    /// Bytes of frames not wanted that a range reads across rather than starting another
+    /// request.
+    gap_max: u64,
+}
+
+/// A restore wants nearly every frame, in pack order: few large requests.
+const RESTORE: Shape = Shape {
+    range_max: 4 << 20,
+    gap_max: 256 << 10,
+};
+
+/// A lazy mount wants the profile's frames (a fifth of the pack, scattered), in the order the job
+/// reads them: smaller requests, so the first ones arrive soon and little is read in between.
+const PLANNED: Shape = Shape {
+    range_max: 1 << 20,
+    gap_max: 32 << 10,
+};
 
 /// A snapshot's pack, as its record names it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -245,15 +262,14 @@ fn parse_index(data: &[u8], pack: &PackRef) -> std::result::Result<Vec<Frame>, S
     Ok(frames)
 }
 
-/// Neighbouring wanted frames, merged into ranges of at most [`RANGE_MAX`] bytes that skip at
-/// most [`GAP_MAX`] bytes between two frames.
-fn ranges(frames: Vec<Frame>) -> Vec<Vec<Frame>> {
+/// Neighbouring wanted frames (in pack order), merged into ranges as `shape` says.
+fn ranges(frames: &[Frame], shape: Shape) -> Vec<Vec<Frame>> {
     let mut out: Vec<Vec<Frame>> = Vec::new();
-    for f in frames {
+    for &f in frames {
         match out.last_mut() {
             Some(group)
-                if f.offset - group[group.len() - 1].end() <= GAP_MAX
-                    && f.end() - group[0].offset <= RANGE_MAX =>
+                if f.offset - group[group.len() - 1].end() <= shape.gap_max
+                    && f.end() - group[0].offset <= shape.range_max =>
             {
                 group.push(f)
             }
@@ -263,7 +279,7 @@ fn ranges(frames: Vec<Frame>) -> Vec<Vec<Frame>> {
     out
 }
 
-/// What fetching a pack for a restore did.
+/// What fetching a pack for a restore, or for a lazy mount's replay, did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PackLoad {
     /// Chunks held in memory from the pack.
@@ -284,8 +300,10 @@ pub(crate) struct Loading {
     object: String,
     /// `None` when the pack cannot be used.
     reader: Option<StripedReader>,
-    /// The frames announced.
+    /// The frames announced, in pack order.
     frames: Vec<Frame>,
+    /// The ranged GETs that fetch them, in the order they are wanted.
+    ranges: Vec<Vec<Frame>>,
     done: PackLoad,
     started: std::time::Instant,
 }
@@ -297,28 +315,59 @@ impl Drop for Loading {
 }
 
 /// Starts using the pack `pack` (an object of `chunks`' store) for a restore of `tree`: reads
-/// its index and announces every chunk the restore will read from it ([`ChunkStore::expect`]).
-/// Never fails: a pack that cannot be used is logged, and the restore fetches its chunks one by
-/// one.
+/// its index and announces every chunk the restore will read from it ([`ChunkStore::expect`]),
+/// to be fetched in pack order. Never fails: a pack that cannot be used is logged, and the
+/// restore fetches its chunks one by one.
 pub(crate) async fn start(chunks: &ChunkStore, pack: &PackRef, tree: &Tree) -> Loading {
+    let covered = cached_whole(tree, chunks);
+    begin(chunks, pack, RESTORE, |f| {
+        (!covered.contains(&f.id)).then_some(f.offset)
+    })
+    .await
+}
+
+/// Starts using the pack `pack` for the chunks of `plan` (a lazy mount's replay, in the order
+/// it will want them): announces those the pack holds, to be fetched in ranges ordered by the
+/// first chunk of `plan` each holds. Never fails, as [`start`].
+pub(crate) async fn start_planned(
+    chunks: &ChunkStore,
+    pack: &PackRef,
+    plan: &[ChunkId],
+) -> Loading {
+    let rank: HashMap<ChunkId, usize> = plan.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    begin(chunks, pack, PLANNED, |f| rank.get(&f.id).copied()).await
+}
+
+/// Reads the index of `pack` and announces the frames that `rank` orders (`None`: not wanted)
+/// and that are neither held nor cached already, cut into ranges as `shape` says and ordered by
+/// the lowest rank of a frame each holds.
+async fn begin<K: Ord>(
+    chunks: &ChunkStore,
+    pack: &PackRef,
+    shape: Shape,
+    rank: impl Fn(&Frame) -> Option<K>,
+) -> Loading {
     let mut loading = Loading {
         chunks: chunks.clone(),
         object: pack.object.clone(),
         reader: None,
         frames: Vec::new(),
+        ranges: Vec::new(),
         done: PackLoad::default(),
         started: std::time::Instant::now(),
     };
-    let covered = cached_whole(tree, chunks);
-    let wanted = |id: &ChunkId| {
-        !chunks.is_held(id)
-            && !covered.contains(id)
-            && !chunks.cache().is_some_and(|c| c.contains(id))
-    };
+    let local = |id: &ChunkId| chunks.is_held(id) || chunks.cache().is_some_and(|c| c.contains(id));
     match read_index(chunks, pack, &mut loading.done).await {
         Ok((reader, frames)) => {
-            loading.frames = frames.into_iter().filter(|f| wanted(&f.id)).collect();
+            loading.frames = frames
+                .into_iter()
+                .filter(|f| !local(&f.id) && rank(f).is_some())
+                .collect();
             chunks.expect(loading.frames.iter().map(|f| f.id));
+            loading.ranges = ranges(&loading.frames, shape);
+            loading
+                .ranges
+                .sort_by_cached_key(|group| group.iter().filter_map(&rank).min());
             loading.reader = Some(reader);
         }
         Err(reason) => tracing::warn!(
@@ -372,14 +421,15 @@ async fn read_index(
 }
 
 impl Loading {
-    /// Fetches the announced frames in tree order, up to `concurrency` ranged GETs at once, and
+    /// Fetches the announced frames range by range in the order they are wanted, up to
+    /// `concurrency` ranged GETs at once, and
     /// holds each range's frames as it arrives. The chunks of a range that cannot be fetched are
     /// no longer announced: their readers fetch them one by one.
     pub(crate) async fn fetch(mut self, concurrency: usize) -> PackLoad {
         let Some(reader) = self.reader.clone() else {
             return self.done;
         };
-        let mut fetches = futures::stream::iter(ranges(self.frames.clone()))
+        let mut fetches = futures::stream::iter(std::mem::take(&mut self.ranges))
             .map(|group| {
                 let (reader, chunks) = (reader.clone(), self.chunks.clone());
                 async move {
@@ -454,14 +504,19 @@ mod tests {
             many.push(frame(i, at, 65_000));
             at += 65_000;
         }
-        let got = ranges(frames.into_iter().chain(many).collect());
+        let all: Vec<Frame> = frames.into_iter().chain(many).collect();
+        let got = ranges(&all, RESTORE);
         let sizes: Vec<usize> = got.iter().map(Vec::len).collect();
         assert_eq!(sizes[..2], [3, 1]);
         // 100 frames of 65,000 bytes: 64 fit in 4 MiB.
         assert_eq!(sizes[2..], [64, 36]);
         for g in &got {
-            assert!(g[g.len() - 1].end() - g[0].offset <= RANGE_MAX);
+            assert!(g[g.len() - 1].end() - g[0].offset <= RESTORE.range_max);
         }
+        // A lazy mount's shape: 16 of those frames per range, and a 100 KiB gap splits.
+        let got = ranges(&all, PLANNED);
+        let sizes: Vec<usize> = got.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [2, 1, 1, 16, 16, 16, 16, 16, 16, 4]);
     }
 
     #[test]
