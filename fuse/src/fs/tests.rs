@@ -20,6 +20,15 @@ fn small() -> FsConfig {
     }
 }
 
+/// A filesystem over a memory store whose requests are counted.
+fn counted_fs() -> (Arc<Counter>, StripedFs) {
+    let counter = Arc::new(Counter::default());
+    let store = Store::open("memory://")
+        .unwrap()
+        .wrap(|inner| counter.clone().wrap(inner));
+    (counter, StripedFs::new(store, small()))
+}
+
 async fn write_file(fs: &StripedFs, parent: u64, name: &str, data: &[u8]) -> u64 {
     let (attr, fh) = fs.create(parent, name, libc::O_WRONLY).await.unwrap();
     for (i, chunk) in data.chunks(10_000).enumerate() {
@@ -155,11 +164,7 @@ async fn seeking_writer_spills_and_commits_exact_bytes() {
 
 #[tokio::test]
 async fn seek_back_after_three_stripes_restarts_from_the_local_copy() {
-    let counter = Arc::new(Counter::default());
-    let store = Store::open("memory://")
-        .unwrap()
-        .wrap(|inner| counter.clone().wrap(inner));
-    let fs = StripedFs::new(store, small());
+    let (counter, fs) = counted_fs();
     let stripe = 64 << 10;
     let mut body = data(3 * stripe + 5_000);
     let (attr, fh) = fs.create(ROOT, "zip", libc::O_WRONLY).await.unwrap();
@@ -284,11 +289,7 @@ async fn close_of_a_duplicate_before_any_write_does_not_commit() {
 /// whole file. A file kept in memory, streamed with a local copy, or spilled: each keeps its bytes.
 #[tokio::test]
 async fn writes_go_on_after_a_close_of_another_descriptor() {
-    let counter = Arc::new(Counter::default());
-    let store = Store::open("memory://")
-        .unwrap()
-        .wrap(|inner| counter.clone().wrap(inner));
-    let fs = StripedFs::new(store, small());
+    let (counter, fs) = counted_fs();
     let stripe = 64 << 10;
     for (name, len, seek_back) in [
         ("head", 1_000, false),
