@@ -59,7 +59,7 @@ const FRAME_MAX: u32 = CHUNK_SIZE as u32 + 4096;
 const INDEX_MAX: u64 = 64 << 20;
 /// How a load cuts the frames it wants into ranged GETs.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Shape {
+struct Shape {
     /// Bytes per ranged GET, at most.
     range_max: u64,
     /// Bytes of frames not wanted that a range reads across rather than starting another
