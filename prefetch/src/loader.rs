@@ -156,8 +156,9 @@ pub struct Loader {
     start: Instant,
     /// Fetched chunks on their way into the disk cache (`None`: not cached).
     to_cache: Option<SyncSender<(ChunkId, Bytes)>>,
-    /// Decodes prefetched frames at the lowest CPU priority (`None`: on the blocking pool).
-    decoder: Option<Decoder>,
+    /// Decodes prefetched frames at the lowest CPU priority (`None`: on the blocking pool);
+    /// started by the first prefetch, so a mount with nothing to replay has no such threads.
+    decoder: std::sync::OnceLock<Option<Decoder>>,
 }
 
 impl std::fmt::Debug for Loader {
@@ -188,7 +189,7 @@ impl Loader {
         };
         Loader {
             to_cache,
-            decoder: Decoder::start(chunks.clone()),
+            decoder: std::sync::OnceLock::new(),
             chunks,
             mem: Mutex::new(MemCache {
                 index: LruIndex::default(),
@@ -262,7 +263,7 @@ impl Loader {
                 }
             }
         };
-        if let (true, Some(d)) = (prefetching, &self.decoder) {
+        if let (true, Some(Some(d))) = (prefetching, self.decoder.get()) {
             // Not left to the low-priority decoding threads now that a read waits for it.
             d.expedite(&id);
         }
@@ -405,15 +406,21 @@ impl Loader {
     fn spawn_fetch(self: &Arc<Self>, id: ChunkId, origin: Origin) -> Flight {
         let this = self.clone();
         let task = tokio::spawn(async move {
-            let res = match (origin, &this.decoder) {
-                (Origin::Prefetch, Some(d)) => match this.chunks.fetch_frame(&id).await {
+            let decoder = (origin == Origin::Prefetch)
+                .then(|| {
+                    this.decoder
+                        .get_or_init(|| Decoder::start(this.chunks.clone()))
+                })
+                .and_then(Option::as_ref);
+            let res = match decoder {
+                Some(d) => match this.chunks.fetch_frame(&id).await {
                     Ok(frame) => {
                         d.decode(id, frame, || this.seen.lock().contains_key(&id))
                             .await
                     }
                     Err(e) => Err(e),
                 },
-                _ => this.chunks.get_uncached(&id).await,
+                None => this.chunks.get_uncached(&id).await,
             };
             if let (Ok(data), Some(tx)) = (&res, &this.to_cache) {
                 // A full queue skips this chunk: the cache is a hint, the memory tier has it.

@@ -284,7 +284,8 @@ impl StripedFs {
         match &mut *h {
             Handle::Write(w) => {
                 if w.is_committed() {
-                    // Re-opened empty file (see `flush`): stat shows it as being written again.
+                    // Written on after a commit (see `flush`): stat shows it as being written
+                    // again, until the next commit.
                     let mut t = self.inodes.lock();
                     if let Some(ino) = t.ino_of(w.key())
                         && let Some(node) = t.get_mut(ino)
@@ -338,11 +339,7 @@ impl StripedFs {
     /// fsync(2): the object is visible and durable when this returns; later writes are published
     /// by the next commit.
     pub async fn fsync(&self, fh: u64) -> FsResult<()> {
-        let mut h = self.lock(fh).await?;
-        match &mut *h {
-            Handle::Write(w) => self.commit(fh, w).await,
-            Handle::Read(_) => Ok(()),
-        }
+        self.flush(fh).await
     }
 
     /// The last close: commits if nothing did, and forgets the handle.
