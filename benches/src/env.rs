@@ -12,10 +12,12 @@
 //!   (a new node) and with a warm one (a node that restored it before: files hard-linked).
 //!
 //! Everything installs into the same path, and the snapshot is the very venv pip made (captured
-//! by the `ensure` that ran pip on its miss). Installs read the wheelhouse with `--no-index`
-//! (uv also `--offline`), so no timing touches the network; the wheels are downloaded once,
-//! before any timing, by `scripts/wheelhouse.sh` into `.cache/wheelhouse/`. The page cache is
-//! warm for every tool alike (wheelhouse, tarball, store).
+//! by the `ensure` that ran pip on its miss). The cold-cache runs of uv and of the restores
+//! alternate run by run, so the file system (which fills as the benchmark goes on) is alike for
+//! both. Installs read the wheelhouse with `--no-index` (uv also `--offline`), so no timing
+//! touches the network; the wheels are downloaded once, before any timing, by
+//! `scripts/wheelhouse.sh` into `.cache/wheelhouse/`. The page cache is warm for every tool
+//! alike (wheelhouse, tarball, store).
 //!
 //! A second lock adds a package that must be built from source (an sdist with a C extension,
 //! `benches/env/sdist.txt`, regex): pip and uv compile it on every install, a restore does
@@ -487,15 +489,27 @@ async fn measure(
     trash.retire(&copy_src)?;
     std::fs::remove_file(&tgz)?;
 
-    // uv, cold and warm.
+    // Cold caches: uv and a restore from each store alternate run by run. Nothing is deleted
+    // during the benchmark (see `Trash`), so the file system fills as it goes on; alternating
+    // gives every tool the same file system, as it does a machine that drifts.
     trash.settle()?;
     let mut uv_cold = Vec::new();
+    let mut cold = vec![Vec::new(); stores.len()];
     for i in 0..runs {
         trash.retire(&target)?;
         let cache = node(&format!("uv-cold-{i}"));
         uv_cold.push(timed(&mut setup.uv(&target, &lock, &cache))?);
         trash.retire(&cache)?;
+        for (s, (_, store)) in stores.iter().enumerate() {
+            let mut c = cfg.clone();
+            c.cache_dir = node(&format!("hs-cold-{s}-{i}"));
+            trash.retire(&target)?;
+            cold[s].push(restore_once(store, &c).await?);
+            trash.retire(&c.cache_dir)?;
+        }
     }
+
+    // Warm caches: uv hard-links from its cache, a restore from its node's chunk cache.
     let warm_cache = node("uv-warm");
     trash.retire(&target)?;
     run_ok(&mut setup.uv(&target, &lock, &warm_cache))?;
@@ -506,19 +520,8 @@ async fn measure(
         uv_warm.push(timed(&mut setup.uv(&target, &lock, &warm_cache))?);
     }
     trash.retire(&warm_cache)?;
-
-    // hotstart: restores into the same path, with an empty and with a warm chunk cache.
     let mut restores = Vec::new();
-    for (name, store) in &stores {
-        trash.settle()?;
-        let mut cold = Vec::new();
-        for i in 0..runs {
-            let mut c = cfg.clone();
-            c.cache_dir = node(&format!("hs-cold-{i}"));
-            trash.retire(&target)?;
-            cold.push(restore_once(store, &c).await?);
-            trash.retire(&c.cache_dir)?;
-        }
+    for ((name, store), cold) in stores.iter().zip(cold) {
         let mut warm = cfg.clone();
         warm.cache_dir = node("hs-warm");
         trash.retire(&target)?;

@@ -297,15 +297,7 @@ impl Images {
         let artifacts = image.artifacts();
         // The profile is read while the record and tree are.
         let profile = read_profile(self.store(), Some(&artifacts), &cfg);
-        let (_, tree) = match self.open(image).await {
-            Ok(t) => t,
-            Err(e) => {
-                if let Some(p) = profile {
-                    p.abort();
-                }
-                return Err(e);
-            }
-        };
+        let (_, tree) = self.open(image).await?;
         LazyMount::mount_with(
             self.chunks.clone(),
             &tree,

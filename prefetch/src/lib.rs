@@ -38,7 +38,7 @@ pub use image::{
 };
 pub use layout::{ArtifactDir, ImageRef};
 pub use loader::{Loader, LoaderStats};
-pub use mount::{LazyConfig, LazyMount, PlanHook};
+pub use mount::{LazyConfig, LazyMount, PlanHook, ProfileRead, read_profile};
 pub use prefetch::PrefetchConfig;
 pub use profile::{Profile, Trace};
 pub use report::MountReport;

@@ -246,7 +246,7 @@ impl LazyMount {
 
     /// [`LazyMount::mount`] with the profile already being read (by [`read_profile`]), so that
     /// reading it overlaps with reading the tree.
-    pub(crate) async fn mount_with(
+    pub async fn mount_with(
         chunks: ChunkStore,
         tree: &Tree,
         label: &str,
@@ -443,11 +443,19 @@ impl Drop for LazyMount {
     }
 }
 
-/// The profile of a mount, being read in the background.
-pub(crate) type ProfileRead = JoinHandle<Result<Profile>>;
+/// The profile of a mount, being read in the background ([`read_profile`]); dropping it stops
+/// the read.
+pub struct ProfileRead(JoinHandle<Result<Profile>>);
 
-/// Starts reading the profile under `artifacts` if `cfg` prefetches.
-pub(crate) fn read_profile(
+impl Drop for ProfileRead {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Starts reading the profile under `artifacts` if `cfg` prefetches, for
+/// [`LazyMount::mount_with`]: started before the tree is at hand, the two reads overlap.
+pub fn read_profile(
     store: &Store,
     artifacts: Option<&ArtifactDir>,
     cfg: &LazyConfig,
@@ -455,7 +463,7 @@ pub(crate) fn read_profile(
     let dir = artifacts?.clone();
     let store = store.clone();
     cfg.prefetch
-        .then(|| tokio::spawn(async move { load_profile(&store, &dir).await }))
+        .then(|| ProfileRead(tokio::spawn(async move { load_profile(&store, &dir).await })))
 }
 
 /// Replays the profile's plan (when prefetching) while merging traces that dead mounts left
@@ -474,10 +482,10 @@ async fn prepare_and_replay(
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> ReplayStats {
     let replaying = async {
-        let Some(profile) = profile else {
+        let Some(mut profile) = profile else {
             return ReplayStats::default();
         };
-        let plan = match profile.await {
+        let plan = match (&mut profile.0).await {
             Ok(Ok(profile)) => {
                 let plan = profile.plan(&present, budget);
                 tracing::info!(runs = profile.runs, planned = plan.len(), "profile loaded");

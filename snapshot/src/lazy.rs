@@ -28,10 +28,10 @@
 //! profile and stores the run's report beside the snapshot.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::FutureExt;
-use hotstart_prefetch::{LazyConfig, LazyMount, MountReport, PlanHook};
+use hotstart_prefetch::{LazyConfig, LazyMount, MountReport, PlanHook, read_profile};
 use hotstart_store::{ChunkId, ChunkStore, Store};
 use serde_json::json;
 use tokio::task::JoinHandle;
@@ -39,7 +39,7 @@ use tokio::task::JoinHandle;
 use crate::ensure::{Action, EnsureConfig, Found, Outcome, install_and_capture, prepare};
 use crate::error::{Error, Result};
 use crate::key::{Key, path_string};
-use crate::pack::{PackLoad, PackRef};
+use crate::pack::{IndexRead, PackLoad, PackRef};
 use crate::record::{EnvStore, PathRefKind, SnapshotRecord};
 use crate::restore::remove_tree;
 
@@ -79,17 +79,28 @@ type PackSlot = Arc<Mutex<Option<JoinHandle<PackLoad>>>>;
 const PLANNED_RANGES_IN_FLIGHT: usize = 8;
 
 /// The hook that fetches a replay's planned chunks from the pack `pack` (see the module
-/// documentation) and leaves the fetch in `slot`.
+/// documentation) and leaves the fetch in `slot`. The pack's index is read from now on, while
+/// the tree is fetched and the profile planned.
 fn fetch_plan_from_pack(chunks: ChunkStore, pack: PackRef, slot: PackSlot) -> PlanHook {
+    let index = Arc::new(Mutex::new(Some(IndexRead::start(&chunks, &pack))));
     PlanHook(Arc::new(move |plan: Vec<ChunkId>| {
-        let (chunks, pack, slot) = (chunks.clone(), pack.clone(), slot.clone());
+        let (chunks, slot) = (chunks.clone(), slot.clone());
+        // A second replay reads the index again.
+        let index = lock(&index)
+            .take()
+            .unwrap_or_else(|| IndexRead::start(&chunks, &pack));
         async move {
-            let loading = crate::pack::start_planned(&chunks, &pack, &plan).await;
+            let loading = crate::pack::start_planned(&chunks, index, &plan).await;
             let fetch = tokio::spawn(loading.fetch(PLANNED_RANGES_IN_FLIGHT));
-            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(fetch);
+            *lock(&slot) = Some(fetch);
         }
         .boxed()
     }))
+}
+
+/// `m` locked, also after a panic elsewhere (what it guards stays consistent).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The kernel read-ahead of an environment's lazy mount: the kernel's own default. Imports
@@ -121,10 +132,18 @@ pub async fn ensure_lazy(
         _ => {}
     }
     let env = EnvStore::new(store, cfg.chunk_config())?;
+    // The profile is read while the record and the tree are, and the pack's index while the
+    // tree is.
+    let artifacts = EnvStore::artifacts(&p.key);
+    let profile = read_profile(env.chunks().store(), Some(&artifacts), &lazy);
     let Some(record) = env.record(&p.key).await? else {
         return Ok(LazyOutcome::Eager(install_and_capture(p, cfg, &env).await?));
     };
     check_mountable_at(&record, &p.target)?;
+    let pack = PackSlot::default();
+    if let Some(r) = record.pack.clone().filter(|_| !env.root().is_local()) {
+        lazy.on_plan = Some(fetch_plan_from_pack(env.chunks().clone(), r, pack.clone()));
+    }
     let tree = env.tree(&record).await?;
     let created = match p.found {
         Found::Ours => {
@@ -141,18 +160,15 @@ pub async fn ensure_lazy(
         // An empty directory: mounted on as it is.
         Found::Foreign | Found::Present => false,
     };
-    let pack = PackSlot::default();
-    if let Some(r) = record.pack.clone().filter(|_| !env.root().is_local()) {
-        lazy.on_plan = Some(fetch_plan_from_pack(env.chunks().clone(), r, pack.clone()));
-    }
     let label = format!("env:{}", p.key.short());
-    let mounted = LazyMount::mount(
+    let mounted = LazyMount::mount_with(
         env.chunks().clone(),
         &tree,
         &label,
-        Some(EnvStore::artifacts(&p.key)),
+        Some(artifacts),
         &p.target,
         lazy,
+        profile,
     )
     .await;
     let mount = match mounted {
@@ -236,7 +252,7 @@ impl MountedEnv {
         {
             tracing::warn!(target = %self.target.display(), error = %e, "could not remove the mountpoint");
         }
-        let fetch = self.pack.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let fetch = lock(&self.pack).take();
         let packed = match fetch {
             Some(f) if f.is_finished() => f.await.unwrap_or_default(),
             Some(f) => {

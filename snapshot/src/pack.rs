@@ -38,9 +38,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::StreamExt;
 use hotstart_store::{
-    ChunkCache, ChunkId, ChunkStore, EntryKind, StripeConfig, StripedReader, Tree,
+    ChunkCache, ChunkId, ChunkStore, EntryKind, Store, StripeConfig, StripedReader, Tree,
 };
 use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
 
 use crate::capture::CHUNK_SIZE;
 use crate::error::{Error, Result};
@@ -314,42 +315,80 @@ impl Drop for Loading {
     }
 }
 
-/// Starts using the pack `pack` (an object of `chunks`' store) for a restore of `tree`: reads
-/// its index and announces every chunk the restore will read from it ([`ChunkStore::expect`]),
-/// to be fetched in pack order. Never fails: a pack that cannot be used is logged, and the
-/// restore fetches its chunks one by one.
-pub(crate) async fn start(chunks: &ChunkStore, pack: &PackRef, tree: &Tree) -> Loading {
+/// A pack's index being read in the background: started as soon as the record names the pack,
+/// so that it overlaps with fetching and decoding the tree. Dropping it stops the read.
+pub(crate) struct IndexRead {
+    pack: PackRef,
+    task: JoinHandle<std::result::Result<Index, String>>,
+}
+
+/// A pack's index, checked against the record, and the reader of its frames.
+struct Index {
+    reader: StripedReader,
+    frames: Vec<Frame>,
+    /// Bytes the index took to read (in one GET).
+    bytes: u64,
+}
+
+impl IndexRead {
+    /// Starts reading the index of `pack`, an object of `chunks`' store.
+    pub(crate) fn start(chunks: &ChunkStore, pack: &PackRef) -> IndexRead {
+        let (store, p) = (chunks.store().clone(), pack.clone());
+        IndexRead {
+            pack: pack.clone(),
+            task: tokio::spawn(async move { read_index(&store, &p).await }),
+        }
+    }
+
+    async fn finish(&mut self) -> std::result::Result<Index, String> {
+        (&mut self.task)
+            .await
+            .unwrap_or_else(|e| Err(format!("index read failed: {e}")))
+    }
+}
+
+impl Drop for IndexRead {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts using the pack whose index `index` reads (an object of `chunks`' store) for a
+/// restore of `tree`: announces every chunk the restore will read from it
+/// ([`ChunkStore::expect`]), to be fetched in pack order. Never fails: a pack that cannot be
+/// used is logged, and the restore fetches its chunks one by one.
+pub(crate) async fn start(chunks: &ChunkStore, index: IndexRead, tree: &Tree) -> Loading {
     let covered = cached_whole(tree, chunks);
-    begin(chunks, pack, RESTORE, |f| {
+    begin(chunks, index, RESTORE, |f| {
         (!covered.contains(&f.id)).then_some(f.offset)
     })
     .await
 }
 
-/// Starts using the pack `pack` for the chunks of `plan` (a lazy mount's replay, in the order
-/// it will want them): announces those the pack holds, to be fetched in ranges ordered by the
-/// first chunk of `plan` each holds. Never fails, as [`start`].
+/// Starts using the pack whose index `index` reads for the chunks of `plan` (a lazy mount's
+/// replay, in the order it will want them): announces those the pack holds, to be fetched in
+/// ranges ordered by the first chunk of `plan` each holds. Never fails, as [`start`].
 pub(crate) async fn start_planned(
     chunks: &ChunkStore,
-    pack: &PackRef,
+    index: IndexRead,
     plan: &[ChunkId],
 ) -> Loading {
     let rank: HashMap<ChunkId, usize> = plan.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-    begin(chunks, pack, PLANNED, |f| rank.get(&f.id).copied()).await
+    begin(chunks, index, PLANNED, |f| rank.get(&f.id).copied()).await
 }
 
-/// Reads the index of `pack` and announces the frames that `rank` orders (`None`: not wanted)
-/// and that are neither held nor cached already, cut into ranges as `shape` says and ordered by
-/// the lowest rank of a frame each holds.
+/// Announces the frames of the pack whose index `index` reads that `rank` orders (`None`: not
+/// wanted) and that are neither held nor cached already, cut into ranges as `shape` says and
+/// ordered by the lowest rank of a frame each holds.
 async fn begin<K: Ord>(
     chunks: &ChunkStore,
-    pack: &PackRef,
+    mut index: IndexRead,
     shape: Shape,
     rank: impl Fn(&Frame) -> Option<K>,
 ) -> Loading {
     let mut loading = Loading {
         chunks: chunks.clone(),
-        object: pack.object.clone(),
+        object: index.pack.object.clone(),
         reader: None,
         frames: Vec::new(),
         ranges: Vec::new(),
@@ -357,8 +396,14 @@ async fn begin<K: Ord>(
         started: std::time::Instant::now(),
     };
     let local = |id: &ChunkId| chunks.is_held(id) || chunks.cache().is_some_and(|c| c.contains(id));
-    match read_index(chunks, pack, &mut loading.done).await {
-        Ok((reader, frames)) => {
+    match index.finish().await {
+        Ok(Index {
+            reader,
+            frames,
+            bytes,
+        }) => {
+            loading.done.bytes += bytes;
+            loading.done.requests += 1;
             loading.frames = frames
                 .into_iter()
                 .filter(|f| !local(&f.id) && rank(f).is_some())
@@ -371,7 +416,7 @@ async fn begin<K: Ord>(
             loading.reader = Some(reader);
         }
         Err(reason) => tracing::warn!(
-            pack = %pack.object, %reason,
+            pack = %index.pack.object, %reason,
             "pack not used; its chunks are fetched one by one"
         ),
     }
@@ -396,28 +441,22 @@ fn cached_whole(tree: &Tree, chunks: &ChunkStore) -> HashSet<ChunkId> {
 }
 
 /// A reader of the pack and the frames its index lists, checked against the record.
-async fn read_index(
-    chunks: &ChunkStore,
-    pack: &PackRef,
-    done: &mut PackLoad,
-) -> std::result::Result<(StripedReader, Vec<Frame>), String> {
+async fn read_index(store: &Store, pack: &PackRef) -> std::result::Result<Index, String> {
     let index_len = pack
         .index_len()
         .ok_or_else(|| format!("{} chunks cannot fit in {} bytes", pack.chunks, pack.size))?;
-    let reader = StripedReader::with_size(
-        chunks.store(),
-        &pack.object,
-        pack.size,
-        StripeConfig::default(),
-    )
-    .map_err(|e| e.to_string())?;
+    let reader = StripedReader::with_size(store, &pack.object, pack.size, StripeConfig::default())
+        .map_err(|e| e.to_string())?;
     let index = reader
         .read_at(0, index_len as usize)
         .await
         .map_err(|e| e.to_string())?;
-    done.bytes += index.len() as u64;
-    done.requests += 1;
-    Ok((reader, parse_index(&index, pack)?))
+    let frames = parse_index(&index, pack)?;
+    Ok(Index {
+        reader,
+        frames,
+        bytes: index.len() as u64,
+    })
 }
 
 impl Loading {

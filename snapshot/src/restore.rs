@@ -29,7 +29,7 @@ use futures::FutureExt;
 use hotstart_store::{MaterializeOptions, Tree};
 
 use crate::error::{Error, Result};
-use crate::pack::PackLoad;
+use crate::pack::{IndexRead, PackLoad};
 use crate::record::{EnvStore, SnapshotRecord};
 use crate::relocate::{RelocateReport, relocate_dir};
 use crate::util::rename2;
@@ -87,6 +87,12 @@ pub async fn restore(
     opts: &RestoreOptions,
 ) -> Result<RestoreReport> {
     let started = Instant::now();
+    // A local directory serves each chunk as fast as a pack would; from a remote store the
+    // pack's index is read while the tree is.
+    let index = match &record.pack {
+        Some(pack) if !env.root().is_local() => Some(IndexRead::start(env.chunks(), pack)),
+        _ => None,
+    };
     let tree = env.tree(record).await?;
     let exists = std::fs::symlink_metadata(target).is_ok();
     if exists && !replace {
@@ -96,7 +102,7 @@ pub async fn restore(
     }
     let tmp = temp_beside(target, "tmp")?;
     let before = env.chunks().stats();
-    let res = fill(env, record, &tree, &tmp, target, opts).await;
+    let res = fill(env, record, index, &tree, &tmp, target, opts).await;
     env.chunks().release_held();
     let mut report = match res {
         Ok(r) => r,
@@ -124,18 +130,16 @@ pub async fn restore(
 async fn fill(
     env: &EnvStore,
     record: &SnapshotRecord,
+    index: Option<IndexRead>,
     tree: &Tree,
     tmp: &Path,
     target: &Path,
     opts: &RestoreOptions,
 ) -> Result<RestoreReport> {
     std::fs::create_dir(tmp).map_err(|e| Error::io("create directory", tmp, e))?;
-    // A local directory serves each chunk as fast as a pack would.
-    let loading = match &record.pack {
-        Some(pack) if !env.root().is_local() => {
-            Some(crate::pack::start(env.chunks(), pack, tree).await)
-        }
-        _ => None,
+    let loading = match index {
+        Some(index) => Some(crate::pack::start(env.chunks(), index, tree).await),
+        None => None,
     };
     let mopts = MaterializeOptions {
         concurrency: opts.concurrency,
