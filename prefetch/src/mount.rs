@@ -462,8 +462,11 @@ pub fn read_profile(
 ) -> Option<ProfileRead> {
     let dir = artifacts?.clone();
     let store = store.clone();
-    cfg.prefetch
-        .then(|| ProfileRead(tokio::spawn(async move { load_profile(&store, &dir).await })))
+    cfg.prefetch.then(|| {
+        ProfileRead(tokio::spawn(
+            async move { load_profile(&store, &dir).await },
+        ))
+    })
 }
 
 /// Replays the profile's plan (when prefetching) while merging traces that dead mounts left

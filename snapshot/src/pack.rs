@@ -6,13 +6,13 @@
 //! per second, not by bytes. So a capture also writes, beside the tree, one object holding the
 //! zstd frames of every distinct chunk of the snapshot in tree order (up to [`PACK_MAX_BYTES`]
 //! of plaintext in all), and names it in the record ([`PackRef`]). A restore from a remote store
-//! reads the pack's index and announces the chunks it will read (those the node's chunk cache
-//! does not hold, alone or as part of a whole file) to the chunk store
-//! ([`ChunkStore::expect`]); then it writes the tree while it fetches their frames, in tree
-//! order, in ranged GETs of up to 4 MiB, and holds them in memory as they arrive
-//! ([`ChunkStore::hold`]). A file whose chunks are announced waits for them rather than fetching
-//! them on its own; every frame is checked against its chunk id when it is read, and all are
-//! dropped when the restore ends.
+//! reads the pack's index (started while the tree is fetched) and announces the chunks it will
+//! read (those the node's chunk cache does not hold, alone or as part of a whole file) to the
+//! chunk store ([`ChunkStore::expect`]); then it writes the tree while it fetches their frames,
+//! in tree order, in ranged GETs of up to 4 MiB, and holds them in memory as they arrive
+//! ([`ChunkStore::hold`]). A file whose chunks are announced waits for them rather than
+//! fetching them on its own; every frame is checked against its chunk id when it is read, and
+//! all are dropped when the restore ends.
 //!
 //! The pack copies chunks, it does not move them: every chunk is still stored on its own, where
 //! lazy mounts, deduplication across snapshots and builds that know no packs find it. It costs
@@ -320,6 +320,7 @@ impl Drop for Loading {
 pub(crate) struct IndexRead {
     pack: PackRef,
     task: JoinHandle<std::result::Result<Index, String>>,
+    started: std::time::Instant,
 }
 
 /// A pack's index, checked against the record, and the reader of its frames.
@@ -337,6 +338,7 @@ impl IndexRead {
         IndexRead {
             pack: pack.clone(),
             task: tokio::spawn(async move { read_index(&store, &p).await }),
+            started: std::time::Instant::now(),
         }
     }
 
@@ -393,7 +395,7 @@ async fn begin<K: Ord>(
         frames: Vec::new(),
         ranges: Vec::new(),
         done: PackLoad::default(),
-        started: std::time::Instant::now(),
+        started: index.started,
     };
     let local = |id: &ChunkId| chunks.is_held(id) || chunks.cache().is_some_and(|c| c.contains(id));
     match index.finish().await {
