@@ -4,27 +4,32 @@
 //! * **pip**: `python -m venv T && T/bin/pip install --no-index --find-links WHEELHOUSE -r LOCK`.
 //! * **uv, cold cache**: `uv venv T && uv pip install --offline --no-index ...` with an empty
 //!   `UV_CACHE_DIR` each run; **uv, warm cache**: the same with a cache filled by an earlier run
-//!   (uv then hard-links from its cache).
-//! * **tar xzf** of the installed venv (made once with `tar czf`, not timed), and the floor of
-//!   just creating the files: **cp -a** of the venv from the page cache.
-//! * **hotstart**: `ensure` on a hit, restoring the snapshot eagerly into the same path from a
+//!   (uv then hard-links from its cache); **uv --compile-bytecode, cold cache**: uv making the
+//!   `.pyc` files too, as pip does by default.
+//! * **tar xzf** of pip's venv (made once with `tar czf`, not timed), and the floor of just
+//!   creating its files: **cp -a** of the venv from the page cache.
+//! * **hotstart**: `ensure` on a hit, restoring a snapshot eagerly into the same path from a
 //!   local-directory store and from SeaweedFS on loopback, with an empty chunk cache each run
 //!   (a new node) and with a warm one (a node that restored it before: files hard-linked).
 //!
-//! Everything installs into the same path, and the snapshot is the very venv pip made (captured
-//! by the `ensure` that ran pip on its miss). The cold-cache runs of uv and of the restores
-//! alternate run by run, so the file system (which fills as the benchmark goes on) is alike for
-//! both. Installs read the wheelhouse with `--no-index` (uv also `--offline`), so no timing
-//! touches the network; the wheels are downloaded once, before any timing, by
-//! `scripts/wheelhouse.sh` into `.cache/wheelhouse/`. The page cache is warm for every tool
-//! alike (wheelhouse, tarball, store).
+//! pip and uv do not make the same venv from one lock: pip's holds pip itself and the bytecode
+//! pip compiles at install (for the full set 502 MB in 10,177 files, 3,844 of them `.pyc`), uv's
+//! neither (387 MB in 5,604 files). So there are two snapshots, each the very venv its installer
+//! made (captured by the `ensure` that ran the install on its miss), and each restore is compared
+//! with the installer that made what it restores: pip's venv with pip (and with uv compiling
+//! bytecode, tar and cp), uv's with uv. Everything installs into the same path. The cold-cache
+//! runs of uv and of the restores alternate run by run, so the file system (which fills as the
+//! benchmark goes on) is alike for all. Installs read the wheelhouse with `--no-index` (uv also
+//! `--offline`), so no timing touches the network; the wheels are downloaded once, before any
+//! timing, by `scripts/wheelhouse.sh` into `.cache/wheelhouse/`. The page cache is warm for
+//! every tool alike (wheelhouse, tarball, store).
 //!
 //! A second lock adds a package that must be built from source (an sdist with a C extension,
 //! `benches/env/sdist.txt`, regex): pip and uv compile it on every install, a restore does
 //! not.
 //!
 //! **`--lazy` with a profile** (the wheels-only lock): `python -c "import numpy, pandas"` (numpy
-//! and requests for `--set small`) from a lazy mount of the snapshot, on a new node (empty chunk
+//! and requests for `--set small`) from a lazy mount of pip's snapshot, on a new node (empty chunk
 //! cache) after one earlier lazy start recorded the profile, against the same import from a
 //! local venv (restored eagerly, page cache warm), the two alternating run by run. hotstart's
 //! time runs from the `ensure` call (key, record, tree, mount, the profile's prefetch racing
@@ -79,7 +84,7 @@ pub struct EnvArgs {
     #[arg(long)]
     no_sdist: bool,
     /// Directory (on the disk to measure) for the venvs, stores and caches; nothing is deleted
-    /// until the end, so it needs about 30 GB free for the full set.
+    /// until the end, so it needs about 40 GB free for the full set.
     #[arg(long, default_value = "/var/tmp")]
     dir: PathBuf,
     /// The interpreter the venvs are made from.
@@ -184,20 +189,29 @@ impl Setup {
         vec!["sh".into(), "-c".into(), script]
     }
 
-    fn uv(&self, target: &Path, lock: &Path, cache: &Path) -> Command {
+    /// uv's install with its cache in `cache`, as a shell command; `compile` adds
+    /// `--compile-bytecode`, which makes the `.pyc` files pip makes by default.
+    fn uv(&self, target: &Path, lock: &Path, cache: &Path, compile: bool) -> Vec<String> {
         let script = format!(
-            "'{uv}' venv -q --python '{py}' '{t}' && '{uv}' pip install -q --offline --no-index \
-             {links} --python '{t}/bin/python' -r '{lock}'",
+            "export UV_CACHE_DIR='{cache}' && '{uv}' venv -q --python '{py}' '{t}' && '{uv}' pip \
+             install -q --offline --no-index {compile}{links} --python '{t}/bin/python' -r '{lock}'",
+            cache = cache.display(),
             uv = self.uv.display(),
             py = self.python.display(),
             t = target.display(),
+            compile = if compile { "--compile-bytecode " } else { "" },
             links = self.links(),
             lock = lock.display()
         );
-        let mut c = Command::new("sh");
-        c.args(["-c", &script]).env("UV_CACHE_DIR", cache);
-        c
+        vec!["sh".into(), "-c".into(), script]
     }
+}
+
+/// A command given as argv.
+fn shell(argv: &[String]) -> Command {
+    let mut c = Command::new(&argv[0]);
+    c.args(&argv[1..]);
+    c
 }
 
 fn run_ok(cmd: &mut Command) -> anyhow::Result<()> {
@@ -231,21 +245,45 @@ fn du(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// A venv's size.
+#[derive(Clone, Copy)]
+struct Size {
+    bytes: u64,
+    files: u64,
+}
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} MB, {} files", self.bytes / 1_000_000, self.files)
+    }
+}
+
+/// One store's restores (medians).
+struct Restores {
+    store: String,
+    /// Of pip's venv, and of uv's, with an empty chunk cache.
+    pip_cold: Duration,
+    uv_cold: Duration,
+    /// Of uv's venv, with the chunk cache of an earlier restore.
+    uv_warm: Duration,
+}
+
 /// Medians of one lock's measurements.
 struct Measured {
     pip: Duration,
     uv_cold: Duration,
+    /// uv with an empty cache and `--compile-bytecode`.
+    uv_compiled: Duration,
     uv_warm: Duration,
     tar: Duration,
     cp: Duration,
-    /// (store name, cold-cache restore, warm-cache restore)
-    restores: Vec<(String, Duration, Duration)>,
+    restores: Vec<Restores>,
     /// The import from a local venv, and per store: (name, lazy start + import, fraction of
     /// the environment's bytes fetched). Empty when not measured.
     local_import: Duration,
     lazy: Vec<(String, Duration, f64)>,
-    bytes: u64,
-    files: u64,
+    pip_venv: Size,
+    uv_venv: Size,
 }
 
 pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
@@ -290,29 +328,56 @@ pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
             lazy_imports,
         ))?;
         works.push(work);
-        let size = format!("{} MB, {} files", m.bytes / 1_000_000, m.files);
         let with_sdist = label != "wheels";
-        for (store, cold, warm) in &m.restores {
-            let what = format!("restore ({label}; {size}), {store}, cold cache");
-            table.add(Row::time(&what, *cold, "pip install", m.pip, Some(5.0)));
+        for r in &m.restores {
+            let store = &r.store;
+            let what = format!(
+                "restore (pip's venv, {label}; {}), {store}, cold cache",
+                m.pip_venv
+            );
+            table.add(Row::time(
+                &what,
+                r.pip_cold,
+                "pip install",
+                m.pip,
+                Some(5.0),
+            ));
+            table.add(Row::time(
+                &what,
+                r.pip_cold,
+                "uv --compile-bytecode, cold cache",
+                m.uv_compiled,
+                None,
+            ));
+            if !with_sdist {
+                table.add(Row::time(&what, r.pip_cold, "tar xzf", m.tar, None));
+                table.add(Row::time(&what, r.pip_cold, "cp -a (floor)", m.cp, None));
+            }
+            let what = format!(
+                "restore (uv's venv, {label}; {}), {store}, cold cache",
+                m.uv_venv
+            );
             let uv_target = if with_sdist { 10.0 } else { 1.0 };
             table.add(Row::time(
                 &what,
-                *cold,
+                r.uv_cold,
                 "uv, cold cache",
                 m.uv_cold,
                 Some(uv_target),
             ));
-            if !with_sdist {
-                table.add(Row::time(&what, *cold, "tar xzf", m.tar, None));
-                table.add(Row::time(&what, *cold, "cp -a (floor)", m.cp, None));
-            }
-            let what = format!("restore ({label}), {store}, warm cache");
-            table.add(Row::time(&what, *warm, "uv, warm cache", m.uv_warm, None));
+            let what = format!("restore (uv's venv, {label}), {store}, warm cache");
+            table.add(Row::time(
+                &what,
+                r.uv_warm,
+                "uv, warm cache",
+                m.uv_warm,
+                None,
+            ));
         }
         for (store, took, fetched) in &m.lazy {
             let what = format!(
-                "--lazy with a profile: ensure + `import {imports}` ({size}), {store}, new node"
+                "--lazy with a profile: ensure + `import {imports}` (pip's venv; {}), {store}, new node",
+                m.pip_venv
             );
             table.add(Row::time(
                 &what,
@@ -347,7 +412,8 @@ pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
 /// block is dirty, which creating files makes it), which would charge one tool for another's
 /// cleanup. So every tool writes into inodes nobody freed during the run; between groups of runs
 /// the file system is synced and left for `--settle` seconds, so the writeback of one group
-/// does not run during the next.
+/// does not run during the next, and it is synced before each cold-cache run, which writes
+/// hundreds of MB.
 struct Trash {
     dir: PathBuf,
     n: usize,
@@ -373,10 +439,93 @@ impl Trash {
 
     /// Quiets the disk before the next group of timed runs.
     fn settle(&mut self) -> anyhow::Result<()> {
-        run_ok(&mut Command::new("sync"))?;
+        self.sync()?;
         std::thread::sleep(self.settle);
         Ok(())
     }
+
+    /// Writes back what earlier runs wrote, so that the next one is not held up by it (the
+    /// kernel makes a writer wait once dirty pages pass its limits).
+    fn sync(&self) -> anyhow::Result<()> {
+        run_ok(&mut Command::new("sync"))
+    }
+}
+
+/// A venv installed by one installer through an `ensure` miss, which captured it into the
+/// local store, then captured into every other store too.
+struct Snapshot {
+    /// The `ensure` that restores it (its install command is the installer's).
+    cfg: EnsureConfig,
+    /// The install, as timed by the miss.
+    install: Duration,
+    size: Size,
+}
+
+/// Installs with `install` (`name`'s) into `target` through an `ensure` miss on the first of `stores`
+/// (which captures and publishes the venv), publishes the same venv to the other stores, and
+/// checks that a restore of it imports `imports`. Leaves the restored venv at `target`.
+async fn snapshot(
+    base: &EnsureConfig,
+    name: &str,
+    install: Vec<String>,
+    stores: &[(String, Store)],
+    node: impl Fn(&str) -> PathBuf,
+    trash: &mut Trash,
+    imports: &str,
+) -> anyhow::Result<Snapshot> {
+    let mut cfg = base.clone();
+    cfg.install = install;
+    cfg.cache_dir = node("node-capture");
+    let first = hs_ensure(&stores[0].1, &cfg).await?;
+    let Action::Installed {
+        install_seconds,
+        capture: published,
+    } = &first.action
+    else {
+        bail!("the first ensure should install, not {:?}", first.action);
+    };
+    let published = published
+        .as_ref()
+        .as_ref()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    eprintln!(
+        "  {name} (via ensure's miss): {install_seconds:.2} s; captured in {:.2} s",
+        published.seconds
+    );
+    let size = Size {
+        bytes: du(&cfg.target),
+        files: published.record.files,
+    };
+    for (_, store) in &stores[1..] {
+        let spec = cfg.key_spec()?;
+        let inputs = tokio::task::spawn_blocking(move || KeyInputs::gather(&spec)).await??;
+        let env = EnvStore::new(store, cfg.chunk_config())?;
+        capture(
+            &env,
+            &inputs.key(),
+            &inputs,
+            &cfg.target,
+            Default::default(),
+        )
+        .await?;
+    }
+    trash.retire(&cfg.cache_dir)?;
+    trash.retire(&cfg.target)?;
+    let mut check = cfg.clone();
+    check.cache_dir = node("node-restore-check");
+    let restored = hs_ensure(&stores[0].1, &check).await?;
+    ensure!(
+        matches!(restored.action, Action::Restored(_)),
+        "expected a hit"
+    );
+    run_ok(Command::new(cfg.target.join("bin/python")).args(["-c", &format!("import {imports}")]))
+        .context("the restored venv imports its packages")?;
+    trash.retire(&check.cache_dir)?;
+    Ok(Snapshot {
+        cfg,
+        install: Duration::from_secs_f64(*install_seconds),
+        size,
+    })
 }
 
 async fn measure(
@@ -393,49 +542,6 @@ async fn measure(
     let target = work.join("venv");
     let runs = args.runs;
     let node = |name: &str| work.join(name);
-
-    // pip: the first run is the miss of an `ensure`, which captures and publishes the result.
-    let local = Store::open(&node("store").display().to_string())?;
-    let mut cfg = EnsureConfig::new(
-        vec![lock.clone()],
-        target.clone(),
-        setup.pip(&target, &lock),
-    );
-    cfg.python = setup.python.display().to_string();
-    cfg.cache_dir = node("node-capture");
-    let first = hs_ensure(&local, &cfg).await?;
-    let Action::Installed {
-        install_seconds,
-        capture: published,
-    } = &first.action
-    else {
-        bail!("the first ensure should install, not {:?}", first.action);
-    };
-    let published = published
-        .as_ref()
-        .as_ref()
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    eprintln!(
-        "  pip (via ensure's miss): {install_seconds:.2} s; captured in {:.2} s",
-        published.seconds
-    );
-    let mut pip = vec![Duration::from_secs_f64(*install_seconds)];
-    let bytes = du(&target);
-    let files = published.record.files;
-    let pip_cmd = setup.pip(&target, &lock);
-    for _ in 1..runs {
-        trash.retire(&target)?;
-        pip.push(timed(Command::new(&pip_cmd[0]).args(&pip_cmd[1..]))?);
-    }
-    // The venv pip made is the one every store holds; check that a restore of it works.
-    trash.retire(&target)?;
-    let mut check = cfg.clone();
-    check.cache_dir = node("node-restore-check");
-    let restored = hs_ensure(&local, &check).await?;
-    ensure!(
-        matches!(restored.action, Action::Restored(_)),
-        "expected a hit"
-    );
     let imports = lock_body
         .lines()
         .filter_map(|l| l.split("==").next())
@@ -443,25 +549,53 @@ async fn measure(
         .filter(|n| !n.is_empty() && !n.starts_with('#'))
         .collect::<Vec<_>>()
         .join(", ");
-    run_ok(Command::new(target.join("bin/python")).args(["-c", &format!("import {imports}")]))
-        .context("the restored venv imports its packages")?;
-    trash.retire(&check.cache_dir)?;
 
-    let mut stores: Vec<(String, Store)> = Vec::new();
-    if args.stores != Stores::Seaweedfs {
-        stores.push(("local directory store".into(), local.clone()));
-    }
+    // The local store first: it holds every snapshot, and captures them on the installs' misses.
+    let mut stores = vec![(
+        "local directory store".to_string(),
+        Store::open(&node("store").display().to_string())?,
+    )];
     if let Some(weed) = weed {
         let url = weed.fresh_bucket("bench-env");
-        let s3 = Store::open_with(&url, &weed.client_options())?;
-        let spec = cfg.key_spec()?;
-        let inputs = tokio::task::spawn_blocking(move || KeyInputs::gather(&spec)).await??;
-        let env = EnvStore::new(&s3, cfg.chunk_config())?;
-        capture(&env, &inputs.key(), &inputs, &target, Default::default()).await?;
-        stores.push(("SeaweedFS loopback".into(), s3));
+        stores.push((
+            "SeaweedFS loopback".into(),
+            Store::open_with(&url, &weed.client_options())?,
+        ));
+    }
+    let mut base = EnsureConfig::new(vec![lock.clone()], target.clone(), Vec::new());
+    base.python = setup.python.display().to_string();
+
+    // Two snapshots of the lock: the venv pip makes (with pip in it, and bytecode, which pip
+    // compiles by default) and the one uv makes (neither). Each restore is compared with the
+    // installer that made what it restores.
+    let pip_cmd = setup.pip(&target, &lock);
+    let pip_snap = snapshot(
+        &base,
+        "pip",
+        pip_cmd.clone(),
+        &stores,
+        node,
+        &mut trash,
+        &imports,
+    )
+    .await?;
+    let mut pip = vec![pip_snap.install];
+    for _ in 1..runs {
+        trash.retire(&target)?;
+        pip.push(timed(&mut shell(&pip_cmd))?);
+    }
+    trash.retire(&target)?;
+    let uv_capture = setup.uv(&target, &lock, &node("uv-capture"), false);
+    let uv_snap = snapshot(&base, "uv", uv_capture, &stores, node, &mut trash, &imports).await?;
+    trash.retire(&node("uv-capture"))?;
+    let local = stores[0].1.clone();
+    if args.stores == Stores::Seaweedfs {
+        stores.remove(0);
     }
 
     // tar xzf and the cp -a floor, of the venv pip made.
+    trash.retire(&target)?;
+    restore_once(&stores[0].1, &pip_snap.cfg).await?;
     let tgz = node("venv.tgz");
     run_ok(
         Command::new("tar")
@@ -478,10 +612,12 @@ async fn measure(
     let mut cp = Vec::new();
     for _ in 0..runs {
         trash.retire(&target)?;
+        trash.sync()?;
         tar.push(timed(
             Command::new("tar").arg("xzf").arg(&tgz).arg("-C").arg(work),
         )?);
         trash.retire(&target)?;
+        trash.sync()?;
         cp.push(timed(
             Command::new("cp").arg("-a").arg(&copy_src).arg(&target),
         )?);
@@ -489,40 +625,52 @@ async fn measure(
     trash.retire(&copy_src)?;
     std::fs::remove_file(&tgz)?;
 
-    // Cold caches: uv and a restore from each store alternate run by run. Nothing is deleted
-    // during the benchmark (see `Trash`), so the file system fills as it goes on; alternating
-    // gives every tool the same file system, as it does a machine that drifts.
+    // Cold caches: uv (as it comes, and compiling bytecode) and a restore of each snapshot from
+    // each store alternate run by run. Nothing is deleted during the benchmark (see `Trash`),
+    // so the file system fills as it goes on; alternating gives every tool the same file
+    // system, as it does a machine that drifts.
     trash.settle()?;
-    let mut uv_cold = Vec::new();
-    let mut cold = vec![Vec::new(); stores.len()];
+    let (mut uv_cold, mut uv_compiled) = (Vec::new(), Vec::new());
+    let mut cold = vec![(Vec::new(), Vec::new()); stores.len()];
     for i in 0..runs {
-        trash.retire(&target)?;
-        let cache = node(&format!("uv-cold-{i}"));
-        uv_cold.push(timed(&mut setup.uv(&target, &lock, &cache))?);
-        trash.retire(&cache)?;
-        for (s, (_, store)) in stores.iter().enumerate() {
-            let mut c = cfg.clone();
-            c.cache_dir = node(&format!("hs-cold-{s}-{i}"));
+        for (compile, times) in [(false, &mut uv_cold), (true, &mut uv_compiled)] {
             trash.retire(&target)?;
-            cold[s].push(restore_once(store, &c).await?);
-            trash.retire(&c.cache_dir)?;
+            let cache = node(&format!("uv-cold-{compile}-{i}"));
+            trash.sync()?;
+            times.push(timed(&mut shell(
+                &setup.uv(&target, &lock, &cache, compile),
+            ))?);
+            trash.retire(&cache)?;
+        }
+        for (s, (_, store)) in stores.iter().enumerate() {
+            let (uv_times, pip_times) = &mut cold[s];
+            for (snap, times) in [(&uv_snap, uv_times), (&pip_snap, pip_times)] {
+                let mut c = snap.cfg.clone();
+                c.cache_dir = node(&format!("hs-cold-{s}-{i}"));
+                trash.retire(&target)?;
+                trash.sync()?;
+                times.push(restore_once(store, &c).await?);
+                trash.retire(&c.cache_dir)?;
+            }
         }
     }
 
-    // Warm caches: uv hard-links from its cache, a restore from its node's chunk cache.
+    // Warm caches: uv hard-links from its cache, a restore of uv's venv from its node's chunk
+    // cache.
     let warm_cache = node("uv-warm");
+    let uv_warm_cmd = setup.uv(&target, &lock, &warm_cache, false);
     trash.retire(&target)?;
-    run_ok(&mut setup.uv(&target, &lock, &warm_cache))?;
+    run_ok(&mut shell(&uv_warm_cmd))?;
     trash.settle()?;
     let mut uv_warm = Vec::new();
     for _ in 0..runs {
         trash.retire(&target)?;
-        uv_warm.push(timed(&mut setup.uv(&target, &lock, &warm_cache))?);
+        uv_warm.push(timed(&mut shell(&uv_warm_cmd))?);
     }
     trash.retire(&warm_cache)?;
     let mut restores = Vec::new();
-    for ((name, store), cold) in stores.iter().zip(cold) {
-        let mut warm = cfg.clone();
+    for ((name, store), (uv_cold, pip_cold)) in stores.iter().zip(cold) {
+        let mut warm = uv_snap.cfg.clone();
         warm.cache_dir = node("hs-warm");
         trash.retire(&target)?;
         restore_once(store, &warm).await?;
@@ -533,7 +681,12 @@ async fn measure(
             warm_runs.push(restore_once(store, &warm).await?);
         }
         trash.retire(&warm.cache_dir)?;
-        restores.push((name.clone(), median(cold), median(warm_runs)));
+        restores.push(Restores {
+            store: name.clone(),
+            pip_cold: median(pip_cold),
+            uv_cold: median(uv_cold),
+            uv_warm: median(warm_runs),
+        });
     }
 
     // --lazy with a profile, against the same import from the local venv. The two alternate
@@ -542,7 +695,7 @@ async fn measure(
     let (mut local_import, mut lazy) = (Duration::ZERO, Vec::new());
     if let Some(imports) = lazy_imports {
         let code = format!("import {imports}");
-        let mut c = cfg.clone();
+        let mut c = pip_snap.cfg.clone();
         c.cache_dir = node("local-venv");
         trash.retire(&target)?;
         hs_ensure(&local, &c).await?;
@@ -554,7 +707,7 @@ async fn measure(
         let mut local_runs = Vec::new();
         for (s, (name, store)) in stores.iter().enumerate() {
             // One start records the profile; then each run is a new node that replays it.
-            let mut c = cfg.clone();
+            let mut c = pip_snap.cfg.clone();
             let mut start = |cache: String| {
                 c.cache_dir = node(&cache);
                 let c = c.clone();
@@ -593,12 +746,13 @@ async fn measure(
         lazy,
         pip: median(pip),
         uv_cold: median(uv_cold),
+        uv_compiled: median(uv_compiled),
         uv_warm: median(uv_warm),
         tar: median(tar),
         cp: median(cp),
         restores,
-        bytes,
-        files,
+        pip_venv: pip_snap.size,
+        uv_venv: uv_snap.size,
     })
 }
 
