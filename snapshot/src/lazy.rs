@@ -19,7 +19,7 @@
 //!    ([`EnvStore::artifacts`]): the profile that earlier mounts of this snapshot recorded, on
 //!    any node, is replayed ahead of the job, and this mount's first reads are recorded into it.
 //!    From a remote store, the replay's chunks come from the snapshot's pack ([`crate::pack`]):
-//!    announced before the replay starts, fetched in ranged GETs of at most 1 MiB in the order
+//!    announced before the replay starts, fetched in ranged GETs of at most 4 MiB in the order
 //!    the profile wants them, instead of one GET per chunk. The profile is read as soon as the key
 //!    is known (while the record and the tree are), the pack's index as soon as the record is
 //!    (while the tree is).
