@@ -412,8 +412,8 @@ pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
 /// block is dirty, which creating files makes it), which would charge one tool for another's
 /// cleanup. So every tool writes into inodes nobody freed during the run; between groups of runs
 /// the file system is synced and left for `--settle` seconds, so the writeback of one group
-/// does not run during the next, and it is synced before each cold-cache run, which writes
-/// hundreds of MB.
+/// does not run during the next, and it is synced before each timed run that writes a whole
+/// venv (hundreds of MB) with a cold cache.
 struct Trash {
     dir: PathBuf,
     n: usize,
@@ -461,9 +461,10 @@ struct Snapshot {
     size: Size,
 }
 
-/// Installs with `install` (`name`'s) into `target` through an `ensure` miss on the first of `stores`
-/// (which captures and publishes the venv), publishes the same venv to the other stores, and
-/// checks that a restore of it imports `imports`. Leaves the restored venv at `target`.
+/// Installs with `install` (the installer `name`) into `base.target` through an `ensure` miss on
+/// the first of `stores` (which captures and publishes the venv), publishes the same venv to the
+/// other stores, and checks that a restore of it imports `imports`. Leaves the restored venv at
+/// the target.
 async fn snapshot(
     base: &EnsureConfig,
     name: &str,
