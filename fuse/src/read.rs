@@ -10,9 +10,11 @@
 //! - Sequential: bytes come from the segments, awaiting the oldest window's next stripe when
 //!   they run out. A window hands over each stripe as it arrives (in order), and each stripe
 //!   becomes a segment as it is, so a read waits only for the stripe holding its bytes and no
-//!   byte is copied between the HTTP body and the reply to the kernel. After each read, windows are started back to back after the buffered range until two are in
-//!   flight; each new window is twice the previous one, from `initial_read_ahead` up to
-//!   `max_read_ahead`. Segments wholly behind the read position are dropped, except the latest,
+//!   byte is copied between the HTTP body and the reply to the kernel. After each read, windows
+//!   are started back to back after the buffered range until two are in flight; each new window
+//!   is twice the previous one, from `initial_read_ahead` up to `max_read_ahead`, and one at
+//!   least a stripe long ends on a multiple of the stripe, so the windows after it, and their
+//!   ranged GETs, line up with the parts the object was written in. Segments wholly behind the read position are dropped, except the latest,
 //!   which serves short backward seeks.
 //! - Random (anything else): the windows are cancelled, the window size goes back to its
 //!   initial value and the read is one exact ranged GET of the bytes asked for.
@@ -387,8 +389,10 @@ impl ReadHandle {
         freed
     }
 
-    /// `len` bytes from `start`, widened to whole stripes when a stripe cache is in use (unless
-    /// that no longer fits the budget).
+    /// `len` bytes from `start`, widened to whole stripes when a stripe cache is in use, and
+    /// otherwise, once at least a stripe long, to end where a stripe does (so the next window
+    /// starts on the stripe grid and its GETs each read one part of the object); unless that
+    /// no longer fits the budget.
     fn span(&self, start: u64, len: usize) -> (u64, usize, Option<Cached>) {
         let cap = self.budget.capacity() as u64;
         let len = (len as u64).min(self.size - start).min(cap) as usize;
@@ -398,6 +402,14 @@ impl ReadHandle {
             let e = e.min(self.size);
             if e - a <= cap {
                 return (a, (e - a) as usize, Some(c.clone()));
+            }
+        }
+        let stripe = self.reader.stripe();
+        if len as u64 >= stripe {
+            let e = (start + len as u64).div_ceil(stripe) * stripe;
+            let e = e.min(self.size);
+            if e - start <= cap {
+                return (start, (e - start) as usize, None);
             }
         }
         (start, len, None)
@@ -486,6 +498,24 @@ mod tests {
         assert_eq!(got, data);
         assert_eq!(h.window, 256 << 10, "the window doubled up to its maximum");
         assert!(budget.peak() <= budget.capacity());
+    }
+
+    #[tokio::test]
+    async fn windows_a_stripe_long_end_on_the_stripe_grid() {
+        let budget = ByteBudget::new(1 << 20);
+        let (h, _) = handle(1_000_003, &budget).await;
+        let span = |start, len| {
+            let (s, l, _) = h.span(start, len);
+            (s, l)
+        };
+        // Shorter than a stripe (64 KiB here): as asked, so the window still ramps up.
+        assert_eq!(span(16 << 10, 32 << 10), (16 << 10, 32 << 10));
+        // A stripe or longer, starting off the grid: it ends on the grid, and so the next
+        // window starts there.
+        assert_eq!(span(112 << 10, 64 << 10), (112 << 10, 80 << 10));
+        assert_eq!(span(192 << 10, 128 << 10), (192 << 10, 128 << 10));
+        // Never past the end of the file.
+        assert_eq!(span(900_000, 96 << 10), (900_000, 100_003));
     }
 
     #[tokio::test]

@@ -4,7 +4,8 @@
 //! A single HTTP stream to an object store is limited by one TCP flow (window / RTT) and by the
 //! server's per-request throughput; many ranged requests in flight multiply both.
 //!
-//! **Reading.** The requested range is cut into stripes of `stripe_size` bytes. Up to
+//! **Reading.** The requested range is cut into stripes at the multiples of `stripe_size` (a
+//! range that starts between two gets a shorter first stripe), where writing cuts parts. Up to
 //! `max_in_flight` stripes are requested at once; each first takes its length from the shared
 //! [`ByteBudget`], so the process never holds more than the budget in stripes, whatever the number
 //! of readers. Stripes complete in any order but are handed back in order; a stripe's bytes leave
@@ -138,6 +139,11 @@ impl StripedReader {
         &self.key
     }
 
+    /// Bytes per stripe (ranged GET) as read.
+    pub fn stripe(&self) -> u64 {
+        self.cfg.effective_stripe() as u64
+    }
+
     fn check_range(&self, range: &Range<u64>) -> Result<()> {
         if range.start > range.end || range.end > self.size {
             return Err(Error::OutOfRange {
@@ -151,11 +157,7 @@ impl StripedReader {
     }
 
     fn stripes(&self, range: Range<u64>) -> impl Iterator<Item = Range<u64>> + Send + 'static {
-        let stripe = self.cfg.effective_stripe() as u64;
-        let end = range.end;
-        (range.start..end)
-            .step_by(stripe as usize)
-            .map(move |s| s..(s + stripe).min(end))
+        stripes(range, self.stripe())
     }
 
     /// Takes a stripe's length from the budget. Callers that hand stripes back in order take
@@ -315,16 +317,19 @@ impl StripedReader {
     pub async fn read_into(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let range = offset..offset.saturating_add(buf.len() as u64);
         self.check_range(&range)?;
-        let stripe = self.cfg.effective_stripe();
         // A plain loop rather than a stream adapter over a closure: the future stays provably
         // `Send` for any lifetime of `buf`, so callers can spawn what awaits it.
-        let mut stripes = buf.chunks_mut(stripe).zip(self.stripes(range));
+        let mut stripes = self.stripes(range);
+        let mut rest = buf;
         let mut running = FuturesUnordered::new();
         loop {
             while running.len() < self.cfg.in_flight() {
-                let Some((slice, r)) = stripes.next() else {
+                let Some(r) = stripes.next() else {
                     break;
                 };
+                let (slice, tail) =
+                    std::mem::take(&mut rest).split_at_mut((r.end - r.start) as usize);
+                rest = tail;
                 running.push(self.fetch_into(r.start, slice));
             }
             match running.next().await {
@@ -333,6 +338,25 @@ impl StripedReader {
             }
         }
     }
+}
+
+/// `range` cut at the multiples of `stripe`: a range that starts between two is cut at the next
+/// one, so the stripes of any two reads of an object line up with each other and with the parts
+/// it was uploaded in (`StripedWriter` cuts at the same multiples). A server that stores each
+/// part as a unit then serves each ranged GET from one part, not parts of two: SeaweedFS spent
+/// 25-35% more CPU on 8 MiB GETs that each spanned two 8 MiB parts than on aligned ones.
+fn stripes(range: Range<u64>, stripe: u64) -> impl Iterator<Item = Range<u64>> + Send + 'static {
+    let stripe = stripe.max(1);
+    let end = range.end;
+    let mut at = range.start;
+    std::iter::from_fn(move || {
+        (at < end).then(|| {
+            let next = (at / stripe + 1).saturating_mul(stripe).min(end);
+            let r = at..next;
+            at = next;
+            r
+        })
+    })
 }
 
 /// A spawned task that is cancelled when its handle is dropped (a dropped stream cancels the
@@ -599,5 +623,26 @@ impl Drop for StripedWriter {
                 }
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stripes;
+
+    #[test]
+    fn stripes_are_cut_at_multiples_of_the_stripe() {
+        let cut = |start, end| {
+            stripes(start..end, 8)
+                .map(|r| (r.start, r.end))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(cut(0, 20), [(0, 8), (8, 16), (16, 20)]);
+        assert_eq!(cut(7, 20), [(7, 8), (8, 16), (16, 20)]);
+        assert_eq!(cut(9, 15), [(9, 15)]);
+        assert_eq!(cut(16, 24), [(16, 24)]);
+        assert!(cut(5, 5).is_empty());
+        // Near the end of u64 the cut saturates instead of wrapping.
+        assert_eq!(stripes(u64::MAX - 3..u64::MAX, 8).count(), 1);
     }
 }
