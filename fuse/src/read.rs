@@ -260,13 +260,12 @@ impl ReadHandle {
             }
         }
         let _permit = self.budget.acquire(len).await;
-        // One ranged GET when `len` fits a stripe (it does for FUSE's 1 MiB requests).
-        let mut stripes = self.reader.stream(offset..offset + len as u64);
-        let mut out = BytesMut::with_capacity(len);
-        while let Some(stripe) = stripes.next().await {
-            out.extend_from_slice(&stripe.map_err(|e| FsError::store(&self.path, e))?);
-        }
-        Ok(out.freeze())
+        // One ranged GET of exactly these bytes when `len` fits a stripe (it does for FUSE's
+        // 1 MiB requests), wherever it starts.
+        self.reader
+            .read_at(offset, len)
+            .await
+            .map_err(|e| FsError::store(&self.path, e))
     }
 
     async fn read_sequential(&mut self, offset: u64, len: usize) -> FsResult<Bytes> {
