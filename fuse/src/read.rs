@@ -14,8 +14,8 @@
 //!   are started back to back after the buffered range until two are in flight; each new window
 //!   is twice the previous one, from `initial_read_ahead` up to `max_read_ahead`, and one at
 //!   least a stripe long ends on a multiple of the stripe, so the windows after it, and their
-//!   ranged GETs, line up with the parts the object was written in. Segments wholly behind the read position are dropped, except the latest,
-//!   which serves short backward seeks.
+//!   ranged GETs, line up with the parts the object was written in. Segments wholly behind the
+//!   read position are dropped, except the latest, which serves short backward seeks.
 //! - Random (anything else): the windows are cancelled, the window size goes back to its
 //!   initial value and the read is one exact ranged GET of the bytes asked for.
 //!
