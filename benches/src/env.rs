@@ -585,18 +585,8 @@ async fn measure(
         trash.retire(&target)?;
         pip.push(timed(&mut shell(&pip_cmd))?);
     }
-    trash.retire(&target)?;
-    let uv_capture = setup.uv(&target, &lock, &node("uv-capture"), false);
-    let uv_snap = snapshot(&base, "uv", uv_capture, &stores, node, &mut trash, &imports).await?;
-    trash.retire(&node("uv-capture"))?;
-    let local = stores[0].1.clone();
-    if args.stores == Stores::Seaweedfs {
-        stores.remove(0);
-    }
 
-    // tar xzf and the cp -a floor, of the venv pip made.
-    trash.retire(&target)?;
-    restore_once(&stores[0].1, &pip_snap.cfg).await?;
+    // tar xzf and the cp -a floor, of the venv pip made (the one at the target now).
     let tgz = node("venv.tgz");
     run_ok(
         Command::new("tar")
@@ -625,6 +615,15 @@ async fn measure(
     }
     trash.retire(&copy_src)?;
     std::fs::remove_file(&tgz)?;
+
+    trash.retire(&target)?;
+    let uv_capture = setup.uv(&target, &lock, &node("uv-capture"), false);
+    let uv_snap = snapshot(&base, "uv", uv_capture, &stores, node, &mut trash, &imports).await?;
+    trash.retire(&node("uv-capture"))?;
+    let local = stores[0].1.clone();
+    if args.stores == Stores::Seaweedfs {
+        stores.remove(0);
+    }
 
     // Cold caches: uv (as it comes, and compiling bytecode) and a restore of each snapshot from
     // each store alternate run by run. Nothing is deleted during the benchmark (see `Trash`),

@@ -395,21 +395,19 @@ impl ReadHandle {
     fn span(&self, start: u64, len: usize) -> (u64, usize, Option<Cached>) {
         let cap = self.budget.capacity() as u64;
         let len = (len as u64).min(self.size - start).min(cap) as usize;
+        let end = start + len as u64;
+        // The end of the stripe (of size `s`) that holds the last byte, within the file.
+        let grid_end = |s: u64| (end.div_ceil(s) * s).min(self.size);
         if let Some(c) = &self.cache {
-            let a = start / c.stripe * c.stripe;
-            let e = (start + len as u64).div_ceil(c.stripe) * c.stripe;
-            let e = e.min(self.size);
+            let (a, e) = (start / c.stripe * c.stripe, grid_end(c.stripe));
             if e - a <= cap {
                 return (a, (e - a) as usize, Some(c.clone()));
             }
         }
         let stripe = self.reader.stripe();
-        if len as u64 >= stripe {
-            let e = (start + len as u64).div_ceil(stripe) * stripe;
-            let e = e.min(self.size);
-            if e - start <= cap {
-                return (start, (e - start) as usize, None);
-            }
+        let e = grid_end(stripe);
+        if len as u64 >= stripe && e - start <= cap {
+            return (start, (e - start) as usize, None);
         }
         (start, len, None)
     }
