@@ -31,7 +31,9 @@
 //! **`--lazy` with a profile** (the wheels-only lock): `python -c "import numpy, pandas"` (numpy
 //! and requests for `--set small`) from a lazy mount of pip's snapshot, on a new node (empty chunk
 //! cache) after one earlier lazy start recorded the profile, against the same import from a
-//! local venv (restored eagerly, page cache warm), the two alternating run by run. hotstart's
+//! local venv (restored eagerly, page cache warm), the two alternating run by run, medians of
+//! `--lazy-runs` pairs per store (a lazy start takes about a second and moves more from run to
+//! run than an install, so it gets more runs than the rest). hotstart's
 //! time runs from the `ensure` call (key, record, tree, mount, the profile's prefetch racing
 //! the import) to the import's end; the bytes fetched (prefetched plus demand-fetched,
 //! plaintext) are reported as a fraction of the environment's file bytes.
@@ -80,6 +82,9 @@ pub struct EnvArgs {
     /// Stores to restore from.
     #[arg(long, value_enum, default_value = "both")]
     stores: Stores,
+    /// Pairs of a lazy start and a local import per store; medians are reported.
+    #[arg(long, default_value_t = 9)]
+    lazy_runs: usize,
     /// Leave out the lock with a package built from source.
     #[arg(long)]
     no_sdist: bool,
@@ -287,7 +292,10 @@ struct Measured {
 }
 
 pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
-    ensure!(args.runs > 0, "--runs must be at least 1");
+    ensure!(
+        args.runs > 0 && args.lazy_runs > 0,
+        "--runs and --lazy-runs must be at least 1"
+    );
     let setup = Setup::new(args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -394,9 +402,10 @@ pub fn run(args: &EnvArgs) -> anyhow::Result<()> {
         }
     }
     table.note(format!(
-        "medians of {} runs; Python {}; every install from a local wheelhouse with --no-index, \
-         no network; page cache warm for every tool",
+        "medians of {} runs ({} pairs for --lazy); Python {}; every install from a local \
+         wheelhouse with --no-index, no network; page cache warm for every tool",
         args.runs,
+        args.lazy_runs,
         setup.python.display()
     ));
     table.note(
@@ -722,7 +731,7 @@ async fn measure(
             let (_, cache) = start(format!("lazy-{s}-record")).await?;
             trash.retire(&cache)?;
             let (mut took, mut fetched) = (Vec::new(), Vec::new());
-            for i in 0..runs {
+            for i in 0..args.lazy_runs {
                 local_runs.push(import()?);
                 let ((t, f), cache) = start(format!("lazy-{s}-{i}")).await?;
                 took.push(t);
