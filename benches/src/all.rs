@@ -129,6 +129,8 @@ const BENCHES: &[Bench] = &[
             "small",
             "--runs",
             "1",
+            "--lazy-runs",
+            "1",
             "--stores",
             "local",
             "--no-sdist",
