@@ -132,6 +132,10 @@ pub struct MountArgs {
     /// Do not prefetch the image's profile.
     #[arg(long)]
     no_prefetch: bool,
+    /// Do not store prefetched pages in the kernel's page cache ahead of the job (reads then
+    /// each take a request to this process, served from its memory).
+    #[arg(long)]
+    no_warm: bool,
     /// Do not record this run's reads into the profile.
     #[arg(long)]
     no_record: bool,
@@ -222,6 +226,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     let cfg = LazyConfig {
         memory_cache: a.memory_mib << 20,
         prefetch: !a.no_prefetch,
+        warm_page_cache: !a.no_warm,
         record: !a.no_record,
         replay: PrefetchConfig {
             initial_window: a.window.max(1),

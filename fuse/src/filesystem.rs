@@ -71,6 +71,16 @@ pub struct CachePolicy {
     pub listing_attrs: bool,
 }
 
+/// What made the kernel ask about an inode (see [`Filesystem::ttl_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Asked {
+    /// A lookup of its name, or its attributes, asked by the thread with this id (as `gettid`
+    /// gives it): a process is about to use it.
+    ByThread(u32),
+    /// It was listed in its directory; nothing was opened.
+    Listing,
+}
+
 fn read_only(what: &str, ino: u64) -> FsError {
     FsError::ReadOnly {
         path: format!("<inode {ino}> ({what})"),
@@ -85,6 +95,15 @@ pub trait Filesystem: Send + Sync + 'static {
     /// Resolves `name` in directory `parent`; the kernel then references the inode until it
     /// forgets it.
     fn lookup(&self, parent: u64, name: &str) -> impl Future<Output = FsResult<NodeAttr>> + Send;
+
+    /// How long the kernel may trust the entry and attributes of `ino` it is about to be given,
+    /// where that differs from the policy's TTL. A filesystem that wants to hear of the next
+    /// use of an inode answers zero: the kernel then looks its name up again on the next path
+    /// walk through it, and asks for its attributes again, instead of answering from its cache.
+    fn ttl_of(&self, ino: u64, asked: Asked) -> Option<Duration> {
+        let _ = (ino, asked);
+        None
+    }
 
     /// The kernel dropped `nlookup` references to `ino`.
     fn forget(&self, ino: u64, nlookup: u64) {

@@ -48,7 +48,7 @@ use fuser::{
 use parking_lot::Mutex;
 
 use crate::error::FsError;
-use crate::filesystem::{CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
+use crate::filesystem::{Asked, CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
 
 /// Bytes per FUSE read or write request asked of the kernel.
 pub const MAX_IO: u32 = 1 << 20;
@@ -245,13 +245,21 @@ impl Listing {
         reply.ok();
     }
 
-    fn reply_plus(&self, mut reply: ReplyDirectoryPlus, ino: INodeNo, offset: u64, ttl: Duration) {
+    fn reply_plus<F: Filesystem>(
+        &self,
+        fs: &F,
+        mut reply: ReplyDirectoryPlus,
+        ino: INodeNo,
+        offset: u64,
+        ttl: Duration,
+    ) {
         let Some((own, attrs)) = &self.attrs else {
             // Only listings of a filesystem with `listing_attrs` are asked for attributes.
             return reply.error(Errno::EIO);
         };
         for (i, ino, _, name) in self.from(ino, offset) {
             let attr = i.checked_sub(2).map_or(own, |i| &attrs[i]);
+            let ttl = fs.ttl_of(attr.ino, Asked::Listing).unwrap_or(ttl);
             if reply.add(
                 ino,
                 i as u64 + 1,
@@ -314,21 +322,28 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let name = name_or_reply!(name, reply);
-        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
+        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::ByThread(req.pid()));
         let Some(negative) = self.policy.negative_ttl else {
             return self.serve(
                 "lookup",
                 reply,
-                async move { fs.lookup(parent.0, &name).await },
-                move |r, a| r.entry(&ttl, &file_attr(&a), Generation(0)),
+                async move {
+                    fs.lookup(parent.0, &name)
+                        .await
+                        .map(|a| (fs.ttl_of(a.ino, asked), a))
+                },
+                move |r, (own, a)| r.entry(&own.unwrap_or(ttl), &file_attr(&a), Generation(0)),
             );
         };
         // A cached "no such name": an entry reply for inode 0, valid for `negative`.
         self.run(async move {
             match fs.lookup(parent.0, &name).await {
-                Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
+                Ok(a) => {
+                    let ttl = fs.ttl_of(a.ino, asked).unwrap_or(ttl);
+                    reply.entry(&ttl, &file_attr(&a), Generation(0))
+                }
                 Err(e) if e.errno() == libc::ENOENT => {
                     let none = NodeAttr {
                         ino: 0,
@@ -353,13 +368,17 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         self.fs.forget(ino.0, nlookup);
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
+    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::ByThread(req.pid()));
         self.serve(
             "getattr",
             reply,
-            async move { fs.getattr(ino.0).await },
-            move |r, a| r.attr(&ttl, &file_attr(&a)),
+            async move {
+                fs.getattr(ino.0)
+                    .await
+                    .map(|a| (fs.ttl_of(a.ino, asked), a))
+            },
+            move |r, (own, a)| r.attr(&own.unwrap_or(ttl), &file_attr(&a)),
         );
     }
 
@@ -686,14 +705,15 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         if self.no_opendir && fh.0 == 0 {
             let fs = self.fs.clone();
             let op = async move { Listing::take(&*fs, ino.0, true).await };
+            let fs = self.fs.clone();
             return self.serve("readdirplus", reply, op, move |r, listing| {
-                listing.reply_plus(r, ino, offset, ttl);
+                listing.reply_plus(&*fs, r, ino, offset, ttl);
             });
         }
         let Some(listing) = self.dirs.lock().get(&fh.0).cloned() else {
             return reply.error(Errno::EBADF);
         };
-        listing.reply_plus(reply, ino, offset, ttl);
+        listing.reply_plus(&*self.fs, reply, ino, offset, ttl);
     }
 
     fn releasedir(

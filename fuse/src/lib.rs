@@ -36,9 +36,11 @@ use std::time::Duration;
 
 pub use cache::StripeCache;
 pub use error::{FsError, FsResult};
-pub use filesystem::{CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
+pub use filesystem::{Asked, CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
 pub use fs::{Attr, DirEntry, FileKind, StripedFs};
-pub use mount::{MountConfig, MountHandle, MountOptions, clear_stale_mount, mount, mount_fs};
+pub use mount::{
+    MountConfig, MountHandle, MountOptions, PageCache, clear_stale_mount, mount, mount_fs,
+};
 pub use spill::{SpillError, SpillSpace};
 
 /// The zero-byte object that makes an empty directory exist: `<dir>/.hotstart-dir`.

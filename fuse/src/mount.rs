@@ -98,6 +98,27 @@ impl Default for MountOptions {
     }
 }
 
+/// Stores file contents into the kernel's page cache of a mount without a request for them
+/// (FUSE's store notification): later reads and page faults of those pages are served by the
+/// kernel, with no round trip through the daemon. Usable from any thread.
+pub struct PageCache(fuser::Notifier);
+
+impl std::fmt::Debug for PageCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PageCache")
+    }
+}
+
+impl PageCache {
+    /// Stores `data` as the bytes of inode `ino` from `offset` on. Only whole pages are kept,
+    /// and a last partial page only where `data` ends at the end of the file; the inode must
+    /// be known to the kernel (looked up or listed, and not forgotten), or nothing is stored
+    /// (which the kernel does not report).
+    pub fn store(&self, ino: u64, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.0.store(fuser::INodeNo(ino), offset, data)
+    }
+}
+
 /// A live mount; unmounted by [`MountHandle::unmount`] or on drop.
 pub struct MountHandle<F = StripedFs> {
     session: Option<BackgroundSession>,
@@ -122,6 +143,12 @@ impl<F> MountHandle<F> {
     /// Where it is mounted.
     pub fn mountpoint(&self) -> &Path {
         &self.mountpoint
+    }
+
+    /// A handle that puts bytes into the kernel's page cache of this mount's files (`None` once
+    /// unmounted).
+    pub fn page_cache(&self) -> Option<PageCache> {
+        self.session.as_ref().map(|s| PageCache(s.notifier()))
     }
 
     /// Whether the session ended on its own (unmounted from outside).

@@ -124,16 +124,23 @@ impl Decoder {
     /// A read now waits for `id`: if its frame is still queued, it is decoded at once at
     /// normal priority (on the runtime's blocking pool; call from within the runtime).
     pub fn expedite(&self, id: &ChunkId) {
-        let job = {
-            let mut queue = self.lock();
-            match queue.jobs.iter().position(|j| j.id == *id) {
-                Some(at) => queue.jobs.remove(at),
-                None => None,
-            }
-        };
-        if let Some(job) = job {
+        if let Some(job) = self.take(id) {
             self.run_now(job);
         }
+    }
+
+    /// If the frame of `id` is still queued, decodes it on this thread, at this thread's
+    /// priority (for a caller that would only wait for it otherwise).
+    pub fn decode_here(&self, id: &ChunkId) {
+        if let Some(job) = self.take(id) {
+            self.shared.run(job);
+        }
+    }
+
+    fn take(&self, id: &ChunkId) -> Option<Job> {
+        let mut queue = self.lock();
+        let at = queue.jobs.iter().position(|j| j.id == *id)?;
+        queue.jobs.remove(at)
     }
 
     /// Decodes `job` at normal priority on the runtime's blocking pool.

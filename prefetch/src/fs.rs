@@ -16,14 +16,18 @@
 //! lists a directory and then opens what it found (Python's import system) sends no lookup for
 //! those names.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
-use hotstart_fuse::{CachePolicy, Filesystem, FsError, FsResult, NodeAttr, NodeEntry, NodeKind};
+use hotstart_fuse::{
+    Asked, CachePolicy, Filesystem, FsError, FsResult, NodeAttr, NodeEntry, NodeKind,
+};
 use hotstart_store::tree::ChunkRef;
-use hotstart_store::{Entry, EntryKind, Tree};
+use hotstart_store::{ChunkId, Entry, EntryKind, Tree};
+use parking_lot::Mutex;
 
 use crate::loader::Loader;
 
@@ -62,6 +66,43 @@ pub struct ImageFs {
     nodes: Vec<Node>,
     loader: Arc<Loader>,
     ttl: Duration,
+    warming: Warming,
+}
+
+/// Files the page-cache warmer has taken on (see `warm.rs`), until the job first uses each.
+#[derive(Debug, Default)]
+struct Warming {
+    /// The warmer's thread id: its lookups and listings are not the job's (0: none).
+    warmer: AtomicU32,
+    files: Mutex<HashMap<u64, WarmState>>,
+}
+
+#[derive(Debug)]
+enum WarmState {
+    /// Its pages are not stored yet; a use now leaves it to its reads.
+    Pending,
+    /// These chunks' pages were stored (or are being stored) in the kernel's page cache: a
+    /// use now is counted as reading them, since those reads will not reach the filesystem.
+    Stored(Vec<(ChunkId, u32)>),
+}
+
+/// A file the warmer stores pages of: runs of adjacent planned chunks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmFile {
+    pub ino: u64,
+    /// Its path in the tree (relative, `/`-separated).
+    pub path: String,
+    pub size: u64,
+    pub runs: Vec<WarmRun>,
+}
+
+/// Adjacent chunks of one file, from `offset` on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmRun {
+    /// The place of its earliest chunk in the plan.
+    pub rank: usize,
+    pub offset: u64,
+    pub chunks: Vec<(ChunkId, u32)>,
 }
 
 impl std::fmt::Debug for ImageFs {
@@ -161,7 +202,103 @@ impl ImageFs {
                 nodes[parent as usize - 1].nlink += 1;
             }
         }
-        ImageFs { nodes, loader, ttl }
+        ImageFs {
+            nodes,
+            loader,
+            ttl,
+            warming: Warming::default(),
+        }
+    }
+
+    /// The files holding the chunks of `plan`, in the order of their first chunk in it, each
+    /// with its runs of planned chunks; every one is marked pending, so that the kernel gets
+    /// its entry and attributes with no TTL until the job uses it (see `warm.rs`). Call before
+    /// the filesystem is mounted, so that no entry of these files was given out for longer.
+    pub fn plan_warming(&self, plan: &[(ChunkId, u32)]) -> Vec<WarmFile> {
+        let order: HashMap<ChunkId, usize> = plan
+            .iter()
+            .enumerate()
+            .map(|(i, (id, _))| (*id, i))
+            .collect();
+        let mut files: Vec<(usize, WarmFile)> = Vec::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let Data::File {
+                size,
+                chunks,
+                offsets,
+            } = &n.data
+            else {
+                continue;
+            };
+            let mut first = usize::MAX;
+            let mut runs: Vec<WarmRun> = Vec::new();
+            let mut prev_planned = false;
+            for (c, &at) in chunks.iter().zip(offsets) {
+                let Some(&rank) = order.get(&c.id) else {
+                    prev_planned = false;
+                    continue;
+                };
+                first = first.min(rank);
+                match runs.last_mut() {
+                    Some(run) if prev_planned => {
+                        run.rank = run.rank.min(rank);
+                        run.chunks.push((c.id, c.len));
+                    }
+                    _ => runs.push(WarmRun {
+                        rank,
+                        offset: at,
+                        chunks: vec![(c.id, c.len)],
+                    }),
+                }
+                prev_planned = true;
+            }
+            if !runs.is_empty() {
+                let file = WarmFile {
+                    ino: i as u64 + 1,
+                    path: n.path.clone(),
+                    size: *size,
+                    runs,
+                };
+                files.push((first, file));
+            }
+        }
+        // A hard link's target appears once: its inode is one node.
+        files.sort_by_key(|(first, f)| (*first, f.ino));
+        let mut pending = self.warming.files.lock();
+        for (_, f) in &files {
+            pending.insert(f.ino, WarmState::Pending);
+        }
+        files.into_iter().map(|(_, f)| f).collect()
+    }
+
+    /// The warmer runs on the calling thread from now on.
+    pub fn set_warmer_thread(&self, tid: u32) {
+        self.warming.warmer.store(tid, Ordering::Release);
+    }
+
+    /// Whether the warmer may store the pages of `chunks` of `ino`: true if the job has not
+    /// used the file yet, and from now on a use counts as reading them (with those stored
+    /// before).
+    pub fn claim_for_warming(&self, ino: u64, chunks: &[(ChunkId, u32)]) -> bool {
+        let mut files = self.warming.files.lock();
+        let Some(state) = files.get_mut(&ino) else {
+            return false;
+        };
+        match state {
+            WarmState::Pending => *state = WarmState::Stored(chunks.to_vec()),
+            WarmState::Stored(stored) => stored.extend_from_slice(chunks),
+        }
+        true
+    }
+
+    /// The warmer is done: files it did not get to get the usual TTL again (their reads
+    /// reach the filesystem as any other file's).
+    pub fn end_warming(&self) {
+        self.warming
+            .files
+            .lock()
+            .retain(|_, s| matches!(s, WarmState::Stored(_)));
+        self.warming.warmer.store(0, Ordering::Release);
     }
 
     /// The loader reads go through.
@@ -275,6 +412,31 @@ impl Filesystem for ImageFs {
             keep_page_cache: true,
             stateless_open: true,
             listing_attrs: true,
+        }
+    }
+
+    fn ttl_of(&self, ino: u64, asked: Asked) -> Option<Duration> {
+        let mut files = self.warming.files.lock();
+        if !files.contains_key(&ino) {
+            return None;
+        }
+        match asked {
+            Asked::Listing => Some(Duration::ZERO),
+            Asked::ByThread(tid)
+                if tid != 0 && tid == self.warming.warmer.load(Ordering::Acquire) =>
+            {
+                Some(Duration::ZERO)
+            }
+            // The job is about to use it: what was stored counts as read now.
+            Asked::ByThread(_) => {
+                if let Some(WarmState::Stored(chunks)) = files.remove(&ino) {
+                    drop(files);
+                    for (id, len) in chunks {
+                        self.loader.served_from_page_cache(id, len);
+                    }
+                }
+                None
+            }
         }
     }
 

@@ -29,10 +29,11 @@ pub mod mount;
 pub mod prefetch;
 pub mod profile;
 pub mod report;
+pub mod warm;
 
 pub use build::{BuildConfig, Source};
 pub use error::{Error, Result};
-pub use fs::ImageFs;
+pub use fs::{ImageFs, WarmFile, WarmRun};
 pub use image::{
     ImageRecord, Images, Inspection, PullReport, TreeCounts, artifact_stats, pull_tree,
 };

@@ -107,6 +107,8 @@ struct Counters {
     prefetched: AtomicU64,
     prefetched_bytes: AtomicU64,
     prefetch_errors: AtomicU64,
+    warmed_files: AtomicU64,
+    warmed_bytes: AtomicU64,
 }
 
 /// A snapshot of a loader's counters (see the module documentation).
@@ -134,6 +136,10 @@ pub struct LoaderStats {
     pub wasted: u64,
     pub wasted_bytes: u64,
     pub prefetch_errors: u64,
+    /// Files whose prefetched pages went into the kernel's page cache ahead of the job, and
+    /// those pages' bytes (see `warm.rs`).
+    pub warmed_files: u64,
+    pub warmed_bytes: u64,
 }
 
 /// Chunks for one lazy mount. Cheap to share (`Arc`).
@@ -226,19 +232,7 @@ impl Loader {
     /// The verified bytes of chunk `id` (`len` bytes long) for a read: from memory, the disk
     /// cache, a fetch already in flight, or a fetch started now.
     pub async fn demand(self: &Arc<Self>, id: ChunkId, len: u32) -> hotstart_store::Result<Bytes> {
-        let first = {
-            let mut seen = self.seen.lock();
-            match seen.entry(id) {
-                std::collections::hash_map::Entry::Occupied(_) => false,
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert((self.start.elapsed(), len));
-                    if let Some(&l) = self.prefetched.lock().get(&id) {
-                        self.ahead.fetch_sub(l as u64, Ordering::AcqRel);
-                    }
-                    true
-                }
-            }
-        };
+        let first = self.first_demand(id, len);
         if let Some(b) = self.mem.lock().get(&id) {
             if first {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -286,6 +280,53 @@ impl Loader {
                 Ok(data)
             }
         }
+    }
+
+    /// Records the first demand of `id` (now); whether this was it.
+    fn first_demand(&self, id: ChunkId, len: u32) -> bool {
+        let mut seen = self.seen.lock();
+        match seen.entry(id) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((self.start.elapsed(), len));
+                if let Some(&l) = self.prefetched.lock().get(&id) {
+                    self.ahead.fetch_sub(l as u64, Ordering::AcqRel);
+                }
+                true
+            }
+        }
+    }
+
+    /// Counts chunk `id`, already in the kernel's page cache, as read now (a hit), as
+    /// [`Loader::demand`] would have had the read come through the filesystem.
+    pub fn served_from_page_cache(&self, id: ChunkId, len: u32) {
+        if self.first_demand(id, len) {
+            self.counters.hits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The bytes of `id` if they are in memory or on their way there (a fetch in flight), for
+    /// the page-cache warmer; no read is counted. `None`: neither, or the fetch failed.
+    pub async fn fetched(&self, id: &ChunkId) -> Option<Bytes> {
+        if let Some(b) = self.mem.lock().get(id) {
+            return Some(b);
+        }
+        let f = self.inflight.lock().get(id).map(|(_, f)| f.clone())?;
+        if let Some(Some(d)) = self.decoder.get() {
+            // The caller waits for it: not left to the low-priority threads.
+            d.decode_here(id);
+        }
+        f.await.ok()
+    }
+
+    /// Counts pages stored in the kernel's page cache (`new_file`: the first of their file).
+    pub fn count_warmed(&self, new_file: bool, bytes: u64) {
+        self.counters
+            .warmed_files
+            .fetch_add(new_file as u64, Ordering::Relaxed);
+        self.counters
+            .warmed_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Whether `id` is already local, in flight or was demanded: nothing for the prefetcher
@@ -394,6 +435,8 @@ impl Loader {
             wasted,
             wasted_bytes,
             prefetch_errors: c.prefetch_errors.load(Ordering::Relaxed),
+            warmed_files: c.warmed_files.load(Ordering::Relaxed),
+            warmed_bytes: c.warmed_bytes.load(Ordering::Relaxed),
         }
     }
 

@@ -23,5 +23,10 @@ pub const PREFETCHED_CHUNKS_TOTAL: &str = "hotstart_image_prefetched_chunks_tota
 pub const PREFETCHED_BYTES_TOTAL: &str = "hotstart_image_prefetched_bytes_total";
 /// Prefetched bytes never read (counter).
 pub const WASTED_BYTES_TOTAL: &str = "hotstart_image_wasted_bytes_total";
+/// Files whose prefetched pages were stored in the kernel's page cache ahead of the job
+/// (counter).
+pub const WARMED_FILES_TOTAL: &str = "hotstart_image_warmed_files_total";
+/// Bytes of those pages (counter).
+pub const WARMED_BYTES_TOTAL: &str = "hotstart_image_warmed_bytes_total";
 /// Prefetch fetches allowed in flight (gauge).
 pub const PREFETCH_WINDOW: &str = "hotstart_image_prefetch_window";

@@ -34,6 +34,7 @@ use crate::loader::Loader;
 use crate::prefetch::{PrefetchConfig, ReplayStats, replay};
 use crate::profile::{DEFAULT_DECAY_RUNS, Profile, Trace};
 use crate::report::MountReport;
+use crate::warm;
 
 /// The kernel read-ahead of an image mount by default, in bytes: one chunk of the default size
 /// (see [`MountOptions::kernel_read_ahead`]).
@@ -57,6 +58,9 @@ pub struct LazyConfig {
     pub stale_trace_after: Duration,
     /// How long the kernel may cache entries, attributes and negative lookups.
     pub ttl: Duration,
+    /// Store the replayed chunks' file pages in the kernel's page cache ahead of the job (see
+    /// `warm.rs`); the mount then waits for the profile before it goes live.
+    pub warm_page_cache: bool,
     /// The FUSE session (always mounted read-only).
     pub mount: MountOptions,
     /// Told the replay's plan before the replay starts (see [`PlanHook`]).
@@ -90,6 +94,7 @@ impl Default for LazyConfig {
             flush_every: Duration::from_secs(30),
             stale_trace_after: Duration::from_secs(600),
             ttl: Duration::from_secs(3600),
+            warm_page_cache: true,
             mount: MountOptions {
                 fs_name: "hotstart-image".to_string(),
                 kernel_read_ahead: Some(KERNEL_READ_AHEAD),
@@ -215,6 +220,7 @@ pub struct LazyMount {
     /// What the prefetcher did, once it has finished.
     replayed: Option<ReplayStats>,
     flusher: Option<JoinHandle<()>>,
+    warmer: Option<std::thread::JoinHandle<()>>,
     mountpoint: PathBuf,
 }
 
@@ -264,6 +270,9 @@ impl LazyMount {
         let loader = Arc::new(Loader::new(chunks, cfg.memory_cache));
         let started_ms = now_ms();
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let (replaying, replaying_rx) = tokio::sync::watch::channel(true);
+        let (plan_tx, plan_rx) = tokio::sync::oneshot::channel();
+        let plan_tx = cfg.warm_page_cache.then_some(plan_tx);
         // The profile is read, and replayed, while the filesystem mounts.
         let replay = artifacts.as_ref().map(|dir| {
             tokio::spawn(prepare_and_replay(
@@ -275,9 +284,20 @@ impl LazyMount {
                 cfg.clone(),
                 loader.clone(),
                 stop_rx.clone(),
+                Planned {
+                    plan: plan_tx,
+                    replaying,
+                },
             ))
         });
         let fs = Arc::new(ImageFs::new(tree, loader.clone(), cfg.ttl));
+        let fs_for_warmer = fs.clone();
+        // Files to warm are known before the mount is live: none of their entries may reach
+        // the kernel with the usual TTL before they are marked (see `warm.rs`).
+        let warm_files = match (replay.is_some() && cfg.warm_page_cache, plan_rx.await) {
+            (true, Ok(plan)) => fs.plan_warming(&plan),
+            _ => Vec::new(),
+        };
         let opts = MountOptions {
             read_only: true,
             ..cfg.mount.clone()
@@ -298,6 +318,17 @@ impl LazyMount {
                 }
                 return Err(e);
             }
+        };
+        let warmer = match handle.page_cache() {
+            Some(cache) if !warm_files.is_empty() => warm::spawn(
+                fs_for_warmer,
+                warm_files,
+                mountpoint.to_path_buf(),
+                cache,
+                stop_rx.clone(),
+                replaying_rx,
+            ),
+            _ => None,
         };
         let run = new_run_id();
         let flusher = match (&artifacts, cfg.record) {
@@ -325,6 +356,7 @@ impl LazyMount {
             replay,
             replayed: None,
             flusher,
+            warmer,
             mountpoint: mountpoint.to_path_buf(),
         })
     }
@@ -360,10 +392,14 @@ impl LazyMount {
         )
     }
 
-    /// Waits until the prefetcher has gone through its plan (at once if there was none).
+    /// Waits until the prefetcher has gone through its plan and the warmer has stored what it
+    /// could in the page cache (at once if there was nothing to do).
     pub async fn prefetch_done(&mut self) -> Option<ReplayStats> {
         if let Some(task) = self.replay.take() {
             self.replayed = task.await.ok();
+        }
+        if let Some(w) = self.warmer.take() {
+            let _ = tokio::task::spawn_blocking(move || w.join()).await;
         }
         self.replayed
     }
@@ -371,6 +407,10 @@ impl LazyMount {
     /// Stops prefetching, unmounts, merges the trace into the profile and stores the report.
     pub async fn unmount(mut self) -> Result<MountReport> {
         let _ = self.stop.send(true);
+        if let Some(w) = self.warmer.take() {
+            // It stops at the next file or chunk; it may be listing a directory of the mount.
+            let _ = tokio::task::spawn_blocking(move || w.join()).await;
+        }
         if let Some(h) = self.handle.take() {
             let mp = self.mountpoint.clone();
             tokio::task::spawn_blocking(move || h.unmount())
@@ -483,7 +523,12 @@ async fn prepare_and_replay(
     cfg: LazyConfig,
     loader: Arc<Loader>,
     stop: tokio::sync::watch::Receiver<bool>,
+    planned: Planned,
 ) -> ReplayStats {
+    let Planned {
+        plan: plan_tx,
+        replaying: replaying_tx,
+    } = planned;
     let replaying = async {
         let Some(mut profile) = profile else {
             return ReplayStats::default();
@@ -492,6 +537,9 @@ async fn prepare_and_replay(
             Ok(Ok(profile)) => {
                 let plan = profile.plan(&present, budget);
                 tracing::info!(runs = profile.runs, planned = plan.len(), "profile loaded");
+                if let Some(tx) = plan_tx {
+                    let _ = tx.send(plan.clone());
+                }
                 plan
             }
             Ok(Err(e)) => {
@@ -523,7 +571,16 @@ async fn prepare_and_replay(
             tracing::warn!(error = %e, "could not merge the traces of earlier mounts");
         }
     };
-    tokio::join!(replaying, merging).0
+    let stats = tokio::join!(replaying, merging).0;
+    let _ = replaying_tx.send(false);
+    stats
+}
+
+/// What [`prepare_and_replay`] tells the mount: the plan once it is known (dropped unsent
+/// when there is none), and that the replay is over.
+struct Planned {
+    plan: Option<tokio::sync::oneshot::Sender<Vec<(ChunkId, u32)>>>,
+    replaying: tokio::sync::watch::Sender<bool>,
 }
 
 /// Writes the trace so far every `every` while it grows, and at least every `heartbeat` (so

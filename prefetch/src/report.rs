@@ -43,6 +43,12 @@ pub struct MountReport {
     pub wasted_chunks: u64,
     pub wasted_bytes: u64,
     pub prefetch_errors: u64,
+    /// Files whose prefetched pages were stored in the kernel's page cache ahead of the job,
+    /// and those pages' bytes.
+    #[serde(default)]
+    pub warmed_files: u64,
+    #[serde(default)]
+    pub warmed_bytes: u64,
     /// The prefetch window at the end and at its largest.
     pub final_window: u64,
     pub peak_window: u64,
@@ -84,6 +90,8 @@ impl MountReport {
             wasted_chunks: s.wasted,
             wasted_bytes: s.wasted_bytes,
             prefetch_errors: s.prefetch_errors,
+            warmed_files: s.warmed_files,
+            warmed_bytes: s.warmed_bytes,
             final_window: replay.final_window as u64,
             peak_window: replay.peak_window as u64,
         }
@@ -102,7 +110,8 @@ impl MountReport {
     pub fn summary(&self) -> String {
         format!(
             "{} chunks read ({} bytes) in {} reads, hit rate {:.1}%, stall {:.3} s, \
-             {} demand fetches, {} prefetched ({} bytes), {} wasted ({} bytes, {:.1}% of read)",
+             {} demand fetches, {} prefetched ({} bytes), {} wasted ({} bytes, {:.1}% of read), \
+             {} files warmed ({} bytes)",
             self.chunks_read,
             self.chunk_bytes_read,
             self.reads,
@@ -113,7 +122,9 @@ impl MountReport {
             self.prefetched_bytes,
             self.wasted_chunks,
             self.wasted_bytes,
-            self.waste_ratio() * 100.0
+            self.waste_ratio() * 100.0,
+            self.warmed_files,
+            self.warmed_bytes,
         )
     }
 
@@ -196,6 +207,18 @@ impl MountReport {
                 "counter",
                 "Prefetched bytes never read.",
                 self.wasted_bytes as f64,
+            ),
+            (
+                metrics::WARMED_FILES_TOTAL,
+                "counter",
+                "Files whose prefetched pages were stored in the kernel's page cache.",
+                self.warmed_files as f64,
+            ),
+            (
+                metrics::WARMED_BYTES_TOTAL,
+                "counter",
+                "Bytes of pages stored in the kernel's page cache ahead of reads.",
+                self.warmed_bytes as f64,
             ),
             (
                 metrics::PREFETCH_WINDOW,

@@ -232,6 +232,15 @@ fn record_then_prefetch(env: &Env) {
     assert_eq!(second.hits, second.chunks_read, "{second:?}");
     assert_eq!(second.stall_seconds, 0.0, "{second:?}");
     assert_eq!(second.wasted_bytes, 0, "{second:?}");
+    // The warmer had stored every hot file in the page cache before the job ran: no read
+    // reached the mount, and the job's lookups still counted every chunk as read.
+    assert_eq!(second.warmed_files, HOT.len() as u64, "{second:?}");
+    assert_eq!(
+        second.warmed_bytes,
+        HOT.len() as u64 * (200 << 10),
+        "{second:?}"
+    );
+    assert_eq!(second.reads, 0, "{second:?}");
 
     // Rebuild with lib/b.so changed: its old chunks leave the plan, its new ones are demand
     // fetched; everything else still comes from the profile.
@@ -316,6 +325,62 @@ fn record_then_prefetch(env: &Env) {
     assert_eq!(stats.held_hits, fourth.planned_chunks, "{stats:?}");
     assert_eq!(stats.fetched, 0, "{stats:?}");
     assert!(planned.iter().all(|id| !chunks.is_held(id)));
+}
+
+/// Warmed pages are answered by the kernel, and only the files the job uses count as read:
+/// the warmer's own listings do not, a file the job opens counts its warmed chunks, and a
+/// warmed file the job leaves alone is wasted, as an unread prefetch is. Without warming, the
+/// same reads reach the mount.
+fn warming_serves_from_the_page_cache_and_records_only_what_the_job_opens(env: &Env) {
+    let src = env.path("job");
+    write_job_tree(&src);
+    let chunk = 64 << 10;
+    let images = env.images("cache-0");
+    env.build(&images, &src, "job:v1", chunk);
+    env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
+    let per_file = (200u64 << 10).div_ceil(chunk as u64);
+    let image = ImageRef::parse("job:v1").unwrap();
+
+    for (i, warm) in [true, false].into_iter().enumerate() {
+        let images = env.images(&format!("cache-{}", i + 1));
+        let mp = tempfile::tempdir().unwrap();
+        let cfg = LazyConfig {
+            warm_page_cache: warm,
+            ..LazyConfig::default()
+        };
+        let mut m = env
+            .rt
+            .block_on(images.mount(&image, mp.path(), cfg))
+            .unwrap();
+        env.rt.block_on(m.prefetch_done());
+        let before = m.report();
+        assert_eq!(before.chunks_read, 0, "warm {warm}: {before:?}");
+        let want_warmed = if warm { HOT.len() as u64 } else { 0 };
+        assert_eq!(before.warmed_files, want_warmed, "{before:?}");
+        // The job opens two of the hot files and reads them whole.
+        for (i, f) in HOT.iter().enumerate().take(2) {
+            let data = std::fs::read(mp.path().join(f)).unwrap();
+            assert_eq!(data, pattern(200 << 10, i as u64 + 1), "{f}");
+        }
+        let after = env.rt.block_on(m.unmount()).unwrap();
+        assert_eq!(after.chunks_read, 2 * per_file, "warm {warm}: {after:?}");
+        assert_eq!(after.hits, after.chunks_read, "warm {warm}: {after:?}");
+        assert_eq!(
+            after.wasted_chunks,
+            (HOT.len() as u64 - 2) * per_file,
+            "warm {warm}: {after:?}"
+        );
+        if warm {
+            assert_eq!(after.reads, 0, "{after:?}");
+        } else {
+            assert!(after.reads >= 2, "{after:?}");
+        }
+    }
+}
+
+#[test]
+fn warming_serves_from_the_page_cache_and_records_only_what_the_job_opens_local_directory() {
+    warming_serves_from_the_page_cache_and_records_only_what_the_job_opens(&Env::local());
 }
 
 #[test]
