@@ -74,9 +74,8 @@ pub struct CachePolicy {
 /// What made the kernel ask about an inode (see [`Filesystem::ttl_of`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Asked {
-    /// A lookup of its name, or its attributes, asked by the thread with this id (as `gettid`
-    /// gives it): a process is about to use it.
-    ByThread(u32),
+    /// A lookup of its name, or its attributes: a process is about to use it.
+    Use,
     /// It was listed in its directory; nothing was opened.
     Listing,
 }

@@ -322,9 +322,9 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         Ok(())
     }
 
-    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let name = name_or_reply!(name, reply);
-        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::ByThread(req.pid()));
+        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::Use);
         let Some(negative) = self.policy.negative_ttl else {
             return self.serve(
                 "lookup",
@@ -368,8 +368,8 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         self.fs.forget(ino.0, nlookup);
     }
 
-    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::ByThread(req.pid()));
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::Use);
         self.serve(
             "getattr",
             reply,

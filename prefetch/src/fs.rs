@@ -18,7 +18,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
@@ -70,10 +69,9 @@ pub struct ImageFs {
 }
 
 /// Files the page-cache warmer has taken on (see `warm.rs`), until the job first uses each.
+/// The warmer itself only lists directories, which is not a use.
 #[derive(Debug, Default)]
 struct Warming {
-    /// The warmer's thread id: its lookups and listings are not the job's (0: none).
-    warmer: AtomicU32,
     files: Mutex<HashMap<u64, WarmState>>,
 }
 
@@ -271,11 +269,6 @@ impl ImageFs {
         files.into_iter().map(|(_, f)| f).collect()
     }
 
-    /// The warmer runs on the calling thread from now on.
-    pub fn set_warmer_thread(&self, tid: u32) {
-        self.warming.warmer.store(tid, Ordering::Release);
-    }
-
     /// Whether the warmer may store the pages of `chunks` of `ino`: true if the job has not
     /// used the file yet, and from now on a use counts as reading them (with those stored
     /// before).
@@ -298,7 +291,6 @@ impl ImageFs {
             .files
             .lock()
             .retain(|_, s| matches!(s, WarmState::Stored(_)));
-        self.warming.warmer.store(0, Ordering::Release);
     }
 
     /// The loader reads go through.
@@ -422,13 +414,8 @@ impl Filesystem for ImageFs {
         }
         match asked {
             Asked::Listing => Some(Duration::ZERO),
-            Asked::ByThread(tid)
-                if tid != 0 && tid == self.warming.warmer.load(Ordering::Acquire) =>
-            {
-                Some(Duration::ZERO)
-            }
             // The job is about to use it: what was stored counts as read now.
-            Asked::ByThread(_) => {
+            Asked::Use => {
                 if let Some(WarmState::Stored(chunks)) = files.remove(&ino) {
                     drop(files);
                     for (id, len) in chunks {
@@ -541,5 +528,130 @@ fn join(dir: &str, name: &str) -> String {
         name.to_string()
     } else {
         format!("{dir}/{name}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
+
+    fn entry(path: &str, kind: EntryKind) -> Entry {
+        Entry {
+            path: path.to_string(),
+            kind,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime_ns: 0,
+            xattrs: BTreeMap::new(),
+        }
+    }
+
+    fn file(path: &str, chunks: &[&[u8]]) -> Entry {
+        let refs: Vec<ChunkRef> = chunks
+            .iter()
+            .map(|c| ChunkRef {
+                id: ChunkId::of(c),
+                len: c.len() as u32,
+            })
+            .collect();
+        let size = refs.iter().map(|c| c.len as u64).sum();
+        entry(path, EntryKind::File { size, chunks: refs })
+    }
+
+    fn planned(data: &[&[u8]]) -> Vec<(ChunkId, u32)> {
+        data.iter()
+            .map(|c| (ChunkId::of(c), c.len() as u32))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn warming_hides_a_file_from_the_kernel_cache_until_the_job_uses_it() {
+        let (a0, a1, a2, b0, c0, e0) = (
+            &[1u8; 100][..],
+            &[2u8; 200][..],
+            &[3u8; 300][..],
+            &[4u8; 400][..],
+            &[5u8; 500][..],
+            &[6u8; 600][..],
+        );
+        let tree = Tree {
+            entries: vec![
+                entry("d", EntryKind::Dir),
+                file("d/a", &[a0, a1, a2]),
+                file("d/b", &[b0]),
+                file("d/c", &[c0]),
+                file("d/e", &[e0]),
+            ],
+        };
+        let chunks = ChunkStore::new(
+            Store::open("memory://").unwrap(),
+            ChunkStoreConfig::default(),
+        )
+        .unwrap();
+        let loader = Arc::new(Loader::new(chunks, 1 << 20));
+        let fs = ImageFs::new(&tree, loader.clone(), Duration::from_secs(60));
+        let ino = |name: &'static str| {
+            let fs = &fs;
+            async move {
+                let d = fs.lookup(ROOT, "d").await.unwrap().ino;
+                fs.lookup(d, name).await.unwrap().ino
+            }
+        };
+        let (a, b, c, e) = (
+            ino("a").await,
+            ino("b").await,
+            ino("c").await,
+            ino("e").await,
+        );
+
+        // The plan reads b0, then a1 and a2, then e0; a0 and c0 are cold.
+        let files = fs.plan_warming(&planned(&[b0, a1, a2, e0]));
+        let order: Vec<&str> = files.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(order, ["d/b", "d/a", "d/e"]);
+        let a_file = &files[1];
+        assert_eq!(a_file.size, 600);
+        assert_eq!(
+            a_file.runs,
+            [WarmRun {
+                rank: 1,
+                offset: 100,
+                chunks: planned(&[a1, a2]),
+            }]
+        );
+
+        let job = Asked::Use;
+        // Until the job uses them, files to warm are listed with no TTL, and a listing is no
+        // use.
+        for f in [a, b, e] {
+            assert_eq!(fs.ttl_of(f, Asked::Listing), Some(Duration::ZERO));
+        }
+        assert_eq!(fs.ttl_of(c, Asked::Listing), None, "not planned");
+        assert_eq!(loader.stats().chunks_read, 0, "a listing is not a read");
+
+        // a's pages are stored; the job's first lookup counts them as read (as hits).
+        assert!(fs.claim_for_warming(a, &a_file.runs[0].chunks));
+        assert_eq!(fs.ttl_of(a, job), None);
+        let s = loader.stats();
+        assert_eq!((s.chunks_read, s.chunk_bytes_read, s.hits), (2, 500, 2));
+        assert_eq!(
+            fs.ttl_of(a, Asked::Listing),
+            None,
+            "the usual TTL from now on"
+        );
+        assert_eq!(fs.ttl_of(a, job), None);
+        assert_eq!(loader.stats().chunks_read, 2, "counted once");
+
+        // b is used before the warmer gets to it: it is left to its reads.
+        assert_eq!(fs.ttl_of(b, job), None);
+        assert!(!fs.claim_for_warming(b, &files[0].runs[0].chunks));
+        assert_eq!(loader.stats().chunks_read, 2);
+
+        // The warmer ends without e: e gets the usual TTL back, and nothing was read.
+        fs.end_warming();
+        assert_eq!(fs.ttl_of(e, Asked::Listing), None);
+        assert_eq!(fs.ttl_of(e, job), None);
+        assert_eq!(loader.stats().chunks_read, 2);
     }
 }

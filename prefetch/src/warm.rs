@@ -18,8 +18,8 @@
 //! **What the job read is still recorded.** Reads served by the page cache never reach the
 //! filesystem, so the profile would lose them. Every file the warmer takes on is therefore
 //! given to the kernel with no TTL (in lookups and listings, see [`ImageFs::plan_warming`])
-//! until the job uses it: its first lookup or attribute request from a thread other than the
-//! warmer's counts its stored chunks as read, then (and from then on) the usual TTL is given.
+//! until the job uses it: its first lookup or attribute request (the warmer only lists
+//! directories) counts its stored chunks as read, and from then on the usual TTL is given.
 //! A file the job never opens is not counted, and its chunks leave the profile as any unread
 //! chunk does. A file used before the warmer got to it is left to its reads.
 
@@ -28,8 +28,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::Bytes;
 use hotstart_fuse::PageCache;
+use hotstart_store::ChunkId;
 
 use crate::fs::{ImageFs, WarmFile, WarmRun};
 
@@ -45,9 +46,6 @@ pub fn warm(
     stop: &tokio::sync::watch::Receiver<bool>,
     replaying: &tokio::sync::watch::Receiver<bool>,
 ) {
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::gettid() } as u32;
-    fs.set_warmer_thread(tid);
     let page = page_size();
     // Runs in the order the plan brings their first chunk, so a large file's later runs do
     // not hold up the files read before them.
@@ -58,7 +56,7 @@ pub fn warm(
     runs.sort_by_key(|(f, r)| (r.rank, f.ino, r.offset));
     let mut listed: HashSet<PathBuf> = HashSet::new();
     let mut warmed: HashSet<u64> = HashSet::new();
-    for (file, run) in runs {
+    'runs: for (file, run) in runs {
         if *stop.borrow() {
             break;
         }
@@ -74,64 +72,146 @@ pub fn warm(
             }
             listed.insert(dir);
         }
-        let Some(data) = rt.block_on(fetch_run(fs, run, stop, replaying)) else {
-            continue;
-        };
-        let Some((at, pages)) = whole_pages(run.offset, &data, file.size, page) else {
-            continue;
-        };
-        if !fs.claim_for_warming(file.ino, &run.chunks) {
-            continue;
+        // Each chunk's pages go in as it arrives (a large run does not wait for its last
+        // chunk), claimed first, so that a use of the file from then on counts it as read.
+        let mut pages = Pages::new(run.offset, file.size, page);
+        for &(id, len) in &run.chunks {
+            let Some(data) = rt.block_on(fetch_chunk(fs, &id, stop, replaying)) else {
+                continue 'runs;
+            };
+            let stores = pages.push(data);
+            if !fs.claim_for_warming(file.ino, &[(id, len)]) {
+                continue 'runs;
+            }
+            for (at, bytes) in stores {
+                if !store(fs, cache, file, at, &bytes, &mut warmed) {
+                    break 'runs;
+                }
+            }
         }
-        if let Err(e) = cache.store(file.ino, at, pages) {
-            tracing::debug!(path = %file.path, error = %e, "page cache store failed");
+        if let Some((at, bytes)) = pages.finish()
+            && !store(fs, cache, file, at, &bytes, &mut warmed)
+        {
             break;
         }
-        fs.loader()
-            .count_warmed(warmed.insert(file.ino), pages.len() as u64);
     }
     fs.end_warming();
 }
 
-/// The bytes of `run`, once the prefetcher has brought all its chunks; `None` when one will
-/// not come (the prefetcher is done without it, or it failed) or `stop` fired.
-async fn fetch_run(
+/// Stores `bytes` at `at` in `file`'s page cache; false if the mount is gone.
+fn store(
     fs: &ImageFs,
-    run: &WarmRun,
-    stop: &tokio::sync::watch::Receiver<bool>,
-    replaying: &tokio::sync::watch::Receiver<bool>,
-) -> Option<bytes::Bytes> {
-    let loader = fs.loader();
-    let mut buf = BytesMut::with_capacity(run.chunks.iter().map(|c| c.1 as usize).sum());
-    for (id, _) in &run.chunks {
-        let data = loop {
-            if let Some(d) = loader.fetched(id).await {
-                break d;
-            }
-            if *stop.borrow() || !*replaying.borrow() {
-                return None;
-            }
-            // Not started yet: the prefetcher gets to it in plan order.
-            loader.wait_change(Duration::from_millis(5)).await;
-        };
-        buf.extend_from_slice(&data);
+    cache: &PageCache,
+    file: &WarmFile,
+    at: u64,
+    bytes: &[u8],
+    warmed: &mut HashSet<u64>,
+) -> bool {
+    if let Err(e) = cache.store(file.ino, at, bytes) {
+        tracing::debug!(path = %file.path, error = %e, "page cache store failed; warming ends");
+        return false;
     }
-    Some(buf.freeze())
+    fs.loader()
+        .count_warmed(warmed.insert(file.ino), bytes.len() as u64);
+    true
 }
 
-/// The part of `data` (the file's bytes from `offset`) that covers whole pages: its start
-/// rounded up to a page, its end down, except at the end of the file (`size`), where the
-/// kernel takes the last partial page. `None` if no whole page is covered.
-fn whole_pages(offset: u64, data: &[u8], size: u64, page: u64) -> Option<(u64, &[u8])> {
-    let end = offset + data.len() as u64;
-    let from = offset.div_ceil(page) * page;
-    let to = if end >= size { end } else { end / page * page };
-    (to > from).then(|| {
-        (
-            from,
-            &data[(from - offset) as usize..(to - offset) as usize],
-        )
-    })
+/// The bytes of chunk `id` once the prefetcher has brought them; `None` when they will not
+/// come (the prefetcher is done without them, or the fetch failed) or `stop` fired.
+async fn fetch_chunk(
+    fs: &ImageFs,
+    id: &ChunkId,
+    stop: &tokio::sync::watch::Receiver<bool>,
+    replaying: &tokio::sync::watch::Receiver<bool>,
+) -> Option<Bytes> {
+    let loader = fs.loader();
+    let mut stop = stop.clone();
+    loop {
+        if *stop.borrow() {
+            return None;
+        }
+        tokio::select! {
+            got = loader.fetched(id) => if let Some(d) = got {
+                return Some(d);
+            },
+            _ = stop.changed() => return None,
+        }
+        if !*replaying.borrow() {
+            return None;
+        }
+        // Not started yet: the prefetcher gets to it in plan order.
+        loader.wait_change(Duration::from_millis(5)).await;
+    }
+}
+
+/// A run's bytes, given chunk by chunk, cut into stores of whole pages: the page-aligned
+/// middle of each chunk is stored as it is (no copy), and a page that straddles two chunks is
+/// put together in a buffer of its own. The run's partial first page is left out, and so is
+/// its partial last page unless it ends the file (where the kernel takes a partial page).
+struct Pages {
+    page: u64,
+    /// The file's size.
+    size: u64,
+    /// Where the next byte given goes in the file.
+    at: u64,
+    /// The first page boundary of the run: bytes before it are left out.
+    from: u64,
+    /// The start of the page being put together, ending at `at`.
+    partial: Vec<u8>,
+}
+
+impl Pages {
+    fn new(offset: u64, size: u64, page: u64) -> Pages {
+        Pages {
+            page,
+            size,
+            at: offset,
+            from: offset.div_ceil(page) * page,
+            partial: Vec::new(),
+        }
+    }
+
+    /// The stores (file offset, bytes) that the next chunk's bytes complete.
+    fn push(&mut self, mut data: Bytes) -> Vec<(u64, Bytes)> {
+        let page = self.page as usize;
+        let mut pos = self.at;
+        self.at += data.len() as u64;
+        if pos < self.from {
+            let skip = ((self.from - pos) as usize).min(data.len());
+            data = data.slice(skip..);
+            pos += skip as u64;
+        }
+        let mut out = Vec::new();
+        if !self.partial.is_empty() {
+            let take = (page - self.partial.len()).min(data.len());
+            self.partial.extend_from_slice(&data[..take]);
+            data = data.slice(take..);
+            pos += take as u64;
+            if self.partial.len() < page {
+                return out;
+            }
+            out.push((
+                pos - page as u64,
+                Bytes::from(std::mem::take(&mut self.partial)),
+            ));
+        }
+        let whole = data.len() / page * page;
+        if whole > 0 {
+            out.push((pos, data.slice(..whole)));
+        }
+        self.partial = data[whole..].to_vec();
+        out
+    }
+
+    /// The last partial page, if the run ends the file.
+    fn finish(self) -> Option<(u64, Bytes)> {
+        (self.at == self.size && !self.partial.is_empty()).then(|| {
+            (
+                self.at - self.partial.len() as u64,
+                Bytes::from(self.partial),
+            )
+        })
+    }
 }
 
 fn page_size() -> u64 {
@@ -166,19 +246,56 @@ pub(crate) fn spawn(
 mod tests {
     use super::*;
 
+    /// Feeds `chunks` (lengths) of a run at `offset` in a file of `size` through [`Pages`];
+    /// returns the stores, checked to be whole pages (but a last one at the end of the file)
+    /// holding the file's bytes.
+    fn stores(offset: u64, chunks: &[usize], size: u64) -> Vec<(u64, usize)> {
+        let file: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8).collect();
+        let mut pages = Pages::new(offset, size, 4096);
+        let mut at = offset as usize;
+        let mut out = Vec::new();
+        for &len in chunks {
+            out.extend(pages.push(Bytes::copy_from_slice(&file[at..at + len])));
+            at += len;
+        }
+        out.extend(pages.finish());
+        for (o, b) in &out {
+            assert_eq!(o % 4096, 0, "store at {o}");
+            let end = *o as usize + b.len();
+            assert!(
+                b.len() % 4096 == 0 || end == size as usize,
+                "store {o}+{}",
+                b.len()
+            );
+            assert_eq!(&b[..], &file[*o as usize..end], "bytes at {o}");
+        }
+        out.iter().map(|(o, b)| (*o, b.len())).collect()
+    }
+
     #[test]
-    fn stores_only_whole_pages_except_at_the_end_of_the_file() {
-        let data = vec![7u8; 10_000];
-        // From 100 to 10,100 in a 20,000-byte file: pages 4096..8192 only.
-        let (at, part) = whole_pages(100, &data, 20_000, 4096).unwrap();
-        assert_eq!((at, part.len()), (4096, 4096));
-        // The same bytes at the start of a file: 0..8192.
-        let (at, part) = whole_pages(0, &data, 20_000, 4096).unwrap();
-        assert_eq!((at, part.len()), (0, 8192));
-        // Ending the file: its partial last page is kept.
-        let (at, part) = whole_pages(100, &data, 10_100, 4096).unwrap();
-        assert_eq!((at, part.len()), (4096, 10_100 - 4096));
-        // Inside one page: nothing.
-        assert_eq!(whole_pages(100, &data[..3000], 20_000, 4096), None);
+    fn pages_are_stored_whole_and_straddling_pages_put_together() {
+        // From 100: the partial first page is left out; 10,000 bytes end at 10,100, so the
+        // run ends mid-page in a larger file: only 4096..8192.
+        assert_eq!(stores(100, &[10_000], 20_000), [(4096, 4096)]);
+        // At 0 in two chunks of 5,000: page 0 from the first, the page straddling both put
+        // together, nothing after 8,192 (mid-file).
+        assert_eq!(
+            stores(0, &[5_000, 5_000], 20_000),
+            [(0, 4096), (4096, 4096)]
+        );
+        // The same run ending the file: its partial last page is stored.
+        assert_eq!(
+            stores(0, &[5_000, 5_000], 10_000),
+            [(0, 4096), (4096, 4096), (8192, 1808)]
+        );
+        // Chunks smaller than a page: pages are put together across several.
+        assert_eq!(
+            stores(4096, &[1_000, 1_000, 3_000, 4_000], 30_000),
+            [(4096, 4096), (8192, 4096)]
+        );
+        // A file of one partial page.
+        assert_eq!(stores(0, &[700], 700), [(0, 700)]);
+        // Inside one page, mid-file: nothing.
+        assert_eq!(stores(100, &[3_000], 20_000), []);
     }
 }
