@@ -284,6 +284,11 @@ impl ImageFs {
         true
     }
 
+    /// Whether `ino` is still to be warmed (the job has not used it yet).
+    pub fn warming(&self, ino: u64) -> bool {
+        self.warming.files.lock().contains_key(&ino)
+    }
+
     /// The warmer is done: files it did not get to get the usual TTL again (their reads
     /// reach the filesystem as any other file's).
     pub fn end_warming(&self) {

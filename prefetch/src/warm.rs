@@ -76,6 +76,10 @@ pub fn warm(
         // chunk), claimed first, so that a use of the file from then on counts it as read.
         let mut pages = Pages::new(run.offset, file.size, page);
         for &(id, len) in &run.chunks {
+            if !fs.warming(file.ino) {
+                // The job got there first: on to what it has not reached yet.
+                continue 'runs;
+            }
             let Some(data) = rt.block_on(fetch_chunk(fs, &id, stop, replaying)) else {
                 continue 'runs;
             };
