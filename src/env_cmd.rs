@@ -147,6 +147,10 @@ pub struct EnsureArgs {
     /// With --lazy: memory for verified chunks, in MiB (prefetched chunks wait here to be read).
     #[arg(long, default_value_t = 1024, value_name = "MIB")]
     lazy_memory_mib: u64,
+    /// With --lazy: do not store prefetched pages in the kernel's page cache ahead of the job
+    /// (its reads then each take a request to this process, served from its memory).
+    #[arg(long, requires = "lazy")]
+    no_warm: bool,
     /// The install command (after `--`), run on a miss. It sees HOTSTART_ENV_TARGET and
     /// HOTSTART_ENV_KEY.
     #[arg(last = true, required = true, value_name = "INSTALL COMMAND")]
@@ -243,6 +247,7 @@ async fn ensure_cmd(args: EnsureArgs) -> anyhow::Result<()> {
     if args.lazy {
         let lazy = LazyConfig {
             memory_cache: args.lazy_memory_mib << 20,
+            warm_page_cache: !args.no_warm,
             ..hotstart_snapshot::lazy_config()
         };
         return ensure_lazy_cmd(&store, &cfg, lazy, args.json).await;

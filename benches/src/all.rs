@@ -117,7 +117,7 @@ const BENCHES: &[Bench] = &[
     },
     Bench {
         name: "image",
-        full: Runner::Own(&["image", "--runs", "3"]),
+        full: Runner::Own(&["image", "--runs", "7"]),
         quick: Runner::Own(&["image", "--runs", "1", "--record-runs", "1"]),
     },
     Bench {

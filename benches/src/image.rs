@@ -85,6 +85,9 @@ pub struct ImageArgs {
     /// Do not drop the page cache before each run.
     #[arg(long)]
     keep_page_cache: bool,
+    /// Do not store prefetched pages in the kernel's page cache ahead of the program.
+    #[arg(long)]
+    no_warm: bool,
     /// Scratch directory (on disk): the installation copy, the store, caches, mount points.
     #[arg(long, default_value = "/var/tmp")]
     dir: PathBuf,
@@ -373,6 +376,7 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
         LazyConfig {
             prefetch,
             record,
+            warm_page_cache: !args.no_warm,
             mount: hotstart_fuse::MountOptions {
                 kernel_read_ahead: (args.kernel_read_ahead_kib > 0)
                     .then_some(args.kernel_read_ahead_kib << 10),

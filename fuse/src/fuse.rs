@@ -22,7 +22,8 @@
 //!
 //! What the kernel may cache comes from the filesystem's [`CachePolicy`]: the TTL of entries and
 //! attributes, whether "no such name" is cached too (a negative entry), and whether an open keeps
-//! the inode's page cache (and, with it, symlink targets). A filesystem whose attributes are at
+//! the inode's page cache (and, with it, symlink targets); a filesystem may give single inodes
+//! another TTL in lookups, attributes and listings ([`Filesystem::ttl_of`]). A filesystem whose attributes are at
 //! hand ([`CachePolicy::listing_attrs`]) answers listings with READDIRPLUS: every entry with its
 //! attributes, which the kernel keeps as if it had looked each name up (an import of numpy and
 //! pandas from a lazy mount sent 705 lookups instead of 1,136). Symlinks and extended attributes
