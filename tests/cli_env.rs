@@ -1261,7 +1261,10 @@ fn a_lazy_mount_serves_a_numpy_venv_and_replays_its_profile(f: &Fixture) {
     // the mount.
     assert!(m["warmed_files"].as_u64().unwrap() > 0, "{r2}");
     let read2 = m["chunks_read"].as_u64().unwrap();
-    assert!(read2 * 10 >= read1 * 9, "{read2} chunks read, {read1} before: {r2}");
+    assert!(
+        read2 * 10 >= read1 * 9,
+        "{read2} chunks read, {read1} before: {r2}"
+    );
     // From a remote store the planned chunks come from the snapshot's pack, several to a GET
     // (the pack holds every chunk; the node's cache holds none); a local directory is read
     // chunk by chunk.

@@ -23,13 +23,13 @@
 //! What the kernel may cache comes from the filesystem's [`CachePolicy`]: the TTL of entries and
 //! attributes, whether "no such name" is cached too (a negative entry), and whether an open keeps
 //! the inode's page cache (and, with it, symlink targets); a filesystem may give single inodes
-//! another TTL in lookups, attributes and listings ([`Filesystem::ttl_of`]). A filesystem whose attributes are at
-//! hand ([`CachePolicy::listing_attrs`]) answers listings with READDIRPLUS: every entry with its
-//! attributes, which the kernel keeps as if it had looked each name up (an import of numpy and
-//! pandas from a lazy mount sent 705 lookups instead of 1,136). Symlinks and extended attributes
-//! are passed through; a filesystem without xattrs answers ENOSYS once, so the kernel stops
-//! asking. A filesystem whose opens are stateless ([`CachePolicy::stateless_open`]) answers open,
-//! opendir and flush ENOSYS where the kernel supports that, so it stops sending them (and
+//! another TTL in lookups, attributes and listings ([`Filesystem::ttl_of`]). A filesystem whose
+//! attributes are at hand ([`CachePolicy::listing_attrs`]) answers listings with READDIRPLUS: every
+//! entry with its attributes, which the kernel keeps as if it had looked each name up (an import of
+//! numpy and pandas from a lazy mount sent 705 lookups instead of 1,136). Symlinks and extended
+//! attributes are passed through; a filesystem without xattrs answers ENOSYS once, so the kernel
+//! stops asking. A filesystem whose opens are stateless ([`CachePolicy::stateless_open`]) answers
+//! open, opendir and flush ENOSYS where the kernel supports that, so it stops sending them (and
 //! release): three of the four requests that opening and closing a small file took; listings are
 //! then served by offset from [`Filesystem::readdir`] and kept in the kernel's page cache.
 
@@ -325,7 +325,7 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let name = name_or_reply!(name, reply);
-        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::Use);
+        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
         let Some(negative) = self.policy.negative_ttl else {
             return self.serve(
                 "lookup",
@@ -333,7 +333,7 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
                 async move {
                     fs.lookup(parent.0, &name)
                         .await
-                        .map(|a| (fs.ttl_of(a.ino, asked), a))
+                        .map(|a| (fs.ttl_of(a.ino, Asked::Use), a))
                 },
                 move |r, (own, a)| r.entry(&own.unwrap_or(ttl), &file_attr(&a), Generation(0)),
             );
@@ -342,7 +342,7 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         self.run(async move {
             match fs.lookup(parent.0, &name).await {
                 Ok(a) => {
-                    let ttl = fs.ttl_of(a.ino, asked).unwrap_or(ttl);
+                    let ttl = fs.ttl_of(a.ino, Asked::Use).unwrap_or(ttl);
                     reply.entry(&ttl, &file_attr(&a), Generation(0))
                 }
                 Err(e) if e.errno() == libc::ENOENT => {
@@ -370,14 +370,14 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        let (fs, ttl, asked) = (self.fs.clone(), self.policy.ttl, Asked::Use);
+        let (fs, ttl) = (self.fs.clone(), self.policy.ttl);
         self.serve(
             "getattr",
             reply,
             async move {
                 fs.getattr(ino.0)
                     .await
-                    .map(|a| (fs.ttl_of(a.ino, asked), a))
+                    .map(|a| (fs.ttl_of(a.ino, Asked::Use), a))
             },
             move |r, (own, a)| r.attr(&own.unwrap_or(ttl), &file_attr(&a)),
         );

@@ -219,6 +219,7 @@ impl ImageFs {
             .map(|(i, (id, _))| (*id, i))
             .collect();
         let mut files: Vec<(usize, WarmFile)> = Vec::new();
+        // One node per inode: a file with hard links appears once.
         for (i, n) in self.nodes.iter().enumerate() {
             let Data::File {
                 size,
@@ -260,7 +261,6 @@ impl ImageFs {
                 files.push((first, file));
             }
         }
-        // A hard link's target appears once: its inode is one node.
         files.sort_by_key(|(first, f)| (*first, f.ino));
         let mut pending = self.warming.files.lock();
         for (_, f) in &files {

@@ -306,7 +306,8 @@ impl Loader {
     }
 
     /// The bytes of `id` if they are in memory or on their way there (a fetch in flight), for
-    /// the page-cache warmer; no read is counted. `None`: neither, or the fetch failed.
+    /// the page-cache warmer; no read is counted. A frame already queued for the low-priority
+    /// decoders is decoded on the calling thread. `None`: neither, or the fetch failed.
     pub async fn fetched(&self, id: &ChunkId) -> Option<Bytes> {
         if let Some(b) = self.mem.lock().get(id) {
             return Some(b);

@@ -7,13 +7,16 @@
 //! 705 lookups, at 30–50 µs each, and the job's thread copied every page into the page cache
 //! itself. On a small node that was most of the gap to a local directory.
 //!
-//! **How.** A thread of its own walks the files holding the plan's chunks, in the order of
-//! their first chunk in the plan (the order the job first read them). For each file it lists
-//! the file's directory through the mount once (one READDIRPLUS per directory makes the kernel
-//! know every inode in it), waits for the file's planned chunks to be prefetched (it never
-//! fetches one itself, nor takes one off the queue), and stores each run of adjacent planned
-//! chunks, cut to whole pages, with FUSE's store notification ([`PageCache::store`]). Pages
-//! the job reads first, and a run's partial edge pages, are read as usual.
+//! **How.** A thread of its own walks the runs of adjacent planned chunks of every file that
+//! holds some, in the order of their first chunk in the plan (the order the job first read
+//! them). Before a file's first run it lists the file's directory through the mount, once per
+//! directory (one READDIRPLUS makes the kernel know every inode in it). It waits for each
+//! chunk to be prefetched (it never fetches one itself; a frame still queued for the
+//! low-priority decoders it decodes on its own thread) and stores the chunk's whole pages as
+//! soon as it has them, with FUSE's store notification ([`PageCache::store`]); a page that
+//! straddles two chunks goes in with the second. Pages the job reads first, and a run's partial
+//! edge pages, are read as usual, and a file the job is already using is skipped without
+//! waiting for its chunks.
 //!
 //! **What the job read is still recorded.** Reads served by the page cache never reach the
 //! filesystem, so the profile would lose them. Every file the warmer takes on is therefore
@@ -37,7 +40,7 @@ use crate::fs::{ImageFs, WarmFile, WarmRun};
 /// Runs the warmer over `files` (from [`ImageFs::plan_warming`]) on this thread, until it is
 /// through them or `stop` fires; `replaying` turns false when the prefetcher is done, after
 /// which a chunk that is not in memory or in flight will not come.
-pub fn warm(
+fn warm(
     fs: &ImageFs,
     files: Vec<WarmFile>,
     mountpoint: &Path,
@@ -234,13 +237,25 @@ pub(crate) fn spawn(
     replaying: tokio::sync::watch::Receiver<bool>,
 ) -> Option<std::thread::JoinHandle<()>> {
     let rt = tokio::runtime::Handle::current();
+    let warmer_fs = fs.clone();
     let spawned = std::thread::Builder::new()
         .name("page-warmer".into())
-        .spawn(move || warm(&fs, files, &mountpoint, &cache, &rt, &stop, &replaying));
+        .spawn(move || {
+            warm(
+                &warmer_fs,
+                files,
+                &mountpoint,
+                &cache,
+                &rt,
+                &stop,
+                &replaying,
+            )
+        });
     match spawned {
         Ok(h) => Some(h),
         Err(e) => {
             tracing::warn!(error = %e, "cannot start the page-cache warmer");
+            fs.end_warming();
             None
         }
     }
