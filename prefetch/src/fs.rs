@@ -65,14 +65,9 @@ pub struct ImageFs {
     nodes: Vec<Node>,
     loader: Arc<Loader>,
     ttl: Duration,
-    warming: Warming,
-}
-
-/// Files the page-cache warmer has taken on (see `warm.rs`), until the job first uses each.
-/// The warmer itself only lists directories, which is not a use.
-#[derive(Debug, Default)]
-struct Warming {
-    files: Mutex<HashMap<u64, WarmState>>,
+    /// Files the page-cache warmer has taken on (see `warm.rs`), until the job first uses
+    /// each. The warmer itself only lists directories, which is not a use.
+    warming: Mutex<HashMap<u64, WarmState>>,
 }
 
 #[derive(Debug)]
@@ -204,12 +199,12 @@ impl ImageFs {
             nodes,
             loader,
             ttl,
-            warming: Warming::default(),
+            warming: Mutex::default(),
         }
     }
 
-    /// The files holding the chunks of `plan`, in the order of their first chunk in it, each
-    /// with its runs of planned chunks; every one is marked pending, so that the kernel gets
+    /// The files holding the chunks of `plan`, each with its runs of planned chunks (and each
+    /// run with its place in the plan); every one is marked pending, so that the kernel gets
     /// its entry and attributes with no TTL until the job uses it (see `warm.rs`). Call before
     /// the filesystem is mounted, so that no entry of these files was given out for longer.
     pub fn plan_warming(&self, plan: &[(ChunkId, u32)]) -> Vec<WarmFile> {
@@ -218,7 +213,7 @@ impl ImageFs {
             .enumerate()
             .map(|(i, (id, _))| (*id, i))
             .collect();
-        let mut files: Vec<(usize, WarmFile)> = Vec::new();
+        let mut files = Vec::new();
         // One node per inode: a file with hard links appears once.
         for (i, n) in self.nodes.iter().enumerate() {
             let Data::File {
@@ -229,7 +224,6 @@ impl ImageFs {
             else {
                 continue;
             };
-            let mut first = usize::MAX;
             let mut runs: Vec<WarmRun> = Vec::new();
             let mut prev_planned = false;
             for (c, &at) in chunks.iter().zip(offsets) {
@@ -237,7 +231,6 @@ impl ImageFs {
                     prev_planned = false;
                     continue;
                 };
-                first = first.min(rank);
                 match runs.last_mut() {
                     Some(run) if prev_planned => {
                         run.rank = run.rank.min(rank);
@@ -252,28 +245,26 @@ impl ImageFs {
                 prev_planned = true;
             }
             if !runs.is_empty() {
-                let file = WarmFile {
+                files.push(WarmFile {
                     ino: i as u64 + 1,
                     path: n.path.clone(),
                     size: *size,
                     runs,
-                };
-                files.push((first, file));
+                });
             }
         }
-        files.sort_by_key(|(first, f)| (*first, f.ino));
-        let mut pending = self.warming.files.lock();
-        for (_, f) in &files {
+        let mut pending = self.warming.lock();
+        for f in &files {
             pending.insert(f.ino, WarmState::Pending);
         }
-        files.into_iter().map(|(_, f)| f).collect()
+        files
     }
 
     /// Whether the warmer may store the pages of `chunks` of `ino`: true if the job has not
     /// used the file yet, and from now on a use counts as reading them (with those stored
     /// before).
     pub fn claim_for_warming(&self, ino: u64, chunks: &[(ChunkId, u32)]) -> bool {
-        let mut files = self.warming.files.lock();
+        let mut files = self.warming.lock();
         let Some(state) = files.get_mut(&ino) else {
             return false;
         };
@@ -286,14 +277,13 @@ impl ImageFs {
 
     /// Whether `ino` is still to be warmed (the job has not used it yet).
     pub fn warming(&self, ino: u64) -> bool {
-        self.warming.files.lock().contains_key(&ino)
+        self.warming.lock().contains_key(&ino)
     }
 
     /// The warmer is done: files it did not get to get the usual TTL again (their reads
     /// reach the filesystem as any other file's).
     pub fn end_warming(&self) {
         self.warming
-            .files
             .lock()
             .retain(|_, s| matches!(s, WarmState::Stored(_)));
     }
@@ -413,7 +403,7 @@ impl Filesystem for ImageFs {
     }
 
     fn ttl_of(&self, ino: u64, asked: Asked) -> Option<Duration> {
-        let mut files = self.warming.files.lock();
+        let mut files = self.warming.lock();
         if !files.contains_key(&ino) {
             return None;
         }
@@ -613,9 +603,15 @@ mod tests {
 
         // The plan reads b0, then a1 and a2, then e0; a0 and c0 are cold.
         let files = fs.plan_warming(&planned(&[b0, a1, a2, e0]));
-        let order: Vec<&str> = files.iter().map(|f| f.path.as_str()).collect();
-        assert_eq!(order, ["d/b", "d/a", "d/e"]);
-        let a_file = &files[1];
+        let ranks: Vec<(&str, Vec<usize>)> = files
+            .iter()
+            .map(|f| (f.path.as_str(), f.runs.iter().map(|r| r.rank).collect()))
+            .collect();
+        assert_eq!(
+            ranks,
+            [("d/a", vec![1]), ("d/b", vec![0]), ("d/e", vec![3])]
+        );
+        let a_file = &files[0];
         assert_eq!(a_file.size, 600);
         assert_eq!(
             a_file.runs,
@@ -650,7 +646,7 @@ mod tests {
 
         // b is used before the warmer gets to it: it is left to its reads.
         assert_eq!(fs.ttl_of(b, job), None);
-        assert!(!fs.claim_for_warming(b, &files[0].runs[0].chunks));
+        assert!(!fs.claim_for_warming(b, &files[1].runs[0].chunks));
         assert_eq!(loader.stats().chunks_read, 2);
 
         // The warmer ends without e: e gets the usual TTL back, and nothing was read.

@@ -294,9 +294,10 @@ impl LazyMount {
         let fs_for_warmer = fs.clone();
         // Files to warm are known before the mount is live: none of their entries may reach
         // the kernel with the usual TTL before they are marked (see `warm.rs`).
-        let warm_files = match (replay.is_some() && cfg.warm_page_cache, plan_rx.await) {
-            (true, Ok(plan)) => fs.plan_warming(&plan),
-            _ => Vec::new(),
+        // The plan never comes without warming, or without a profile to replay.
+        let warm_files = match plan_rx.await {
+            Ok(plan) => fs.plan_warming(&plan),
+            Err(_) => Vec::new(),
         };
         let opts = MountOptions {
             read_only: true,
