@@ -307,6 +307,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
             step: 1,
             len: file.len() as u64,
             wait: false,
+            ahead: false,
         })
         .unwrap();
         assert!(matches!(
@@ -326,16 +327,25 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
         other => panic!("{other:?}"),
     };
 
-    // Still mapped writable at commit: refused (it could still change under the seal).
+    // Still mapped writable at commit: the sidecar cannot tell yet (the bytes match), but it
+    // never hands such a segment out. A restore cannot seal it, drops it from memory and
+    // finds nothing else (no other tier here).
     let mut c = attach();
     let seg = stage(&mut c);
     let map = write(&seg, &file);
+    drop(seg);
     c.send(&LocalMsg::Commit {
         manifest: manifest.clone(),
     })
     .unwrap();
-    assert!(refused(&mut c).contains("still mapped writable"));
-    drop(map);
+    assert!(matches!(c.recv::<LocalMsg>().unwrap(), LocalMsg::Committed));
+    let mut r = attach();
+    r.send(&LocalMsg::Restore { step: Some(1) }).unwrap();
+    assert!(matches!(
+        r.recv::<LocalMsg>().unwrap(),
+        LocalMsg::NotFound { step: Some(1) }
+    ));
+    drop((map, c, r));
     // Bytes that do not match the manifest: refused, not held.
     let mut c = attach();
     let seg = stage(&mut c);
@@ -383,6 +393,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
         .text();
     let v = |n: &str| hotstart_ckpt::sidecar::metrics::sample(&page, n).unwrap();
     assert_eq!(v("hotstart_failures_total{kind=\"checksum\"}"), 1.0);
+    assert_eq!(v("hotstart_failures_total{kind=\"restore\"}"), 1.0);
     assert_eq!(v("hotstart_memory_shards{origin=\"local\"}"), 1.0);
 }
 
@@ -413,4 +424,189 @@ fn without_the_sidecar_loads_come_from_the_engines_own_tiers() {
         Err(Error::Sidecar { reason, .. }) => assert!(reason.contains("connect"), "{reason}"),
         other => panic!("{other:?}"),
     }
+}
+
+/// A metric of the sidecar serving `http`.
+fn metric(http: SocketAddr, name: &str) -> f64 {
+    let page = hotstart_testkit::get(http, "/metrics", Duration::from_secs(5))
+        .unwrap()
+        .text();
+    hotstart_ckpt::sidecar::metrics::sample(&page, name).unwrap_or(0.0)
+}
+
+/// Asserts that `l` holds exactly what step `l.step` saved (`sample_tensors(step, big)`).
+fn assert_step(l: &hotstart_ckpt::Loaded, big: usize) {
+    assert_loaded(l, &sample_tensors(l.step, big), &extras(l.step));
+}
+
+#[test]
+fn saves_recycle_segments_and_readers_only_ever_see_whole_steps() {
+    const BIG: usize = 3 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let (sa, sb) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+    let mut b = settings("node-b", "127.0.0.1", free_port(), &sb);
+    b.memory_budget = Some("64MiB".parse().unwrap());
+    let b = Running::start(b.resolve().unwrap());
+    let mut a = settings("node-a", "127.0.0.1", free_port(), &sa);
+    a.memory_budget = Some("24MiB".parse().unwrap());
+    a.disk_dir = Some(dir.path().join("disk"));
+    a.replicas = Some(1);
+    a.peers = Some(vec![format!("node-b={}", b.peer)]);
+    let a = Running::start(a.resolve().unwrap());
+    let engine = sidecar_engine(&sa, "recycle");
+
+    // 50 saves, each persisted and replicated before the next: after the first two, every
+    // save stages into the segment of an older step.
+    for step in 1..=50 {
+        let h = engine
+            .save(step, to_tensors(&sample_tensors(step, BIG)), extras(step))
+            .unwrap();
+        h.wait().unwrap();
+    }
+    let created = metric(a.http, "hotstart_memory_segments_created_total");
+    let recycled = metric(a.http, "hotstart_memory_segments_recycled_total");
+    // New segments only until the budget is full of steps (a step's file is a little over
+    // BIG), then older steps' segments; one segment a save, and one prepared after the last.
+    let most = ((24 << 20) / hotstart_ckpt::sidecar::shm::slot_len(BIG + 1)) as f64;
+    assert!(created <= most, "{created} segments created over 50 saves");
+    assert_eq!(
+        created + recycled,
+        51.0,
+        "{created} created, {recycled} recycled"
+    );
+    assert!(
+        metric(a.http, "hotstart_memory_peak_bytes") <= (24 << 20) as f64,
+        "the budget holds with the prepared segment"
+    );
+    // Every step that went through a recycled segment was committed whole: the newest from
+    // memory, the older ones from disk and from the peer's replica, all bit-exact.
+    let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_eq!(l.step, 50);
+    assert_step(&l, BIG);
+    let mut cfg = EngineConfig::new("recycle", 0, 1).disk(dir.path().join("disk"));
+    cfg.chunk_size = 256 << 10;
+    let from_disk = Engine::new(cfg).unwrap();
+    for step in [49, 50] {
+        assert_step(
+            &from_disk
+                .load(StepSel::Step(step), Destination::Owned)
+                .unwrap(),
+            BIG,
+        );
+    }
+
+    // Saves go on while another process restores from A's memory and the peer fetches and
+    // serves replicas: every load is one whole step, the one it names, bit-exact.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let readers: Vec<_> = [&sa, &sb]
+            .into_iter()
+            .map(|sock| {
+                let stop = &stop;
+                s.spawn(move || {
+                    let reader = sidecar_engine(sock, "recycle");
+                    let mut seen = 0;
+                    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                        match reader.load(StepSel::Latest, Destination::Owned) {
+                            Ok(l) => {
+                                assert!(l.step >= 50, "step {} went back", l.step);
+                                assert_step(&l, BIG);
+                                seen += 1;
+                            }
+                            Err(e) => panic!("load during saves: {e}"),
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        for step in 51..=70 {
+            let h = engine
+                .save(step, to_tensors(&sample_tensors(step, BIG)), extras(step))
+                .unwrap();
+            h.wait().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        for r in readers {
+            assert!(r.join().unwrap() > 0, "a reader never loaded");
+        }
+    });
+    let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_eq!(l.step, 70);
+    assert_step(&l, BIG);
+    assert!(metric(a.http, "hotstart_memory_peak_bytes") <= (24 << 20) as f64);
+    drop(engine);
+    assert!(a.stop().complete());
+    drop(b);
+}
+
+/// The training process of the kill -9 test: saves step after step through the sidecar at
+/// `HOTSTART_TEST_TRAINER` until it is killed. Does nothing when run as a test of its own.
+#[test]
+fn trainer_process_for_kill_tests() {
+    let Ok(socket) = std::env::var("HOTSTART_TEST_TRAINER") else {
+        return;
+    };
+    let engine = sidecar_engine(Path::new(&socket), "killed");
+    for step in 1.. {
+        let h = engine
+            .save(
+                step,
+                to_tensors(&sample_tensors(step, 16 << 20)),
+                extras(step),
+            )
+            .unwrap();
+        h.wait_staged().unwrap();
+        // The previous save's persistence overlaps this one's copy, as in training.
+        drop(h);
+    }
+}
+
+#[test]
+fn a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let mut s = settings("solo", "127.0.0.1", free_port(), &socket);
+    s.disk_dir = Some(dir.path().join("disk"));
+    let sidecar = Running::start(s.resolve().unwrap());
+    let mut last = 0;
+    for (round, delay_ms) in [7u64, 23, 61].into_iter().enumerate() {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "trainer_process_for_kill_tests", "--nocapture"])
+            .env("HOTSTART_TEST_TRAINER", &socket)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Let it recycle segments, then kill it at some moment of a save.
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while metric(sidecar.http, "hotstart_memory_segments_recycled_total")
+            < 3.0 * (round + 1) as f64
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the trainer never recycled"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // A new process restores the newest complete step: whole, bit-exact, never older than
+        // what was there before.
+        let engine = sidecar_engine(&socket, "killed");
+        let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+        assert!(l.step >= last, "step {} after {last}", l.step);
+        assert_step(&l, 16 << 20);
+        // Every other step still in memory is the step it says it is.
+        for step in 1..l.step {
+            match engine.load(StepSel::Step(step), Destination::Owned) {
+                Ok(old) => assert_step(&old, 16 << 20),
+                Err(e) if e.is_not_found() => {}
+                Err(e) => panic!("step {step}: {e}"),
+            }
+        }
+        last = l.step;
+    }
+    assert!(sidecar.stop().complete());
 }

@@ -2,22 +2,27 @@
 //! restores that map what the sidecar serves. Used by [`Engine`] when
 //! [`EngineConfig::sidecar`](crate::EngineConfig::sidecar) is set.
 //!
-//! **Save.** `save` asks the sidecar for a segment of the file's size (blocking for memory, or
-//! not, per `when_full`), maps it, and returns the handle. The save's thread stages into the
-//! mapping exactly as the in-process engine stages into its pool (device tensors by the GPU into
-//! the mapping registered as pinned memory, host tensors over the engine's threads), marks the
-//! handle staged, hashes the chunks, **unmaps** the segment and commits it with the manifest.
-//! The sidecar seals it (after which nobody can write it), checks the hashes and holds it: the
-//! `Memory` phase is done, and the step survives a crash of this process. The sidecar then
-//! reports the other tiers (peers, disk, store) on the same connection as they finish. At most
-//! `max_inflight` saves stage at once.
+//! **Save.** A save stages into a segment prepared for it ([`Next`]): right after each commit,
+//! a background thread of low priority asks the sidecar for the next save's segment
+//! (`Stage{ahead}`; in the steady state the segment of an older step, recycled), maps it and
+//! maps every page of it now (`MADV_POPULATE_WRITE`: the pages exist, only the page tables are
+//! filled), registered as pinned memory for the GPU when the last save had device tensors. So
+//! `save` itself only takes the prepared segment and copies: no round trip, no page faults, no
+//! memory new to either process. The first save of an engine (and one whose size changed)
+//! asks for its segment itself and maps it as it copies. The save's thread stages into the
+//! mapping exactly as the in-process engine stages into its pool (device tensors by the GPU,
+//! host tensors over the engine's threads), marks the handle staged, hashes the chunks,
+//! **unmaps** the segment and commits it with the manifest. The sidecar checks the hashes and
+//! holds it, reachable by no other process: the `Memory` phase is done, and the step survives a
+//! crash of this process. The sidecar then reports the other tiers (peers, disk, store) on the
+//! same connection as they finish. At most `max_inflight` saves stage at once.
 //!
 //! **Load.** `load` asks for a step (or the newest complete for every rank) and receives the
 //! sealed segment; it checks the seals and maps it read-only. Caller buffers are filled with one
 //! parallel copy straight from the segment's pages (`pread`, so the mapping's pages are never
 //! faulted in for them); tensors returned owned are views of the mapping itself (no copy at
 //! all), which stay valid however long they are kept. The bytes were checked against
-//! their hashes when the sidecar sealed them and cannot have changed since, so they are not
+//! their hashes when the sidecar took them and cannot have changed since, so they are not
 //! hashed again.
 
 use std::os::fd::OwnedFd;
@@ -27,18 +32,19 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
 use bytes::Bytes;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::local::PROTOCOL_VERSION;
-use super::shm::{Mapping, Sealed, Segment};
+use super::shm::{self, Mapping, Sealed, Segment};
 use super::wire::{Conn, FdStream, LocalMsg, Side};
+use crate::cuda::Pinned;
 use crate::engine::{self, Engine, Inner, WhenFull};
 use crate::error::{Error, Result};
 use crate::format::{Layout, Manifest};
 use crate::handle::{Phase, SaveHandle, Shared};
 use crate::load::{self, Destination, Loaded, StepSel};
 use crate::staging::{FailUnlessComplete, Region, Staging};
-use crate::tensor::{Extras, Tensor};
+use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::TierKind;
 
 /// A bound on saves staging at once.
@@ -72,15 +78,95 @@ impl Drop for Ticket {
     }
 }
 
-/// The sidecar of one engine.
+/// How to reach the sidecar as one rank of one job.
 #[derive(Debug)]
-pub(crate) struct Client {
+struct Dial {
     socket: PathBuf,
     job: String,
     rank: u32,
     world_size: u32,
+}
+
+/// A segment staged into: its connection (which commits it) and this process's mapping of it.
+struct Slot {
+    // Field order: the pinned registration goes before the mapping, the mapping before the
+    // commit on the connection.
+    pin: Option<Pinned>,
+    map: Arc<Mapping>,
+    conn: Conn<FdStream>,
+}
+
+/// The next save's segment, prepared after a commit.
+#[derive(Default)]
+struct Next {
+    state: Mutex<Prep>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+enum Prep {
+    #[default]
+    None,
+    Preparing,
+    Ready(Slot),
+}
+
+impl Next {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Prep> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The prepared segment when it holds `len` bytes; waits for one being prepared when
+    /// `block`. A prepared segment of another size is let go.
+    fn take(&self, len: usize, block: bool) -> Option<Slot> {
+        let mut st = self.lock();
+        while block && matches!(*st, Prep::Preparing) {
+            st = self
+                .changed
+                .wait(st)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        match std::mem::take(&mut *st) {
+            Prep::Ready(slot) if shm::fits(slot.map.len(), len) => Some(slot),
+            Prep::Preparing => {
+                *st = Prep::Preparing;
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// Starts preparing unless a segment is prepared or being prepared already.
+    fn start(&self) -> bool {
+        let mut st = self.lock();
+        if !matches!(*st, Prep::None) {
+            return false;
+        }
+        *st = Prep::Preparing;
+        true
+    }
+
+    fn finish(&self, slot: Option<Slot>) {
+        *self.lock() = slot.map_or(Prep::None, Prep::Ready);
+        self.changed.notify_all();
+    }
+}
+
+/// The sidecar of one engine.
+pub(crate) struct Client {
+    dial: Arc<Dial>,
     tiers: Vec<TierKind>,
     tickets: Arc<Tickets>,
+    next: Arc<Next>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("dial", &self.dial)
+            .field("tiers", &self.tiers)
+            .finish_non_exhaustive()
+    }
 }
 
 struct SealedBytes(Arc<Sealed>, usize);
@@ -91,32 +177,7 @@ impl AsRef<[u8]> for SealedBytes {
     }
 }
 
-impl Client {
-    /// Connects once to check that the sidecar at `socket` serves this rank.
-    pub(crate) fn attach(
-        socket: &Path,
-        job: &str,
-        rank: u32,
-        world_size: u32,
-        max_inflight: usize,
-    ) -> Result<Client> {
-        let mut c = Client {
-            socket: socket.to_path_buf(),
-            job: job.to_string(),
-            rank,
-            world_size,
-            tiers: Vec::new(),
-            tickets: Arc::new(Tickets {
-                max: max_inflight.max(1),
-                taken: Mutex::new(0),
-                freed: Condvar::new(),
-            }),
-        };
-        let (_, tiers) = c.open()?;
-        c.tiers = tiers;
-        Ok(c)
-    }
-
+impl Dial {
     fn error(&self, reason: impl Into<String>) -> Error {
         Error::Sidecar {
             socket: self.socket.display().to_string(),
@@ -145,14 +206,133 @@ impl Client {
         }
     }
 
+    /// A segment of at least `len` bytes from the sidecar on a new connection, mapped here.
+    fn stage(&self, step: u64, len: usize, wait: bool, ahead: bool) -> Result<Slot> {
+        let (mut conn, _) = self.open()?;
+        conn.send(&LocalMsg::Stage {
+            step,
+            len: shm::slot_len(len) as u64,
+            wait,
+            ahead,
+        })?;
+        let fd: OwnedFd = match conn.recv()? {
+            LocalMsg::Segment { .. } => conn.take_fd()?,
+            LocalMsg::Failed { reason } => return Err(self.error(reason)),
+            other => return Err(conn.violation(format!("expected a segment, got {other:?}"))),
+        };
+        let seg = Segment::from_fd(fd).map_err(|e| self.error(format!("shared memory: {e}")))?;
+        if seg.len() < len {
+            return Err(self.error(format!(
+                "a {}-byte segment for a {len}-byte file",
+                seg.len()
+            )));
+        }
+        let map = seg
+            .map_writable()
+            .map_err(|e| self.error(format!("map shared memory: {e}")))?;
+        // The descriptor is closed here: once unmapped, this process has no way left to write
+        // the segment.
+        drop(seg);
+        Ok(Slot {
+            pin: None,
+            map: Arc::new(map),
+            conn,
+        })
+    }
+}
+
+/// Prepares the next save's segment in the background, at the lowest priority; see the module
+/// docs. `ordinal`: the GPU the last save copied from, to register the segment with.
+fn prepare(
+    inner: Arc<Inner>,
+    dial: Arc<Dial>,
+    next: Arc<Next>,
+    step: u64,
+    len: usize,
+    ordinal: Option<usize>,
+) {
+    if !next.start() {
+        return;
+    }
+    let done = next.clone();
+    let work = move || {
+        // SAFETY: setpriority on this thread alone (its id); no memory is involved.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
+        }
+        let slot = dial.stage(step, len, false, true).and_then(|mut slot| {
+            slot.map
+                .prepare_for_writes()
+                .map_err(|e| dial.error(format!("map the next segment: {e}")))?;
+            if let Some(ordinal) = ordinal {
+                match inner
+                    .gpu
+                    .pin(ordinal, slot.map.ptr().cast_const(), slot.map.len())
+                {
+                    Ok(p) => slot.pin = Some(p),
+                    Err(e) => warn!(error = %e, "cannot pin the next segment; its save will try"),
+                }
+            }
+            Ok(slot)
+        });
+        match slot {
+            Ok(slot) => next.finish(Some(slot)),
+            Err(e) => {
+                debug!(error = %e, "no segment prepared for the next save");
+                next.finish(None);
+            }
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("hotstart-ckpt-prepare".into())
+        .spawn(work);
+    if let Err(e) = spawned {
+        debug!(error = %e, "cannot start preparing the next segment");
+        // The closure never ran: nothing else will say it is done.
+        done.finish(None);
+    }
+}
+
+impl Client {
+    /// Connects once to check that the sidecar at `socket` serves this rank.
+    pub(crate) fn attach(
+        socket: &Path,
+        job: &str,
+        rank: u32,
+        world_size: u32,
+        max_inflight: usize,
+    ) -> Result<Client> {
+        let dial = Arc::new(Dial {
+            socket: socket.to_path_buf(),
+            job: job.to_string(),
+            rank,
+            world_size,
+        });
+        let (_, tiers) = dial.open()?;
+        Ok(Client {
+            dial,
+            tiers,
+            tickets: Arc::new(Tickets {
+                max: max_inflight.max(1),
+                taken: Mutex::new(0),
+                freed: Condvar::new(),
+            }),
+            next: Arc::default(),
+        })
+    }
+
+    fn error(&self, reason: impl Into<String>) -> Error {
+        self.dial.error(reason)
+    }
+
     /// A new attached connection.
     pub(crate) fn connect(&self) -> Result<Conn<FdStream>> {
-        self.open().map(|(c, _)| c)
+        self.dial.open().map(|(c, _)| c)
     }
 
     /// The socket.
     pub(crate) fn socket(&self) -> &Path {
-        &self.socket
+        &self.dial.socket
     }
 
     /// The tiers a save goes to, nearest first.
@@ -184,7 +364,7 @@ impl Client {
         let handle = |shared| SaveHandle {
             shared,
             step,
-            rank: self.rank,
+            rank: self.dial.rank,
             inflight: self.tickets.max,
         };
         let block = engine.when_full() == WhenFull::Block;
@@ -193,29 +373,10 @@ impl Client {
             return Ok(handle(Shared::skipped(step)));
         };
         let len = layout.file_len as usize;
-        let mut conn = self.connect()?;
-        conn.send(&LocalMsg::Stage {
-            step,
-            len: layout.file_len,
-            wait: block,
-        })?;
-        let fd: OwnedFd = match conn.recv()? {
-            LocalMsg::Segment { .. } => conn.take_fd()?,
-            LocalMsg::Failed { reason } => return Err(self.error(reason)),
-            other => return Err(conn.violation(format!("expected a segment, got {other:?}"))),
+        let slot = match self.next.take(len, block) {
+            Some(slot) => slot,
+            None => self.dial.stage(step, len, block, false)?,
         };
-        let seg = Segment::from_fd(fd).map_err(|e| self.error(format!("shared memory: {e}")))?;
-        if seg.len() < len {
-            return Err(self.error(format!(
-                "a {}-byte segment for a {len}-byte file",
-                seg.len()
-            )));
-        }
-        let map: Arc<Mapping> = Arc::new(
-            seg.map_writable()
-                .map_err(|e| self.error(format!("map shared memory: {e}")))?,
-        );
-        drop(seg);
         let shared = Shared::new(step, &self.tiers);
         let job = SidecarSave {
             inner,
@@ -224,11 +385,12 @@ impl Client {
             layout,
             tensors,
             extras,
-            conn,
             ticket,
+            dial: self.dial.clone(),
+            next: self.next.clone(),
         };
         engine.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
-            job.run(map)
+            job.run(slot)
         })?;
         Ok(handle(shared))
     }
@@ -257,26 +419,26 @@ impl Client {
             } => (step, source, manifest, chunk_sources, seconds),
             LocalMsg::NotFound { step } => {
                 return Err(Error::NotFound {
-                    job: self.job.clone(),
+                    job: self.dial.job.clone(),
                     step,
-                    rank: self.rank,
+                    rank: self.dial.rank,
                 });
             }
             LocalMsg::Failed { reason } => return Err(self.error(reason)),
             other => return Err(conn.violation(format!("expected a restore, got {other:?}"))),
         };
         let fd = conn.take_fd()?;
-        let location = format!("step {step} rank {} from the sidecar", self.rank);
+        let location = format!("step {step} rank {} from the sidecar", self.dial.rank);
         if want.is_some_and(|s| s != step) {
             return Err(self.error(format!("asked for step {want:?}, got step {step}")));
         }
         let m = Manifest::parse_for(
             json.as_bytes(),
             &location,
-            &self.job,
+            &self.dial.job,
             step,
-            self.rank,
-            self.world_size,
+            self.dial.rank,
+            self.dial.world_size,
         )?;
         let len = load::file_len(&m)?;
         let sealed = Arc::new(
@@ -314,14 +476,16 @@ struct SidecarSave {
     layout: Layout,
     tensors: Vec<Tensor>,
     extras: Extras,
-    conn: Conn<FdStream>,
     ticket: Ticket,
+    /// To prepare the next save's segment after the commit.
+    dial: Arc<Dial>,
+    next: Arc<Next>,
 }
 
 impl SidecarSave {
-    fn run(self, map: Arc<Mapping>) {
+    fn run(self, slot: Slot) {
         let shared = self.shared.clone();
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.work(map)));
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.work(slot)));
         if res.is_err() {
             error!("sidecar save thread panicked");
             shared.fail_pending(Arc::new(Error::Task {
@@ -331,7 +495,7 @@ impl SidecarSave {
         }
     }
 
-    fn work(self, map: Arc<Mapping>) {
+    fn work(self, slot: Slot) {
         let SidecarSave {
             inner,
             shared,
@@ -339,14 +503,23 @@ impl SidecarSave {
             layout,
             tensors,
             extras,
-            mut conn,
             ticket,
+            dial,
+            next,
         } = self;
+        let Slot {
+            mut pin,
+            map,
+            mut conn,
+        } = slot;
         let len = layout.file_len as usize;
+        let ordinal = tensors.iter().find_map(|t| match t.source() {
+            Source::Device(d) => Some(d.ordinal),
+            Source::Host(_) => None,
+        });
         let region: Arc<dyn Region> = map.clone();
         let image = Staging::new(region, len);
         let abandon = FailUnlessComplete(&image);
-        let mut pin = None;
         let res = engine::stage(
             &inner,
             Some((map.ptr().cast_const(), map.len())),
@@ -366,7 +539,7 @@ impl SidecarSave {
         };
         shared.set_staged(Phase::Done);
         let manifest = engine::manifest_for(&inner, step, &layout, staged.as_ref(), &extras);
-        // Unmap before committing: the sidecar cannot seal a segment mapped writable. The
+        // Unmap before committing: once committed, the segment is the sidecar's alone. The
         // pinned registration goes first.
         drop(staged);
         drop(abandon);
@@ -378,7 +551,12 @@ impl SidecarSave {
             .send(&LocalMsg::Commit { manifest })
             .and_then(|()| conn.recv());
         match committed {
-            Ok(LocalMsg::Committed) => shared.set_tier(TierKind::Memory, Phase::Done),
+            Ok(LocalMsg::Committed) => {
+                // Preparing before the handle says so: a save that follows at once waits for
+                // the prepared segment rather than asking for another.
+                prepare(inner, dial, next, step, len, ordinal);
+                shared.set_tier(TierKind::Memory, Phase::Done);
+            }
             Ok(LocalMsg::Failed { reason }) => {
                 let e = Error::Sidecar {
                     socket: conn.label().to_string(),

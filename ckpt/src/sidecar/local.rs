@@ -4,17 +4,21 @@
 //! A connection starts with `Attach` (job, rank, world size) and then carries requests one at
 //! a time (see `docs/PROTOCOL.md`):
 //!
-//! - `Stage{step, len, wait}`: the rank's spare segment when it has one of that size (made
-//!   after its previous commit, see `super::memory`), else memory is charged to the budget
-//!   (evicting, or waiting up to `stage_timeout` when `wait`) and a [`Segment`] created with its
-//!   pages allocated; its descriptor is sent with `Segment`. One stage per connection at a
-//!   time.
-//! - `Commit{manifest}`: the staged segment is sealed (refused while the training process still
-//!   has it mapped writable), checked against the manifest's chunk hashes, and held in memory:
-//!   `Committed`. Persistence and replication start, and each of their tiers reports on this
-//!   connection with `Persisted{tier, error}`.
-//! - `Restore{step}`: the step is served from the nearest tier (`super::restore`) and the
-//!   sealed segment's descriptor sent with `Restored`.
+//! - `Stage{step, len, wait, ahead}`: a segment of `len` bytes, its descriptor sent with
+//!   `Segment`. In the steady state it is the segment of an older step of the same rank, taken
+//!   back from the memory tier (`super::memory`: recycling); else memory is charged to the
+//!   budget (evicting, and waiting up to `stage_timeout` when `wait`) and a [`Segment`]
+//!   created with its pages allocated. `ahead` asks for the *next* save's segment right after
+//!   a commit, so that the training process can map it before it needs it: a segment that may
+//!   be recycled once its persistence finishes is waited for (up to `stage_timeout`) unless
+//!   free memory can hold a new one, and nothing is waited for otherwise. One stage per
+//!   connection at a time.
+//! - `Commit{manifest}`: the training process has unmapped the staged segment and closed its
+//!   descriptor; the sidecar maps it read-only, checks it against the manifest's chunk hashes
+//!   and holds it in memory: `Committed`. Persistence and replication start, and each of their
+//!   tiers reports on this connection with `Persisted{tier, error}`.
+//! - `Restore{step}`: the step is served from the nearest tier (`super::restore`), sealed for
+//!   good, and its descriptor sent with `Restored`.
 //! - `Latest`: the newest step complete for every rank.
 //!
 //! A segment staged but never committed (the training process died mid-copy) is dropped with
@@ -22,6 +26,7 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,7 +34,7 @@ use tracing::{debug, info, warn};
 
 use super::Core;
 use super::lifecycle::State;
-use super::memory::{Shard, ShardKey};
+use super::memory::{Recycled, Shard, ShardKey};
 use super::metrics::Failure;
 use super::shm::Segment;
 use super::wire::{Conn, FdStream, LocalMsg, Side};
@@ -42,7 +47,8 @@ pub const PROTOCOL_VERSION: u32 = 1;
 
 /// A segment handed out and not yet committed.
 struct Staged {
-    step: u64,
+    /// The step, unless staged ahead (the manifest names it then).
+    step: Option<u64>,
     seg: Segment,
     asked: Instant,
 }
@@ -134,43 +140,57 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     core.metrics.failed(Failure::Frame);
                     warn!(job = %who.job, rank = who.rank, error = %e, "local connection dropped");
                 } else if let Some(s) = &staged {
-                    warn!(job = %who.job, rank = who.rank, step = s.step, "training process went away mid-save; dropping its staged segment");
+                    match s.step {
+                        Some(step) => {
+                            warn!(job = %who.job, rank = who.rank, step, "training process went away mid-save; dropping its staged segment")
+                        }
+                        None => {
+                            debug!(job = %who.job, rank = who.rank, "the segment prepared for a next save was let go")
+                        }
+                    }
                 }
                 return;
             }
         };
         reader.drop_fds();
         let res = match msg {
-            LocalMsg::Stage { step, len, wait } => {
-                match stage(&core, &who, step, len, wait, staged.is_some()) {
-                    Ok(seg) => {
-                        let sent = writer
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .send_fd(&LocalMsg::Segment { len }, seg.as_fd());
-                        staged = Some(Staged {
-                            step,
-                            seg,
-                            asked: Instant::now(),
-                        });
-                        sent
-                    }
-                    Err(e) => send(&LocalMsg::Failed {
-                        reason: e.to_string(),
-                    }),
+            LocalMsg::Stage {
+                step,
+                len,
+                wait,
+                ahead,
+            } => match stage(&core, &who, step, len, wait, ahead, staged.is_some()) {
+                Ok(seg) => {
+                    let sent = writer
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .send_fd(&LocalMsg::Segment { len }, seg.as_fd());
+                    staged = Some(Staged {
+                        step: (!ahead).then_some(step),
+                        seg,
+                        asked: Instant::now(),
+                    });
+                    sent
                 }
-            }
+                Err(e) => send(&LocalMsg::Failed {
+                    reason: e.to_string(),
+                }),
+            },
             LocalMsg::Commit { manifest } => match staged.take() {
                 None => send(&LocalMsg::Failed {
                     reason: "commit without a staged segment".into(),
                 }),
                 Some(s) => {
-                    let (asked, len) = (s.asked, s.seg.len() as u64);
+                    // A segment staged ahead was asked for before its save began.
+                    let asked = if s.step.is_some() {
+                        s.asked
+                    } else {
+                        Instant::now()
+                    };
                     match commit(&core, &who, s, manifest) {
                         Ok(shard) => {
                             let sent = send(&LocalMsg::Committed);
                             core.after_commit(shard, Some(writer.clone()), asked);
-                            prepare_spare(&core, &who, len);
                             sent
                         }
                         Err(e) => {
@@ -226,8 +246,16 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
     }
 }
 
-/// A segment of `len` bytes for `step`, charged to the budget.
-fn stage(core: &Core, who: &Rank, step: u64, len: u64, wait: bool, busy: bool) -> Result<Segment> {
+/// A segment of `len` bytes for `step` (or the save after it, `ahead`); see the module docs.
+fn stage(
+    core: &Core,
+    who: &Rank,
+    step: u64,
+    len: u64,
+    wait: bool,
+    ahead: bool,
+    busy: bool,
+) -> Result<Segment> {
     if busy {
         return Err(Error::Sidecar {
             socket: core.cfg.socket.display().to_string(),
@@ -240,60 +268,66 @@ fn stage(core: &Core, who: &Rank, step: u64, len: u64, wait: bool, busy: bool) -
             reason: "the sidecar is shutting down; no new saves".into(),
         });
     }
-    if let Some(seg) = core.memory.take_spare(&who.job, who.rank, len) {
-        return Ok(seg);
-    }
     let what = format!("{} step {step} rank {}", who.job, who.rank);
-    let wait = if wait {
-        core.cfg.stage_timeout
-    } else {
-        Duration::ZERO
-    };
-    let charge = core.memory.reserve(len, wait, &what).inspect_err(|e| {
-        core.metrics.failed(Failure::Budget);
-        warn!(error = %e, "stage refused");
-    })?;
-    let name = format!("hotstart-{}-{step}-{}", who.job, who.rank);
-    let len = usize::try_from(len).map_err(|_| Error::Input {
+    let name = format!("hotstart-{}-{}", who.job, who.rank);
+    let size = usize::try_from(len).map_err(|_| Error::Input {
         step,
         reason: "checkpoint larger than the address space".into(),
     })?;
-    Segment::create(&name, len, Some(charge))
+    let deadline = Instant::now() + core.cfg.stage_timeout;
+    let charge = loop {
+        match core.memory.recycle(&who.job, who.rank, size) {
+            Recycled::Taken(seg) => return Ok(seg),
+            Recycled::Busy if ahead => {
+                if let Some(c) = core.memory.reserve_free(len) {
+                    break c;
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Sidecar {
+                        socket: core.cfg.socket.display().to_string(),
+                        reason: format!("{what}: no segment free for the next save in time"),
+                    });
+                }
+                // What holds the older step (its persistence) lets go without a signal.
+                core.memory.wait_freed(Duration::from_millis(20));
+            }
+            _ => {
+                let wait = if wait && !ahead {
+                    core.cfg.stage_timeout
+                } else {
+                    Duration::ZERO
+                };
+                break core.memory.reserve(len, wait, &what).inspect_err(|e| {
+                    if !ahead {
+                        core.metrics.failed(Failure::Budget);
+                        warn!(error = %e, "stage refused");
+                    }
+                })?;
+            }
+        }
+    };
+    let seg = Segment::create(&name, size, Some(charge))
         .and_then(Segment::allocate)
-        .map_err(|e| Error::io("create shared memory", &name, e))
-}
-
-/// Prepares the next segment of `who` (`len` bytes) in the background, with free memory only.
-fn prepare_spare(core: &Arc<Core>, who: &Rank, len: u64) {
-    let (core, job, rank) = (core.clone(), who.job.clone(), who.rank);
-    let _ = std::thread::Builder::new()
-        .name("hotstart-spare".into())
-        .spawn(move || {
-            if core.life.get() != State::Ready {
-                return;
-            }
-            let Some(charge) = core.memory.reserve_free(len) else {
-                return;
-            };
-            let name = format!("hotstart-{job}-next-{rank}");
-            match Segment::create(&name, len as usize, Some(charge)).and_then(Segment::allocate) {
-                Ok(seg) => core.memory.put_spare(&job, rank, seg),
-                Err(e) => debug!(error = %e, "no spare segment"),
-            }
-        });
+        .map_err(|e| Error::io("create shared memory", &name, e))?;
+    core.memory.count_created();
+    Ok(seg)
 }
 
 /// Seals a staged segment and checks it against its manifest: the committed shard.
 fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Shard>> {
+    let step = match s.step {
+        Some(step) => step,
+        None => Manifest::parse(manifest.as_bytes(), "manifest (commit)")?.step,
+    };
     let location = format!(
         "{} (commit)",
-        format::manifest_key(&who.job, s.step, who.rank)
+        format::manifest_key(&who.job, step, who.rank)
     );
     let m = Manifest::parse_for(
         manifest.as_bytes(),
         &location,
         &who.job,
-        s.step,
+        step,
         who.rank,
         who.world_size,
     )?;
@@ -309,17 +343,11 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
             ),
         ));
     }
-    let sealed = s.seg.seal().map_err(|e| {
-        if e.raw_os_error() == Some(libc::EBUSY) {
-            Error::Sidecar {
-                socket: core.cfg.socket.display().to_string(),
-                reason: "the segment is still mapped writable; unmap it before committing".into(),
-            }
-        } else {
-            Error::io("seal shared memory", &location, e)
-        }
-    })?;
-    let hashes = staging::hash_chunks(&sealed.bytes()[..len], m.chunk_size as usize, core.threads);
+    let held = s
+        .seg
+        .commit()
+        .map_err(|e| Error::io("map shared memory", &location, e))?;
+    let hashes = staging::hash_chunks(&held.bytes()[..len], m.chunk_size as usize, core.threads);
     if let Some(i) = hashes
         .iter()
         .zip(m.chunk_hashes())
@@ -327,7 +355,7 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
     {
         core.metrics.failed(Failure::Checksum);
         return Err(Error::Corrupt {
-            step: s.step,
+            step,
             rank: who.rank,
             chunk: i,
             reason: "the staged bytes do not match the manifest".into(),
@@ -337,14 +365,15 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
         key: ShardKey {
             job: who.job.clone(),
             rank: who.rank,
-            step: s.step,
+            step,
         },
         world_size: who.world_size,
         origin: core.me.node.clone(),
         manifest: m,
         manifest_json: manifest,
-        seg: Arc::new(sealed),
+        seg: Arc::new(held),
         committed: Instant::now(),
+        kept: AtomicBool::new(false),
     });
     info!(shard = %shard.key, bytes = len, "committed to memory");
     core.memory.insert(shard.clone());

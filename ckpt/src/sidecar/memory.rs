@@ -7,10 +7,20 @@
 //! that does not fit first evicts, then waits (up to a deadline) for memory that is about to be
 //! freed, then is refused with [`Error::Budget`].
 //!
-//! **Spares.** After a commit the sidecar prepares the next segment of the same rank in the
-//! background (allocating and zeroing its pages takes time the training process would otherwise
-//! wait for at its next save), but only with memory that is free: a spare never evicts
-//! anything, and spares are the first thing given back when a request needs room.
+//! **Recycling.** A training process stages each save into a segment that was prepared ahead
+//! (see `super::local`); in the steady state that is the segment of an older step of the same
+//! rank, taken back from this tier ([`Memory::recycle`]) rather than memory new to both
+//! processes, so a save costs only its copy. A shard's segment is recycled only when
+//! - its step is older than the newest committed step of its rank (never the newest);
+//! - nobody else holds it: no persistence, replication, peer transfer or restore reads it
+//!   (the index holds the only reference, checked under the index's lock, so nobody can take
+//!   another meanwhile);
+//! - it was never handed to another process (a restore seals it for good);
+//! - it is not the last copy the job may need: another tier (a peer, disk or the store)
+//!   reported holding it, or a newer step is complete for every rank in this tier.
+//!
+//! A recycled shard leaves the index (the step is no longer served from this node's memory);
+//! its charge goes with the segment, so the budget covers it the whole time.
 //!
 //! **Eviction.** Shards are evicted oldest step first (ties: the one committed first), but the
 //! newest committed step of each (job, rank) is never evicted, so every rank this node holds
@@ -19,13 +29,14 @@
 //! once; its memory is freed when the last user (a persist, a replication, a restore in
 //! progress) lets go of it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use tracing::info;
 
-use super::shm::{Sealed, Segment};
+use super::shm::{self, Committed, Segment};
 use super::wire::{Held, ShardInfo};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
@@ -57,8 +68,10 @@ pub struct Shard {
     pub manifest: Manifest,
     /// The manifest as written by the engine (what the tiers persist).
     pub manifest_json: String,
-    pub seg: Arc<Sealed>,
+    pub seg: Arc<Committed>,
     pub committed: Instant,
+    /// Whether a tier outside this node's memory (a peer, disk, the store) reported holding it.
+    pub kept: AtomicBool,
 }
 
 impl Shard {
@@ -126,6 +139,10 @@ pub struct MemoryStats {
     pub evicted_bytes: u64,
     /// Requests refused for want of memory.
     pub refusals: u64,
+    /// Segments created for training processes to stage into.
+    pub created: u64,
+    /// Segments of older steps staged into again.
+    pub recycled: u64,
 }
 
 #[derive(Debug, Default)]
@@ -133,11 +150,22 @@ struct State {
     used: u64,
     peak: u64,
     shards: BTreeMap<ShardKey, Arc<Shard>>,
-    /// The next segment of a (job, rank), allocated ahead of its save.
-    spares: BTreeMap<(String, u32), Segment>,
     evictions: u64,
     evicted_bytes: u64,
     refusals: u64,
+    created: u64,
+    recycled: u64,
+}
+
+/// What [`Memory::recycle`] found.
+#[derive(Debug)]
+pub enum Recycled {
+    /// The segment of an older step, to be staged into again.
+    Taken(Segment),
+    /// A segment that may be recycled once what reads it lets go (a persistence, a replication).
+    Busy,
+    /// None that may ever be.
+    None,
 }
 
 /// The memory tier of one sidecar.
@@ -187,13 +215,6 @@ impl Memory {
                     mem: Arc::downgrade(self),
                     bytes: need,
                 });
-            }
-            if !s.spares.is_empty() {
-                let spares = std::mem::take(&mut s.spares);
-                drop(s);
-                drop(spares);
-                s = self.lock();
-                continue;
             }
             let short = need.saturating_add(s.used) - self.budget;
             let victims = evict(&mut s, short);
@@ -248,23 +269,82 @@ impl Memory {
         })
     }
 
-    /// Keeps `seg` as the next segment of `job`'s `rank`.
-    pub fn put_spare(&self, job: &str, rank: u32, seg: Segment) {
-        let old = self.lock().spares.insert((job.to_string(), rank), seg);
-        drop(old);
+    /// Counts a segment created for a training process to stage into.
+    pub fn count_created(&self) {
+        self.lock().created += 1;
     }
 
-    /// The spare segment of `job`'s `rank`, if there is one of about `len` bytes (at least
-    /// `len`, at most a sixteenth more); a spare of another size is dropped.
-    pub fn take_spare(&self, job: &str, rank: u32, len: u64) -> Option<Segment> {
-        let seg = self.lock().spares.remove(&(job.to_string(), rank))?;
-        let have = seg.len() as u64;
-        (have >= len && have - len <= len / 16 + PAGE).then_some(seg)
+    /// Waits up to `wait` for a charge to be given back (or anything else that frees memory).
+    pub fn wait_freed(&self, wait: Duration) {
+        let s = self.lock();
+        let _ = self.freed.wait_timeout(s, wait);
+    }
+
+    /// The segment of an older step of `job`'s `rank`, of about `len` bytes, taken out of the
+    /// tier to be staged into again; see the module docs for when one may be.
+    pub fn recycle(&self, job: &str, rank: u32, len: usize) -> Recycled {
+        let mut s = self.lock();
+        let mine = |k: &ShardKey| k.job == job && k.rank == rank;
+        let Some(newest) = s.shards.keys().filter(|k| mine(k)).map(|k| k.step).max() else {
+            return Recycled::None;
+        };
+        // The newest step of the job every rank has in this tier.
+        let mut ranks: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
+        for sh in s.shards.values().filter(|sh| sh.key.job == job) {
+            ranks.entry(sh.key.step).or_default().insert(sh.key.rank);
+        }
+        let complete = s
+            .shards
+            .values()
+            .filter(|sh| sh.key.job == job)
+            .filter(|sh| ranks.get(&sh.key.step).map(BTreeSet::len) == Some(sh.world_size as usize))
+            .map(|sh| sh.key.step)
+            .max();
+        let candidates: Vec<&Arc<Shard>> = s
+            .shards
+            .values()
+            .filter(|sh| mine(&sh.key) && sh.key.step < newest)
+            .filter(|sh| shm::fits(sh.seg.len(), len) && !sh.seg.is_sealed())
+            .filter(|sh| {
+                sh.kept.load(Ordering::Acquire) || complete.is_some_and(|c| sh.key.step < c)
+            })
+            .collect();
+        let free = candidates
+            .iter()
+            .find(|sh| Arc::strong_count(sh) == 1 && Arc::strong_count(&sh.seg) == 1)
+            .map(|sh| sh.key.clone());
+        let Some(key) = free else {
+            return if candidates.is_empty() {
+                Recycled::None
+            } else {
+                Recycled::Busy
+            };
+        };
+        let Some(shard) = s.shards.remove(&key) else {
+            return Recycled::None;
+        };
+        // Only the index held them, and its lock is held: nobody can have taken another.
+        let seg = Arc::into_inner(shard)
+            .and_then(|sh| Arc::into_inner(sh.seg))
+            .and_then(Committed::recycle);
+        match seg {
+            Some(seg) => {
+                s.recycled += 1;
+                info!(shard = %key, "segment recycled for the next save");
+                Recycled::Taken(seg)
+            }
+            None => Recycled::None,
+        }
     }
 
     /// Adds a committed shard (replacing one with the same key); the one replaced.
     pub fn insert(&self, shard: Arc<Shard>) -> Option<Arc<Shard>> {
         self.lock().shards.insert(shard.key.clone(), shard)
+    }
+
+    /// Takes the shard under `key` out of the tier.
+    pub fn remove(&self, key: &ShardKey) -> Option<Arc<Shard>> {
+        self.lock().shards.remove(key)
     }
 
     /// The shard under `key`, if held.
@@ -292,6 +372,8 @@ impl Memory {
             evictions: s.evictions,
             evicted_bytes: s.evicted_bytes,
             refusals: s.refusals,
+            created: s.created,
+            recycled: s.recycled,
             ..MemoryStats::default()
         };
         for sh in s.shards.values() {
@@ -362,7 +444,7 @@ mod tests {
         let layout = Layout::new(job, step, rank, 2, &[t]).unwrap();
         let seg = Segment::create("t", len, Some(charge))
             .unwrap()
-            .seal()
+            .commit()
             .unwrap();
         let hashes = vec![blake3::hash(b""); layout.file_len.div_ceil(1 << 20) as usize];
         let manifest = Manifest::new(
@@ -391,6 +473,7 @@ mod tests {
             manifest,
             seg: Arc::new(seg),
             committed: Instant::now(),
+            kept: AtomicBool::new(false),
         }))
     }
 
@@ -433,39 +516,73 @@ mod tests {
         assert_eq!(mem.stats().refusals, 2);
     }
 
+    fn taken(r: Recycled) -> Segment {
+        match r {
+            Recycled::Taken(seg) => seg,
+            other => panic!("nothing recycled: {other:?}"),
+        }
+    }
+
     #[test]
-    fn spares_use_free_memory_only_and_go_first() {
-        let mem = Memory::new(3 * 4096, "me");
-        mem.insert(shard(&mem, "j", 0, 1, 4096).unwrap());
-        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
-        mem.put_spare("j", 0, spare);
-        assert!(mem.reserve_free(2 * 4096).is_none(), "never evicts");
-        // Another size: dropped, not handed out.
-        assert!(mem.take_spare("j", 0, 3 * 4096).is_none());
-        assert_eq!(mem.stats().used, 4096);
-        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
-        mem.put_spare("j", 0, spare);
-        assert_eq!(mem.take_spare("j", 0, 4000).map(|s| s.len()), Some(4096));
-        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
-        mem.put_spare("j", 0, spare);
-        // A request that needs the room gets it from the spare before any shard.
-        let c = mem.reserve(2 * 4096, Duration::ZERO, "t").unwrap();
-        assert_eq!(mem.stats().evictions, 0);
-        assert!(mem.take_spare("j", 0, 4096).is_none());
-        drop(c);
+    fn recycles_only_an_older_step_nobody_holds_that_is_kept_elsewhere_and_never_sealed() {
+        let mem = Memory::new(16 * 8192, "me");
+        let s1 = shard(&mem, "j", 0, 1, 8192).unwrap();
+        mem.insert(s1.clone());
+        // The newest step of its rank: never.
+        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
+        mem.insert(shard(&mem, "j", 0, 2, 8192).unwrap());
+        // Step 1 is the only copy (no other tier has it, no newer step is complete here).
+        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
+        s1.kept.store(true, Ordering::Release);
+        // Held by a reader (a persistence): later.
+        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::Busy));
+        // Another size: not this one.
+        drop(s1);
+        assert!(matches!(mem.recycle("j", 0, 3 * 8192), Recycled::None));
+        let seg = taken(mem.recycle("j", 0, 8000));
+        assert_eq!(seg.len(), 8192);
+        assert_eq!(steps(&mem, 0), vec![2], "a recycled step leaves the tier");
+        let st = mem.stats();
+        assert_eq!(
+            (st.recycled, st.used),
+            (1, 2 * 8192),
+            "its charge went with it"
+        );
+        drop(seg);
+        assert_eq!(mem.stats().used, 8192);
+
+        // A newer step complete for every rank here makes an older one recyclable.
+        mem.insert(shard(&mem, "j", 0, 3, 8192).unwrap());
+        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
+        mem.insert(shard(&mem, "j", 1, 3, 8192).unwrap());
+        let seg = taken(mem.recycle("j", 0, 8000));
+        assert_eq!(steps(&mem, 0), vec![3]);
+        drop(seg);
+
+        // Sealed for good (handed to another process): never again.
+        mem.insert(shard(&mem, "j", 0, 4, 8192).unwrap());
+        mem.insert(shard(&mem, "j", 1, 4, 8192).unwrap());
+        let s3 = mem
+            .shards(Some("j"))
+            .into_iter()
+            .find(|s| s.key.step == 3)
+            .unwrap();
+        s3.seg.seal().unwrap();
+        s3.seg.seal().unwrap();
+        drop(s3);
+        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
+        assert_eq!(steps(&mem, 0), vec![3, 4]);
     }
 
     #[test]
     fn dropping_the_memory_tier_frees_what_it_holds() {
         let mem = Memory::new(4 * 4096, "me");
         mem.insert(shard(&mem, "j", 0, 1, 4096).unwrap());
-        let spare = Segment::create("s", 4096, Some(mem.reserve_free(4096).unwrap())).unwrap();
-        mem.put_spare("j", 0, spare);
         let weak = Arc::downgrade(&mem);
         drop(mem);
         assert!(
             weak.upgrade().is_none(),
-            "shards and spares keep the memory tier alive"
+            "shards keep the memory tier alive"
         );
     }
 

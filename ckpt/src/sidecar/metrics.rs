@@ -28,6 +28,10 @@ pub const MEMORY_SHARDS: &str = "hotstart_memory_shards";
 pub const EVICTIONS_TOTAL: &str = "hotstart_evictions_total";
 /// Counter: bytes evicted from memory.
 pub const EVICTED_BYTES_TOTAL: &str = "hotstart_evicted_bytes_total";
+/// Counter: segments created for training processes to stage into.
+pub const SEGMENTS_CREATED_TOTAL: &str = "hotstart_memory_segments_created_total";
+/// Counter: segments of older steps staged into again.
+pub const SEGMENTS_RECYCLED_TOTAL: &str = "hotstart_memory_segments_recycled_total";
 /// Counter: bytes persisted or replicated, by `tier` (`peer`, `disk`, `store`).
 pub const PERSISTED_BYTES_TOTAL: &str = "hotstart_persisted_bytes_total";
 /// Histogram: seconds from a training process asking for a segment to a tier holding the
@@ -312,6 +316,20 @@ impl Metrics {
             "Bytes evicted from memory.",
         );
         let _ = writeln!(out, "{EVICTED_BYTES_TOTAL} {}", m.evicted_bytes);
+        head(
+            &mut out,
+            SEGMENTS_CREATED_TOTAL,
+            "counter",
+            "Segments created for training processes to stage into.",
+        );
+        let _ = writeln!(out, "{SEGMENTS_CREATED_TOTAL} {}", m.created);
+        head(
+            &mut out,
+            SEGMENTS_RECYCLED_TOTAL,
+            "counter",
+            "Segments of older steps staged into again.",
+        );
+        let _ = writeln!(out, "{SEGMENTS_RECYCLED_TOTAL} {}", m.recycled);
         head(
             &mut out,
             PERSISTED_BYTES_TOTAL,

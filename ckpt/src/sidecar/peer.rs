@@ -19,7 +19,7 @@
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
@@ -214,8 +214,9 @@ fn receive_shard(
         origin: info.origin.clone(),
         manifest: m,
         manifest_json,
-        seg: Arc::new(sealed),
+        seg: Arc::new(sealed.into()),
         committed: Instant::now(),
+        kept: AtomicBool::new(true),
     })))
 }
 
@@ -582,8 +583,9 @@ impl Core {
                         origin: info.origin,
                         manifest,
                         manifest_json: json,
-                        seg: Arc::new(sealed),
+                        seg: Arc::new(sealed.into()),
                         committed: Instant::now(),
+                        kept: AtomicBool::new(true),
                     });
                     return Some((shard, m.id.node.clone()));
                 }

@@ -17,10 +17,11 @@
 //! sealed segment and maps it: the restore itself copies nothing more.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::Core;
 use super::memory::{Shard, ShardKey};
@@ -186,7 +187,8 @@ impl Core {
             rank,
             step,
         };
-        let (shard, source, chunk_sources) = if let Some(s) = self.memory.get(&key) {
+        let in_memory = self.memory.get(&key).filter(|s| self.seal_to_hand_out(s));
+        let (shard, source, chunk_sources) = if let Some(s) = in_memory {
             let n = s.manifest.chunks.len();
             (s, TierKind::Memory, vec![TierKind::Memory; n])
         } else if let Some((s, from)) = self.fetch_from_peers(&key, &self.members.up()) {
@@ -227,6 +229,26 @@ impl Core {
         })
     }
 
+    /// Seals a shard in memory for good before its segment is handed to a training process
+    /// (see `super::shm`). One that a process still maps writable (it committed without
+    /// unmapping) cannot be trusted: it leaves the memory tier, and the restore goes on to the
+    /// next tier.
+    fn seal_to_hand_out(&self, shard: &Arc<Shard>) -> bool {
+        match shard.seg.seal() {
+            Ok(()) => true,
+            Err(e) => {
+                self.metrics.failed(Failure::Restore);
+                error!(
+                    shard = %shard.key,
+                    error = %e,
+                    "a process still maps this step's segment writable; not served from memory"
+                );
+                self.memory.remove(&shard.key);
+                false
+            }
+        }
+    }
+
     /// Reads `key` back from disk or store into a new sealed segment, verified chunk by chunk.
     fn read_back(&self, key: &ShardKey, world_size: u32) -> Result<(Arc<Shard>, Vec<TierKind>)> {
         let engine = self.engine(&key.job, key.rank, world_size)?;
@@ -264,8 +286,9 @@ impl Core {
             origin: self.me.node.clone(),
             manifest,
             manifest_json: json,
-            seg: Arc::new(sealed),
+            seg: Arc::new(sealed.into()),
             committed: Instant::now(),
+            kept: AtomicBool::new(true),
         });
         Ok((shard, sources))
     }

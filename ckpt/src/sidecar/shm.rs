@@ -5,21 +5,29 @@
 //! against shrinking and growing so nobody can pull pages out from under a mapping). One that
 //! goes to a training process has its pages allocated up front ([`Segment::allocate`], i.e.
 //! `fallocate`), so that a full memory cgroup is an error now rather than a `SIGBUS` in the
-//! middle of the training process's copy later. The sidecar sends the descriptor to a training process,
-//! which maps it read-write and stages a checkpoint into it, then unmaps it and commits. The
-//! sidecar then seals it against writes (`F_SEAL_WRITE`, which the kernel refuses while any
-//! process still has it mapped writable) and maps it read-only: from then on the bytes can
-//! never change, in any process, which is what makes handing out `&[u8]` over shared memory
-//! sound ([`Sealed`]). Restores send the sealed descriptor; the receiver checks the seals
-//! ([`Sealed::open`]) before it trusts the bytes. A segment the sidecar fills itself (from a
-//! peer's stream, or read back from disk or store) is mapped writable in the sidecar alone with
-//! every page allocated and mapped up front ([`Segment::create_to_fill`]: `madvise` on every
-//! core rather than a page fault per page), filled in place, and sealed the same way
-//! ([`Filling`]).
+//! middle of the training process's copy later. The sidecar sends the descriptor to a training
+//! process, which maps it read-write (populated ahead of its save, see `super::client`), stages
+//! a checkpoint into it, then unmaps it, closes its descriptor and commits. The sidecar maps
+//! it read-only and holds it as [`Committed`]: from then on the sidecar is the only process
+//! with a way to reach it, and it never maps it writable.
+//!
+//! **Recycling instead of a permanent seal.** A committed segment is not sealed against writes
+//! (the kernel's `F_SEAL_WRITE` can never be lifted, so a sealed segment could never be staged
+//! into again, and every save would pay for memory new to both processes). It is handed out for
+//! writing again only through [`Committed::recycle`], which takes it by value: the memory tier
+//! calls it once nobody else holds the shard (no persistence, replication or restore reads it)
+//! and its step is no longer needed in memory (see `super::memory`), so no borrow of its bytes
+//! can outlive it. When a committed segment's descriptor leaves the sidecar (a restore), it is
+//! first sealed for good ([`Committed::seal`]: refused while any process still maps it
+//! writable); the receiver checks the seals ([`Sealed::open`]) before it trusts the bytes, and
+//! a sealed segment is never recycled. A segment the sidecar fills itself (from a peer's
+//! stream, or read back from disk or store) is mapped writable in the sidecar alone with every
+//! page allocated and mapped up front ([`Segment::create_to_fill`]: `madvise` on every core
+//! rather than a page fault per page), filled in place, and sealed ([`Filling`]).
 //!
 //! The memory lives as long as any descriptor or mapping of it does, in any process; the
 //! sidecar's budget charge ([`super::memory::Charge`]) lives as long as the sidecar's own
-//! segment does.
+//! segment does, recycled or not.
 //!
 //! **Huge pages.** Shared memory is backed by 2 MiB pages where the node lets it
 //! ([`huge_pages`], the kernel's `shmem_enabled`): with 4 KiB pages every copy into or out of a
@@ -103,6 +111,22 @@ impl Drop for ShmemEnabled {
             let _ = std::fs::write(SHMEM_ENABLED, old);
         }
     }
+}
+
+/// Segments training processes stage into are whole multiples of this (a huge page), so that
+/// a file that grows a little from one save to the next (a longer header at step 10, 100, ...)
+/// still fits the segment of an older step.
+const SLOT_GRAIN: usize = 2 << 20;
+
+/// The size of a segment to stage a file of `len` bytes into.
+pub fn slot_len(len: usize) -> usize {
+    len.max(1).next_multiple_of(SLOT_GRAIN)
+}
+
+/// Whether a segment of `have` bytes serves a file of `len` bytes: it holds it, and is not much
+/// larger than the segment such a file would get (a sixteenth more at most).
+pub fn fits(have: usize, len: usize) -> bool {
+    have >= len && have <= slot_len(len) + len / 16
 }
 
 fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
@@ -216,14 +240,29 @@ impl Segment {
     /// Seals the segment against writes, for good, and maps it read-only. Fails (`EBUSY`) while
     /// any process still has it mapped writable.
     pub fn seal(self) -> io::Result<Sealed> {
-        // SAFETY: fcntl on a descriptor this segment owns.
-        cvt(unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_ADD_SEALS, SEALED) })?;
-        let map = Mapping::new(self.fd.as_fd(), self.len, false)?;
-        Ok(Sealed {
-            seg: self,
-            map,
-            copy_mapped: huge_pages() != HugePages::Never,
-        })
+        seal_for_good(self.fd.as_fd())?;
+        Ok(Sealed(ReadOnly::new(self)?))
+    }
+
+    /// A segment a training process has staged into, unmapped and committed: mapped read-only
+    /// here and held by the sidecar alone (see the module docs).
+    pub fn commit(self) -> io::Result<Committed> {
+        Ok(Committed(ReadOnly::new(self)?))
+    }
+}
+
+/// Adds every seal of a committed segment; fine if they are there already. Fails (`EBUSY`)
+/// while any process still has the segment mapped writable.
+fn seal_for_good(fd: BorrowedFd<'_>) -> io::Result<()> {
+    if seals(fd)? & SEALED == SEALED {
+        return Ok(());
+    }
+    // SAFETY: fcntl on a descriptor the caller owns.
+    match cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALED) }) {
+        Ok(_) => Ok(()),
+        // Sealed by another thread in between (F_SEAL_SEAL refuses more seals).
+        Err(_) if seals(fd)? & SEALED == SEALED => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -241,8 +280,15 @@ const POPULATE_BLOCK: usize = 32 << 20;
 /// over as many threads as the machine has (zeroing fresh memory is the whole cost, and it
 /// scales with cores); false where the kernel cannot (before Linux 5.14).
 fn populate(map: &Mapping) -> io::Result<bool> {
+    populate_over(
+        map,
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
+    )
+}
+
+/// [`populate`] over `threads` threads.
+fn populate_over(map: &Mapping, threads: usize) -> io::Result<bool> {
     let blocks = map.len().div_ceil(POPULATE_BLOCK);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
     let next = AtomicUsize::new(0);
     let start = map.ptr() as usize;
     let work = || -> io::Result<bool> {
@@ -349,6 +395,18 @@ impl Mapping {
 }
 
 impl Mapping {
+    /// Makes a writable mapping ready for a copy that must not wait for the kernel: every page
+    /// mapped now, from this thread alone (the pages are already allocated, so this only fills
+    /// the page tables), and the mapping kept out of child processes (`MADV_DONTFORK`), so
+    /// that a process forked during a save never holds the segment writable after its commit.
+    /// Returns whether the pages could be mapped ahead (not before Linux 5.14; the copy then
+    /// maps them as it goes).
+    pub fn prepare_for_writes(&self) -> io::Result<bool> {
+        // SAFETY: advice on this mapping, which this value owns; no byte changes.
+        cvt(unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_DONTFORK) })?;
+        populate_over(self, 1)
+    }
+
     /// The start of the mapping. Writing through it is up to the caller: only into a writable
     /// mapping, and only where nothing else reads or writes at the same time.
     pub fn as_ptr(&self) -> *mut u8 {
@@ -383,35 +441,25 @@ impl Drop for Mapping {
     }
 }
 
-/// A segment sealed against writes and mapped read-only: its bytes never change again.
+/// A whole segment mapped read-only: what [`Sealed`] and [`Committed`] have in common.
 #[derive(Debug)]
-pub struct Sealed {
+pub struct ReadOnly {
     // Field order: unmap before closing.
     map: Mapping,
     seg: Segment,
-    /// Whether [`Sealed::read_at`] copies through the mapping (huge pages) or with `pread`.
+    /// Whether [`ReadOnly::read_at`] copies through the mapping (huge pages) or with `pread`.
     copy_mapped: bool,
 }
 
-impl Sealed {
-    /// A sealed segment received from another process: the descriptor must carry every seal of
-    /// a committed segment, and be at least `len` bytes.
-    pub fn open(fd: OwnedFd, len: usize) -> io::Result<Sealed> {
-        let s = seals(fd.as_fd())?;
-        if s & SEALED != SEALED {
-            return Err(io::Error::other(format!(
-                "shared memory segment is not sealed (seals {s:#x})"
-            )));
-        }
-        let seg = Segment::from_fd(fd)?;
-        if seg.len < len {
-            return Err(io::Error::other(format!(
-                "shared memory segment of {} bytes for a {len}-byte file",
-                seg.len
-            )));
-        }
-        let map = Mapping::new(seg.fd.as_fd(), seg.len, false)?;
-        Ok(Sealed {
+impl ReadOnly {
+    /// Maps `seg` through a read-only descriptor of its own: a shared mapping made through a
+    /// writable one could be made writable later (`mprotect`), so the kernel would count it as
+    /// a writer and refuse to seal the segment while it exists.
+    fn new(seg: Segment) -> io::Result<ReadOnly> {
+        let path = format!("/proc/self/fd/{}", seg.fd.as_raw_fd());
+        let ro = std::fs::File::open(&path)?;
+        let map = Mapping::new(ro.as_fd(), seg.len, false)?;
+        Ok(ReadOnly {
             map,
             seg,
             copy_mapped: huge_pages() != HugePages::Never,
@@ -420,9 +468,11 @@ impl Sealed {
 
     /// The whole segment.
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the mapping covers `len` bytes, all backed (sealed against shrinking), and
-        // sealed against writes in every process, so no write to them can ever happen while
-        // this borrow lives.
+        // SAFETY: the mapping covers `len` bytes, all backed (sealed against shrinking). Nothing
+        // writes them while this borrow lives: a `ReadOnly` is either sealed against writes in
+        // every process (`Sealed`), or committed, which no other process can reach and which
+        // becomes writable again only by being consumed (`Committed::recycle`), which cannot
+        // happen while it is borrowed.
         unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr(), self.map.len) }
     }
 
@@ -479,19 +529,115 @@ impl Sealed {
     }
 }
 
-impl AsFd for Sealed {
+impl AsFd for ReadOnly {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.seg.as_fd()
     }
 }
 
-impl Region for Sealed {
+impl Region for ReadOnly {
     fn ptr(&self) -> *mut u8 {
         self.map.ptr.as_ptr()
     }
 
     fn len(&self) -> usize {
         self.map.len
+    }
+}
+
+/// A segment sealed against writes and mapped read-only: its bytes never change again.
+#[derive(Debug)]
+pub struct Sealed(ReadOnly);
+
+impl Sealed {
+    /// A sealed segment received from another process: the descriptor must carry every seal of
+    /// a committed segment, and be at least `len` bytes.
+    pub fn open(fd: OwnedFd, len: usize) -> io::Result<Sealed> {
+        let s = seals(fd.as_fd())?;
+        if s & SEALED != SEALED {
+            return Err(io::Error::other(format!(
+                "shared memory segment is not sealed (seals {s:#x})"
+            )));
+        }
+        let seg = Segment::from_fd(fd)?;
+        if seg.len < len {
+            return Err(io::Error::other(format!(
+                "shared memory segment of {} bytes for a {len}-byte file",
+                seg.len
+            )));
+        }
+        Ok(Sealed(ReadOnly::new(seg)?))
+    }
+}
+
+impl std::ops::Deref for Sealed {
+    type Target = ReadOnly;
+
+    fn deref(&self) -> &ReadOnly {
+        &self.0
+    }
+}
+
+impl Region for Sealed {
+    fn ptr(&self) -> *mut u8 {
+        self.0.map.ptr.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.0.map.len
+    }
+}
+
+/// A committed segment in the sidecar's memory tier: mapped read-only, reachable by no other
+/// process, and either sealed for good (it was handed out, or filled here) or recyclable.
+#[derive(Debug)]
+pub struct Committed(ReadOnly);
+
+impl Committed {
+    /// Seals the segment against writes for good, before its descriptor leaves the sidecar:
+    /// fails (`EBUSY`) while any process still maps it writable (a training process that
+    /// committed without unmapping). Sealing twice is fine.
+    pub fn seal(&self) -> io::Result<()> {
+        seal_for_good(self.0.seg.as_fd())
+    }
+
+    /// Whether the segment is sealed for good (and so never recycled).
+    pub fn is_sealed(&self) -> bool {
+        seals(self.0.seg.as_fd()).is_ok_and(|s| s & SEALED == SEALED)
+    }
+
+    /// The segment, to be staged into again: `None` once sealed for good.
+    pub fn recycle(self) -> Option<Segment> {
+        if self.is_sealed() {
+            return None;
+        }
+        let ReadOnly { map, seg, .. } = self.0;
+        drop(map);
+        Some(seg)
+    }
+}
+
+impl From<Sealed> for Committed {
+    fn from(s: Sealed) -> Committed {
+        Committed(s.0)
+    }
+}
+
+impl std::ops::Deref for Committed {
+    type Target = ReadOnly;
+
+    fn deref(&self) -> &ReadOnly {
+        &self.0
+    }
+}
+
+impl Region for Committed {
+    fn ptr(&self) -> *mut u8 {
+        self.0.map.ptr.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.0.map.len
     }
 }
 
@@ -709,7 +855,7 @@ mod tests {
             seg.bytes_mut().copy_from_slice(&data);
             let received = seg.seal().unwrap();
             for sealed in [staged, received] {
-                assert_eq!(sealed.copy_mapped, want != HugePages::Never);
+                assert_eq!(sealed.0.copy_mapped, want != HugePages::Never);
                 let mut back = vec![0u8; len - 4099];
                 sealed.read_at(4099, &mut back).unwrap();
                 assert!(back == data[4099..], "{word}: bytes differ");

@@ -131,7 +131,15 @@ pub enum LocalMsg {
     /// The sidecar's node id and the tiers a save goes to.
     Attached { node: String, tiers: Vec<TierKind> },
     /// A segment of `len` bytes to stage `step` into (`wait`: wait for memory to be freed).
-    Stage { step: u64, len: u64, wait: bool },
+    /// `ahead`: for the next save, whose step is not known yet (`step` is the last one saved):
+    /// prepared in the background, and the commit's manifest names the step.
+    Stage {
+        step: u64,
+        len: u64,
+        wait: bool,
+        #[serde(default)]
+        ahead: bool,
+    },
     /// The segment (its descriptor travels with this frame).
     Segment { len: u64 },
     /// Staging is done and the segment unmapped: take it, with this manifest.
