@@ -1,6 +1,13 @@
-//! The sidecar (`hotstart serve`) against the floors its restores are measured by, same run,
-//! same state (`--gib` GiB in `--tensors` tensors), medians of `--runs`:
+//! The sidecar (`hotstart serve`) against the floors its saves and restores are measured by,
+//! same run, same state (`--gib` GiB in `--tensors` tensors), medians of `--runs`:
 //!
+//! * **Save stall through the sidecar**: `save()` → `wait_staged()` (what training waits for),
+//!   saves 2..N of the same state in a row, against the same saves by an engine without a
+//!   sidecar (its own staging pool, disk tier) and against a parallel memcpy of the same bytes
+//!   into pre-faulted memory (target: within 1.2× of both); the first save reported apart, beside
+//!   a memcpy into memory the process has not touched yet. Every save is waited for in full
+//!   (persisted to the disk tier) before the next, as training's save interval would, so that
+//!   stalls are not measured against persistence competing for the cores.
 //! * **Restore from local memory**: a training process's `load(Latest)` into its own tensors
 //!   (pre-faulted, as a model's parameters are), served from its sidecar's shared memory,
 //!   against a parallel memcpy of the same bytes into the same buffers over as many threads as
@@ -34,7 +41,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
 use hotstart_ckpt::sidecar::{Settings, Sidecar, Token, metrics, shm};
-use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel};
+use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel, Tensor};
 use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
 use hotstart_testkit::SeaweedFs;
@@ -319,6 +326,15 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
 
     eprintln!("sidecar: preparing {label}");
     let (sources, state) = state(args.tensors, per)?;
+    save_stall(
+        &mut report,
+        work.path(),
+        &label,
+        &sources,
+        &state,
+        threads,
+        args.runs.max(3) * 3 + 1,
+    )?;
     // Node A holds the step (and persists it to its disk and the store); B only fetches it.
     let budget = total as u64 + total as u64 / 4 + (64 << 20);
     let disk = work.path().join("disk-a");
@@ -359,6 +375,7 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         Vec::new(),
     );
     let mut tcp_hashed = Vec::new();
+    let (mut memory_new, mut memcpy_new) = (Vec::new(), Vec::new());
     let cold = drop_page_cache().is_ok();
     for run in 0..args.runs {
         memcpy.push(parallel_memcpy(&mut dst, &sources, threads));
@@ -368,6 +385,20 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         memory.push(t.elapsed());
         ensure!(l.step == 1 && l.tensors.is_empty(), "unexpected restore");
         ensure!(dst[..per] == sources[0][..], "restored bytes differ");
+        // Into tensors the process has just allocated and never touched (a model built after a
+        // restart), against a memcpy into such memory.
+        let mut new = AlignedBuf::zeroed(total);
+        let t = Instant::now();
+        let mut bufs = slices(&mut new, per);
+        engine_a.load(StepSel::Latest, destination(&mut bufs))?;
+        memory_new.push(t.elapsed());
+        ensure!(new[..per] == sources[0][..], "restored bytes differ");
+        drop(new);
+        memcpy_new.push(parallel_memcpy(
+            &mut AlignedBuf::zeroed(total),
+            &sources,
+            threads,
+        ));
 
         if cold {
             let mut cfg = EngineConfig::new(JOB, 0, 1).disk(&disk);
@@ -432,6 +463,13 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         &format!("parallel memcpy ({threads} threads, pre-faulted)"),
         &memcpy,
         Some(0.8),
+    ));
+    report.add(row(
+        "restore from local sidecar memory into new tensors (memory new to the process)",
+        &memory_new,
+        &format!("parallel memcpy ({threads} threads) into memory new to the process"),
+        &memcpy_new,
+        None,
     ));
     if cold {
         report.add(row(
@@ -535,6 +573,106 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
     drop(engine_a);
     drop(a);
     report.finish(args.markdown.as_deref())
+}
+
+/// `save()` → `wait_staged()` of `saves` saves in a row, each then waited for in full and
+/// followed by `after` (the floor, measured in the same state of the machine).
+fn stalls(
+    engine: &Engine,
+    state: &[Tensor],
+    saves: usize,
+    mut after: impl FnMut(),
+) -> anyhow::Result<Vec<Duration>> {
+    let mut out = Vec::with_capacity(saves);
+    for step in 1..=saves as u64 {
+        let t = Instant::now();
+        let h = engine.save(step, state.to_vec(), Default::default())?;
+        h.wait_staged()?;
+        out.push(t.elapsed());
+        h.wait()?;
+        after();
+    }
+    Ok(out)
+}
+
+/// The save stall rows; see the module docs.
+fn save_stall(
+    report: &mut Report,
+    dir: &Path,
+    label: &str,
+    sources: &[Bytes],
+    state: &[Tensor],
+    threads: usize,
+    saves: usize,
+) -> anyhow::Result<()> {
+    let total: usize = sources.iter().map(Bytes::len).sum();
+    eprintln!("sidecar: {saves} saves through a sidecar and without one");
+    // Room for the newest step and the one being staged, and a little more.
+    let budget = 2 * total as u64 + total as u64 / 4 + (64 << 20);
+    let mut s = settings("node-s", dir, budget)?;
+    s.disk_dir = Some(dir.join("disk-s"));
+    // What a first save's copy meets: memory the process has not touched.
+    let fresh = parallel_memcpy(&mut AlignedBuf::zeroed(total), sources, threads);
+    let sidecar = Running::start(s)?;
+    let mut floor = Vec::new();
+    let mut dst = AlignedBuf::zeroed(total);
+    dst.fill(1);
+    let mut copies = || floor.push(parallel_memcpy(&mut dst, sources, threads));
+    let through = stalls(
+        &engine(&sidecar.socket, threads)?,
+        state,
+        saves,
+        &mut copies,
+    )?;
+    let created = sidecar.metric("hotstart_memory_segments_created_total");
+    let recycled = sidecar.metric("hotstart_memory_segments_recycled_total");
+    drop(sidecar);
+    let mut cfg = EngineConfig::new("bench-alone", 0, 1).disk(dir.join("disk-alone"));
+    cfg.threads = threads;
+    let alone = stalls(&Engine::new(cfg)?, state, saves, &mut copies)?;
+    drop(copies);
+    eprintln!(
+        "sidecar: stalls through the sidecar {through:?}, without {alone:?}, memcpy {floor:?}, \
+         into new memory {fresh:?}"
+    );
+    let later = |v: &[Duration]| median(v[1..].to_vec());
+    report.add(Row::time(
+        format!("save stall through the sidecar, saves 2..{saves}, {label}"),
+        later(&through),
+        "the same saves without a sidecar (engine's staging pool)",
+        later(&alone),
+        Some(1.0 / 1.2),
+    ));
+    report.add(Row::time(
+        format!("save stall through the sidecar, saves 2..{saves}, {label}"),
+        later(&through),
+        format!("parallel memcpy ({threads} threads) into pre-faulted memory"),
+        median(floor.clone()),
+        Some(1.0 / 1.2),
+    ));
+    report.add(Row::time(
+        format!("first save's stall through the sidecar, {label}"),
+        through[0],
+        format!("parallel memcpy ({threads} threads) into memory new to the process"),
+        fresh,
+        None,
+    ));
+    report.note(format!(
+        "save stall (save() to wait_staged(), each save then persisted to disk before the next): \
+         through the sidecar {:.3} s for saves 2..{saves} (first {:.3} s), without a sidecar {:.3} s \
+         (first {:.3} s), memcpy {:.3} s into pre-faulted memory (after each save) and {:.3} s \
+         into memory new to the process; the sidecar created {created} segments and recycled \
+         {recycled}. The first save waits for the sidecar to allocate its segment (zeroed \
+         shared memory) and maps it as it copies; the engine without a sidecar allocates its \
+         staging pool (anonymous memory) then too.",
+        later(&through).as_secs_f64(),
+        through[0].as_secs_f64(),
+        later(&alone).as_secs_f64(),
+        alone[0].as_secs_f64(),
+        median(floor).as_secs_f64(),
+        fresh.as_secs_f64(),
+    ));
+    Ok(())
 }
 
 /// The restarted training process: loads the step into tensors of its own.

@@ -363,6 +363,17 @@ impl Sidecar {
     }
 }
 
+/// Gives the calling thread (and the threads it starts from now on) the lowest CPU priority
+/// (nice 19): for work that prepares the next save, which should take only what training
+/// leaves of the cores.
+pub(crate) fn lowest_priority() {
+    // SAFETY: setpriority on this thread alone (its id); no memory is involved. A failure
+    // leaves the priority as it was, which is only slower for others.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
+    }
+}
+
 /// Runs `accept` in a loop on a thread of its own until the sidecar stops.
 fn spawn_accept(
     name: &str,

@@ -97,6 +97,9 @@ pub struct Summary {
     pub dir: PathBuf,
     /// Training's wait per checkpoint (`save` to `wait_staged`), in seconds.
     pub stall_seconds: Spread,
+    /// The floor of that wait: one rank's state copied into memory already mapped (a parallel
+    /// memcpy over as many threads as a trainer's engine copies with), median of five, seconds.
+    pub copy_floor_seconds: f64,
     pub tiers: Vec<TierFigures>,
     pub faults: Vec<FaultReport>,
     pub problems: Vec<String>,
@@ -435,11 +438,34 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         store,
         dir: cfg.dir.clone(),
         stall_seconds: Spread::of(stalls),
+        copy_floor_seconds: copy_floor(bytes as usize),
         tiers,
         faults: demo.faults.clone(),
         problems: v.problems.clone(),
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// The median time of a parallel copy of `bytes` bytes into pre-faulted memory, over as many
+/// threads as an engine copies with by default (the cores, at most 8).
+fn copy_floor(bytes: usize) -> f64 {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 8));
+    let src = vec![1u8; bytes];
+    let mut dst = vec![2u8; bytes];
+    let piece = bytes.div_ceil(threads).max(1);
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            std::thread::scope(|s| {
+                for (d, from) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+                    s.spawn(move || d.copy_from_slice(from));
+                }
+            });
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
 }
 
 fn story(d: &mut Demo, cfg: &DemoConfig) -> Result<()> {

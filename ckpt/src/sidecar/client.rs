@@ -256,10 +256,7 @@ fn prepare(
     }
     let done = next.clone();
     let work = move || {
-        // SAFETY: setpriority on this thread alone (its id); no memory is involved.
-        unsafe {
-            libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
-        }
+        super::lowest_priority();
         let slot = dial.stage(step, len, false, true).and_then(|mut slot| {
             slot.map
                 .prepare_for_writes()
@@ -373,9 +370,26 @@ impl Client {
             return Ok(handle(Shared::skipped(step)));
         };
         let len = layout.file_len as usize;
+        let ordinal = tensors.iter().find_map(|t| match t.source() {
+            Source::Device(d) => Some(d.ordinal),
+            Source::Host(_) => None,
+        });
         let slot = match self.next.take(len, block) {
             Some(slot) => slot,
-            None => self.dial.stage(step, len, block, false)?,
+            None => {
+                let slot = self.dial.stage(step, len, block, false)?;
+                // The next save's segment is new memory too: start on it now, so that it is
+                // ready by the next save even when saves come soon after one another.
+                prepare(
+                    engine.inner.clone(),
+                    self.dial.clone(),
+                    self.next.clone(),
+                    step,
+                    len,
+                    ordinal,
+                );
+                slot
+            }
         };
         let shared = Shared::new(step, &self.tiers);
         let job = SidecarSave {
@@ -388,6 +402,7 @@ impl Client {
             ticket,
             dial: self.dial.clone(),
             next: self.next.clone(),
+            ordinal,
         };
         engine.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
             job.run(slot)
@@ -480,6 +495,8 @@ struct SidecarSave {
     /// To prepare the next save's segment after the commit.
     dial: Arc<Dial>,
     next: Arc<Next>,
+    /// The GPU the save copies from, to register the next segment with.
+    ordinal: Option<usize>,
 }
 
 impl SidecarSave {
@@ -506,6 +523,7 @@ impl SidecarSave {
             ticket,
             dial,
             next,
+            ordinal,
         } = self;
         let Slot {
             mut pin,
@@ -513,10 +531,6 @@ impl SidecarSave {
             mut conn,
         } = slot;
         let len = layout.file_len as usize;
-        let ordinal = tensors.iter().find_map(|t| match t.source() {
-            Source::Device(d) => Some(d.ordinal),
-            Source::Host(_) => None,
-        });
         let region: Arc<dyn Region> = map.clone();
         let image = Staging::new(region, len);
         let abandon = FailUnlessComplete(&image);

@@ -306,9 +306,22 @@ fn stage(
             }
         }
     };
-    let seg = Segment::create(&name, size, Some(charge))
-        .and_then(Segment::allocate)
-        .map_err(|e| Error::io("create shared memory", &name, e))?;
+    let create = || Segment::create(&name, size, Some(charge)).and_then(Segment::allocate);
+    let seg = if ahead {
+        // Zeroing new memory is the whole cost, and nobody waits for it yet: on threads of the
+        // lowest priority, out of training's way.
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                super::lowest_priority();
+                create()
+            })
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("allocating thread panicked")))
+        })
+    } else {
+        create()
+    }
+    .map_err(|e| Error::io("create shared memory", &name, e))?;
     core.memory.count_created();
     Ok(seg)
 }
