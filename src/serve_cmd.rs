@@ -55,8 +55,9 @@ pub struct ServeArgs {
     /// Peers each shard is copied to [default: 1].
     #[arg(long, env = "HOTSTART_REPLICAS")]
     replicas: Option<usize>,
-    /// Shared memory for staging, local shards and peers' replicas, e.g. 64GiB [default: half
-    /// of the memory limit].
+    /// Shared memory for staging, local shards and peers' replicas, e.g. 64GiB; hold two steps
+    /// of every local rank (the newest and the next one, prepared ahead so that a save only
+    /// copies) plus the replicas [default: half of the memory limit].
     #[arg(long, env = "HOTSTART_MEMORY_BUDGET")]
     memory_budget: Option<Size>,
     /// Object store URL of the store tier (s3://bucket/prefix, a directory, ...).
@@ -87,7 +88,8 @@ pub struct ServeArgs {
     /// How often peers are probed [default: 5s].
     #[arg(long, env = "HOTSTART_PROBE_INTERVAL")]
     probe_interval: Option<Seconds>,
-    /// How long a save waits for memory to be freed before it is refused [default: 60s].
+    /// How long a save waits for memory to be freed before it is refused, and how long the
+    /// next save's segment waits for an older step's persistence to let go of it [default: 60s].
     #[arg(long, env = "HOTSTART_STAGE_TIMEOUT")]
     stage_timeout: Option<Seconds>,
     /// Threads for checksums and copies; 0 picks the core count, at most 8 [default: 0].

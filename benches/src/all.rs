@@ -112,7 +112,7 @@ const BENCHES: &[Bench] = &[
     },
     Bench {
         name: "sidecar",
-        full: Runner::Own(&["sidecar", "--gib", "4", "--runs", "3"]),
+        full: Runner::Own(&["sidecar", "--gib", "4", "--tensors", "64", "--runs", "3"]),
         quick: Runner::Own(&["sidecar", "--gib", "0.125", "--runs", "1"]),
     },
     Bench {

@@ -633,7 +633,6 @@ fn save_stall(
     let mut cfg = EngineConfig::new("bench-alone", 0, 1).disk(dir.join("disk-alone"));
     cfg.threads = threads;
     let alone = stalls(&Engine::new(cfg)?, state, saves, &mut copies)?;
-    drop(copies);
     eprintln!(
         "sidecar: stalls through the sidecar {through:?}, without {alone:?}, memcpy {floor:?}, \
          into new memory {fresh:?}"

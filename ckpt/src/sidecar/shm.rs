@@ -578,16 +578,6 @@ impl std::ops::Deref for Sealed {
     }
 }
 
-impl Region for Sealed {
-    fn ptr(&self) -> *mut u8 {
-        self.0.map.ptr.as_ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.0.map.len
-    }
-}
-
 /// A committed segment in the sidecar's memory tier: mapped read-only, reachable by no other
 /// process, and either sealed for good (it was handed out, or filled here) or recyclable.
 #[derive(Debug)]
