@@ -7,12 +7,13 @@
 //! - `Stage{step, len, wait, ahead}`: a segment of `len` bytes, its descriptor sent with
 //!   `Segment`. In the steady state it is the segment of an older step of the same rank, taken
 //!   back from the memory tier (`super::memory`: recycling); else memory is charged to the
-//!   budget (evicting, and waiting up to `stage_timeout` when `wait`) and a [`Segment`]
+//!   budget (evicting, and waiting up to `stage_timeout` when `wait`) and a new [`Segment`]
 //!   created with its pages allocated. `ahead` asks for the *next* save's segment right after
-//!   a commit, so that the training process can map it before it needs it: a segment that may
-//!   be recycled once its persistence finishes is waited for (up to `stage_timeout`) unless
-//!   free memory can hold a new one, and nothing is waited for otherwise. One stage per
-//!   connection at a time.
+//!   a commit, so that the training process can map it before it needs it: while an older
+//!   step's segment may become free to recycle (its persistence finishing, the other ranks
+//!   completing a newer step) it is waited for (up to `stage_timeout`) unless free memory holds
+//!   a new one; otherwise a new one is made as for a save, but never waiting for memory. New
+//!   ones are allocated at the lowest priority. One stage per connection at a time.
 //! - `Commit{manifest}`: the training process has unmapped the staged segment and closed its
 //!   descriptor; the sidecar maps it read-only, checks it against the manifest's chunk hashes
 //!   and holds it in memory: `Committed`. Persistence and replication start, and each of their
@@ -26,7 +27,6 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -262,12 +262,6 @@ fn stage(
             reason: "a segment is already staged on this connection".into(),
         });
     }
-    if core.life.get() == State::Draining {
-        return Err(Error::Sidecar {
-            socket: core.cfg.socket.display().to_string(),
-            reason: "the sidecar is shutting down; no new saves".into(),
-        });
-    }
     let what = format!("{} step {step} rank {}", who.job, who.rank);
     let name = format!("hotstart-{}-{}", who.job, who.rank);
     let size = usize::try_from(len).map_err(|_| Error::Input {
@@ -276,7 +270,15 @@ fn stage(
     })?;
     let deadline = Instant::now() + core.cfg.stage_timeout;
     let charge = loop {
-        match core.memory.recycle(&who.job, who.rank, size) {
+        if core.life.get() == State::Draining {
+            return Err(Error::Sidecar {
+                socket: core.cfg.socket.display().to_string(),
+                reason: "the sidecar is shutting down; no new saves".into(),
+            });
+        }
+        // Asked again while waiting: the others' commits move it on.
+        let complete = core.latest_seen(&who.job, who.world_size);
+        match core.memory.recycle(&who.job, who.rank, size, complete) {
             Recycled::Taken(seg) => return Ok(seg),
             Recycled::Busy if ahead => {
                 if let Some(c) = core.memory.reserve_free(len) {
@@ -288,8 +290,9 @@ fn stage(
                         reason: format!("{what}: no segment free for the next save in time"),
                     });
                 }
-                // What holds the older step (its persistence) lets go without a signal.
-                core.memory.wait_freed(Duration::from_millis(20));
+                // Until an older step's persistence lets go of it, or the other ranks complete
+                // a newer step, neither of which signals.
+                core.memory.wait_freed(Duration::from_millis(50));
             }
             _ => {
                 let wait = if wait && !ahead {
@@ -386,7 +389,6 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
         manifest_json: manifest,
         seg: Arc::new(held),
         committed: Instant::now(),
-        kept: AtomicBool::new(false),
     });
     info!(shard = %shard.key, bytes = len, "committed to memory");
     core.memory.insert(shard.clone());

@@ -11,13 +11,14 @@
 //! (see `super::local`); in the steady state that is the segment of an older step of the same
 //! rank, taken back from this tier ([`Memory::recycle`]) rather than memory new to both
 //! processes, so a save costs only its copy. A shard's segment is recycled only when
-//! - its step is older than the newest committed step of its rank (never the newest);
+//! - its step is older than the newest committed step of its rank (never the newest), and older
+//!   than the newest step complete for every rank as the sidecar sees it (its memory and disk
+//!   and its peers'): a restore would pick that one or a newer one, never this, and a step
+//!   that is not complete yet (a rank ahead of the others) may still become the one;
 //! - nobody else holds it: no persistence, replication, peer transfer or restore reads it
 //!   (the index holds the only reference, checked under the index's lock, so nobody can take
 //!   another meanwhile);
-//! - it was never handed to another process (a restore seals it for good);
-//! - it is not the last copy the job may need: another tier (a peer, disk or the store)
-//!   reported holding it, or a newer step is complete for every rank in this tier.
+//! - it was never handed to another process (a restore seals it for good).
 //!
 //! A recycled shard leaves the index (the step is no longer served from this node's memory);
 //! its charge goes with the segment, so the budget covers it the whole time.
@@ -29,8 +30,7 @@
 //! once; its memory is freed when the last user (a persist, a replication, a restore in
 //! progress) lets go of it.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -70,8 +70,6 @@ pub struct Shard {
     pub manifest_json: String,
     pub seg: Arc<Committed>,
     pub committed: Instant,
-    /// Whether a tier outside this node's memory (a peer, disk, the store) reported holding it.
-    pub kept: AtomicBool,
 }
 
 impl Shard {
@@ -162,7 +160,8 @@ struct State {
 pub enum Recycled {
     /// The segment of an older step, to be staged into again.
     Taken(Segment),
-    /// A segment that may be recycled once what reads it lets go (a persistence, a replication).
+    /// A segment that may be recycled later: once what reads it lets go (a persistence, a
+    /// replication), or once a newer step is complete.
     Busy,
     /// None that may ever be.
     None,
@@ -281,40 +280,28 @@ impl Memory {
     }
 
     /// The segment of an older step of `job`'s `rank`, of about `len` bytes, taken out of the
-    /// tier to be staged into again; see the module docs for when one may be.
-    pub fn recycle(&self, job: &str, rank: u32, len: usize) -> Recycled {
+    /// tier to be staged into again: one older than `complete` (the newest step complete for
+    /// every rank, as the sidecar sees it). See the module docs for when one may be.
+    pub fn recycle(&self, job: &str, rank: u32, len: usize, complete: Option<u64>) -> Recycled {
         let mut s = self.lock();
         let mine = |k: &ShardKey| k.job == job && k.rank == rank;
         let Some(newest) = s.shards.keys().filter(|k| mine(k)).map(|k| k.step).max() else {
             return Recycled::None;
         };
-        // The newest step of the job every rank has in this tier.
-        let mut ranks: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
-        for sh in s.shards.values().filter(|sh| sh.key.job == job) {
-            ranks.entry(sh.key.step).or_default().insert(sh.key.rank);
-        }
-        let complete = s
-            .shards
-            .values()
-            .filter(|sh| sh.key.job == job)
-            .filter(|sh| ranks.get(&sh.key.step).map(BTreeSet::len) == Some(sh.world_size as usize))
-            .map(|sh| sh.key.step)
-            .max();
-        let candidates: Vec<&Arc<Shard>> = s
+        // Older steps that may be recycled once nothing holds them and a newer step is complete.
+        let later: Vec<&Arc<Shard>> = s
             .shards
             .values()
             .filter(|sh| mine(&sh.key) && sh.key.step < newest)
             .filter(|sh| shm::fits(sh.seg.len(), len) && !sh.seg.is_sealed())
-            .filter(|sh| {
-                sh.kept.load(Ordering::Acquire) || complete.is_some_and(|c| sh.key.step < c)
-            })
             .collect();
-        let free = candidates
+        let free = later
             .iter()
+            .filter(|sh| complete.is_some_and(|c| sh.key.step < c))
             .find(|sh| Arc::strong_count(sh) == 1 && Arc::strong_count(&sh.seg) == 1)
             .map(|sh| sh.key.clone());
         let Some(key) = free else {
-            return if candidates.is_empty() {
+            return if later.is_empty() {
                 Recycled::None
             } else {
                 Recycled::Busy
@@ -473,7 +460,6 @@ mod tests {
             manifest,
             seg: Arc::new(seg),
             committed: Instant::now(),
-            kept: AtomicBool::new(false),
         }))
     }
 
@@ -524,54 +510,52 @@ mod tests {
     }
 
     #[test]
-    fn recycles_only_an_older_step_nobody_holds_that_is_kept_elsewhere_and_never_sealed() {
+    fn recycles_only_a_step_older_than_the_newest_complete_that_nobody_holds_and_never_sealed() {
         let mem = Memory::new(16 * 8192, "me");
         let s1 = shard(&mem, "j", 0, 1, 8192).unwrap();
         mem.insert(s1.clone());
         // The newest step of its rank: never.
-        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
+        assert!(matches!(mem.recycle("j", 0, 8000, Some(2)), Recycled::None));
         mem.insert(shard(&mem, "j", 0, 2, 8192).unwrap());
-        // Step 1 is the only copy (no other tier has it, no newer step is complete here).
-        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
-        s1.kept.store(true, Ordering::Release);
-        // Held by a reader (a persistence): later.
-        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::Busy));
-        // Another size: not this one.
+        mem.insert(shard(&mem, "j", 0, 3, 8192).unwrap());
+        // Nothing complete, or step 1 complete (the step a restore would pick): not yet.
+        assert!(matches!(mem.recycle("j", 0, 8000, None), Recycled::Busy));
+        assert!(matches!(mem.recycle("j", 0, 8000, Some(1)), Recycled::Busy));
+        // Step 2 complete: step 1 may go, but a reader (a persistence) holds it: later.
+        assert!(matches!(mem.recycle("j", 0, 8000, Some(2)), Recycled::Busy));
         drop(s1);
-        assert!(matches!(mem.recycle("j", 0, 3 * 8192), Recycled::None));
-        let seg = taken(mem.recycle("j", 0, 8000));
+        // Another size: not this one.
+        assert!(matches!(
+            mem.recycle("j", 0, 3 * 8192, Some(2)),
+            Recycled::None
+        ));
+        let seg = taken(mem.recycle("j", 0, 8000, Some(2)));
         assert_eq!(seg.len(), 8192);
-        assert_eq!(steps(&mem, 0), vec![2], "a recycled step leaves the tier");
+        assert_eq!(
+            steps(&mem, 0),
+            vec![2, 3],
+            "a recycled step leaves the tier"
+        );
         let st = mem.stats();
         assert_eq!(
             (st.recycled, st.used),
-            (1, 2 * 8192),
+            (1, 3 * 8192),
             "its charge went with it"
         );
         drop(seg);
-        assert_eq!(mem.stats().used, 8192);
-
-        // A newer step complete for every rank here makes an older one recyclable.
-        mem.insert(shard(&mem, "j", 0, 3, 8192).unwrap());
-        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
-        mem.insert(shard(&mem, "j", 1, 3, 8192).unwrap());
-        let seg = taken(mem.recycle("j", 0, 8000));
-        assert_eq!(steps(&mem, 0), vec![3]);
-        drop(seg);
+        assert_eq!(mem.stats().used, 2 * 8192);
 
         // Sealed for good (handed to another process): never again.
-        mem.insert(shard(&mem, "j", 0, 4, 8192).unwrap());
-        mem.insert(shard(&mem, "j", 1, 4, 8192).unwrap());
-        let s3 = mem
+        let s2 = mem
             .shards(Some("j"))
             .into_iter()
-            .find(|s| s.key.step == 3)
+            .find(|s| s.key.step == 2)
             .unwrap();
-        s3.seg.seal().unwrap();
-        s3.seg.seal().unwrap();
-        drop(s3);
-        assert!(matches!(mem.recycle("j", 0, 8000), Recycled::None));
-        assert_eq!(steps(&mem, 0), vec![3, 4]);
+        s2.seg.seal().unwrap();
+        s2.seg.seal().unwrap();
+        drop(s2);
+        assert!(matches!(mem.recycle("j", 0, 8000, Some(3)), Recycled::None));
+        assert_eq!(steps(&mem, 0), vec![2, 3]);
     }
 
     #[test]

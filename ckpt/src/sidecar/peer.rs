@@ -19,7 +19,7 @@
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
@@ -216,7 +216,6 @@ fn receive_shard(
         manifest_json,
         seg: Arc::new(sealed.into()),
         committed: Instant::now(),
-        kept: AtomicBool::new(true),
     })))
 }
 
@@ -585,7 +584,6 @@ impl Core {
                         manifest_json: json,
                         seg: Arc::new(sealed.into()),
                         committed: Instant::now(),
-                        kept: AtomicBool::new(true),
                     });
                     return Some((shard, m.id.node.clone()));
                 }

@@ -218,7 +218,6 @@ impl Core {
                     let res = match res {
                         Ok(peers) => {
                             info!(shard = %sh.key, ?peers, "replicated");
-                            sh.kept.store(true, Ordering::Release);
                             core.metrics
                                 .saved(TierKind::Peer, sh.len(), asked.elapsed());
                             Ok(())
@@ -274,7 +273,6 @@ impl Core {
                 for t in own {
                     let res = match handle.wait_persisted(t) {
                         Ok(()) => {
-                            shard.kept.store(true, Ordering::Release);
                             core.metrics.saved(t, shard.len(), asked.elapsed());
                             Ok(())
                         }

@@ -17,7 +17,6 @@
 //! sealed segment and maps it: the restore itself copies nothing more.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -90,6 +89,15 @@ impl Core {
 
     /// The newest step of `job` complete for every rank of `world_size`; see the module docs.
     pub(crate) fn latest(&self, job: &str, rank: u32, world_size: u32) -> Result<Option<u64>> {
+        match self.latest_seen(job, world_size) {
+            Some(step) => Ok(Some(step)),
+            None => self.latest_in_store(job, rank, world_size),
+        }
+    }
+
+    /// The newest step of `job` complete for every rank of `world_size` in this node's memory
+    /// and disk and those of the peers that answered their last probe (the store not asked).
+    pub(crate) fn latest_seen(&self, job: &str, world_size: u32) -> Option<u64> {
         let mut present: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
         let mut add = |infos: &[ShardInfo]| {
             for s in infos {
@@ -120,15 +128,11 @@ impl Core {
         });
         add(&listed.into_inner().unwrap_or_else(PoisonError::into_inner));
         let complete = |ranks: &BTreeSet<u32>| (0..world_size).all(|r| ranks.contains(&r));
-        if let Some(step) = present
+        present
             .iter()
             .rev()
             .find(|(_, r)| complete(r))
             .map(|(s, _)| *s)
-        {
-            return Ok(Some(step));
-        }
-        self.latest_in_store(job, rank, world_size)
     }
 
     /// The newest step complete in the store, or `None` (also when the store does not answer
@@ -288,7 +292,6 @@ impl Core {
             manifest_json: json,
             seg: Arc::new(sealed.into()),
             committed: Instant::now(),
-            kept: AtomicBool::new(true),
         });
         Ok((shard, sources))
     }
