@@ -31,8 +31,10 @@ pub fn budget_evicts_oldest_and_keeps_newest() {
         n.metrics()
     );
     assert!(n.metric("hotstart_memory_used_bytes") <= budget);
+    // Older steps left memory: evicted, or their segments staged into again.
     assert!(
-        n.metric("hotstart_evictions_total") >= 5.0,
+        n.metric("hotstart_evictions_total") + n.metric("hotstart_memory_segments_recycled_total")
+            >= 5.0,
         "{}",
         n.metrics()
     );

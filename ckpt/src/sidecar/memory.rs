@@ -8,9 +8,10 @@
 //! freed, then is refused with [`Error::Budget`].
 //!
 //! **Recycling.** A training process stages each save into a segment that was prepared ahead
-//! (see `super::local`); in the steady state that is the segment of an older step of the same
-//! rank, taken back from this tier ([`Memory::recycle`]) rather than memory new to both
-//! processes, so a save costs only its copy. A shard's segment is recycled only when
+//! (see `super::local`): new memory while the budget has room (the tier keeps as many steps
+//! as it holds), and once it is full the segment of an older step of the same rank, oldest
+//! first, taken back from this tier ([`Memory::recycle`]) rather than memory new to both
+//! processes. A shard's segment is recycled only when
 //! - its step is older than the newest committed step of its rank (never the newest), and older
 //!   than the newest step complete for every rank as the sidecar sees it (its memory and disk
 //!   and its peers'): a restore would pick that one or a newer one, never this, and a step

@@ -113,14 +113,14 @@ impl Drop for ShmemEnabled {
     }
 }
 
-/// Segments training processes stage into are whole multiples of this (a huge page), so that
-/// a file that grows a little from one save to the next (a longer header at step 10, 100, ...)
-/// still fits the segment of an older step.
-const SLOT_GRAIN: usize = 2 << 20;
+/// Room a segment that training processes stage into has beyond its file, so that a file that
+/// grows a little from one save to the next (a longer header at step 10, 100, ...) still fits
+/// the segment of an older step.
+const SLOT_SLACK: usize = 64 << 10;
 
-/// The size of a segment to stage a file of `len` bytes into.
+/// The size of a segment to stage a file of `len` bytes into: whole pages, with some slack.
 pub fn slot_len(len: usize) -> usize {
-    len.max(1).next_multiple_of(SLOT_GRAIN)
+    (len.max(1) + SLOT_SLACK).next_multiple_of(4096)
 }
 
 /// Whether a segment of `have` bytes serves a file of `len` bytes: it holds it, and is not much
