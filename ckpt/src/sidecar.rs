@@ -363,14 +363,16 @@ impl Sidecar {
     }
 }
 
-/// Gives the calling thread (and the threads it starts from now on) the lowest CPU priority
-/// (nice 19): for work that prepares the next save, which should take only what training
-/// leaves of the cores.
-pub(crate) fn lowest_priority() {
+/// Gives the calling thread (and the threads it starts from now on) a lower CPU priority
+/// (nice 10): for work that prepares the next save. Busy training threads keep about nine
+/// tenths of the cores' time from it, yet it is never starved: the lowest priority (19) gets
+/// so little on a node whose cores training keeps busy that the next save would find its
+/// segment unprepared and wait for it.
+pub(crate) fn background_priority() {
     // SAFETY: setpriority on this thread alone (its id); no memory is involved. A failure
     // leaves the priority as it was, which is only slower for others.
     unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
+        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10);
     }
 }
 

@@ -241,22 +241,42 @@ impl Dial {
     }
 }
 
-/// Prepares the next save's segment in the background, at the lowest priority; see the module
-/// docs. `ordinal`: the GPU the last save copied from, to register the segment with.
+/// A promise that the next save's segment is being prepared: a save that comes meanwhile waits
+/// for it. Kept by [`prepare`]; dropped unkept (the save before failed), it says there is none.
+struct Promise(Option<Arc<Next>>);
+
+impl Promise {
+    /// A promise, unless one is being kept already (or a segment is ready).
+    fn make(next: &Arc<Next>) -> Promise {
+        Promise(next.start().then(|| next.clone()))
+    }
+}
+
+impl Drop for Promise {
+    fn drop(&mut self) {
+        if let Some(next) = self.0.take() {
+            next.finish(None);
+        }
+    }
+}
+
+/// Keeps `promise`: prepares the next save's segment in the background, at a lower priority;
+/// see the module docs. `ordinal`: the GPU the last save copied from, to register the segment
+/// with.
 fn prepare(
+    mut promise: Promise,
     inner: Arc<Inner>,
     dial: Arc<Dial>,
-    next: Arc<Next>,
     step: u64,
     len: usize,
     ordinal: Option<usize>,
 ) {
-    if !next.start() {
+    let Some(next) = promise.0.take() else {
         return;
-    }
+    };
     let done = next.clone();
     let work = move || {
-        super::lowest_priority();
+        super::background_priority();
         let slot = dial.stage(step, len, false, true).and_then(|mut slot| {
             slot.map
                 .prepare_for_writes()
@@ -374,21 +394,33 @@ impl Client {
             Source::Device(d) => Some(d.ordinal),
             Source::Host(_) => None,
         });
-        let slot = match self.next.take(len, block) {
-            Some(slot) => slot,
+        let asked = Instant::now();
+        let (slot, promise) = match self.next.take(len, block) {
+            Some(slot) => {
+                debug!(
+                    step,
+                    waited = asked.elapsed().as_secs_f64(),
+                    "prepared segment"
+                );
+                // The next one is prepared once this save is committed (its segment is then
+                // the newest step's, and an older one can be recycled); a save that comes
+                // before that waits for it.
+                (slot, Promise::make(&self.next))
+            }
             None => {
+                debug!(step, "no prepared segment; asking for one");
                 let slot = self.dial.stage(step, len, block, false)?;
                 // The next save's segment is new memory too: start on it now, so that it is
                 // ready by the next save even when saves come soon after one another.
                 prepare(
+                    Promise::make(&self.next),
                     engine.inner.clone(),
                     self.dial.clone(),
-                    self.next.clone(),
                     step,
                     len,
                     ordinal,
                 );
-                slot
+                (slot, Promise(None))
             }
         };
         let shared = Shared::new(step, &self.tiers);
@@ -401,7 +433,7 @@ impl Client {
             extras,
             ticket,
             dial: self.dial.clone(),
-            next: self.next.clone(),
+            promise,
             ordinal,
         };
         engine.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
@@ -494,7 +526,7 @@ struct SidecarSave {
     ticket: Ticket,
     /// To prepare the next save's segment after the commit.
     dial: Arc<Dial>,
-    next: Arc<Next>,
+    promise: Promise,
     /// The GPU the save copies from, to register the next segment with.
     ordinal: Option<usize>,
 }
@@ -522,7 +554,7 @@ impl SidecarSave {
             extras,
             ticket,
             dial,
-            next,
+            promise,
             ordinal,
         } = self;
         let Slot {
@@ -568,7 +600,7 @@ impl SidecarSave {
             Ok(LocalMsg::Committed) => {
                 // Preparing before the handle says so: a save that follows at once waits for
                 // the prepared segment rather than asking for another.
-                prepare(inner, dial, next, step, len, ordinal);
+                prepare(promise, inner, dial, step, len, ordinal);
                 shared.set_tier(TierKind::Memory, Phase::Done);
             }
             Ok(LocalMsg::Failed { reason }) => {

@@ -5,16 +5,17 @@
 //! a time (see `docs/PROTOCOL.md`):
 //!
 //! - `Stage{step, len, wait, ahead}`: a segment of `len` bytes, its descriptor sent with
-//!   `Segment`. `ahead` asks for the *next* save's segment right after a commit, so that the
-//!   training process can map it before it needs it: a new segment while free memory holds one
-//!   (allocated at the lowest priority: the tier keeps as many steps as its budget holds); once
-//!   the budget is full, the segment of an older step of the same rank, taken back from the
-//!   memory tier (`super::memory`: recycling), waiting up to `stage_timeout` for one still
-//!   being persisted (or for the other ranks to complete a newer step); with none that could
-//!   be, a new one as for a save, evicting but never waiting. A save's own request (its first,
-//!   or one whose size changed) takes an older step's segment if one is free, else memory is
-//!   charged to the budget (evicting, and waiting up to `stage_timeout` when `wait`) and a new
-//!   [`Segment`] created with its pages allocated. One stage per connection at a time.
+//!   `Segment`. It is the segment of an older step of the same rank when one is free, taken
+//!   back from the memory tier (`super::memory`: recycling); else memory is charged to the
+//!   budget (evicting, and waiting up to `stage_timeout` when `wait`) and a new [`Segment`]
+//!   created with its pages allocated. `ahead` asks for the *next* save's segment right after a
+//!   commit, so that the training process can map it before it needs it: when the older step
+//!   that may be recycled is still read (its persistence) or not yet superseded (the other
+//!   ranks have not completed a newer step), a new segment is made from free memory or from
+//!   memory freed by evicting other ranks' (and replicas') older steps, and otherwise it is
+//!   waited for (up to `stage_timeout`); with nothing that could be
+//!   recycled, a new one is made as for a save, evicting but never waiting. New segments made
+//!   ahead are allocated at a lower priority. One stage per connection at a time.
 //! - `Commit{manifest}`: the training process has unmapped the staged segment and closed its
 //!   descriptor; the sidecar maps it read-only, checks it against the manifest's chunk hashes
 //!   and holds it in memory: `Committed`. Persistence and replication start, and each of their
@@ -277,16 +278,16 @@ fn stage(
                 reason: "the sidecar is shutting down; no new saves".into(),
             });
         }
-        // Ahead of a save, free memory holds one more step in the tier; once the budget is
-        // full, older steps' segments are staged into again.
-        if ahead && let Some(c) = core.memory.reserve_free(len) {
-            break c;
-        }
         // Asked again while waiting: the others' commits move it on.
         let complete = core.latest_seen(&who.job, who.world_size);
         match core.memory.recycle(&who.job, who.rank, size, complete) {
             Recycled::Taken(seg) => return Ok(seg),
             Recycled::Busy if ahead => {
+                // New memory (free, or freed from other ranks' older steps) rather than a wait
+                // that the next save might share.
+                if let Some(c) = core.memory.reserve_sparing(len, &who.job, who.rank) {
+                    break c;
+                }
                 if Instant::now() >= deadline {
                     return Err(Error::Sidecar {
                         socket: core.cfg.socket.display().to_string(),
@@ -314,11 +315,11 @@ fn stage(
     };
     let create = || Segment::create(&name, size, Some(charge)).and_then(Segment::allocate);
     let seg = if ahead {
-        // Zeroing new memory is the whole cost, and nobody waits for it yet: on threads of the
-        // lowest priority, out of training's way.
+        // Zeroing new memory is the whole cost, and nobody waits for it yet: on threads of a
+        // lower priority, out of training's way.
         std::thread::scope(|s| {
             s.spawn(|| {
-                super::lowest_priority();
+                super::background_priority();
                 create()
             })
             .join()

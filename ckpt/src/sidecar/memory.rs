@@ -8,10 +8,10 @@
 //! freed, then is refused with [`Error::Budget`].
 //!
 //! **Recycling.** A training process stages each save into a segment that was prepared ahead
-//! (see `super::local`): new memory while the budget has room (the tier keeps as many steps
-//! as it holds), and once it is full the segment of an older step of the same rank, oldest
-//! first, taken back from this tier ([`Memory::recycle`]) rather than memory new to both
-//! processes. A shard's segment is recycled only when
+//! (see `super::local`); in the steady state that is the segment of an older step of the same
+//! rank, oldest first, taken back from this tier ([`Memory::recycle`]) rather than memory new
+//! to both processes, so a save costs only its copy and nothing is allocated. A shard's segment
+//! is recycled only when
 //! - its step is older than the newest committed step of its rank (never the newest), and older
 //!   than the newest step complete for every rank as the sidecar sees it (its memory and disk
 //!   and its peers'): a restore would pick that one or a newer one, never this, and a step
@@ -269,6 +269,29 @@ impl Memory {
         })
     }
 
+    /// Charges `len` bytes for the next segment of `job`'s `rank` if they are free, or can be
+    /// made free at once by evicting other ranks' (and replicas') older steps, oldest first:
+    /// that rank's own steps are left alone (they are what it recycles, and hold the step a
+    /// restore would pick). Never waits.
+    pub fn reserve_sparing(self: &Arc<Self>, len: u64, job: &str, rank: u32) -> Option<Charge> {
+        if let Some(c) = self.reserve_free(len) {
+            return Some(c);
+        }
+        let victims = {
+            let mut s = self.lock();
+            let short = pages(len)
+                .saturating_add(s.used)
+                .saturating_sub(self.budget);
+            evict_but(&mut s, short, Some((job, rank)))
+        };
+        for v in &victims {
+            info!(shard = %v.key, bytes = v.len(), "evicted from memory");
+        }
+        // Dropped without the lock: the last reference frees the memory, which takes it.
+        drop(victims);
+        self.reserve_free(len)
+    }
+
     /// Counts a segment created for a training process to stage into.
     pub fn count_created(&self) {
         self.lock().created += 1;
@@ -381,6 +404,11 @@ impl Memory {
 /// bytes; never the newest step of a (job, rank). Takes none when all that may go would not
 /// add up to `want`.
 fn evict(s: &mut State, want: u64) -> Vec<Arc<Shard>> {
+    evict_but(s, want, None)
+}
+
+/// [`evict`], sparing every shard of `spare`'s (job, rank).
+fn evict_but(s: &mut State, want: u64, spare: Option<(&str, u32)>) -> Vec<Arc<Shard>> {
     let mut newest: BTreeMap<(&str, u32), u64> = BTreeMap::new();
     for k in s.shards.keys() {
         let n = newest.entry((k.job.as_str(), k.rank)).or_insert(k.step);
@@ -390,6 +418,7 @@ fn evict(s: &mut State, want: u64) -> Vec<Arc<Shard>> {
         .shards
         .values()
         .filter(|sh| newest.get(&(sh.key.job.as_str(), sh.key.rank)) != Some(&sh.key.step))
+        .filter(|sh| spare != Some((sh.key.job.as_str(), sh.key.rank)))
         .map(|sh| (sh.key.step, sh.committed, sh.key.clone()))
         .collect();
     candidates.sort();
