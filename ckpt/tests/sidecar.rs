@@ -540,28 +540,6 @@ fn saves_recycle_segments_and_readers_only_ever_see_whole_steps() {
     drop(b);
 }
 
-/// The training process of the kill -9 test: saves step after step through the sidecar at
-/// `HOTSTART_TEST_TRAINER` until it is killed. Does nothing when run as a test of its own.
-#[test]
-fn trainer_process_for_kill_tests() {
-    let Ok(socket) = std::env::var("HOTSTART_TEST_TRAINER") else {
-        return;
-    };
-    let engine = sidecar_engine(Path::new(&socket), "killed");
-    for step in 1.. {
-        let h = engine
-            .save(
-                step,
-                to_tensors(&sample_tensors(step, 16 << 20)),
-                extras(step),
-            )
-            .unwrap();
-        h.wait_staged().unwrap();
-        // The previous save's persistence overlaps this one's copy, as in training.
-        drop(h);
-    }
-}
-
 #[test]
 fn a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step() {
     let dir = tempfile::tempdir().unwrap();
@@ -571,9 +549,10 @@ fn a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step() {
     let sidecar = Running::start(s.resolve().unwrap());
     let mut last = 0;
     for (round, delay_ms) in [7u64, 23, 61].into_iter().enumerate() {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "trainer_process_for_kill_tests", "--nocapture"])
-            .env("HOTSTART_TEST_TRAINER", &socket)
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt-test-trainer"))
+            .arg("--sidecar")
+            .arg(&socket)
+            .args(["killed", "16"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -595,13 +574,22 @@ fn a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step() {
         // A new process restores the newest complete step: whole, bit-exact, never older than
         // what was there before.
         let engine = sidecar_engine(&socket, "killed");
+        // The trainer's one tensor `w` holds `pattern(16 MiB, step)`.
+        let whole = |l: &hotstart_ckpt::Loaded| {
+            assert_eq!(l.tensors.len(), 1);
+            assert!(
+                l.tensors[0].data[..] == pattern(16 << 20, l.step)[..],
+                "step {} is not what it saved",
+                l.step
+            );
+        };
         let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
         assert!(l.step >= last, "step {} after {last}", l.step);
-        assert_step(&l, 16 << 20);
+        whole(&l);
         // Every other step still in memory is the step it says it is.
         for step in 1..l.step {
             match engine.load(StepSel::Step(step), Destination::Owned) {
-                Ok(old) => assert_step(&old, 16 << 20),
+                Ok(old) => whole(&old),
                 Err(e) if e.is_not_found() => {}
                 Err(e) => panic!("step {step}: {e}"),
             }
