@@ -17,7 +17,8 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 
 use crate::error::{FsError, FsResult};
-use crate::fs::{Attr, DirEntry, FileKind, StripedFs};
+use crate::fs::{Attr, DirEntry, StripedFs};
+use crate::inode::FileKind;
 
 /// What an inode is, as the kernel is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

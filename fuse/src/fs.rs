@@ -29,16 +29,9 @@ use parking_lot::Mutex;
 
 use crate::cache::StripeCache;
 use crate::error::{FsError, FsResult};
-use crate::inode::{Inode, InodeTable, ROOT, Writing, join};
+use crate::inode::{FileKind, Inode, InodeTable, ROOT, Writing, join};
 use crate::spill::SpillSpace;
 use crate::{DIR_MARKER, FsConfig};
-
-/// What an inode is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FileKind {
-    File,
-    Dir,
-}
 
 /// The attributes of one inode, as stat shows them.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -22,10 +22,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::fs::FileKind;
-
 /// The root directory's inode number.
 pub const ROOT: u64 = 1;
+
+/// What an inode is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    File,
+    Dir,
+}
 
 /// Shared state of a file open for writing, seen by stat while the upload is in progress.
 #[derive(Debug, Clone)]

@@ -37,7 +37,8 @@ use std::time::Duration;
 pub use cache::StripeCache;
 pub use error::{FsError, FsResult};
 pub use filesystem::{Asked, CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
-pub use fs::{Attr, DirEntry, FileKind, StripedFs};
+pub use fs::{Attr, DirEntry, StripedFs};
+pub use inode::FileKind;
 pub use mount::{
     MountConfig, MountHandle, MountOptions, PageCache, clear_stale_mount, mount, mount_fs,
 };

@@ -94,6 +94,15 @@ impl<'de> Deserialize<'de> for ChunkId {
     }
 }
 
+/// One chunk of a file: its id and plaintext length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkRef {
+    #[serde(rename = "i")]
+    pub id: ChunkId,
+    #[serde(rename = "n")]
+    pub len: u32,
+}
+
 /// How a [`ChunkStore`] fetches, caches and compresses.
 #[derive(Debug, Clone)]
 pub struct ChunkStoreConfig {

@@ -16,6 +16,7 @@
 pub mod budget;
 pub mod chunk;
 pub mod error;
+mod file_meta;
 pub mod lru;
 pub mod striped;
 pub mod transfer;

@@ -30,6 +30,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::chunk::{ChunkId, ChunkStore};
 use crate::error::{Error, Result};
+use crate::file_meta::set_fd_metadata;
+
+// A file entry lists its chunks as `ChunkRef`s; the type lives with the chunks and is named here
+// too, where users of a tree have always found it.
+pub use crate::chunk::ChunkRef;
 
 mod xattr;
 
@@ -98,15 +103,6 @@ pub enum EntryKind {
         #[serde(rename = "to")]
         target: String,
     },
-}
-
-/// One chunk of a file: its id and plaintext length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChunkRef {
-    #[serde(rename = "i")]
-    pub id: ChunkId,
-    #[serde(rename = "n")]
-    pub len: u32,
 }
 
 /// Checks that `path` is a safe relative entry path.
@@ -672,37 +668,6 @@ async fn write_file(e: &Entry, abs: PathBuf, chunks: &ChunkStore, link: bool) ->
     check_written(&e.path, written, size)?;
     let chunks = chunks.clone();
     blocking(move || finish(&chunks, &file, &abs)).await
-}
-
-/// Sets the permission bits and the access and modification times of an open file.
-pub(crate) fn set_fd_metadata(
-    file: &std::fs::File,
-    path: &Path,
-    mode: u32,
-    mtime_ns: i64,
-) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    let fd = file.as_raw_fd();
-    let ts = libc::timespec {
-        tv_sec: mtime_ns.div_euclid(1_000_000_000),
-        tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
-    };
-    let times = [ts, ts];
-    // SAFETY: `fd` is open for as long as `file`, which outlives both calls; `times` points to two
-    // initialised timespecs that outlive the call.
-    unsafe {
-        if libc::fchmod(fd, mode & 0o7777) != 0 {
-            return Err(Error::io("set mode", path, std::io::Error::last_os_error()));
-        }
-        if libc::futimens(fd, times.as_ptr()) != 0 {
-            return Err(Error::io(
-                "set mtime",
-                path,
-                std::io::Error::last_os_error(),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Sets the access and modification times of `path` to `mtime_ns` (nanoseconds since the Unix

@@ -26,11 +26,11 @@ use hotstart_store::object_store::ObjectStoreExt;
 use hotstart_store::{ByteBudget, Store, StripeConfig, StripedReader};
 use parking_lot::Mutex;
 
-use super::{Attr, FileKind, Ref, StripedFs};
+use super::{Attr, Ref, StripedFs};
 use crate::DIR_MARKER;
 use crate::cache::{self, StripeCache};
 use crate::error::{FsError, FsResult};
-use crate::inode::Writing;
+use crate::inode::{FileKind, Writing};
 use crate::read::{Cached, ReadAhead, ReadHandle};
 use crate::write::WriteHandle;
 

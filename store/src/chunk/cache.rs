@@ -22,10 +22,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::ChunkId;
+use super::{ChunkId, ChunkRef};
 use crate::error::{Error, Result};
 use crate::lru::LruIndex;
-use crate::tree::ChunkRef;
 
 /// A bounded on-disk cache of verified chunk plaintext. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -157,7 +156,7 @@ impl ChunkCache {
             if meta.nlink() > 1 {
                 return Ok(false);
             }
-            crate::tree::set_fd_metadata(&file, &src, mode, mtime_ns)?;
+            crate::file_meta::set_fd_metadata(&file, &src, mode, mtime_ns)?;
         }
         match std::fs::hard_link(&src, dest) {
             Ok(()) => Ok(true),
