@@ -8,10 +8,10 @@
 //! out. Each file ends with the BLAKE3 hash of its bytes, checked on every hit; a file damaged on
 //! disk is dropped and the stripe fetched again, never returned.
 //!
-//! Files are written to a temporary name and renamed, so a crash leaves whole entries or none;
+//! The directory is a [`DiskCache`] of the store crate, the block the chunk cache is built on too:
+//! files are written to a temporary name and renamed, so a crash leaves whole entries or none;
 //! opening the directory rebuilds the LRU order from modification times and removes leftovers.
 
-use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use parking_lot::Mutex;
+use hotstart_store::{DiskCache, EntryNames};
 
 const HASH_LEN: usize = 32;
 
@@ -31,54 +31,25 @@ pub struct StripeCache {
 
 #[derive(Debug)]
 struct Inner {
-    dir: PathBuf,
-    capacity: u64,
-    lru: Mutex<Lru>,
-    tmp: AtomicU64,
+    files: DiskCache<StripeFiles>,
     hits: AtomicU64,
     misses: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct Lru {
-    /// file name → (last-use tick, bytes on disk)
-    entries: HashMap<String, (u64, u64)>,
-    /// last-use tick → file name
-    order: BTreeMap<u64, String>,
-    bytes: u64,
-    tick: u64,
-}
+/// Stripe files are named `<version>-<start hex>-<len hex>`, directly in the cache directory.
+#[derive(Debug)]
+struct StripeFiles;
 
-impl Lru {
-    fn touch(&mut self, name: &str, size: u64) {
-        self.tick += 1;
-        if let Some((old, old_size)) = self.entries.insert(name.to_string(), (self.tick, size)) {
-            self.order.remove(&old);
-            self.bytes -= old_size;
-        }
-        self.order.insert(self.tick, name.to_string());
-        self.bytes += size;
+impl EntryNames for StripeFiles {
+    type Key = String;
+    const FAN_OUT: bool = false;
+
+    fn path_of(name: &String) -> PathBuf {
+        PathBuf::from(name)
     }
 
-    fn remove(&mut self, name: &str) {
-        if let Some((tick, size)) = self.entries.remove(name) {
-            self.order.remove(&tick);
-            self.bytes -= size;
-        }
-    }
-
-    fn evict(&mut self, capacity: u64) -> Vec<String> {
-        let mut out = Vec::new();
-        while self.bytes > capacity {
-            let Some((_, name)) = self.order.pop_first() else {
-                break;
-            };
-            if let Some((_, size)) = self.entries.remove(&name) {
-                self.bytes -= size;
-            }
-            out.push(name);
-        }
-        out
+    fn key_of(name: &str) -> Option<String> {
+        is_entry_name(name).then(|| name.to_string())
     }
 }
 
@@ -113,46 +84,30 @@ fn is_entry_name(name: &str) -> bool {
 impl StripeCache {
     /// Opens (creating it if needed) a cache in `dir` of at most `capacity` bytes.
     pub fn open(dir: &Path, capacity: u64) -> io::Result<StripeCache> {
-        std::fs::create_dir_all(dir)?;
-        let mut found = Vec::new();
-        for f in std::fs::read_dir(dir)? {
-            let f = f?;
-            let name = f.file_name().to_string_lossy().to_string();
-            let Ok(meta) = f.metadata() else { continue };
-            if name.starts_with(".tmp-") {
-                let _ = std::fs::remove_file(f.path());
-            } else if meta.is_file() && is_entry_name(&name) {
-                found.push((meta.modified().ok(), name, meta.len()));
-            }
-        }
-        found.sort();
-        let mut lru = Lru::default();
-        for (_, name, size) in found {
-            lru.touch(&name, size);
-        }
-        let cache = StripeCache {
+        let files = DiskCache::open(dir, capacity).map_err(|e| {
+            let kind = match &e {
+                hotstart_store::Error::Io { source, .. } => source.kind(),
+                _ => io::ErrorKind::Other,
+            };
+            io::Error::new(kind, e)
+        })?;
+        Ok(StripeCache {
             inner: Arc::new(Inner {
-                dir: dir.to_path_buf(),
-                capacity,
-                lru: Mutex::new(lru),
-                tmp: AtomicU64::new(0),
+                files,
                 hits: AtomicU64::new(0),
                 misses: AtomicU64::new(0),
             }),
-        };
-        let evicted = cache.inner.lru.lock().evict(capacity);
-        cache.remove_files(&evicted);
-        Ok(cache)
+        })
     }
 
     /// Bytes held on disk.
     pub fn bytes(&self) -> u64 {
-        self.inner.lru.lock().bytes
+        self.inner.files.bytes()
     }
 
     /// The capacity in bytes.
     pub fn capacity(&self) -> u64 {
-        self.inner.capacity
+        self.inner.files.capacity()
     }
 
     /// Stripes served from the cache so far.
@@ -169,26 +124,13 @@ impl StripeCache {
         format!("{version}-{start:x}-{len:x}")
     }
 
-    fn remove_files(&self, names: &[String]) {
-        for name in names {
-            let _ = std::fs::remove_file(self.inner.dir.join(name));
-        }
-    }
-
     /// The `len` bytes at `start` of object version `version`, if cached and intact.
     pub async fn get(&self, version: &str, start: u64, len: u64) -> Option<Bytes> {
         let name = Self::name(version, start, len);
-        {
-            let mut lru = self.inner.lru.lock();
-            match lru.entries.get(&name) {
-                Some(&(_, size)) => lru.touch(&name, size),
-                None => {
-                    self.inner.misses.fetch_add(1, Ordering::Relaxed);
-                    return None;
-                }
-            }
-        }
-        let path = self.inner.dir.join(&name);
+        let Some(path) = self.inner.files.use_entry(&name) else {
+            self.inner.misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
         let read = tokio::task::spawn_blocking(move || {
             let mut data = std::fs::read(path)?;
             let ok = data.len() == len as usize + HASH_LEN && {
@@ -208,8 +150,7 @@ impl StripeCache {
                 if !matches!(other, Ok(Err(ref e)) if e.kind() == io::ErrorKind::NotFound) {
                     tracing::warn!(file = %name, "damaged or unreadable cache file; dropping it");
                 }
-                self.inner.lru.lock().remove(&name);
-                self.remove_files(&[name]);
+                self.inner.files.remove(&name);
                 self.inner.misses.fetch_add(1, Ordering::Relaxed);
                 None
             }
@@ -220,38 +161,23 @@ impl StripeCache {
     /// logged: the cache is an optimisation.
     pub async fn insert(&self, version: &str, start: u64, data: Bytes) {
         let size = (data.len() + HASH_LEN) as u64;
-        if size > self.inner.capacity {
+        if size > self.capacity() {
             return;
         }
         let name = Self::name(version, start, data.len() as u64);
-        let path = self.inner.dir.join(&name);
-        let tmp = self.inner.dir.join(format!(
-            ".tmp-{}-{}",
-            std::process::id(),
-            self.inner.tmp.fetch_add(1, Ordering::Relaxed)
-        ));
+        let this = self.clone();
         let written = tokio::task::spawn_blocking(move || {
             use std::io::Write;
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&data)?;
-            f.write_all(blake3::hash(&data).as_bytes())?;
-            drop(f);
-            std::fs::rename(&tmp, &path).inspect_err(|_| {
-                let _ = std::fs::remove_file(&tmp);
+            this.inner.files.write(&name, size, |f| {
+                f.write_all(&data)?;
+                f.write_all(blake3::hash(&data).as_bytes())
             })
         })
         .await;
         match written {
-            Ok(Ok(())) => {
-                let evicted = {
-                    let mut lru = self.inner.lru.lock();
-                    lru.touch(&name, size);
-                    lru.evict(self.inner.capacity)
-                };
-                self.remove_files(&evicted);
-            }
-            Ok(Err(e)) => tracing::warn!(file = %name, error = %e, "could not write cache file"),
-            Err(e) => tracing::warn!(file = %name, error = %e, "cache write task failed"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "could not write cache file"),
+            Err(e) => tracing::warn!(error = %e, "cache write task failed"),
         }
     }
 }

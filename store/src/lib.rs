@@ -7,7 +7,9 @@
 //! - [`ChunkStore`]: content-addressed, zstd-compressed chunks, verified on every read, with a
 //!   bounded local disk cache and single-flight fetches.
 //! - [`Tree`]: the manifest of a file tree (images and environment snapshots are trees).
-//! - [`LruIndex`]: the least-recently-used bookkeeping of caches bounded by bytes.
+//! - [`LruIndex`]: the least-recently-used bookkeeping of caches bounded by bytes; [`DiskCache`]:
+//!   a directory of entry files bounded by bytes on top of it, the building block of the chunk
+//!   cache and the FUSE stripe cache.
 //! - [`transfer`]: whole files copied between local disk and a store, striped both ways.
 //! - [`uring`]: local files written and read through io_uring with O_DIRECT.
 //! - [`wrap`]: `ObjectStore` wrappers for tests and benchmarks: throttled, fault-injecting,
@@ -15,6 +17,7 @@
 
 pub mod budget;
 pub mod chunk;
+pub mod disk_cache;
 pub mod error;
 mod file_meta;
 pub mod lru;
@@ -27,6 +30,7 @@ pub mod wrap;
 
 pub use budget::ByteBudget;
 pub use chunk::{ChunkCache, ChunkId, ChunkStore, ChunkStoreConfig};
+pub use disk_cache::{DiskCache, EntryNames};
 pub use error::{Error, Result};
 pub use lru::LruIndex;
 pub use striped::{StripeConfig, StripedReader, StripedWriter};

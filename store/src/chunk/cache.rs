@@ -1,10 +1,11 @@
 //! The local chunk cache: plaintext chunk files in a directory, evicted least-recently-used
 //! first when their total size passes the capacity.
 //!
-//! Files are named by chunk id (`<dir>/<2 hex>/<64 hex>`) and written to a temporary name then
-//! renamed, so a crash leaves either a whole chunk or none. On open the directory is scanned
-//! (oldest modification first) to rebuild the LRU order; on every hit the content is re-hashed, so
-//! a cache file damaged on disk is dropped and refetched rather than returned.
+//! The directory is a [`DiskCache`]: files are named by chunk id (`<dir>/<2 hex>/<64 hex>`) and
+//! written to a temporary name then renamed, so a crash leaves either a whole chunk or none; on
+//! open the directory is scanned (oldest modification first) to rebuild the LRU order. On every
+//! hit the content is re-hashed, so a cache file damaged on disk is dropped and refetched rather
+//! than returned.
 //!
 //! Besides chunks, the cache holds whole files of several chunks, named by a key derived from
 //! their chunk list ([`ChunkCache::file_key`]) and checked chunk by chunk before use
@@ -17,92 +18,58 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use parking_lot::Mutex;
 
 use super::{ChunkId, ChunkRef};
+use crate::disk_cache::{DiskCache, EntryNames};
 use crate::error::{Error, Result};
-use crate::lru::LruIndex;
 
 /// A bounded on-disk cache of verified chunk plaintext. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ChunkCache {
-    inner: Arc<CacheInner>,
+    inner: Arc<DiskCache<ChunkFiles>>,
 }
 
+/// Chunk files are named by their id's 64 hex digits, under a subdirectory named by the first 2.
 #[derive(Debug)]
-struct CacheInner {
-    dir: PathBuf,
-    capacity: u64,
-    lru: Mutex<LruIndex<ChunkId>>,
-    tmp_counter: AtomicU64,
+struct ChunkFiles;
+
+impl EntryNames for ChunkFiles {
+    type Key = ChunkId;
+    const FAN_OUT: bool = true;
+
+    fn path_of(id: &ChunkId) -> PathBuf {
+        let hex = id.to_hex();
+        Path::new(&hex[..2]).join(&hex)
+    }
+
+    fn key_of(name: &str) -> Option<ChunkId> {
+        ChunkId::from_hex(name).ok()
+    }
 }
 
 impl ChunkCache {
     /// Opens (creating if needed) a cache in `dir` holding at most `capacity` bytes.
     pub fn open(dir: &Path, capacity: u64) -> Result<ChunkCache> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io("create cache directory", dir, e))?;
-        let mut found = Vec::new();
-        for fan in std::fs::read_dir(dir).map_err(|e| Error::io("read cache directory", dir, e))? {
-            let fan = fan.map_err(|e| Error::io("read cache directory", dir, e))?;
-            if !fan.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
-            let Ok(files) = std::fs::read_dir(fan.path()) else {
-                continue;
-            };
-            for f in files.flatten() {
-                let name = f.file_name();
-                let name = name.to_string_lossy();
-                let Ok(meta) = f.metadata() else { continue };
-                match ChunkId::from_hex(&name) {
-                    Ok(id) if meta.is_file() => {
-                        let mtime = meta.modified().ok();
-                        found.push((mtime, id, meta.len()));
-                    }
-                    // Leftover temporary files from a crash.
-                    _ if name.starts_with(".tmp") => {
-                        let _ = std::fs::remove_file(f.path());
-                    }
-                    _ => {}
-                }
-            }
-        }
-        found.sort_by_key(|(mtime, _, _)| *mtime);
-        let mut lru = LruIndex::default();
-        for (_, id, size) in found {
-            lru.touch(id, size);
-        }
-        let cache = ChunkCache {
-            inner: Arc::new(CacheInner {
-                dir: dir.to_path_buf(),
-                capacity,
-                lru: Mutex::new(lru),
-                tmp_counter: AtomicU64::new(0),
-            }),
-        };
-        let evicted = cache.inner.lru.lock().evict(capacity);
-        cache.remove_files(&evicted);
-        Ok(cache)
+        Ok(ChunkCache {
+            inner: Arc::new(DiskCache::open(dir, capacity)?),
+        })
     }
 
     /// The cache's directory.
     pub fn dir(&self) -> &Path {
-        &self.inner.dir
+        self.inner.dir()
     }
 
     /// The file that holds `id` (whether or not it is cached).
     pub fn path_of(&self, id: &ChunkId) -> PathBuf {
-        let hex = id.to_hex();
-        self.inner.dir.join(&hex[..2]).join(hex)
+        self.inner.path_of(id)
     }
 
     /// The cached file of `id`, if cached, marking it used: for hard-linking chunk files.
     pub fn file(&self, id: &ChunkId) -> Option<PathBuf> {
-        self.inner.lru.lock().use_existing(id)?;
-        Some(self.path_of(id))
+        self.inner.use_entry(id)
     }
 
     /// Hard-links the cached file of `id` to `dest` (which must not exist) as a file with
@@ -174,17 +141,17 @@ impl ChunkCache {
 
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        self.inner.lru.lock().bytes()
+        self.inner.bytes()
     }
 
     /// The capacity in bytes.
     pub fn capacity(&self) -> u64 {
-        self.inner.capacity
+        self.inner.capacity()
     }
 
     /// Whether `id` is cached.
     pub fn contains(&self, id: &ChunkId) -> bool {
-        self.inner.lru.lock().contains(id)
+        self.inner.contains(id)
     }
 
     /// The verified plaintext of `id`, if cached. A cache file that no longer matches its id is
@@ -215,7 +182,7 @@ impl ChunkCache {
                 Ok(None)
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                self.inner.lru.lock().remove(id);
+                self.inner.forget(id);
                 Ok(None)
             }
             Err(e) => Err(Error::io("read cached chunk", path, e)),
@@ -233,38 +200,9 @@ impl ChunkCache {
     /// [`ChunkCache::insert`] on the calling thread, for callers already off the runtime (a
     /// fetch writes the chunk it has just decoded without another hand-off between threads).
     pub fn insert_blocking(&self, id: &ChunkId, data: &[u8]) -> Result<()> {
-        let len = data.len() as u64;
-        if len > self.inner.capacity {
-            return Ok(());
-        }
-        let path = self.path_of(id);
-        let tmp = path.with_file_name(format!(
-            ".tmp-{}-{}",
-            std::process::id(),
-            self.inner.tmp_counter.fetch_add(1, Ordering::Relaxed)
-        ));
-        // The fan-out directory is made on the first write into it, not checked on every one.
-        let written = match std::fs::write(&tmp, data) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent)
-                        .map_err(|e| Error::io("create cache directory", parent, e))?;
-                }
-                std::fs::write(&tmp, data)
-            }
-            other => other,
-        };
-        written.map_err(|e| Error::io("write cached chunk", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            Error::io("rename cached chunk", &path, e)
-        })?;
-        let evicted = {
-            let mut lru = self.inner.lru.lock();
-            lru.touch(*id, len);
-            lru.evict(self.inner.capacity)
-        };
-        self.remove_files(&evicted);
+        use std::io::Write;
+        self.inner
+            .write(id, data.len() as u64, |f| f.write_all(data))?;
         Ok(())
     }
 
@@ -275,16 +213,13 @@ impl ChunkCache {
     /// does. `Ok(false)`, and nothing done, when `id` is cached already, `mode` would make the
     /// cache file unreadable, or `path` is on another file system.
     pub fn adopt(&self, id: &ChunkId, path: &Path, len: u64, mode: u32) -> Result<bool> {
-        if len > self.inner.capacity || mode & 0o400 == 0 || self.file(id).is_some() {
+        if len > self.inner.capacity() || mode & 0o400 == 0 || self.file(id).is_some() {
             return Ok(false);
         }
         let dest = self.path_of(id);
         let linked = match std::fs::hard_link(path, &dest) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                if let Some(parent) = dest.parent() {
-                    std::fs::create_dir_all(parent)
-                        .map_err(|e| Error::io("create cache directory", parent, e))?;
-                }
+                self.inner.create_parent(id)?;
                 std::fs::hard_link(path, &dest)
             }
             other => other,
@@ -300,12 +235,7 @@ impl ChunkCache {
             }
             Err(e) => return Err(Error::io("link into the chunk cache", &dest, e)),
         }
-        let evicted = {
-            let mut lru = self.inner.lru.lock();
-            lru.touch(*id, len);
-            lru.evict(self.inner.capacity)
-        };
-        self.remove_files(&evicted);
+        self.inner.admit(id, len);
         Ok(true)
     }
 
@@ -334,7 +264,7 @@ impl ChunkCache {
         let mut file = match std::fs::File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                self.inner.lru.lock().remove(key);
+                self.inner.forget(key);
                 return Ok(false);
             }
             Err(e) => return Err(Error::io("open cached file", path, e)),
@@ -361,19 +291,7 @@ impl ChunkCache {
 
     /// Drops `id` from the cache.
     pub fn remove(&self, id: &ChunkId) {
-        self.inner.lru.lock().remove(id);
-        self.remove_files(&[*id]);
-    }
-
-    fn remove_files(&self, ids: &[ChunkId]) {
-        for id in ids {
-            let path = self.path_of(id);
-            if let Err(e) = std::fs::remove_file(&path)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                tracing::warn!(path = %path.display(), error = %e, "could not evict cached chunk");
-            }
-        }
+        self.inner.remove(id);
     }
 }
 
