@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use hotstart_ckpt::sidecar::config::Size;
+use hotstart_sidecar::config::Size;
 
 /// Runs a 3-node training job on this machine (3 sidecars and 3 trainers), checkpointing
 /// through hotstart, and injects the faults a real job meets: a trainer killed with kill -9, a

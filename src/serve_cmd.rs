@@ -1,15 +1,15 @@
 //! `hotstart serve`: the per-node sidecar daemon.
 //!
 //! Thin: flags (each with its `HOTSTART_*` variable) and the TOML file become one
-//! `hotstart_ckpt::sidecar::Settings` each, merged (flags and variables over the file), checked,
+//! `hotstart_sidecar::Settings` each, merged (flags and variables over the file), checked,
 //! and handed to the library's `Sidecar`, which serves until SIGTERM or SIGINT and drains.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use hotstart_ckpt::sidecar::config::{Seconds, Size, TOKEN_ENV};
-use hotstart_ckpt::sidecar::{Settings, Sidecar, Token};
+use hotstart_sidecar::config::{Seconds, Size, TOKEN_ENV};
+use hotstart_sidecar::{Settings, Sidecar, Token};
 
 /// Settings of `hotstart serve`. Every flag can also be set by the variable shown, or by the
 /// same key (with `_` for `-`) in the `--config` TOML file; flags and variables win over the

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use hotstart_ckpt::sidecar::{Settings, Token};
+use hotstart_sidecar::{Settings, Token};
 use serde::Deserialize;
 use serde_yaml::Value;
 

@@ -40,8 +40,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
-use hotstart_ckpt::sidecar::{Settings, Sidecar, Token, metrics, shm};
+use hotstart_ckpt::proto::shm;
 use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel, Tensor};
+use hotstart_sidecar::{Settings, Sidecar, Token, metrics};
 use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
 use hotstart_testkit::SeaweedFs;
@@ -176,7 +177,7 @@ fn settings(node: &str, dir: &Path, budget: u64) -> anyhow::Result<Settings> {
         listen: Some(format!("127.0.0.1:{}", free_port()?)),
         http: Some("127.0.0.1:0".into()),
         socket: Some(dir.join(format!("{node}.sock"))),
-        memory_budget: Some(hotstart_ckpt::sidecar::config::Size(budget)),
+        memory_budget: Some(hotstart_sidecar::config::Size(budget)),
         token: Some(Token::new(TOKEN)?),
         replicas: Some(0),
         recovery_timeout: Some("5s".parse().map_err(anyhow::Error::msg)?),

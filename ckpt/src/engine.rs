@@ -42,6 +42,7 @@ use crate::cuda::{self, Gpu, Pinned};
 use crate::error::{Error, Result};
 use crate::format::{self, Layout, Manifest};
 use crate::handle::{Phase, SaveHandle, Shared};
+use crate::retention;
 use crate::staging::{self, Pool};
 use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::disk::DiskTier;
@@ -168,7 +169,7 @@ pub(crate) struct Inner {
     disk_per_rank: bool,
     pool: Arc<Pool>,
     /// The sidecar that stages, persists and serves this rank's checkpoints, if any.
-    pub(crate) sidecar: Option<crate::sidecar::client::Client>,
+    pub(crate) sidecar: Option<crate::client::Client>,
     skipped: AtomicU64,
     persisting: Mutex<BTreeSet<u64>>,
     gc_lock: Mutex<()>,
@@ -217,7 +218,7 @@ impl Engine {
     /// An engine over tiers that already exist (shared by the sidecar's engines). With
     /// `disk_per_rank`, retention on the disk tier counts a step complete once this rank's
     /// manifest is there: a node's disk only ever holds its own ranks' files.
-    pub(crate) fn with_tiers(
+    pub fn with_tiers(
         cfg: EngineConfig,
         tiers: Vec<Arc<dyn Tier>>,
         disk_per_rank: bool,
@@ -237,7 +238,7 @@ impl Engine {
             return bad("no sidecar, disk tier or store tier is configured".into());
         }
         let sidecar = match &cfg.sidecar {
-            Some(socket) => Some(crate::sidecar::client::Client::attach(
+            Some(socket) => Some(crate::client::Client::attach(
                 socket,
                 &cfg.job,
                 cfg.rank,
@@ -387,7 +388,7 @@ impl Engine {
     /// tier; the thread returned ends once retention is done too (the caller joins it: it is
     /// not one of the saves `wait_idle` waits for). `manifest` must describe the first `len`
     /// bytes of `region`.
-    pub(crate) fn persist_staged(
+    pub fn persist_staged(
         &self,
         step: u64,
         region: Arc<dyn crate::tier::Region>,
@@ -570,33 +571,25 @@ impl Inner {
         if self.keep == 0 {
             return Ok(Vec::new());
         }
-        let steps = tier.list_steps(&self.job)?;
-        let mut complete = Vec::new();
         let per_rank = self.disk_per_rank && tier.kind() == TierKind::Disk;
-        for &s in &steps {
+        let mut steps = Vec::new();
+        for s in tier.list_steps(&self.job)? {
             let done = if per_rank {
                 self.read_manifest(tier, s).is_ok_and(|m| m.is_some())
             } else {
                 self.is_complete(tier, s)?
             };
-            if done {
-                complete.push(s);
-            }
+            steps.push((s, done));
         }
-        let Some(&newest) = complete.last() else {
-            return Ok(Vec::new());
-        };
-        let kept: BTreeSet<u64> = complete.iter().rev().take(self.keep).copied().collect();
+        let plan = retention::plan(&steps, self.keep);
         let busy = self
             .persisting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
         let mut removed = Vec::new();
-        for s in steps {
-            let old_complete = complete.binary_search(&s).is_ok() && !kept.contains(&s);
-            let torn = complete.binary_search(&s).is_err() && s < newest;
-            if (old_complete || torn) && !busy.contains(&s) {
+        for s in plan.removed {
+            if !busy.contains(&s) {
                 tier.remove_rank(&self.job, s, self.rank)?;
                 removed.push(s);
             }

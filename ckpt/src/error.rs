@@ -102,31 +102,14 @@ pub enum Error {
     #[error("sidecar at {socket}: {reason}")]
     Sidecar { socket: String, reason: String },
 
-    /// A peer sidecar that could not be reached, refused a request, or sent something that
-    /// breaks the protocol (a bad frame, a shard that does not match its checksums).
-    #[error("peer {peer}: {reason}")]
-    Peer { peer: String, reason: String },
-
-    /// A connection whose cluster-token authentication failed.
-    #[error("authentication with {peer} failed: {reason}")]
-    Auth { peer: String, reason: String },
-
-    /// Memory the sidecar's budget cannot hold, even after evicting what may be evicted.
-    #[error("memory budget of {budget} bytes cannot hold {need} more ({used} held): {reason}")]
-    Budget {
-        need: u64,
-        used: u64,
-        budget: u64,
-        reason: String,
-    },
-
     /// A background thread that panicked or could not be started.
     #[error("{what} failed: {message}")]
     Task { what: &'static str, message: String },
 }
 
 impl Error {
-    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    /// An I/O error of `op` on `path`.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             op,
             path: path.into(),
@@ -134,7 +117,8 @@ impl Error {
         }
     }
 
-    pub(crate) fn store(
+    /// A store error of `what` on `key`.
+    pub fn store(
         what: &'static str,
         key: impl Into<String>,
         source: hotstart_store::Error,
@@ -146,7 +130,8 @@ impl Error {
         }
     }
 
-    pub(crate) fn format(
+    /// A manifest or header (`what`, at `location`) that cannot be used.
+    pub fn format(
         what: &'static str,
         location: impl Into<String>,
         reason: impl Into<String>,

@@ -33,6 +33,7 @@ use hotstart_store::{StoreUrl, StripeConfig};
 
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
+use crate::retention;
 use crate::tier::Tier;
 use crate::tier::disk::DiskTier;
 use crate::tier::store::{Runtime, StoreTier};
@@ -507,30 +508,17 @@ impl Checkpoints {
             });
         }
         let steps = self.steps(job)?;
-        let complete: Vec<u64> = steps
-            .iter()
-            .filter(|s| s.complete)
-            .map(|s| s.step)
-            .collect();
-        let Some(&newest) = complete.last() else {
-            return Ok(GcReport::default());
-        };
-        let kept: Vec<u64> = complete[complete.len().saturating_sub(keep)..].to_vec();
-        let mut report = GcReport {
-            removed: Vec::new(),
-            kept: kept.clone(),
-        };
-        for info in &steps {
-            let old_complete = info.complete && !kept.contains(&info.step);
-            let torn = !info.complete && info.step < newest;
-            if !(old_complete || torn) {
-                continue;
-            }
+        let present: Vec<(u64, bool)> = steps.iter().map(|s| (s.step, s.complete)).collect();
+        let plan = retention::plan(&present, keep);
+        for info in steps.iter().filter(|s| plan.removed.contains(&s.step)) {
             for r in &info.ranks {
                 self.tier.remove_rank(job, info.step, r.rank)?;
             }
-            report.removed.push(info.step);
         }
+        let report = GcReport {
+            removed: plan.removed,
+            kept: plan.kept,
+        };
         Ok(report)
     }
 }

@@ -10,7 +10,7 @@
 //!
 //! With a sidecar ([`EngineConfig::sidecar`], or `HOTSTART_SOCKET` through
 //! [`EngineConfig::sidecar_from_env`]), saves stage straight into the shared memory of the
-//! node's sidecar daemon (`hotstart serve`, see [`sidecar`]), which keeps the step in memory
+//! node's sidecar daemon (`hotstart serve`, the `hotstart-sidecar` crate), which keeps the step in memory
 //! across a crash of the training process, copies it to peer nodes, persists it to disk and
 //! store, and serves loads from the nearest tier that holds it.
 //!
@@ -27,17 +27,20 @@
 //! `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path), [`tier`]
 //! (disk and store), `engine` (save, retention), `load` (verified reads), [`handle`] (save
 //! progress), [`inspect`] (offline listing, verification and retention: the `hotstart ckpt`
-//! commands), [`sidecar`] (the daemon, its protocol and the engine's client of it).
+//! commands), [`proto`] (the frames, messages and shared memory that the engine and the
+//! sidecar both speak), `client` (the engine's client of the sidecar).
 
 pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod handle;
 pub mod inspect;
-pub mod sidecar;
+pub mod proto;
+pub mod retention;
 pub mod tensor;
 pub mod tier;
 
+mod client;
 mod engine;
 mod load;
 mod memcopy;
@@ -48,5 +51,6 @@ pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
 pub use inspect::Checkpoints;
 pub use load::{Destination, DeviceBuffer, Loaded, Plan, StepSel};
+pub use staging::{default_threads, hash_chunks};
 pub use tensor::{Dtype, Extras, LoadedTensor, Tensor};
 pub use tier::TierKind;

@@ -316,6 +316,27 @@ pub(crate) fn targets<'a>(
     })
 }
 
+impl Engine {
+    /// Reads this rank's `step` from the tiers that hold it into memory that `alloc` gives for
+    /// the file's length (told the nearest tier that holds it), verified chunk by chunk as
+    /// [`Engine::load`] does; returns the manifest, the memory and the tier each chunk came
+    /// from. This is how the sidecar brings a step back into its memory tier.
+    pub fn read_into<B: AsMut<[u8]>, E: From<Error>>(
+        &self,
+        step: u64,
+        alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
+    ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
+        let inner = &self.inner;
+        let (manifest, tiers) = inner.sources(step)?;
+        let len = file_len(&manifest)?;
+        let mut buf = alloc(len, tiers[0].kind())?;
+        let direct = (0..manifest.chunks.len()).map(|_| Vec::new()).collect();
+        let sources =
+            inner.read_chunks(step, &manifest, &tiers, &mut buf.as_mut()[..len], direct)?;
+        Ok((manifest, buf, sources))
+    }
+}
+
 impl Inner {
     /// The tiers that hold this rank's `step`, and the reference manifest: every tier whose
     /// manifest parses and matches is a source, the first one is the reference, and another is

@@ -178,13 +178,25 @@ impl Drop for Slot {
 /// of the sidecar mapped into it. Page-aligned (the disk tier writes it with `O_DIRECT`).
 ///
 /// Implementations own `len()` bytes at `ptr()` for as long as they live and never move them;
-/// who writes them when is the [`Staging`] image's business.
-pub(crate) trait Region: Send + Sync + 'static {
+/// who writes them when is the [`Staging`] image's business. Only this crate implements it
+/// (the pool's buffers and the shared-memory segments of [`crate::proto::shm`]).
+pub trait Region: sealed::Region + Send + Sync + 'static {
     /// The start of the region, valid for reads and writes of `len()` bytes.
     fn ptr(&self) -> *mut u8;
     /// Length in bytes.
     fn len(&self) -> usize;
+    /// Whether the region has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
+
+pub(crate) mod sealed {
+    /// Keeps [`super::Region`] to this crate's own memory.
+    pub trait Region {}
+}
+
+impl sealed::Region for AlignedBuf {}
 
 impl Region for AlignedBuf {
     fn ptr(&self) -> *mut u8 {
@@ -492,7 +504,7 @@ impl Staging {
 }
 
 /// blake3 of every `chunk_size` chunk of `data`, spread over `threads`.
-pub(crate) fn hash_chunks(data: &[u8], chunk_size: usize, threads: usize) -> Vec<blake3::Hash> {
+pub fn hash_chunks(data: &[u8], chunk_size: usize, threads: usize) -> Vec<blake3::Hash> {
     let chunks: Vec<&[u8]> = data.chunks(chunk_size.max(1)).collect();
     let threads = if data.len() < PARALLEL_MIN {
         1
@@ -521,7 +533,7 @@ pub(crate) fn hash_chunks(data: &[u8], chunk_size: usize, threads: usize) -> Vec
 }
 
 /// Threads to use for copies and hashes when the configuration says 0 (automatic).
-pub(crate) fn default_threads() -> usize {
+pub fn default_threads() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)

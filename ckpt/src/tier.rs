@@ -22,7 +22,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::Result;
-pub(crate) use crate::staging::Region;
+pub use crate::staging::Region;
 pub use crate::staging::Staging;
 
 /// Which tier, nearest first.

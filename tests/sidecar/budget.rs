@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use hotstart_ckpt::sidecar::{ClusterKey, Held, Identity, PeerClient};
+use hotstart_sidecar::{ClusterKey, Held, Identity, PeerClient};
 
 use crate::cluster::{Cluster, TOKEN, restore};
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use hotstart_ckpt::sidecar::metrics;
+use hotstart_sidecar::metrics;
 use hotstart_testkit::spawn_tied;
 
 pub const PEER_PORT: u16 = 7070;

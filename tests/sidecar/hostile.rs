@@ -7,9 +7,9 @@ use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
 use hotstart_ckpt::format::{Layout, Manifest};
-use hotstart_ckpt::sidecar::wire::{self, Conn, PeerMsg, Side};
-use hotstart_ckpt::sidecar::{ClusterKey, Held, Identity, PeerClient, ShardInfo, auth};
+use hotstart_ckpt::proto::wire::{self, Conn, PeerMsg, Side};
 use hotstart_ckpt::{Dtype, Tensor};
+use hotstart_sidecar::{ClusterKey, Held, Identity, PeerClient, ShardInfo, auth};
 use hotstart_testkit::pattern;
 
 use crate::cluster::{Cluster, Node, PEER_PORT, TOKEN, WATCHDOG};
@@ -241,7 +241,7 @@ pub fn tokens_frames_and_checksums_are_enforced() {
     good().push(&info, &manifest, &file).expect("intact shard");
     let held = good().inventory(Some("evil")).expect("inventory");
     assert_eq!(held, vec![info.clone()]);
-    let key = hotstart_ckpt::sidecar::memory::ShardKey {
+    let key = hotstart_sidecar::memory::ShardKey {
         job: "evil".into(),
         rank: 0,
         step: 1,

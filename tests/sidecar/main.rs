@@ -26,6 +26,10 @@ const TESTS: &[Test] = &[
         restart::trainer_kill_restores_from_memory,
     ),
     (
+        "a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step",
+        restart::a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step,
+    ),
+    (
         "node_loss_recovers_from_a_peer_without_the_store",
         restart::node_loss_recovers_from_a_peer_without_the_store,
     ),

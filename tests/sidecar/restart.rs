@@ -2,9 +2,11 @@
 //! memory; a whole node lost (sidecar and training process killed) comes back from a peer
 //! with the object store gone.
 
+use std::time::{Duration, Instant};
+
 use hotstart_testkit::SeaweedFs;
 
-use crate::cluster::{Cluster, Node, Trainer, restore};
+use crate::cluster::{Cluster, Node, Trainer, WATCHDOG, restore};
 
 const MIB: &str = "8";
 const STEPS: &str = "3";
@@ -147,4 +149,47 @@ pub fn node_loss_recovers_from_a_peer_without_the_store() {
     // The store is gone and was never needed.
     assert_eq!(fresh.metric(GETS), 0.0);
     drop(trainers);
+}
+
+/// kill -9 of a trainer at some moment of a save, three times, while the sidecar recycles its
+/// segments: a new process restores the newest complete step whole and bit-exact (the
+/// trainer's own check), never older than the one restored before, and the step before it,
+/// wherever it is served from, is the step it says it is.
+pub fn a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step() {
+    const RECYCLED: &str = "hotstart_memory_segments_recycled_total";
+    let cluster = Cluster::new(1);
+    let node = cluster.start(0, 0);
+    let restore_step = |step: Option<u64>| {
+        let mut a = vec!["restore", "--job", "killed", "--mib", "16"];
+        let s = step.map(|s| s.to_string());
+        if let Some(s) = &s {
+            a.extend(["--step", s]);
+        }
+        restore(&node, &a)
+    };
+    let mut last = 0;
+    for (round, delay_ms) in [7u64, 23, 61].into_iter().enumerate() {
+        let mut trainer = node.trainer(&[
+            "save", "--job", "killed", "--mib", "16", "--steps", "1000000",
+        ]);
+        // Let it recycle segments, then kill it at some moment of a save.
+        let deadline = Instant::now() + WATCHDOG;
+        while node.metric(RECYCLED) < 3.0 * (round + 1) as f64 {
+            assert!(
+                Instant::now() < deadline,
+                "the trainer never recycled:\n{}",
+                node.metrics()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        trainer.kill9();
+        let (step, source) = restore_step(None);
+        assert!(step >= last, "step {step} after {last}");
+        assert_eq!(source, "memory");
+        if step > 1 {
+            assert_eq!(restore_step(Some(step - 1)).0, step - 1);
+        }
+        last = step;
+    }
 }

@@ -5,10 +5,6 @@
 //! "staged 2" once staging is done and then waits for the persist, which the store tier makes
 //! slow (a throttled local-directory store), so a kill after "staged 2" lands mid-persist.
 //!
-//! `ckpt-test-trainer --sidecar SOCKET JOB MIB`: saves step 1, 2, ... of `MIB` MiB through the
-//! sidecar at `SOCKET` until it is killed, waiting for each only until it is staged (the
-//! previous save's persistence overlaps the next one's copy, as in training).
-//!
 //! Tensor bytes are one tensor `w` of `pattern(len, step)`, which tests recompute.
 
 use std::io::Write;
@@ -34,33 +30,13 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
     out
 }
 
-const USAGE: &str =
-    "usage: ckpt-test-trainer DISK_DIR STORE_DIR JOB BIG_MIB | --sidecar SOCKET JOB MIB";
+const USAGE: &str = "usage: ckpt-test-trainer DISK_DIR STORE_DIR JOB BIG_MIB";
 
 fn tensor(len: usize, step: u64) -> Result<Tensor, String> {
     Tensor::new("w", Dtype::U8, vec![len as u64], pattern(len, step)).map_err(|e| e.to_string())
 }
 
-/// Saves through the sidecar until killed.
-fn through_sidecar(socket: &str, job: &str, mib: &str) -> Result<(), String> {
-    let len = mib.parse::<usize>().map_err(|e| e.to_string())? << 20;
-    let engine =
-        Engine::new(EngineConfig::new(job, 0, 1).sidecar(socket)).map_err(|e| e.to_string())?;
-    for step in 1.. {
-        let h = engine
-            .save(step, vec![tensor(len, step)?], Default::default())
-            .map_err(|e| e.to_string())?;
-        h.wait_staged().map_err(|e| e.to_string())?;
-    }
-    Ok(())
-}
-
 fn run(args: &[String]) -> Result<(), String> {
-    if let [flag, socket, job, mib] = args
-        && flag == "--sidecar"
-    {
-        return through_sidecar(socket, job, mib);
-    }
     let [disk, store_dir, job, big_mib] = args else {
         return Err(USAGE.into());
     };

@@ -25,10 +25,11 @@ use crate::format::{self, MAX_MANIFEST_LEN};
 
 /// A tokio runtime that is shut down without blocking when dropped, so dropping the engine is
 /// safe anywhere.
-pub(crate) struct Runtime(Option<tokio::runtime::Runtime>);
+pub struct Runtime(Option<tokio::runtime::Runtime>);
 
 impl Runtime {
-    pub(crate) fn new() -> Result<Runtime> {
+    /// A runtime of two I/O threads.
+    pub fn new() -> Result<Runtime> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("hotstart-ckpt-io")
@@ -64,7 +65,9 @@ pub struct StoreTier {
 }
 
 impl StoreTier {
-    pub(crate) fn new(
+    /// A store tier on `store`, its requests run on `rt`; a transient failure is retried
+    /// `retries` times after `backoff`, doubled each time.
+    pub fn new(
         store: Store,
         rt: Arc<Runtime>,
         stripe: StripeConfig,

@@ -1,5 +1,10 @@
-//! The sidecar daemon (`hotstart serve`): one per node, it owns the memory tier, backs it up
-//! into peers' memory, persists it to disk and store, and serves restores.
+//! hotstart-sidecar: the node daemon (`hotstart serve`). One per node, it owns the memory tier,
+//! backs it up into peers' memory, persists it to disk and store, and serves restores.
+//!
+//! It builds on `hotstart-ckpt`: the frames, messages and shared-memory segments it shares
+//! with training processes are `hotstart_ckpt::proto`, and it persists and reads back steps
+//! with the engine's own tiers. A training process (and the Python wheel) links only
+//! `hotstart-ckpt`, never this crate.
 //!
 //! ```text
 //!   training process ──Unix socket──► sidecar ──TCP (authenticated)──► peer sidecars
@@ -26,27 +31,26 @@
 //! period, what did not finish is reported).
 //!
 //! **Trust.** Peers authenticate with a shared cluster token (`auth`); every frame is bounded
-//! and versioned (`wire`), and a bad one costs only its connection; every shard that arrives
+//! and versioned (`hotstart_ckpt::proto::wire`), and a bad one costs only its connection; every shard that arrives
 //! from a peer is verified against its blake3 chunk hashes before it is held. The local socket
 //! is protected by its file mode.
 
 pub mod auth;
-pub(crate) mod client;
 pub mod config;
-pub mod http;
-pub mod lifecycle;
-pub(crate) mod local;
-pub mod members;
+pub mod error;
+mod http;
+mod lifecycle;
+mod local;
+mod members;
 pub mod memory;
 pub mod metrics;
-pub mod peer;
-pub mod persist;
-pub mod placement;
-pub mod recovery;
-pub(crate) mod restore;
-pub mod shm;
-pub mod wire;
+mod peer;
+mod persist;
+mod placement;
+mod recovery;
+mod restore;
 
+use hotstart_ckpt::Error as CkptError;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
@@ -64,17 +68,17 @@ use tracing::{debug, error, info, warn};
 
 pub use auth::{ClusterKey, Identity};
 pub use config::{Settings, SidecarConfig, Token};
+pub use error::{Error, Result};
+pub use hotstart_ckpt::proto::wire::{Held, ShardInfo};
 pub use lifecycle::State;
 pub use peer::PeerClient;
 pub use persist::DrainReport;
 pub use recovery::RecoveryReport;
-pub use wire::{Held, ShardInfo};
 
-use crate::engine::Engine;
-use crate::error::{Error, Result};
-use crate::tier::Tier;
-use crate::tier::disk::DiskTier;
-use crate::tier::store::{Runtime, StoreTier};
+use hotstart_ckpt::Engine;
+use hotstart_ckpt::tier::Tier;
+use hotstart_ckpt::tier::disk::DiskTier;
+use hotstart_ckpt::tier::store::{Runtime, StoreTier};
 
 /// Everything the daemon's parts share.
 pub(crate) struct Core {
@@ -154,9 +158,10 @@ impl std::fmt::Debug for Sidecar {
 fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(Error::Config {
+            return Err(CkptError::Config {
                 reason: format!("another sidecar is serving {}", path.display()),
-            });
+            }
+            .into());
         }
         std::fs::remove_file(path).map_err(|e| Error::io("remove stale socket", path, e))?;
     }
@@ -174,7 +179,7 @@ impl Sidecar {
     /// port answer from [`Sidecar::run`] on).
     pub async fn bind(cfg: SidecarConfig) -> Result<Sidecar> {
         let threads = if cfg.threads == 0 {
-            crate::staging::default_threads()
+            hotstart_ckpt::default_threads()
         } else {
             cfg.threads
         };
@@ -198,15 +203,16 @@ impl Sidecar {
                 Duration::from_millis(100),
             )));
         }
-        let peer_listener = TcpListener::bind(cfg.listen).map_err(|e| Error::Config {
+        let peer_listener = TcpListener::bind(cfg.listen).map_err(|e| CkptError::Config {
             reason: format!("listen {}: {e}", cfg.listen),
         })?;
         let peer_addr = peer_listener
             .local_addr()
             .map_err(|e| Error::io("local address", "peer listener", e))?;
-        let (http_listener, http_addr) = http::bind(cfg.http).await.map_err(|e| Error::Config {
-            reason: format!("http {}: {e}", cfg.http),
-        })?;
+        let (http_listener, http_addr) =
+            http::bind(cfg.http).await.map_err(|e| CkptError::Config {
+                reason: format!("http {}: {e}", cfg.http),
+            })?;
         let local_listener = bind_socket(&cfg.socket, cfg.socket_mode)?;
         let me = Identity {
             node: cfg.node_id.clone(),
@@ -237,8 +243,8 @@ impl Sidecar {
             secure = core.cfg.token.is_some(),
             "sidecar bound"
         );
-        match shm::huge_pages() {
-            shm::HugePages::Never => info!(
+        match hotstart_ckpt::proto::shm::huge_pages() {
+            hotstart_ckpt::proto::shm::HugePages::Never => info!(
                 "shared memory in 4 KiB pages (shmem_enabled); restores from memory run at \
                  0.5-0.85x of memcpy: see the huge pages section of docs/CONFIGURATION.md"
             ),
@@ -344,7 +350,7 @@ impl Sidecar {
             let core = core.clone();
             tokio::task::spawn_blocking(move || core.drain())
                 .await
-                .map_err(|e| Error::Task {
+                .map_err(|e| CkptError::Task {
                     what: "drain",
                     message: e.to_string(),
                 })?
@@ -360,19 +366,6 @@ impl Sidecar {
             t.thread().unpark();
         }
         Ok(report)
-    }
-}
-
-/// Gives the calling thread (and the threads it starts from now on) a lower CPU priority
-/// (nice 10): for work that prepares the next save. Busy training threads keep about nine
-/// tenths of the cores' time from it, yet it is never starved: the lowest priority (19) gets
-/// so little on a node whose cores training keeps busy that the next save would find its
-/// segment unprepared and wait for it.
-pub(crate) fn background_priority() {
-    // SAFETY: setpriority on this thread alone (its id); no memory is involved. A failure
-    // leaves the priority as it was, which is only slower for others.
-    unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10);
     }
 }
 

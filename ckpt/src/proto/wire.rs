@@ -16,7 +16,7 @@
 //! allocated before the length is checked. Shard bytes are never trusted either: the receiver
 //! checks them against the manifest's blake3 chunk hashes.
 //!
-//! **Integrity after authentication.** Once the handshake (`super::auth`) has given both ends a
+//! **Integrity after authentication.** Once the handshake (the sidecar's `auth`) has given both ends a
 //! session key, every message frame carries a keyed blake3 tag over the direction, a sequence
 //! number, the header and the payload, so a message cannot be forged, replayed, reordered or
 //! moved to the other direction. Data frames are not tagged: they are covered by the chunk
@@ -30,7 +30,6 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::shm;
-use crate::error::Error;
 use crate::tier::TierKind;
 
 /// The first bytes of every frame.
@@ -175,11 +174,41 @@ pub enum LocalMsg {
 /// Which side of which protocol a connection is, for its errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
-    /// A peer connection: errors are [`Error::Peer`].
+    /// A connection between two sidecars.
     Peer,
-    /// The Unix socket: errors are [`Error::Sidecar`].
+    /// The Unix socket between a training process and its sidecar.
     Local,
 }
+
+/// A connection that failed, timed out, or whose other end broke the protocol. The engine
+/// reports it as [`crate::Error::Sidecar`]; the sidecar reports a peer link's as its own peer
+/// error.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{}{label}: {reason}", match side { Side::Peer => "peer ", Side::Local => "sidecar at " })]
+pub struct LinkError {
+    /// Which protocol.
+    pub side: Side,
+    /// The other end: a peer's address or id, or the socket path.
+    pub label: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl From<LinkError> for crate::Error {
+    fn from(e: LinkError) -> crate::Error {
+        let socket = match e.side {
+            Side::Local => e.label,
+            Side::Peer => format!("peer {}", e.label),
+        };
+        crate::Error::Sidecar {
+            socket,
+            reason: e.reason,
+        }
+    }
+}
+
+/// `Result` of a framed connection.
+pub type LinkResult<T> = std::result::Result<T, LinkError>;
 
 /// Tags message frames once a session key is agreed.
 struct Mac {
@@ -265,7 +294,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// Turns on message tags with `key` (this end's label first) and lifts the message bound.
-    pub(crate) fn authenticated(&mut self, key: [u8; 32], out_label: u8, in_label: u8) {
+    pub fn authenticated(&mut self, key: [u8; 32], out_label: u8, in_label: u8) {
         self.mac = Some(Mac {
             key,
             out_label,
@@ -276,21 +305,16 @@ impl<S: Read + Write> Conn<S> {
         self.max_message = MAX_MESSAGE;
     }
 
-    pub(crate) fn error(&self, reason: impl Into<String>) -> Error {
-        let reason = reason.into();
-        match self.side {
-            Side::Peer => Error::Peer {
-                peer: self.label.clone(),
-                reason,
-            },
-            Side::Local => Error::Sidecar {
-                socket: self.label.clone(),
-                reason,
-            },
+    /// An error of this connection.
+    pub fn error(&self, reason: impl Into<String>) -> LinkError {
+        LinkError {
+            side: self.side,
+            label: self.label.clone(),
+            reason: reason.into(),
         }
     }
 
-    fn io_error(&self, op: &str, e: io::Error) -> Error {
+    fn io_error(&self, op: &str, e: io::Error) -> LinkError {
         match e.kind() {
             io::ErrorKind::UnexpectedEof => self.error(format!("{op}: connection closed")),
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
@@ -301,13 +325,13 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// A protocol violation: remembered, so the caller can count it, and returned.
-    pub(crate) fn violation(&mut self, reason: impl Into<String>) -> Error {
+    pub fn violation(&mut self, reason: impl Into<String>) -> LinkError {
         self.violated = true;
         self.error(format!("protocol violation: {}", reason.into()))
     }
 
     /// Encodes a message frame (with its tag, if any).
-    fn encode<T: Serialize>(&mut self, msg: &T) -> crate::Result<Vec<u8>> {
+    fn encode<T: Serialize>(&mut self, msg: &T) -> LinkResult<Vec<u8>> {
         let payload = serde_json::to_vec(msg).map_err(|e| self.error(format!("encode: {e}")))?;
         if payload.len() > MAX_MESSAGE {
             return Err(self.error(format!(
@@ -327,7 +351,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// Sends one message.
-    pub fn send<T: Serialize>(&mut self, msg: &T) -> crate::Result<()> {
+    pub fn send<T: Serialize>(&mut self, msg: &T) -> LinkResult<()> {
         let frame = self.encode(msg)?;
         self.io
             .write_all(&frame)
@@ -335,7 +359,7 @@ impl<S: Read + Write> Conn<S> {
             .map_err(|e| self.io_error("send", e))
     }
 
-    fn read_header(&mut self) -> crate::Result<(u8, usize, [u8; HEADER_LEN])> {
+    fn read_header(&mut self) -> LinkResult<(u8, usize, [u8; HEADER_LEN])> {
         let mut h = [0u8; HEADER_LEN];
         self.io
             .read_exact(&mut h)
@@ -365,7 +389,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// Receives one message; anything else is a protocol violation.
-    pub fn recv<T: DeserializeOwned>(&mut self) -> crate::Result<T> {
+    pub fn recv<T: DeserializeOwned>(&mut self) -> LinkResult<T> {
         let (kind, len, h) = self.read_header()?;
         if kind != KIND_MESSAGE {
             return Err(self.violation("data frame where a message was expected"));
@@ -393,7 +417,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// Sends `data` as data frames.
-    pub fn send_data(&mut self, data: &[u8]) -> crate::Result<()> {
+    pub fn send_data(&mut self, data: &[u8]) -> LinkResult<()> {
         for piece in data.chunks(MAX_DATA) {
             let h = header(KIND_DATA, piece.len());
             self.io
@@ -406,7 +430,7 @@ impl<S: Read + Write> Conn<S> {
 
     /// Reads the header of a data frame of at most `room` bytes (and at least one); its length.
     /// The payload is then read with [`Conn::read_payload`].
-    pub fn recv_data_len(&mut self, room: usize) -> crate::Result<usize> {
+    pub fn recv_data_len(&mut self, room: usize) -> LinkResult<usize> {
         let (kind, len, _) = self.read_header()?;
         if kind != KIND_DATA {
             return Err(self.violation("message frame where data was expected"));
@@ -421,7 +445,7 @@ impl<S: Read + Write> Conn<S> {
     }
 
     /// Reads `buf.len()` bytes of the current data frame's payload.
-    pub fn read_payload(&mut self, buf: &mut [u8]) -> crate::Result<()> {
+    pub fn read_payload(&mut self, buf: &mut [u8]) -> LinkResult<()> {
         self.io
             .read_exact(buf)
             .map_err(|e| self.io_error("receive data", e))
@@ -429,14 +453,14 @@ impl<S: Read + Write> Conn<S> {
 
     /// Receives one data frame into the start of `out`, which must have room for it; its
     /// length.
-    pub fn recv_data(&mut self, out: &mut [u8]) -> crate::Result<usize> {
+    pub fn recv_data(&mut self, out: &mut [u8]) -> LinkResult<usize> {
         let len = self.recv_data_len(out.len())?;
         self.read_payload(&mut out[..len])?;
         Ok(len)
     }
 
     /// Fills `out` with data frames.
-    pub fn recv_data_exact(&mut self, out: &mut [u8]) -> crate::Result<()> {
+    pub fn recv_data_exact(&mut self, out: &mut [u8]) -> LinkResult<()> {
         let mut at = 0;
         while at < out.len() {
             at += self.recv_data(&mut out[at..])?;
@@ -490,7 +514,7 @@ impl Conn<std::net::TcpStream> {
         src: BorrowedFd<'_>,
         offset: u64,
         len: usize,
-    ) -> crate::Result<()> {
+    ) -> LinkResult<()> {
         let end = offset + len as u64;
         let mut at = offset;
         while at < end {
@@ -531,13 +555,13 @@ impl Conn<std::net::TcpStream> {
 
 impl Conn<FdStream> {
     /// Sends a message with a file descriptor attached to it.
-    pub fn send_fd<T: Serialize>(&mut self, msg: &T, fd: BorrowedFd<'_>) -> crate::Result<()> {
+    pub fn send_fd<T: Serialize>(&mut self, msg: &T, fd: BorrowedFd<'_>) -> LinkResult<()> {
         let frame = self.encode(msg)?;
         shm::send(&self.io.sock, &frame, Some(fd)).map_err(|e| self.io_error("send", e))
     }
 
     /// The descriptor that came with the last message, if exactly one did; others are closed.
-    pub fn take_fd(&mut self) -> crate::Result<OwnedFd> {
+    pub fn take_fd(&mut self) -> LinkResult<OwnedFd> {
         let mut fds = std::mem::take(&mut self.io.fds);
         match (fds.pop(), fds.is_empty()) {
             (Some(fd), true) => Ok(fd),

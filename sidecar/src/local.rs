@@ -27,6 +27,7 @@
 //! A segment staged but never committed (the training process died mid-copy) is dropped with
 //! its connection: a torn save never enters the memory tier.
 
+use hotstart_ckpt::Error as CkptError;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
@@ -34,18 +35,16 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use super::Core;
-use super::lifecycle::State;
-use super::memory::{Recycled, Shard, ShardKey};
-use super::metrics::Failure;
-use super::shm::Segment;
-use super::wire::{Conn, FdStream, LocalMsg, Side};
-use crate::error::{Error, Result};
-use crate::format::{self, Manifest};
-use crate::staging;
+use crate::Core;
+use crate::lifecycle::State;
+use crate::memory::{Recycled, Shard, ShardKey};
+use crate::metrics::Failure;
+use hotstart_ckpt::proto::PROTOCOL_VERSION;
+use hotstart_ckpt::proto::shm::Segment;
+use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg, Side};
 
-/// Version of the local protocol, checked in `Attach`.
-pub const PROTOCOL_VERSION: u32 = 1;
+use crate::error::{Error, Result};
+use hotstart_ckpt::format::{self, Manifest};
 
 /// A segment handed out and not yet committed.
 struct Staged {
@@ -92,13 +91,13 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
         }) => {
             let checked = format::check_job(&job).and_then(|()| {
                 if version != PROTOCOL_VERSION {
-                    Err(Error::Config {
+                    Err(CkptError::Config {
                         reason: format!(
                             "protocol version {version}, this sidecar speaks {PROTOCOL_VERSION}"
                         ),
                     })
                 } else if world_size == 0 || rank >= world_size {
-                    Err(Error::Config {
+                    Err(CkptError::Config {
                         reason: format!("rank {rank} of world size {world_size}"),
                     })
                 } else {
@@ -259,24 +258,26 @@ fn stage(
     busy: bool,
 ) -> Result<Segment> {
     if busy {
-        return Err(Error::Sidecar {
+        return Err(CkptError::Sidecar {
             socket: core.cfg.socket.display().to_string(),
             reason: "a segment is already staged on this connection".into(),
-        });
+        }
+        .into());
     }
     let what = format!("{} step {step} rank {}", who.job, who.rank);
     let name = format!("hotstart-{}-{}", who.job, who.rank);
-    let size = usize::try_from(len).map_err(|_| Error::Input {
+    let size = usize::try_from(len).map_err(|_| CkptError::Input {
         step,
         reason: "checkpoint larger than the address space".into(),
     })?;
     let deadline = Instant::now() + core.cfg.stage_timeout;
     let charge = loop {
         if core.life.get() == State::Draining {
-            return Err(Error::Sidecar {
+            return Err(CkptError::Sidecar {
                 socket: core.cfg.socket.display().to_string(),
                 reason: "the sidecar is shutting down; no new saves".into(),
-            });
+            }
+            .into());
         }
         // Asked again while waiting: the others' commits move it on.
         let complete = core.latest_seen(&who.job, who.world_size);
@@ -289,10 +290,11 @@ fn stage(
                     break c;
                 }
                 if Instant::now() >= deadline {
-                    return Err(Error::Sidecar {
+                    return Err(CkptError::Sidecar {
                         socket: core.cfg.socket.display().to_string(),
                         reason: format!("{what}: no segment free for the next save in time"),
-                    });
+                    }
+                    .into());
                 }
                 // Until an older step's persistence lets go of it, or the other ranks complete
                 // a newer step, neither of which signals.
@@ -313,13 +315,14 @@ fn stage(
             }
         }
     };
-    let create = || Segment::create(&name, size, Some(charge)).and_then(Segment::allocate);
+    let create =
+        || Segment::create(&name, size, Some(Box::new(charge))).and_then(Segment::allocate);
     let seg = if ahead {
         // Zeroing new memory is the whole cost, and nobody waits for it yet: on threads of a
         // lower priority, out of training's way.
         std::thread::scope(|s| {
             s.spawn(|| {
-                super::background_priority();
+                hotstart_ckpt::proto::background_priority();
                 create()
             })
             .join()
@@ -367,19 +370,21 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
         .seg
         .commit()
         .map_err(|e| Error::io("map shared memory", &location, e))?;
-    let hashes = staging::hash_chunks(&held.bytes()[..len], m.chunk_size as usize, core.threads);
+    let hashes =
+        hotstart_ckpt::hash_chunks(&held.bytes()[..len], m.chunk_size as usize, core.threads);
     if let Some(i) = hashes
         .iter()
         .zip(m.chunk_hashes())
         .position(|(a, b)| *a != b)
     {
         core.metrics.failed(Failure::Checksum);
-        return Err(Error::Corrupt {
+        return Err(CkptError::Corrupt {
             step,
             rank: who.rank,
             chunk: i,
             reason: "the staged bytes do not match the manifest".into(),
-        });
+        }
+        .into());
     }
     let shard = Arc::new(Shard {
         key: ShardKey {
@@ -396,7 +401,10 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
     });
     info!(shard = %shard.key, bytes = len, "committed to memory");
     core.memory.insert(shard.clone());
-    core.metrics
-        .saved(crate::tier::TierKind::Memory, len as u64, s.asked.elapsed());
+    core.metrics.saved(
+        hotstart_ckpt::TierKind::Memory,
+        len as u64,
+        s.asked.elapsed(),
+    );
     Ok(shard)
 }

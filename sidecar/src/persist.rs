@@ -17,12 +17,12 @@ use std::time::{Duration, Instant};
 
 use tracing::{error, info, warn};
 
-use super::Core;
-use super::memory::{Shard, ShardKey};
-use super::metrics::Failure;
-use super::wire::{Conn, FdStream, LocalMsg};
-use crate::engine::Engine;
-use crate::tier::TierKind;
+use crate::Core;
+use crate::memory::{Shard, ShardKey};
+use crate::metrics::Failure;
+use hotstart_ckpt::Engine;
+use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg};
+use hotstart_ckpt::tier::TierKind;
 
 /// The writer half of a training process's connection, for progress events.
 pub(crate) type Events = Arc<Mutex<Conn<FdStream>>>;
@@ -180,13 +180,13 @@ impl Core {
         job: &str,
         rank: u32,
         world_size: u32,
-    ) -> crate::Result<Arc<Engine>> {
+    ) -> hotstart_ckpt::Result<Arc<Engine>> {
         let mut engines = self.engines.lock().unwrap_or_else(PoisonError::into_inner);
         let k = (job.to_string(), rank, world_size);
         if let Some(e) = engines.get(&k) {
             return Ok(e.clone());
         }
-        let mut cfg = crate::EngineConfig::new(job, rank, world_size);
+        let mut cfg = hotstart_ckpt::EngineConfig::new(job, rank, world_size);
         cfg.keep = self.cfg.keep;
         cfg.threads = self.cfg.threads;
         let e = Arc::new(Engine::with_tiers(cfg, self.tiers.clone(), true)?);

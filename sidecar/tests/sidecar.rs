@@ -2,6 +2,7 @@
 //! reports, loads as views of shared memory, peers found by DNS, a training process that lies
 //! on the Unix socket, and loads when the sidecar is gone.
 
+#[path = "../../ckpt/tests/common/mod.rs"]
 mod common;
 
 use std::net::{SocketAddr, TcpListener};
@@ -11,13 +12,13 @@ use std::time::Duration;
 
 use common::*;
 use hotstart_ckpt::format::{Layout, Manifest};
-use hotstart_ckpt::sidecar::shm::Segment;
-use hotstart_ckpt::sidecar::wire::{Conn, FdStream, LocalMsg, Side};
-use hotstart_ckpt::sidecar::{
-    ClusterKey, DrainReport, Held, Identity, PeerClient, Settings, Sidecar, SidecarConfig, Token,
-};
+use hotstart_ckpt::proto::shm::Segment;
+use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg, Side};
 use hotstart_ckpt::{
     Destination, Dtype, Engine, EngineConfig, Error, Phase, StepSel, Tensor, TierKind,
+};
+use hotstart_sidecar::{
+    ClusterKey, DrainReport, Held, Identity, PeerClient, Settings, Sidecar, SidecarConfig, Token,
 };
 
 /// A sidecar served on a runtime of its own until dropped.
@@ -25,7 +26,7 @@ struct Running {
     http: SocketAddr,
     peer: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    done: Option<std::thread::JoinHandle<hotstart_ckpt::Result<DrainReport>>>,
+    done: Option<std::thread::JoinHandle<hotstart_sidecar::Result<DrainReport>>>,
 }
 
 impl Running {
@@ -391,7 +392,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     let page = hotstart_testkit::get(sidecar.http, "/metrics", Duration::from_secs(5))
         .unwrap()
         .text();
-    let v = |n: &str| hotstart_ckpt::sidecar::metrics::sample(&page, n).unwrap();
+    let v = |n: &str| hotstart_sidecar::metrics::sample(&page, n).unwrap();
     assert_eq!(v("hotstart_failures_total{kind=\"checksum\"}"), 1.0);
     assert_eq!(v("hotstart_failures_total{kind=\"restore\"}"), 1.0);
     assert_eq!(v("hotstart_memory_shards{origin=\"local\"}"), 1.0);
@@ -431,7 +432,7 @@ fn metric(http: SocketAddr, name: &str) -> f64 {
     let page = hotstart_testkit::get(http, "/metrics", Duration::from_secs(5))
         .unwrap()
         .text();
-    hotstart_ckpt::sidecar::metrics::sample(&page, name).unwrap_or(0.0)
+    hotstart_sidecar::metrics::sample(&page, name).unwrap_or(0.0)
 }
 
 /// Asserts that `l` holds exactly what step `l.step` saved (`sample_tensors(step, big)`).
@@ -467,7 +468,7 @@ fn saves_recycle_segments_and_readers_only_ever_see_whole_steps() {
     let recycled = metric(a.http, "hotstart_memory_segments_recycled_total");
     // New segments only until the budget is full of steps (a step's file is a little over
     // BIG), then older steps' segments; one segment a save, and one prepared after the last.
-    let most = ((24 << 20) / hotstart_ckpt::sidecar::shm::slot_len(BIG + 1)) as f64;
+    let most = ((24 << 20) / hotstart_ckpt::proto::shm::slot_len(BIG + 1)) as f64;
     assert!(created <= most, "{created} segments created over 50 saves");
     assert_eq!(
         created + recycled,
@@ -538,63 +539,4 @@ fn saves_recycle_segments_and_readers_only_ever_see_whole_steps() {
     drop(engine);
     assert!(a.stop().complete());
     drop(b);
-}
-
-#[test]
-fn a_trainer_killed_mid_copy_never_leaves_a_torn_or_changed_step() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("s.sock");
-    let mut s = settings("solo", "127.0.0.1", free_port(), &socket);
-    s.disk_dir = Some(dir.path().join("disk"));
-    let sidecar = Running::start(s.resolve().unwrap());
-    let mut last = 0;
-    for (round, delay_ms) in [7u64, 23, 61].into_iter().enumerate() {
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt-test-trainer"))
-            .arg("--sidecar")
-            .arg(&socket)
-            .args(["killed", "16"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        // Let it recycle segments, then kill it at some moment of a save.
-        let deadline = std::time::Instant::now() + Duration::from_secs(120);
-        while metric(sidecar.http, "hotstart_memory_segments_recycled_total")
-            < 3.0 * (round + 1) as f64
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the trainer never recycled"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        std::thread::sleep(Duration::from_millis(delay_ms));
-        child.kill().unwrap();
-        child.wait().unwrap();
-        // A new process restores the newest complete step: whole, bit-exact, never older than
-        // what was there before.
-        let engine = sidecar_engine(&socket, "killed");
-        // The trainer's one tensor `w` holds `pattern(16 MiB, step)`.
-        let whole = |l: &hotstart_ckpt::Loaded| {
-            assert_eq!(l.tensors.len(), 1);
-            assert!(
-                l.tensors[0].data[..] == pattern(16 << 20, l.step)[..],
-                "step {} is not what it saved",
-                l.step
-            );
-        };
-        let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
-        assert!(l.step >= last, "step {} after {last}", l.step);
-        whole(&l);
-        // Every other step still in memory is the step it says it is.
-        for step in 1..l.step {
-            match engine.load(StepSel::Step(step), Destination::Owned) {
-                Ok(old) => whole(&old),
-                Err(e) if e.is_not_found() => {}
-                Err(e) => panic!("step {step}: {e}"),
-            }
-        }
-        last = l.step;
-    }
-    assert!(sidecar.stop().complete());
 }

@@ -20,8 +20,8 @@
 
 use std::io::{Read, Write};
 
-use super::wire::{Conn, PeerMsg};
 use crate::error::{Error, Result};
+use hotstart_ckpt::proto::wire::{Conn, PeerMsg};
 
 /// The reason of the error a node gets when it connects to itself (a DNS name that resolves to
 /// every node, this one included).
@@ -91,7 +91,9 @@ where
 {
     match blake3::Hash::from_hex(hex) {
         Ok(h) => Ok(*h.as_bytes()),
-        Err(_) => Err(conn.violation(format!("{what} is not 32 bytes of hex"))),
+        Err(_) => Err(conn
+            .violation(format!("{what} is not 32 bytes of hex"))
+            .into()),
     }
 }
 
@@ -128,7 +130,11 @@ pub fn client<S: Read + Write>(
             return Err(auth_error(conn, SELF_CONNECTION));
         }
         PeerMsg::Refused { reason } => return Err(auth_error(conn, format!("refused: {reason}"))),
-        other => return Err(conn.violation(format!("expected a challenge, got {other:?}"))),
+        other => {
+            return Err(conn
+                .violation(format!("expected a challenge, got {other:?}"))
+                .into());
+        }
     };
     let nonce_s = decode32(conn, "nonce", &nonce_s)?;
     let proof_s = decode32(conn, "proof", &proof)?;
@@ -163,7 +169,11 @@ pub fn client<S: Read + Write>(
     match conn.recv::<PeerMsg>()? {
         PeerMsg::Welcome => {}
         PeerMsg::Refused { reason } => return Err(auth_error(conn, format!("refused: {reason}"))),
-        other => return Err(conn.violation(format!("expected welcome, got {other:?}"))),
+        other => {
+            return Err(conn
+                .violation(format!("expected welcome, got {other:?}"))
+                .into());
+        }
     }
     let session = key.mac("session", &[&nonce_c, &nonce_s]);
     conn.authenticated(*session.as_bytes(), b'c', b's');
@@ -226,7 +236,7 @@ pub fn server<S: Read + Write>(
                 format!("expected a proof from {node:?}, got {}", op_name(&other)),
             ));
         }
-        Err(e) if conn.violated() => return Err(e),
+        Err(e) if conn.violated() => return Err(e.into()),
         // The client hung up: it found our proof wrong (another token).
         Err(e) => {
             return Err(auth_error(
@@ -269,7 +279,7 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
 
     use super::*;
-    use crate::sidecar::wire::Side;
+    use hotstart_ckpt::proto::wire::Side;
 
     fn id(n: &str) -> Identity {
         Identity {

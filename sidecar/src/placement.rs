@@ -11,7 +11,7 @@
 //! The same inputs give the same order on every node, every step of a rank goes to the same
 //! peers, and adding or removing a node moves only the ranks whose walk passed it.
 
-use super::auth::Identity;
+use crate::auth::Identity;
 
 /// Ring positions per node.
 pub const POINTS: u32 = 64;

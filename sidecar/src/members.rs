@@ -12,9 +12,9 @@ use std::sync::{Mutex, PoisonError};
 
 use tracing::{info, warn};
 
-use super::Core;
-use super::auth::Identity;
-use super::peer::PeerClient;
+use crate::Core;
+use crate::auth::Identity;
+use crate::peer::PeerClient;
 
 /// A peer as last probed.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 //! goes to a training process has its pages allocated up front ([`Segment::allocate`], i.e.
 //! `fallocate`), so that a full memory cgroup is an error now rather than a `SIGBUS` in the
 //! middle of the training process's copy later. The sidecar sends the descriptor to a training
-//! process, which maps it read-write (populated ahead of its save, see `super::client`), stages
+//! process, which maps it read-write (populated ahead of its save, see the engine's `client` module), stages
 //! a checkpoint into it, then unmaps it, closes its descriptor and commits. The sidecar maps
 //! it read-only and holds it as [`Committed`]: from then on the sidecar is the only process
 //! with a way to reach it, and it never maps it writable.
@@ -16,7 +16,7 @@
 //! into again, and every save would pay for memory new to both processes). It is handed out for
 //! writing again only through [`Committed::recycle`], which takes it by value: the memory tier
 //! calls it once nobody else holds the shard (no persistence, replication or restore reads it)
-//! and its step is no longer needed in memory (see `super::memory`), so no borrow of its bytes
+//! and its step is no longer needed in memory (see the sidecar's memory tier), so no borrow of its bytes
 //! can outlive it. When a committed segment's descriptor leaves the sidecar (a restore), it is
 //! first sealed for good ([`Committed::seal`]: refused while any process still maps it
 //! writable); the receiver checks the seals ([`Sealed::open`]) before it trusts the bytes, and
@@ -26,7 +26,7 @@
 //! rather than a page fault per page), filled in place, and sealed ([`Filling`]).
 //!
 //! The memory lives as long as any descriptor or mapping of it does, in any process; the
-//! sidecar's budget charge ([`super::memory::Charge`]) lives as long as the sidecar's own
+//! sidecar's budget charge ([`Charge`]) lives as long as the sidecar's own
 //! segment does, recycled or not.
 //!
 //! **Huge pages.** Shared memory is backed by 2 MiB pages where the node lets it
@@ -44,8 +44,11 @@ use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::memory::Charge;
 use crate::staging::Region;
+
+/// What lives exactly as long as a segment does, whoever holds it: the sidecar's budget charge
+/// for the segment's memory, released when the segment is dropped.
+pub type Charge = Box<dyn std::any::Any + Send + Sync>;
 
 /// Seals every segment gets at creation.
 const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
@@ -424,6 +427,8 @@ impl Mapping {
     }
 }
 
+impl crate::staging::sealed::Region for Mapping {}
+
 impl Region for Mapping {
     fn ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
@@ -535,6 +540,8 @@ impl AsFd for ReadOnly {
     }
 }
 
+impl crate::staging::sealed::Region for ReadOnly {}
+
 impl Region for ReadOnly {
     fn ptr(&self) -> *mut u8 {
         self.map.ptr.as_ptr()
@@ -620,6 +627,8 @@ impl std::ops::Deref for Committed {
         &self.0
     }
 }
+
+impl crate::staging::sealed::Region for Committed {}
 
 impl Region for Committed {
     fn ptr(&self) -> *mut u8 {

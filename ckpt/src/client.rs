@@ -34,15 +34,15 @@ use std::time::Instant;
 use bytes::Bytes;
 use tracing::{debug, error, info, warn};
 
-use super::local::PROTOCOL_VERSION;
-use super::shm::{self, Mapping, Sealed, Segment};
-use super::wire::{Conn, FdStream, LocalMsg, Side};
 use crate::cuda::Pinned;
 use crate::engine::{self, Engine, Inner, WhenFull};
 use crate::error::{Error, Result};
 use crate::format::{Layout, Manifest};
 use crate::handle::{Phase, SaveHandle, Shared};
 use crate::load::{self, Destination, Loaded, StepSel};
+use crate::proto::shm::{self, Mapping, Sealed, Segment};
+use crate::proto::wire::{Conn, FdStream, LocalMsg, Side};
+use crate::proto::{PROTOCOL_VERSION, background_priority};
 use crate::staging::{FailUnlessComplete, Region, Staging};
 use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::TierKind;
@@ -202,7 +202,9 @@ impl Dial {
         match conn.recv()? {
             LocalMsg::Attached { tiers, .. } => Ok((conn, tiers)),
             LocalMsg::Failed { reason } => Err(self.error(reason)),
-            other => Err(conn.violation(format!("expected attached, got {other:?}"))),
+            other => Err(conn
+                .violation(format!("expected attached, got {other:?}"))
+                .into()),
         }
     }
 
@@ -218,7 +220,11 @@ impl Dial {
         let fd: OwnedFd = match conn.recv()? {
             LocalMsg::Segment { .. } => conn.take_fd()?,
             LocalMsg::Failed { reason } => return Err(self.error(reason)),
-            other => return Err(conn.violation(format!("expected a segment, got {other:?}"))),
+            other => {
+                return Err(conn
+                    .violation(format!("expected a segment, got {other:?}"))
+                    .into());
+            }
         };
         let seg = Segment::from_fd(fd).map_err(|e| self.error(format!("shared memory: {e}")))?;
         if seg.len() < len {
@@ -276,7 +282,7 @@ fn prepare(
     };
     let done = next.clone();
     let work = move || {
-        super::background_priority();
+        background_priority();
         let slot = dial.stage(step, len, false, true).and_then(|mut slot| {
             slot.map
                 .prepare_for_writes()
@@ -364,7 +370,9 @@ impl Client {
         match conn.recv()? {
             LocalMsg::LatestIs { step } => Ok(step),
             LocalMsg::Failed { reason } => Err(self.error(reason)),
-            other => Err(conn.violation(format!("expected latest, got {other:?}"))),
+            other => Err(conn
+                .violation(format!("expected latest, got {other:?}"))
+                .into()),
         }
     }
 
@@ -472,7 +480,11 @@ impl Client {
                 });
             }
             LocalMsg::Failed { reason } => return Err(self.error(reason)),
-            other => return Err(conn.violation(format!("expected a restore, got {other:?}"))),
+            other => {
+                return Err(conn
+                    .violation(format!("expected a restore, got {other:?}"))
+                    .into());
+            }
         };
         let fd = conn.take_fd()?;
         let location = format!("step {step} rank {} from the sidecar", self.dial.rank);
@@ -614,13 +626,14 @@ impl SidecarSave {
             }
             Ok(other) => {
                 shared.fail_pending(Arc::new(
-                    conn.violation(format!("expected committed, got {other:?}")),
+                    conn.violation(format!("expected committed, got {other:?}"))
+                        .into(),
                 ));
                 return;
             }
             Err(e) => {
                 error!(step, error = %e, "checkpoint not committed");
-                shared.fail_pending(Arc::new(e));
+                shared.fail_pending(Arc::new(e.into()));
                 return;
             }
         }
@@ -642,7 +655,8 @@ impl SidecarSave {
                 }
                 Ok(other) => {
                     shared.fail_pending(Arc::new(
-                        conn.violation(format!("expected progress, got {other:?}")),
+                        conn.violation(format!("expected progress, got {other:?}"))
+                            .into(),
                     ));
                     return;
                 }

@@ -37,10 +37,10 @@ use std::time::{Duration, Instant};
 
 use tracing::info;
 
-use super::shm::{self, Committed, Segment};
-use super::wire::{Held, ShardInfo};
 use crate::error::{Error, Result};
-use crate::format::Manifest;
+use hotstart_ckpt::format::Manifest;
+use hotstart_ckpt::proto::shm::{self, Committed, Segment};
+use hotstart_ckpt::proto::wire::{Held, ShardInfo};
 
 /// Charges are rounded up to whole pages of this size.
 const PAGE: u64 = 4096;
@@ -452,14 +452,14 @@ fn evict_but(s: &mut State, want: u64, spare: Option<(&str, u32)>) -> Vec<Arc<Sh
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::Layout;
-    use crate::tensor::{Dtype, Tensor};
+    use hotstart_ckpt::format::Layout;
+    use hotstart_ckpt::{Dtype, Tensor};
 
     fn shard(mem: &Arc<Memory>, job: &str, rank: u32, step: u64, len: usize) -> Result<Arc<Shard>> {
         let charge = mem.reserve(len as u64, Duration::ZERO, "test shard")?;
         let t = Tensor::new("w", Dtype::U8, vec![len as u64 - 64], vec![0u8; len - 64]).unwrap();
         let layout = Layout::new(job, step, rank, 2, &[t]).unwrap();
-        let seg = Segment::create("t", len, Some(charge))
+        let seg = Segment::create("t", len, Some(Box::new(charge)))
             .unwrap()
             .commit()
             .unwrap();

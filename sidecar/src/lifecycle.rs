@@ -16,8 +16,7 @@
 //! Any other transition is a bug and is refused (and logged); draining is final.
 
 use std::fmt;
-use std::sync::{Condvar, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Mutex, PoisonError};
 
 use tracing::{error, info};
 
@@ -70,7 +69,6 @@ impl fmt::Display for State {
 #[derive(Debug)]
 pub struct Lifecycle {
     state: Mutex<State>,
-    changed: Condvar,
 }
 
 impl Default for Lifecycle {
@@ -84,7 +82,6 @@ impl Lifecycle {
     pub fn new() -> Lifecycle {
         Lifecycle {
             state: Mutex::new(State::Starting),
-            changed: Condvar::new(),
         }
     }
 
@@ -104,28 +101,7 @@ impl Lifecycle {
         }
         info!(from = %*s, to = %next, "sidecar state");
         *s = next;
-        drop(s);
-        self.changed.notify_all();
         true
-    }
-
-    /// Waits until the state is at least `want` (in the order above), at most `timeout`; the
-    /// state then.
-    pub fn wait_for(&self, want: State, timeout: Duration) -> State {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        while *s < want {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            s = self
-                .changed
-                .wait_timeout(s, left)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
-        *s
     }
 }
 
@@ -140,7 +116,7 @@ mod tests {
         assert!(l.advance(State::Recovering));
         assert!(!l.advance(State::Starting));
         assert!(l.advance(State::Ready));
-        assert_eq!(l.wait_for(State::Ready, Duration::ZERO), State::Ready);
+        assert_eq!(l.get(), State::Ready);
         assert!(l.advance(State::Draining));
         for s in State::ALL {
             assert!(!l.advance(s), "left draining for {s}");
@@ -149,21 +125,5 @@ mod tests {
 
         let early = Lifecycle::new();
         assert!(early.advance(State::Draining), "SIGTERM while starting");
-    }
-
-    #[test]
-    fn waiters_wake_on_transition() {
-        let l = std::sync::Arc::new(Lifecycle::new());
-        let w = {
-            let l = l.clone();
-            std::thread::spawn(move || l.wait_for(State::Ready, Duration::from_secs(30)))
-        };
-        l.advance(State::Recovering);
-        l.advance(State::Ready);
-        assert_eq!(w.join().unwrap(), State::Ready);
-        assert_eq!(
-            Lifecycle::new().wait_for(State::Ready, Duration::from_millis(10)),
-            State::Starting
-        );
     }
 }

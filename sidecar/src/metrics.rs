@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use hotstart_store::wrap::{Counter, Op};
 
-use super::lifecycle::State;
-use super::memory::MemoryStats;
-use crate::tier::TierKind;
+use crate::lifecycle::State;
+use crate::memory::MemoryStats;
+use hotstart_ckpt::tier::TierKind;
 
 /// Gauge, 1 for the current lifecycle state (label `state`), 0 for the others.
 pub const SIDECAR_STATE: &str = "hotstart_sidecar_state";

@@ -16,20 +16,21 @@
 //! next restore of the same step is served from memory. The training process receives the
 //! sealed segment and maps it: the restore itself copies nothing more.
 
+use hotstart_ckpt::Error as CkptError;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tracing::{error, info, warn};
 
-use super::Core;
-use super::memory::{Shard, ShardKey};
-use super::metrics::Failure;
-use super::shm::Segment;
-use super::wire::{Held, ShardInfo};
+use crate::Core;
 use crate::error::{Error, Result};
-use crate::format;
-use crate::tier::TierKind;
+use crate::memory::{Shard, ShardKey};
+use crate::metrics::Failure;
+use hotstart_ckpt::format;
+use hotstart_ckpt::proto::shm::Segment;
+use hotstart_ckpt::proto::wire::{Held, ShardInfo};
+use hotstart_ckpt::tier::TierKind;
 
 /// How long a restore waits for the object store to list a job.
 const STORE_LIST_DEADLINE: Duration = Duration::from_secs(10);
@@ -138,16 +139,15 @@ impl Core {
     /// The newest step complete in the store, or `None` (also when the store does not answer
     /// in time).
     fn latest_in_store(&self, job: &str, rank: u32, world_size: u32) -> Result<Option<u64>> {
-        let Some(store) = self.tiers.iter().find(|t| t.kind() == TierKind::Store) else {
+        if !self.tiers.iter().any(|t| t.kind() == TierKind::Store) {
             return Ok(None);
-        };
+        }
         let engine = self.engine(job, rank, world_size)?;
-        let store = store.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
             .name("hotstart-store-list".into())
             .spawn(move || {
-                let _ = tx.send(engine.inner.complete_steps_in(store.as_ref()));
+                let _ = tx.send(engine.complete_steps(TierKind::Store));
             });
         if let Err(e) = spawned {
             return Err(Error::io("spawn store listing", "", e));
@@ -166,7 +166,7 @@ impl Core {
     }
 
     /// Serves `step` (or the latest) of `job`'s `rank` from the nearest tier; see the module
-    /// docs. [`Error::NotFound`] when no tier has it.
+    /// docs. [`CkptError::NotFound`] when no tier has it.
     pub(crate) fn restore(
         &self,
         job: &str,
@@ -175,7 +175,7 @@ impl Core {
         step: Option<u64>,
     ) -> Result<Served> {
         let started = Instant::now();
-        let not_found = |step| Error::NotFound {
+        let not_found = |step| CkptError::NotFound {
             job: job.to_string(),
             step,
             rank,
@@ -201,7 +201,7 @@ impl Core {
             let n = s.manifest.chunks.len();
             (s, TierKind::Peer, vec![TierKind::Peer; n])
         } else if self.tiers.is_empty() {
-            return Err(not_found(Some(step)));
+            return Err(not_found(Some(step)).into());
         } else {
             let (s, sources) = self.read_back(&key, world_size)?;
             self.memory.insert(s.clone());
@@ -256,30 +256,18 @@ impl Core {
     /// Reads `key` back from disk or store into a new sealed segment, verified chunk by chunk.
     fn read_back(&self, key: &ShardKey, world_size: u32) -> Result<(Arc<Shard>, Vec<TierKind>)> {
         let engine = self.engine(&key.job, key.rank, world_size)?;
-        let inner = &engine.inner;
-        let (manifest, tiers) = inner.sources(key.step)?;
-        let len = crate::load::file_len(&manifest)?;
-        let what = format!(
-            "{key} from {}",
-            tiers.first().map_or("?", |t| t.kind().as_str())
-        );
-        let charge = self
-            .memory
-            .reserve(len as u64, self.cfg.stage_timeout, &what)
-            .inspect_err(|_| {
-                self.metrics.failed(Failure::Budget);
-            })?;
         let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-        let mut seg = Segment::create_to_fill(&name, len, Some(charge))
-            .map_err(|e| Error::io("create shared memory", &name, e))?;
-        let n = manifest.chunks.len();
-        let sources = inner.read_chunks(
-            key.step,
-            &manifest,
-            &tiers,
-            &mut seg.bytes_mut()[..len],
-            (0..n).map(|_| Vec::new()).collect(),
-        )?;
+        let (manifest, seg, sources) = engine.read_into(key.step, |len, nearest| {
+            let what = format!("{key} from {nearest}");
+            let charge = self
+                .memory
+                .reserve(len as u64, self.cfg.stage_timeout, &what)
+                .inspect_err(|_| {
+                    self.metrics.failed(Failure::Budget);
+                })?;
+            Segment::create_to_fill(&name, len, Some(Box::new(charge)))
+                .map_err(|e| Error::io("create shared memory", &name, e))
+        })?;
         let sealed = seg
             .seal()
             .map_err(|e| Error::io("seal shared memory", &name, e))?;

@@ -16,6 +16,7 @@
 //! static peers with no DNS name to find more, and a zero memory budget are refused with a
 //! message that names the setting.
 
+use hotstart_ckpt::Error as CkptError;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -244,9 +245,7 @@ impl<'de> Deserialize<'de> for Seconds {
 }
 
 fn config(reason: impl Into<String>) -> Error {
-    Error::Config {
-        reason: reason.into(),
-    }
+    Error::config(reason)
 }
 
 impl Settings {
@@ -254,7 +253,9 @@ impl Settings {
     pub fn from_toml_file(path: &Path) -> Result<Settings> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
         Settings::from_toml(&text).map_err(|e| match e {
-            Error::Config { reason } => config(format!("{}: {reason}", path.display())),
+            Error::Ckpt(CkptError::Config { reason }) => {
+                config(format!("{}: {reason}", path.display()))
+            }
             e => e,
         })
     }

@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use super::Core;
-use super::members::Member;
-use super::memory::ShardKey;
-use super::metrics::Failure;
-use super::wire::Held;
+use crate::Core;
+use crate::members::Member;
+use crate::memory::ShardKey;
+use crate::metrics::Failure;
+use hotstart_ckpt::proto::wire::Held;
 
 /// What recovery did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -25,14 +25,14 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use super::Core;
-use super::auth::{self, ClusterKey, Identity};
-use super::memory::{Shard, ShardKey};
-use super::metrics::Failure;
-use super::shm::Segment;
-use super::wire::{Conn, Held, PeerMsg, ShardInfo, Side};
+use crate::Core;
+use crate::auth::{self, ClusterKey, Identity};
 use crate::error::{Error, Result};
-use crate::format::{self, Manifest};
+use crate::memory::{Shard, ShardKey};
+use crate::metrics::Failure;
+use hotstart_ckpt::format::{self, Manifest};
+use hotstart_ckpt::proto::shm::Segment;
+use hotstart_ckpt::proto::wire::{Conn, Held, PeerMsg, ShardInfo, Side};
 
 /// Peer connections served at once; more are closed at once.
 pub const MAX_CONNECTIONS: usize = 256;
@@ -99,11 +99,13 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
 ) -> Result<Option<usize>> {
     let hashes = m.chunk_hashes();
     if (dst.len() as u64) < m.file_len {
-        return Err(conn.error(format!(
-            "{} bytes of room for a shard of {}",
-            dst.len(),
-            m.file_len
-        )));
+        return Err(conn
+            .error(format!(
+                "{} bytes of room for a shard of {}",
+                dst.len(),
+                m.file_len
+            ))
+            .into());
     }
     let workers = threads.clamp(1, 8);
     let bad = Mutex::new(None::<usize>);
@@ -152,7 +154,7 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
                         last: done + got == chunk_len,
                     };
                     if queues[i % workers].send(piece).is_err() {
-                        return Err(conn.error("receive worker stopped"));
+                        return Err(Error::from(conn.error("receive worker stopped")));
                     }
                 }
                 done += frame;
@@ -195,7 +197,7 @@ fn receive_shard(
     charge: super::memory::Charge,
 ) -> Result<std::result::Result<Arc<Shard>, String>> {
     let name = format!("hotstart-{}-{}-{}", info.job, info.step, info.rank);
-    let mut seg = Segment::create_to_fill(&name, info.len as usize, Some(charge))
+    let mut seg = Segment::create_to_fill(&name, info.len as usize, Some(Box::new(charge)))
         .map_err(|e| Error::io("create shared memory", &name, e))?;
     if let Some(i) = recv_verified(conn, &m, core.threads, seg.bytes_mut())? {
         core.metrics.failed(Failure::Checksum);
@@ -267,10 +269,10 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                 return;
             }
         };
-        let res = match msg {
+        let res: Result<()> = match msg {
             PeerMsg::Inventory { job } => {
                 let shards = core.inventory(job.as_deref());
-                conn.send(&PeerMsg::Held { shards })
+                conn.send(&PeerMsg::Held { shards }).map_err(Error::from)
             }
             PeerMsg::Push { shard, manifest } => {
                 serve_push(&core, &mut conn, &peer, shard, manifest)
@@ -283,11 +285,14 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                             shard: s.info(),
                             manifest: s.manifest_json.clone(),
                         })
+                        .map_err(Error::from)
                         .and_then(|()| send_segment(&mut conn, &s)),
-                    None => conn.send(&PeerMsg::NotFound),
+                    None => conn.send(&PeerMsg::NotFound).map_err(Error::from),
                 }
             }
-            other => Err(conn.violation(format!("unexpected request {other:?}"))),
+            other => Err(conn
+                .violation(format!("unexpected request {other:?}"))
+                .into()),
         };
         if let Err(e) = res {
             if conn.violated() {
@@ -313,11 +318,13 @@ fn serve_push(
             let _ = conn.send(&PeerMsg::Failed {
                 reason: e.to_string(),
             });
-            return Err(conn.violation(e.to_string()));
+            return Err(conn.violation(e.to_string()).into());
         }
     };
     if info.held != Held::Memory || info.len == 0 {
-        return Err(conn.violation("a pushed shard must be a memory shard with bytes"));
+        return Err(conn
+            .violation("a pushed shard must be a memory shard with bytes")
+            .into());
     }
     let what = format!(
         "replica of {} step {} rank {}",
@@ -328,9 +335,9 @@ fn serve_push(
         Err(e) => {
             core.metrics.failed(Failure::Budget);
             warn!(peer = %peer.node, error = %e, "replica refused");
-            return conn.send(&PeerMsg::Failed {
+            return Ok(conn.send(&PeerMsg::Failed {
                 reason: e.to_string(),
-            });
+            })?);
         }
     };
     conn.send(&PeerMsg::Ready)?;
@@ -338,11 +345,11 @@ fn serve_push(
         Ok(shard) => {
             info!(peer = %peer.node, shard = %shard.key, bytes = shard.len(), "replica stored");
             core.memory.insert(shard);
-            conn.send(&PeerMsg::Stored)
+            Ok(conn.send(&PeerMsg::Stored)?)
         }
         Err(reason) => {
             warn!(peer = %peer.node, shard = %what, %reason, "replica rejected");
-            conn.send(&PeerMsg::Failed { reason })
+            Ok(conn.send(&PeerMsg::Failed { reason })?)
         }
     }
 }
@@ -411,8 +418,13 @@ impl PeerClient {
 
     fn unexpected(&mut self, m: PeerMsg) -> Error {
         match m {
-            PeerMsg::Failed { reason } | PeerMsg::Refused { reason } => self.conn.error(reason),
-            other => self.conn.violation(format!("unexpected answer {other:?}")),
+            PeerMsg::Failed { reason } | PeerMsg::Refused { reason } => {
+                self.conn.error(reason).into()
+            }
+            other => self
+                .conn
+                .violation(format!("unexpected answer {other:?}"))
+                .into(),
         }
     }
 
@@ -432,7 +444,7 @@ impl PeerClient {
     pub fn push(&mut self, info: &ShardInfo, manifest_json: &str, data: &[u8]) -> Result<()> {
         let chunk_size = Manifest::parse(manifest_json.as_bytes(), "pushed manifest")
             .map(|m| m.chunk_size)
-            .unwrap_or(crate::DEFAULT_CHUNK_SIZE as u64);
+            .unwrap_or(hotstart_ckpt::DEFAULT_CHUNK_SIZE as u64);
         self.conn.send(&PeerMsg::Push {
             shard: info.clone(),
             manifest: manifest_json.to_string(),
@@ -470,7 +482,8 @@ impl PeerClient {
         if (info.job.as_str(), info.rank, info.step) != (key.job.as_str(), key.rank, key.step) {
             return Err(self
                 .conn
-                .violation(format!("asked for {key}, got {info:?}")));
+                .violation(format!("asked for {key}, got {info:?}"))
+                .into());
         }
         let m = check_manifest(&info, &json, &self.peer.node)
             .map_err(|e| self.conn.violation(e.to_string()))?;
@@ -478,7 +491,8 @@ impl PeerClient {
         if let Some(i) = recv_verified(&mut self.conn, &m, threads, mem.as_mut())? {
             return Err(self
                 .conn
-                .error(format!("{key}: chunk {i} does not match its checksum")));
+                .error(format!("{key}: chunk {i} does not match its checksum"))
+                .into());
         }
         Ok(Some((info, m, json, mem)))
     }
@@ -563,7 +577,7 @@ impl Core {
                         .memory
                         .reserve(info.len, self.cfg.stage_timeout, &what)?;
                     let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-                    Segment::create_to_fill(&name, info.len as usize, Some(charge))
+                    Segment::create_to_fill(&name, info.len as usize, Some(Box::new(charge)))
                         .map_err(|e| Error::io("create shared memory", &name, e))
                 })
             });
@@ -607,8 +621,8 @@ mod tests {
     use std::io::Cursor;
 
     use super::*;
-    use crate::format::Layout;
-    use crate::{Dtype, Tensor};
+    use hotstart_ckpt::format::Layout;
+    use hotstart_ckpt::{Dtype, Tensor};
 
     const CHUNK: usize = 2 << 20;
 

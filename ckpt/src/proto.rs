@@ -1,0 +1,24 @@
+//! What a training process and the node's sidecar (`hotstart serve`, the `hotstart-sidecar`
+//! crate) both speak: the framed, versioned messages of the Unix socket and the peer links
+//! ([`wire`]), and the shared memory a checkpoint is staged into, with its file descriptors
+//! passed over the socket ([`shm`]). The engine's client of the sidecar (the `client` module)
+//! and the daemon both build on these; neither depends on the other.
+
+pub mod shm;
+pub mod wire;
+
+/// Version of the local socket's protocol, checked in `Attach`.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Gives the calling thread (and the threads it starts from now on) a lower CPU priority
+/// (nice 10): for work that prepares the next save. Busy training threads keep about nine
+/// tenths of the cores' time from it, yet it is never starved: the lowest priority (19) gets
+/// so little on a node whose cores training keeps busy that the next save would find its
+/// segment unprepared and wait for it.
+pub fn background_priority() {
+    // SAFETY: setpriority on this thread alone (its id); no memory is involved. A failure
+    // leaves the priority as it was, which is only slower for others.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10);
+    }
+}
