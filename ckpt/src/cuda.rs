@@ -36,6 +36,7 @@
 use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
+use crate::tensor::DevicePtr;
 
 #[cfg(feature = "cuda")]
 mod driver;
@@ -46,6 +47,9 @@ pub(crate) use driver::{Gpu, Pinned};
 mod absent;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use absent::{Gpu, Pinned};
+
+/// One device-to-host copy: where the bytes land, and the device memory they come from.
+pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);
 
 /// Whether this build has GPU support (the `cuda` feature).
 pub const ENABLED: bool = cfg!(feature = "cuda");

@@ -32,10 +32,9 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use hotstart_store::uring::AlignedBuf;
 
-use crate::cuda::{Gpu, Pinned};
+use crate::cuda::{DeviceCopy, Gpu, Pinned};
 use crate::error::{Error, Result};
-use crate::tensor::{DevicePtr, Source};
-use crate::tier::Staged;
+use crate::tensor::Source;
 
 /// Staging buffers are sized in multiples of this, so slightly growing saves reuse them.
 const SIZE_STEP: usize = 2 << 20;
@@ -174,6 +173,24 @@ impl Drop for Slot {
     }
 }
 
+/// A staged file: the first `len` bytes of a shared, page-aligned region, complete and never
+/// written again.
+#[derive(Clone)]
+pub struct Staged {
+    pub(crate) buf: Arc<dyn Region>,
+    pub(crate) len: usize,
+}
+
+impl AsRef<[u8]> for Staged {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: a `Staged` is only made from a complete image (`Staging::complete`) or a
+        // sealed shared-memory segment: `len` bytes inside the region (checked when the image
+        // was made), initialised, and never written again while the region lives, which the
+        // `Arc` keeps it doing for this borrow.
+        unsafe { std::slice::from_raw_parts(self.buf.ptr(), self.len) }
+    }
+}
+
 /// Memory a staging image lives in: a pool buffer of this process, or a shared-memory segment
 /// of the sidecar mapped into it. Page-aligned (the disk tier writes it with `O_DIRECT`).
 ///
@@ -213,7 +230,7 @@ impl Region for AlignedBuf {
 const SEGMENT: usize = 8 << 20;
 
 /// Device bytes to copy: a destination slice of the staging buffer and the device memory.
-pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);
+
 
 /// One save's file image while it is staged: the staging threads fill it segment by segment, in
 /// file order, and the tiers read the prefix filled so far, so the disk tier writes the first
@@ -543,6 +560,7 @@ pub fn default_threads() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::DevicePtr;
 
     fn image(len: usize) -> Staging {
         Staging::new(Arc::new(AlignedBuf::zeroed(len + 3)), len)

@@ -19,11 +19,9 @@ pub mod disk;
 pub mod store;
 
 use std::fmt;
-use std::sync::Arc;
 
 use crate::error::Result;
-pub use crate::staging::Region;
-pub use crate::staging::Staging;
+pub use crate::staging::{Region, Staged, Staging};
 
 /// Which tier, nearest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -86,24 +84,6 @@ impl<'de> serde::Deserialize<'de> for TierKind {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TierKind, D::Error> {
         let s = String::deserialize(d)?;
         s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// A staged file: the first `len` bytes of a shared, page-aligned region, complete and never
-/// written again.
-#[derive(Clone)]
-pub struct Staged {
-    pub(crate) buf: Arc<dyn Region>,
-    pub(crate) len: usize,
-}
-
-impl AsRef<[u8]> for Staged {
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: a `Staged` is only made from a complete image (`Staging::complete`) or a
-        // sealed shared-memory segment: `len` bytes inside the region (checked when the image
-        // was made), initialised, and never written again while the region lives, which the
-        // `Arc` keeps it doing for this borrow.
-        unsafe { std::slice::from_raw_parts(self.buf.ptr(), self.len) }
     }
 }
 

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 use crate::error::{Error, Result};
-use crate::staging::DeviceCopy;
+use super::DeviceCopy;
 use crate::tensor::DevicePtr;
 
 const NOT_BUILT: &str = "hotstart-ckpt was built without GPU support \

@@ -19,7 +19,7 @@ use tracing::warn;
 
 use super::failed;
 use crate::error::{Error, Result};
-use crate::staging::DeviceCopy;
+use super::DeviceCopy;
 use crate::tensor::DevicePtr;
 
 const NO_DRIVER: &str = "no CUDA driver: libcuda.so could not be loaded \
