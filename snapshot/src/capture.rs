@@ -23,12 +23,8 @@ use crate::pack::PackRef;
 use crate::record::{EnvStore, PathRef, PathRefKind, RECORD_FORMAT, SnapshotRecord};
 use crate::store_lock::{LockKind, LockTiming, StoreLock};
 
-/// Bytes per chunk of file content. Most of an environment's files are smaller (one chunk
-/// each); a large shared library is cut into many, and a lazy mount fetches only the chunks a
-/// job touches: `import numpy, pandas` reads pages spread over every MiB of pyarrow's and
-/// openblas's libraries, so 1 MiB chunks fetched 28% of such an environment and 256 KiB 21%,
-/// for 10% more objects.
-pub const CHUNK_SIZE: usize = 256 << 10;
+// Public here as before; it lives in `chunking` so that `pack` need not import this module.
+pub use crate::chunking::CHUNK_SIZE;
 
 /// What a capture did.
 #[derive(Debug, Clone)]

@@ -62,7 +62,7 @@ impl EnsureConfig {
             install,
             python: "python3".to_string(),
             relocatable: false,
-            cache_dir: crate::default_cache_dir(),
+            cache_dir: default_cache_dir(),
             cache_capacity: 8 << 30,
             store_concurrency: 32,
             restore: RestoreOptions::default(),
@@ -90,6 +90,20 @@ impl EnsureConfig {
             target: (!self.relocatable).then_some(target),
         })
     }
+}
+
+/// The node-local cache directory: `$HOTSTART_CACHE_DIR`, else `$XDG_CACHE_HOME/hotstart`, else
+/// `$HOME/.cache/hotstart`, else `/var/tmp/hotstart-cache`.
+pub fn default_cache_dir() -> PathBuf {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("HOTSTART_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("hotstart")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/hotstart")))
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/hotstart-cache"))
 }
 
 /// What `ensure` did.

@@ -25,6 +25,7 @@
 //!   snapshot ([`EnvStore::artifacts`]) and replayed by every later mount on any node.
 
 pub mod capture;
+mod chunking;
 pub mod ensure;
 pub mod error;
 pub mod gc;
@@ -38,27 +39,11 @@ pub mod restore;
 pub mod store_lock;
 mod util;
 
-use std::path::PathBuf;
-
 pub use capture::{CaptureReport, capture};
-pub use ensure::{Action, EnsureConfig, Outcome, ensure};
+pub use ensure::{Action, EnsureConfig, Outcome, default_cache_dir, ensure};
 pub use error::{Error, Result};
 pub use key::{Key, KeyInputs, KeySpec, Platform, PythonInfo};
 pub use lazy::{LAZY_READ_AHEAD, LazyOutcome, MountedEnv, Unmounted, ensure_lazy, lazy_config};
 pub use record::{EnvStore, PathRef, PathRefKind, SnapshotRecord};
 pub use relocate::RelocateReport;
 pub use restore::{RestoreOptions, RestoreReport, restore};
-
-/// The node-local cache directory: `$HOTSTART_CACHE_DIR`, else `$XDG_CACHE_HOME/hotstart`, else
-/// `$HOME/.cache/hotstart`, else `/var/tmp/hotstart-cache`.
-pub fn default_cache_dir() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("HOTSTART_CACHE_DIR")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("hotstart")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache/hotstart")))
-        .unwrap_or_else(|| PathBuf::from("/var/tmp/hotstart-cache"))
-}

@@ -43,7 +43,7 @@ use hotstart_store::{
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
-use crate::capture::CHUNK_SIZE;
+use crate::chunking::CHUNK_SIZE;
 use crate::error::{Error, Result};
 
 /// At most this many bytes of plaintext go into one pack: a restore holds their frames in
