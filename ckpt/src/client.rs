@@ -1,6 +1,7 @@
-//! The engine's side of the sidecar: saves that stage into the sidecar's shared memory, and
-//! restores that map what the sidecar serves. Used by [`Engine`] when
-//! [`EngineConfig::sidecar`](crate::EngineConfig::sidecar) is set.
+//! The engine's client of the sidecar: the segments saves stage into, their commit, and the
+//! steps the sidecar restores. Used when [`EngineConfig::sidecar`](crate::EngineConfig::sidecar)
+//! is set; the save itself runs the one pipeline of `crate::save` with a [`Lease`] as its
+//! target and sink.
 //!
 //! **Save.** A save stages into a segment prepared for it ([`Next`]): right after each commit,
 //! a background thread of low priority asks the sidecar for the next save's segment
@@ -9,21 +10,15 @@
 //! filled), registered as pinned memory for the GPU when the last save had device tensors. So
 //! `save` itself only takes the prepared segment and copies: no round trip, no page faults, no
 //! memory new to either process. The first save of an engine (and one whose size changed)
-//! asks for its segment itself and maps it as it copies. The save's thread stages into the
-//! mapping exactly as the in-process engine stages into its pool (device tensors by the GPU,
-//! host tensors over the engine's threads), marks the handle staged, hashes the chunks,
-//! **unmaps** the segment and commits it with the manifest. The sidecar checks the hashes and
-//! holds it, reachable by no other process: the `Memory` phase is done, and the step survives a
-//! crash of this process. The sidecar then reports the other tiers (peers, disk, store) on the
-//! same connection as they finish. At most `max_inflight` saves stage at once.
+//! asks for its segment itself and maps it as it copies. Once staged and hashed, the lease
+//! **unmaps** the segment and commits it with the manifest ([`Lease::commit`]). The sidecar
+//! checks the hashes and holds it, reachable by no other process: the `Memory` phase is done,
+//! and the step survives a crash of this process. The sidecar then reports the other tiers
+//! (peers, disk, store) on the same connection as they finish.
 //!
-//! **Load.** `load` asks for a step (or the newest complete for every rank) and receives the
-//! sealed segment; it checks the seals and maps it read-only. Caller buffers are filled with one
-//! parallel copy straight from the segment's pages (`pread`, so the mapping's pages are never
-//! faulted in for them); tensors returned owned are views of the mapping itself (no copy at
-//! all), which stay valid however long they are kept. The bytes were checked against
-//! their hashes when the sidecar took them and cannot have changed since, so they are not
-//! hashed again.
+//! **Restore** ([`Client::restore`]) asks for a step (or the newest complete for every rank)
+//! and receives the sealed segment; it checks the seals and maps it read-only. `crate::load`
+//! hands its tensors out ([`Restored`]).
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -31,52 +26,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
-use bytes::Bytes;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, warn};
 
-use crate::cuda::Pinned;
-use crate::engine::{self, Engine, Inner, WhenFull};
+use crate::cuda::{Gpu, Pinned};
 use crate::error::{Error, Result};
-use crate::format::{Layout, Manifest};
-use crate::handle::{Phase, SaveHandle, Shared};
-use crate::load::{self, Destination, Loaded, StepSel};
+use crate::format::Manifest;
+use crate::handle::{Phase, Shared};
 use crate::proto::shm::{self, Mapping, Sealed, Segment};
 use crate::proto::wire::{Conn, FdStream, LocalMsg, Side};
 use crate::proto::{PROTOCOL_VERSION, background_priority};
-use crate::staging::{FailUnlessComplete, Region, Staging};
-use crate::tensor::{Extras, Source, Tensor};
+use crate::staging::Region;
 use crate::tier::TierKind;
-
-/// A bound on saves staging at once.
-#[derive(Debug)]
-struct Tickets {
-    max: usize,
-    taken: Mutex<usize>,
-    freed: Condvar,
-}
-
-struct Ticket(Arc<Tickets>);
-
-impl Tickets {
-    fn take(self: &Arc<Self>, block: bool) -> Option<Ticket> {
-        let mut t = self.taken.lock().unwrap_or_else(PoisonError::into_inner);
-        while *t >= self.max {
-            if !block {
-                return None;
-            }
-            t = self.freed.wait(t).unwrap_or_else(PoisonError::into_inner);
-        }
-        *t += 1;
-        Some(Ticket(self.clone()))
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        *self.0.taken.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
-        self.0.freed.notify_one();
-    }
-}
 
 /// How to reach the sidecar as one rank of one job.
 #[derive(Debug)]
@@ -156,8 +116,9 @@ impl Next {
 pub(crate) struct Client {
     dial: Arc<Dial>,
     tiers: Vec<TierKind>,
-    tickets: Arc<Tickets>,
     next: Arc<Next>,
+    /// The engine's GPU contexts, to register prepared segments with.
+    gpu: Arc<Gpu>,
 }
 
 impl std::fmt::Debug for Client {
@@ -166,14 +127,6 @@ impl std::fmt::Debug for Client {
             .field("dial", &self.dial)
             .field("tiers", &self.tiers)
             .finish_non_exhaustive()
-    }
-}
-
-struct SealedBytes(Arc<Sealed>, usize);
-
-impl AsRef<[u8]> for SealedBytes {
-    fn as_ref(&self) -> &[u8] {
-        &self.0.bytes()[..self.1]
     }
 }
 
@@ -271,7 +224,7 @@ impl Drop for Promise {
 /// with.
 fn prepare(
     mut promise: Promise,
-    inner: Arc<Inner>,
+    gpu: Arc<Gpu>,
     dial: Arc<Dial>,
     step: u64,
     len: usize,
@@ -288,10 +241,7 @@ fn prepare(
                 .prepare_for_writes()
                 .map_err(|e| dial.error(format!("map the next segment: {e}")))?;
             if let Some(ordinal) = ordinal {
-                match inner
-                    .gpu
-                    .pin(ordinal, slot.map.ptr().cast_const(), slot.map.len())
-                {
+                match gpu.pin(ordinal, slot.map.ptr().cast_const(), slot.map.len()) {
                     Ok(p) => slot.pin = Some(p),
                     Err(e) => warn!(error = %e, "cannot pin the next segment; its save will try"),
                 }
@@ -323,7 +273,7 @@ impl Client {
         job: &str,
         rank: u32,
         world_size: u32,
-        max_inflight: usize,
+        gpu: Arc<Gpu>,
     ) -> Result<Client> {
         let dial = Arc::new(Dial {
             socket: socket.to_path_buf(),
@@ -335,12 +285,8 @@ impl Client {
         Ok(Client {
             dial,
             tiers,
-            tickets: Arc::new(Tickets {
-                max: max_inflight.max(1),
-                taken: Mutex::new(0),
-                freed: Condvar::new(),
-            }),
             next: Arc::default(),
+            gpu,
         })
     }
 
@@ -376,32 +322,15 @@ impl Client {
         }
     }
 
-    /// Saves through the sidecar; see the module docs.
-    pub(crate) fn save(
+    /// The segment a save of `len` bytes stages into: the one prepared ahead, else a new one
+    /// (and the next save's is prepared at once). `ordinal`: the GPU the save copies from.
+    pub(crate) fn lease(
         &self,
-        engine: &Engine,
         step: u64,
-        layout: Layout,
-        tensors: Vec<Tensor>,
-        extras: Extras,
-    ) -> Result<SaveHandle> {
-        let inner = engine.inner.clone();
-        let handle = |shared| SaveHandle {
-            shared,
-            step,
-            rank: self.dial.rank,
-            inflight: self.tickets.max,
-        };
-        let block = engine.when_full() == WhenFull::Block;
-        let Some(ticket) = self.tickets.take(block) else {
-            engine.count_skip(step);
-            return Ok(handle(Shared::skipped(step)));
-        };
-        let len = layout.file_len as usize;
-        let ordinal = tensors.iter().find_map(|t| match t.source() {
-            Source::Device(d) => Some(d.ordinal),
-            Source::Host(_) => None,
-        });
+        len: usize,
+        block: bool,
+        ordinal: Option<usize>,
+    ) -> Result<Lease> {
         let asked = Instant::now();
         let (slot, promise) = match self.next.take(len, block) {
             Some(slot) => {
@@ -422,7 +351,7 @@ impl Client {
                 // ready by the next save even when saves come soon after one another.
                 prepare(
                     Promise::make(&self.next),
-                    engine.inner.clone(),
+                    self.gpu.clone(),
                     self.dial.clone(),
                     step,
                     len,
@@ -431,38 +360,20 @@ impl Client {
                 (slot, Promise(None))
             }
         };
-        let shared = Shared::new(step, &self.tiers);
-        let job = SidecarSave {
-            inner,
-            shared: shared.clone(),
-            step,
-            layout,
-            tensors,
-            extras,
-            ticket,
-            dial: self.dial.clone(),
+        Ok(Lease {
+            slot,
             promise,
+            dial: self.dial.clone(),
+            gpu: self.gpu.clone(),
+            step,
+            len,
             ordinal,
-        };
-        engine.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
-            job.run(slot)
-        })?;
-        Ok(handle(shared))
+        })
     }
 
-    /// Loads through the sidecar on `conn`; see the module docs.
-    pub(crate) fn load(
-        &self,
-        inner: &Inner,
-        mut conn: Conn<FdStream>,
-        which: StepSel,
-        dest: Destination<'_>,
-    ) -> Result<Loaded> {
-        let started = Instant::now();
-        let want = match which {
-            StepSel::Latest => None,
-            StepSel::Step(s) => Some(s),
-        };
+    /// Asks the sidecar on `conn` for `want` (the newest step complete for every rank when
+    /// `None`) and receives it; see the module docs.
+    pub(crate) fn restore(&self, mut conn: Conn<FdStream>, want: Option<u64>) -> Result<Restored> {
         conn.send(&LocalMsg::Restore { step: want })?;
         let (step, source, json, chunk_sources, seconds) = match conn.recv()? {
             LocalMsg::Restored {
@@ -491,7 +402,7 @@ impl Client {
         if want.is_some_and(|s| s != step) {
             return Err(self.error(format!("asked for step {want:?}, got step {step}")));
         }
-        let m = Manifest::parse_for(
+        let manifest = Manifest::parse_for(
             json.as_bytes(),
             &location,
             &self.dial.job,
@@ -499,109 +410,81 @@ impl Client {
             self.dial.rank,
             self.dial.world_size,
         )?;
-        let len = load::file_len(&m)?;
-        let sealed = Arc::new(
+        let len = usize::try_from(manifest.file_len)
+            .map_err(|_| self.error("a restored file larger than the address space"))?;
+        let segment = Arc::new(
             Sealed::open(fd, len).map_err(|e| self.error(format!("restored segment: {e}")))?,
         );
-        let mut targets = load::targets(step, &m, dest)?;
-        let direct = std::mem::take(&mut targets.direct);
-        // Straight from the segment's pages into the caller's: one copy, and no page faults
-        // on a mapping of the segment (only the header and owned tensors are read through it).
-        load::copy_out(
-            &|at, dst| sealed.read_at(at, dst),
-            direct,
-            m.chunk_size as usize,
-            inner.threads,
-        )
-        .map_err(|e| self.error(format!("read the restored segment: {e}")))?;
-        let all = Bytes::from_owner(SealedBytes(sealed, len));
-        let loaded = inner.finish(step, m, all, targets, chunk_sources)?;
-        info!(
-            step,
-            %source,
-            sidecar_seconds = seconds,
-            seconds = started.elapsed().as_secs_f64(),
-            "restored through the sidecar"
-        );
-        Ok(loaded)
+        Ok(Restored {
+            manifest,
+            segment,
+            chunk_sources,
+            source,
+            seconds,
+        })
     }
 }
 
-/// One save through the sidecar: its background work.
-struct SidecarSave {
-    inner: Arc<Inner>,
-    shared: Arc<Shared>,
-    step: u64,
-    layout: Layout,
-    tensors: Vec<Tensor>,
-    extras: Extras,
-    ticket: Ticket,
-    /// To prepare the next save's segment after the commit.
-    dial: Arc<Dial>,
+/// A step the sidecar handed over: its manifest (checked against the job, step and rank asked
+/// for) and its sealed segment, mapped read-only. The sidecar checked the bytes against the
+/// manifest's hashes when it took them, and they cannot have changed since.
+pub(crate) struct Restored {
+    pub(crate) manifest: Manifest,
+    pub(crate) segment: Arc<Sealed>,
+    /// The tier each chunk came from.
+    pub(crate) chunk_sources: Vec<TierKind>,
+    /// The tier the sidecar served it from, and the seconds it took.
+    pub(crate) source: TierKind,
+    pub(crate) seconds: f64,
+}
+
+/// A segment of the sidecar's memory lent to one save until it is committed; see
+/// `crate::save`.
+pub(crate) struct Lease {
+    slot: Slot,
+    /// Kept once the save is committed: the next save's segment is then prepared.
     promise: Promise,
+    dial: Arc<Dial>,
+    gpu: Arc<Gpu>,
+    step: u64,
+    len: usize,
     /// The GPU the save copies from, to register the next segment with.
     ordinal: Option<usize>,
 }
 
-impl SidecarSave {
-    fn run(self, slot: Slot) {
-        let shared = self.shared.clone();
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.work(slot)));
-        if res.is_err() {
-            error!("sidecar save thread panicked");
-            shared.fail_pending(Arc::new(Error::Task {
-                what: "save thread",
-                message: "panic".into(),
-            }));
-        }
+impl Lease {
+    /// The mapped segment, to stage into.
+    pub(crate) fn region(&self) -> Arc<dyn Region> {
+        self.slot.map.clone()
     }
 
-    fn work(self, slot: Slot) {
-        let SidecarSave {
-            inner,
-            shared,
-            step,
-            layout,
-            tensors,
-            extras,
-            ticket,
-            dial,
+    /// The segment's address and length, and its pinned-memory registration (made while the
+    /// next segment was prepared, or by the save on first use).
+    pub(crate) fn pin(&mut self) -> (Option<(*const u8, usize)>, &mut Option<Pinned>) {
+        let map = &self.slot.map;
+        (
+            Some((map.ptr().cast_const(), map.len())),
+            &mut self.slot.pin,
+        )
+    }
+
+    /// Unmaps the staged segment and commits it with `manifest`: from then on it is the
+    /// sidecar's alone, and the memory tier is done. The connection then carries the sidecar's
+    /// reports of every other tier ([`Committed::follow`]); `None` after a failure, which is on
+    /// the handle.
+    pub(crate) fn commit(self, manifest: Vec<u8>, shared: &Shared) -> Option<Committed> {
+        let Lease {
+            slot,
             promise,
+            dial,
+            gpu,
+            step,
+            len,
             ordinal,
         } = self;
-        let Slot {
-            mut pin,
-            map,
-            mut conn,
-        } = slot;
-        let len = layout.file_len as usize;
-        let region: Arc<dyn Region> = map.clone();
-        let image = Staging::new(region, len);
-        let abandon = FailUnlessComplete(&image);
-        let res = engine::stage(
-            &inner,
-            Some((map.ptr().cast_const(), map.len())),
-            &mut pin,
-            &image,
-            &layout,
-            &tensors,
-        );
-        drop(tensors);
-        let staged = match res.and_then(|()| image.complete()) {
-            Ok(s) => s,
-            Err(e) => {
-                error!(step, error = %e, "checkpoint staging failed");
-                shared.fail_pending(Arc::new(e));
-                return;
-            }
-        };
-        shared.set_staged(Phase::Done);
-        let manifest = engine::manifest_for(&inner, step, &layout, staged.as_ref(), &extras);
-        // Unmap before committing: once committed, the segment is the sidecar's alone. The
-        // pinned registration goes first.
-        drop(staged);
-        drop(abandon);
-        drop(image);
+        // The pinned registration goes first, then the mapping: this process has no way left
+        // to write the segment.
+        let Slot { pin, map, mut conn } = slot;
         drop(pin);
         drop(map);
         let manifest = String::from_utf8(manifest).unwrap_or_default();
@@ -612,7 +495,7 @@ impl SidecarSave {
             Ok(LocalMsg::Committed) => {
                 // Preparing before the handle says so: a save that follows at once waits for
                 // the prepared segment rather than asking for another.
-                prepare(promise, inner, dial, step, len, ordinal);
+                prepare(promise, gpu, dial, step, len, ordinal);
                 shared.set_tier(TierKind::Memory, Phase::Done);
             }
             Ok(LocalMsg::Failed { reason }) => {
@@ -622,23 +505,36 @@ impl SidecarSave {
                 };
                 error!(step, error = %e, "checkpoint not committed");
                 shared.fail_pending(Arc::new(e));
-                return;
+                return None;
             }
             Ok(other) => {
                 shared.fail_pending(Arc::new(
                     conn.violation(format!("expected committed, got {other:?}"))
                         .into(),
                 ));
-                return;
+                return None;
             }
             Err(e) => {
                 error!(step, error = %e, "checkpoint not committed");
                 shared.fail_pending(Arc::new(e.into()));
-                return;
+                return None;
             }
         }
-        drop(ticket);
-        // Every other tier reports when it is done.
+        Some(Committed { conn, step })
+    }
+}
+
+/// A step committed to the sidecar: its connection, on which the other tiers report.
+pub(crate) struct Committed {
+    conn: Conn<FdStream>,
+    step: u64,
+}
+
+impl Committed {
+    /// Sets each tier's outcome on the handle as the sidecar reports it, until every tier is
+    /// done.
+    pub(crate) fn follow(self, shared: &Shared) {
+        let Committed { mut conn, step } = self;
         while !shared.status().all_finished() {
             match conn.recv::<LocalMsg>() {
                 Ok(LocalMsg::Persisted { tier, error: None }) => shared.set_tier(tier, Phase::Done),

@@ -40,10 +40,13 @@ pub mod retention;
 pub mod tensor;
 pub mod tier;
 
+mod admission;
 mod client;
 mod engine;
+mod inner;
 mod load;
 mod memcopy;
+mod save;
 mod staging;
 
 pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, SOCKET_ENV, WhenFull};

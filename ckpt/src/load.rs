@@ -28,16 +28,20 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Range;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use bytes::Bytes;
 use hotstart_store::uring::AlignedBuf;
-use tracing::{instrument, warn};
+use tracing::{info, instrument, warn};
 
+use crate::client::Restored;
 use crate::cuda;
-use crate::engine::{Engine, Inner};
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
+use crate::inner::Inner;
+use crate::proto::shm::Sealed;
 use crate::tensor::{DevicePtr, Extras, LoadedTensor};
 use crate::tier::{Tier, TierKind, TierReader};
 
@@ -144,7 +148,7 @@ impl AsRef<[u8]> for AlignedOwner {
 impl Engine {
     /// Loads a step of this rank, verifying every chunk; see the module docs. With a sidecar,
     /// the sidecar serves the step from the nearest tier that holds it (see
-    /// `crate::sidecar`), and this engine's own tiers are read only if it cannot be reached.
+    /// the `hotstart-sidecar` crate), and this engine's own tiers are read only if it cannot be reached.
     #[instrument(skip_all, fields(rank = self.inner.rank, ?which))]
     pub fn load(&self, which: StepSel, dest: Destination<'_>) -> Result<Loaded> {
         let inner = &self.inner;
@@ -156,7 +160,15 @@ impl Engine {
         }
         if let Some(sidecar) = &inner.sidecar {
             match sidecar.connect() {
-                Ok(conn) => return sidecar.load(inner, conn, which, dest),
+                Ok(conn) => {
+                    let want = match which {
+                        StepSel::Latest => None,
+                        StepSel::Step(s) => Some(s),
+                    };
+                    let started = Instant::now();
+                    let restored = sidecar.restore(conn, want)?;
+                    return inner.load_restored(restored, dest, started);
+                }
                 Err(e) if inner.tiers.is_empty() => return Err(e),
                 Err(e) => {
                     warn!(error = %e, "sidecar unreachable; loading from this engine's own tiers")
@@ -334,6 +346,61 @@ impl Engine {
         let sources =
             inner.read_chunks(step, &manifest, &tiers, &mut buf.as_mut()[..len], direct)?;
         Ok((manifest, buf, sources))
+    }
+}
+
+impl Inner {
+    /// Hands out a step the sidecar restored: caller buffers are filled with one parallel copy
+    /// straight from the segment's pages (`pread`, so the mapping's pages are never faulted in
+    /// for them); tensors returned owned are views of the mapping itself, valid however long
+    /// they are kept. The bytes are not hashed again (see [`Restored`]).
+    fn load_restored(
+        &self,
+        restored: Restored,
+        dest: Destination<'_>,
+        started: Instant,
+    ) -> Result<Loaded> {
+        let Restored {
+            manifest: m,
+            segment,
+            chunk_sources,
+            source,
+            seconds,
+        } = restored;
+        let (step, len) = (m.step, file_len(&m)?);
+        let mut targets = targets(step, &m, dest)?;
+        let direct = std::mem::take(&mut targets.direct);
+        copy_out(
+            &|at, dst| segment.read_at(at, dst),
+            direct,
+            m.chunk_size as usize,
+            self.threads,
+        )
+        .map_err(|e| Error::Sidecar {
+            socket: self
+                .sidecar
+                .as_ref()
+                .map_or_else(String::new, |s| s.socket().display().to_string()),
+            reason: format!("read the restored segment: {e}"),
+        })?;
+        let all = Bytes::from_owner(SealedBytes(segment, len));
+        let loaded = self.finish(step, m, all, targets, chunk_sources)?;
+        info!(
+            step,
+            %source,
+            sidecar_seconds = seconds,
+            seconds = started.elapsed().as_secs_f64(),
+            "restored through the sidecar"
+        );
+        Ok(loaded)
+    }
+}
+
+struct SealedBytes(Arc<Sealed>, usize);
+
+impl AsRef<[u8]> for SealedBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes()[..self.1]
     }
 }
 

@@ -1,11 +1,10 @@
 //! The staging pool and the parallel copies and checksums done on staged bytes.
 //!
-//! **Pool.** At most `max_inflight` staging buffers exist at once, each one page-aligned
-//! [`AlignedBuf`] (a huge-page-backed memory map for large sizes, so it can be written with
-//! `O_DIRECT` and uploaded without another copy). A save takes a [`Slot`] before it copies
-//! anything and holds it until every tier has finished with the bytes; dropping the slot hands
-//! the buffer back. When every slot is taken, `acquire` blocks (policy `block`) or gives up
-//! (policy `skip`). Buffers are reused across saves, so after the first save of a given size
+//! **Pool.** Staging buffers are page-aligned [`AlignedBuf`]s (a huge-page-backed memory map
+//! for large sizes, so they can be written with `O_DIRECT` and uploaded without another copy).
+//! A save takes a [`Slot`] before it copies anything and holds it until every tier has finished
+//! with the bytes; dropping the slot hands the buffer back. The saves in flight bound how many
+//! exist (at most `max_inflight`, see `crate::save`). Buffers are reused across saves, so after the first save of a given size
 //! staging writes into memory that is already faulted in; a save larger than the biggest free
 //! buffer replaces it with a larger one. A buffer still referenced when its slot is dropped
 //! (a store client that kept a clone of the bytes) is simply not reused.
@@ -41,18 +40,11 @@ const SIZE_STEP: usize = 2 << 20;
 /// Below this many bytes a copy or hash runs on the calling thread.
 const PARALLEL_MIN: usize = 1 << 20;
 
-/// The bounded set of staging buffers shared by every save of an engine.
-#[derive(Debug)]
+/// The staging buffers of an engine, reused from save to save. How many exist at once is
+/// bounded by the saves in flight (`crate::save::Admission`): each one holds at most one.
+#[derive(Debug, Default)]
 pub(crate) struct Pool {
-    state: Mutex<PoolState>,
-    freed: Condvar,
-    max: usize,
-}
-
-#[derive(Debug)]
-struct PoolState {
-    free: Vec<FreeBuf>,
-    taken: usize,
+    free: Mutex<Vec<FreeBuf>>,
 }
 
 /// A staging buffer and its pinned-memory registration, if any.
@@ -65,36 +57,21 @@ struct FreeBuf {
 }
 
 impl Pool {
-    pub(crate) fn new(max: usize) -> Arc<Pool> {
-        Arc::new(Pool {
-            state: Mutex::new(PoolState {
-                free: Vec::new(),
-                taken: 0,
-            }),
-            freed: Condvar::new(),
-            max: max.max(1),
-        })
+    pub(crate) fn new() -> Arc<Pool> {
+        Arc::default()
     }
 
-    /// A buffer of at least `len` bytes; `None` when all slots are taken and `block` is false.
-    pub(crate) fn acquire(self: &Arc<Self>, len: usize, block: bool) -> Option<Slot> {
-        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        while s.taken >= self.max {
-            if !block {
-                return None;
-            }
-            s = self.freed.wait(s).unwrap_or_else(PoisonError::into_inner);
-        }
-        s.taken += 1;
-        // The smallest free buffer that is big enough, else the biggest one to replace.
-        s.free.sort_by_key(|b| b.buf.len());
-        let pick = s
-            .free
+    /// A buffer of at least `len` bytes: the smallest free one that is big enough, else a new
+    /// one that replaces the biggest free one.
+    pub(crate) fn take(self: &Arc<Self>, len: usize) -> Slot {
+        let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        free.sort_by_key(|b| b.buf.len());
+        let pick = free
             .iter()
             .position(|b| b.buf.len() >= len)
-            .or_else(|| s.free.len().checked_sub(1));
-        let reuse = pick.map(|i| s.free.swap_remove(i));
-        drop(s);
+            .or_else(|| free.len().checked_sub(1));
+        let reuse = pick.map(|i| free.swap_remove(i));
+        drop(free);
         let FreeBuf { pin, buf } = match reuse {
             Some(b) if b.buf.len() >= len => b,
             // Dropping a too-small buffer unregisters it first (see `FreeBuf`).
@@ -103,21 +80,20 @@ impl Pool {
                 buf: AlignedBuf::zeroed(len.max(1).next_multiple_of(SIZE_STEP)),
             },
         };
-        Some(Slot {
+        Slot {
             pool: self.clone(),
             pin,
             buf: Some(Arc::new(buf)),
-        })
+        }
     }
 
     fn release(&self, buf: Option<FreeBuf>) {
-        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        s.taken -= 1;
         if let Some(b) = buf {
-            s.free.push(b);
+            self.free
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(b);
         }
-        drop(s);
-        self.freed.notify_one();
     }
 }
 
@@ -228,9 +204,6 @@ impl Region for AlignedBuf {
 /// Staging fills and publishes the image in segments of this many bytes, in order; each copy
 /// thread takes whole segments.
 const SEGMENT: usize = 8 << 20;
-
-/// Device bytes to copy: a destination slice of the staging buffer and the device memory.
-
 
 /// One save's file image while it is staged: the staging threads fill it segment by segment, in
 /// file order, and the tiers read the prefix filled so far, so the disk tier writes the first

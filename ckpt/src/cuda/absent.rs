@@ -4,8 +4,8 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use crate::error::{Error, Result};
 use super::DeviceCopy;
+use crate::error::{Error, Result};
 use crate::tensor::DevicePtr;
 
 const NOT_BUILT: &str = "hotstart-ckpt was built without GPU support \

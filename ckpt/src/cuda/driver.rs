@@ -17,9 +17,9 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::{result, sys};
 use tracing::warn;
 
+use super::DeviceCopy;
 use super::failed;
 use crate::error::{Error, Result};
-use super::DeviceCopy;
 use crate::tensor::DevicePtr;
 
 const NO_DRIVER: &str = "no CUDA driver: libcuda.so could not be loaded \

@@ -1,0 +1,173 @@
+//! The shared state of one rank's engine ([`Inner`]): its configuration, tiers, staging pool,
+//! admission, sidecar client and GPU contexts, which the engine's entry points (`crate::engine`),
+//! the save pipeline (`crate::save`) and loads (`crate::load`) all work on; and what it decides
+//! itself: which steps are complete, and retention after each save.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tracing::{info, warn};
+
+use crate::admission::Admission;
+use crate::client::Client;
+use crate::cuda::Gpu;
+use crate::error::Result;
+use crate::format::{self, Manifest};
+use crate::retention;
+use crate::staging::Pool;
+use crate::tier::{Tier, TierKind};
+
+/// The state every part of an engine shares.
+pub(crate) struct Inner {
+    pub(crate) job: String,
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    pub(crate) keep: usize,
+    pub(crate) chunk_size: usize,
+    pub(crate) threads: usize,
+    /// Whether a save waits for admission (`WhenFull::Block`) rather than being skipped.
+    pub(crate) block: bool,
+    pub(crate) max_inflight: usize,
+    /// The bound on saves in flight, for saves of either kind.
+    pub(crate) admission: Arc<Admission>,
+    /// Tiers in load order: disk first, then store. With a sidecar, only read when it cannot
+    /// be reached.
+    pub(crate) tiers: Vec<Arc<dyn Tier>>,
+    /// Retention on the disk tier looks at this rank's files only (see `with_tiers`).
+    pub(crate) disk_per_rank: bool,
+    pub(crate) pool: Arc<Pool>,
+    /// The sidecar that stages, persists and serves this rank's checkpoints, if any.
+    pub(crate) sidecar: Option<Client>,
+    pub(crate) skipped: AtomicU64,
+    pub(crate) persisting: Mutex<BTreeSet<u64>>,
+    pub(crate) gc_lock: Mutex<()>,
+    /// Per-device contexts and copy streams, made on first use.
+    pub(crate) gpu: Arc<Gpu>,
+}
+
+impl Inner {
+    /// The disk and store tiers of this engine itself, in load order.
+    pub(crate) fn own_tiers(&self) -> Vec<TierKind> {
+        self.tiers.iter().map(|t| t.kind()).collect()
+    }
+
+    /// The newest step complete in any of this engine's own tiers.
+    pub(crate) fn latest_in_own_tiers(&self) -> Result<Option<u64>> {
+        let mut best = None;
+        for t in &self.tiers {
+            match self.complete_steps_in(t.as_ref()) {
+                Ok(steps) => best = best.max(steps.last().copied()),
+                Err(e) => warn!(tier = %t.kind(), error = %e, "cannot list steps"),
+            }
+        }
+        Ok(best)
+    }
+
+    pub(crate) fn start_persisting(&self, step: u64) {
+        self.persisting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(step);
+    }
+
+    /// Retention on every tier in `persisted`, after `step` reached them.
+    pub(crate) fn retention(&self, step: u64, persisted: Vec<&dyn Tier>) {
+        for tier in persisted {
+            if let Err(e) = self.gc_tier(tier) {
+                warn!(step, tier = %tier.kind(), error = %e, "retention failed");
+            }
+        }
+    }
+
+    pub(crate) fn tier(&self, kind: TierKind) -> Option<&dyn Tier> {
+        self.tiers
+            .iter()
+            .find(|t| t.kind() == kind)
+            .map(|t| t.as_ref())
+    }
+
+    pub(crate) fn done_persisting(&self, step: u64) {
+        self.persisting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&step);
+    }
+
+    /// Whether `step` is complete in `tier`.
+    pub(crate) fn is_complete(&self, tier: &dyn Tier, step: u64) -> Result<bool> {
+        for r in 0..self.world_size {
+            if r == self.rank {
+                continue;
+            }
+            if !tier.exists(&format::manifest_key(&self.job, step, r))? {
+                return Ok(false);
+            }
+        }
+        Ok(self.read_manifest(tier, step).is_ok_and(|m| m.is_some()))
+    }
+
+    /// This rank's manifest of `step` in `tier`: `None` when absent, an error when invalid or
+    /// not this job's, step's or rank's.
+    pub(crate) fn read_manifest(&self, tier: &dyn Tier, step: u64) -> Result<Option<Manifest>> {
+        let key = format::manifest_key(&self.job, step, self.rank);
+        let Some(bytes) = tier.get_manifest(&key)? else {
+            return Ok(None);
+        };
+        let location = format!("{key} ({} tier)", tier.kind());
+        let m = Manifest::parse_for(
+            &bytes,
+            &location,
+            &self.job,
+            step,
+            self.rank,
+            self.world_size,
+        )?;
+        Ok(Some(m))
+    }
+
+    pub(crate) fn complete_steps_in(&self, tier: &dyn Tier) -> Result<Vec<u64>> {
+        let mut out = Vec::new();
+        for step in tier.list_steps(&self.job)? {
+            if self.is_complete(tier, step)? {
+                out.push(step);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Retention on one tier; the steps removed.
+    pub(crate) fn gc_tier(&self, tier: &dyn Tier) -> Result<Vec<u64>> {
+        let _g = self.gc_lock.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.keep == 0 {
+            return Ok(Vec::new());
+        }
+        let per_rank = self.disk_per_rank && tier.kind() == TierKind::Disk;
+        let mut steps = Vec::new();
+        for s in tier.list_steps(&self.job)? {
+            let done = if per_rank {
+                self.read_manifest(tier, s).is_ok_and(|m| m.is_some())
+            } else {
+                self.is_complete(tier, s)?
+            };
+            steps.push((s, done));
+        }
+        let plan = retention::plan(&steps, self.keep);
+        let busy = self
+            .persisting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let mut removed = Vec::new();
+        for s in plan.removed {
+            if !busy.contains(&s) {
+                tier.remove_rank(&self.job, s, self.rank)?;
+                removed.push(s);
+            }
+        }
+        if !removed.is_empty() {
+            info!(tier = %tier.kind(), ?removed, "retention removed steps");
+        }
+        Ok(removed)
+    }
+}
