@@ -21,14 +21,17 @@
 //! always (see [`cuda`]).
 //!
 //! The on-storage format (one safetensors file and one JSON manifest per step and rank) is in
-//! [`format`] and `docs/FORMAT.md`.
+//! [`format`](mod@format) and `docs/FORMAT.md`.
 //!
-//! Modules: [`tensor`] (what is saved), [`format`] (names, header, manifest, parsers),
-//! `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path), [`tier`]
-//! (disk and store), `engine` (save, retention), `load` (verified reads), [`handle`] (save
-//! progress), [`inspect`] (offline listing, verification and retention: the `hotstart ckpt`
-//! commands), [`proto`] (the frames, messages and shared memory that the engine and the
-//! sidecar both speak), `client` (the engine's client of the sidecar).
+//! Modules: [`tensor`] (what is saved), [`format`](mod@format) (names, header, manifest, parsers),
+//! `engine` (the entry points: configuration, save, retention), `admission` (the bound on
+//! saves in flight), `save` (the one save pipeline: stage, hash, then the tiers or the
+//! sidecar), `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path),
+//! [`tier`] (disk and store), [`retention`] (which steps a tier keeps), `load` (verified
+//! reads), `inner` (the state an engine's parts share), [`handle`] (save progress),
+//! [`inspect`] (offline listing, verification and retention: the `hotstart ckpt` commands),
+//! [`proto`] (the frames, messages and shared memory that the engine and the sidecar both
+//! speak), `client` (the engine's client of the sidecar).
 
 pub mod cuda;
 pub mod error;

@@ -11,7 +11,7 @@ use hotstart_ckpt::proto::wire::{LinkError, Side};
 #[non_exhaustive]
 pub enum Error {
     /// An error of the checkpoint engine's kinds (its tiers, formats, configuration, and the
-    /// local socket: [`hotstart_ckpt::CkptError::Sidecar`]).
+    /// local socket: [`hotstart_ckpt::Error::Sidecar`]).
     #[error(transparent)]
     Ckpt(#[from] hotstart_ckpt::Error),
 

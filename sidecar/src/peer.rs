@@ -499,17 +499,6 @@ impl PeerClient {
 }
 
 impl Core {
-    /// Connects to a member.
-    pub(crate) fn connect(&self, m: &super::members::Member) -> Result<PeerClient> {
-        PeerClient::connect_host(
-            &m.addr,
-            &self.key,
-            &self.me,
-            Some(&m.id.node),
-            self.cfg.peer_timeout,
-        )
-    }
-
     /// Copies a committed local shard to up to `replicas` peers in placement order; the peers
     /// that hold it.
     pub(crate) fn replicate(&self, shard: &Shard) -> Result<Vec<String>> {
@@ -560,59 +549,6 @@ impl Core {
             });
         }
         Ok(holders)
-    }
-
-    /// Fetches `key` from the first member that holds it in memory, verified, into a new
-    /// sealed segment (charged to the budget); the shard and who sent it.
-    pub(crate) fn fetch_from_peers(
-        &self,
-        key: &ShardKey,
-        members: &[super::members::Member],
-    ) -> Option<(Arc<Shard>, String)> {
-        for m in members {
-            let res = self.connect(m).and_then(|mut c| {
-                c.fetch(key, self.threads, |info, _| {
-                    let what = format!("{key} from {}", m.id.node);
-                    let charge = self
-                        .memory
-                        .reserve(info.len, self.cfg.stage_timeout, &what)?;
-                    let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-                    Segment::create_to_fill(&name, info.len as usize, Some(Box::new(charge)))
-                        .map_err(|e| Error::io("create shared memory", &name, e))
-                })
-            });
-            match res {
-                Ok(Some((info, manifest, json, seg))) => {
-                    let sealed = match seg.seal() {
-                        Ok(s) => s,
-                        Err(e) => {
-                            warn!(shard = %key, error = %e, "cannot seal a fetched shard");
-                            continue;
-                        }
-                    };
-                    let shard = Arc::new(Shard {
-                        key: key.clone(),
-                        world_size: info.world_size,
-                        origin: info.origin,
-                        manifest,
-                        manifest_json: json,
-                        seg: Arc::new(sealed.into()),
-                        committed: Instant::now(),
-                    });
-                    return Some((shard, m.id.node.clone()));
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    if matches!(e, Error::Budget { .. }) {
-                        self.metrics.failed(Failure::Budget);
-                    } else {
-                        self.metrics.failed(Failure::Peer);
-                    }
-                    warn!(shard = %key, peer = %m.id.node, error = %e, "fetch from a peer failed");
-                }
-            }
-        }
-        None
     }
 }
 
