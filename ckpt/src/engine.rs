@@ -28,9 +28,10 @@ use tracing::{instrument, warn};
 use crate::admission::Admission;
 use crate::cuda::{self, Gpu};
 use crate::error::{Error, Result};
-use crate::format::{self, Layout};
+use crate::format::{self, Layout, Manifest};
 use crate::handle::{Phase, SaveHandle, Shared};
 use crate::inner::Inner;
+use crate::load::{Destination, Loaded, StepSel};
 use crate::save::{Input, Save, Target};
 use crate::staging::{self, Pool};
 use crate::tensor::{Extras, Tensor};
@@ -390,6 +391,35 @@ impl Engine {
                 Err(Error::io("spawn persist thread", "", e))
             }
         }
+    }
+
+    /// Loads a step of this rank, verifying every chunk; see the module docs. With a sidecar,
+    /// the sidecar serves the step from the nearest tier that holds it (see
+    /// the `hotstart-sidecar` crate), and this engine's own tiers are read only if it cannot be reached.
+    #[instrument(skip_all, fields(rank = self.inner.rank, ?which))]
+    pub fn load(&self, which: StepSel, dest: Destination<'_>) -> Result<Loaded> {
+        self.inner.load(which, dest)
+    }
+
+    /// `rank`'s manifest of `step`, from the first tier (in load order) that holds a valid one
+    /// for this job, step and rank, whatever world size it was written with. This is how a job
+    /// reads checkpoints saved by a job of another size: the manifest names the saved world size
+    /// and the tensor index, and an engine configured as that rank of that world size loads the
+    /// data. Bytes are not verified here; [`Engine::load`] verifies every chunk.
+    pub fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+        self.inner.manifest(step, rank)
+    }
+
+    /// Reads this rank's `step` from the tiers that hold it into memory that `alloc` gives for
+    /// the file's length (told the nearest tier that holds it), verified chunk by chunk as
+    /// [`Engine::load`] does; returns the manifest, the memory and the tier each chunk came
+    /// from. This is how the sidecar brings a step back into its memory tier.
+    pub fn read_into<B: AsMut<[u8]>, E: From<Error>>(
+        &self,
+        step: u64,
+        alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
+    ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
+        self.inner.read_into(step, alloc)
     }
 
     /// Waits for every save started so far to finish persisting.

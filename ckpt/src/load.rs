@@ -33,11 +33,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use hotstart_store::uring::AlignedBuf;
-use tracing::{info, instrument, warn};
+use tracing::{info, warn};
 
 use crate::client::Restored;
 use crate::cuda;
-use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::inner::Inner;
@@ -100,7 +99,7 @@ impl DeviceBuffer {
     /// # Safety
     /// `ptr..ptr + len` must be device memory of device `ordinal` that the device's primary
     /// context can write (memory allocated by the CUDA runtime, as PyTorch does, qualifies), and
-    /// nothing may read, write or free it from the call to [`Engine::load`] until it returns.
+    /// nothing may read, write or free it from the call to [`Engine::load`](crate::Engine::load)(crate::Engine::load) until it returns.
     /// Work queued on other streams that uses it must be finished or ordered after the load.
     pub unsafe fn new(ordinal: usize, ptr: u64, len: usize) -> DeviceBuffer {
         DeviceBuffer(DevicePtr { ordinal, ptr, len })
@@ -145,13 +144,11 @@ impl AsRef<[u8]> for AlignedOwner {
     }
 }
 
-impl Engine {
-    /// Loads a step of this rank, verifying every chunk; see the module docs. With a sidecar,
-    /// the sidecar serves the step from the nearest tier that holds it (see
-    /// the `hotstart-sidecar` crate), and this engine's own tiers are read only if it cannot be reached.
-    #[instrument(skip_all, fields(rank = self.inner.rank, ?which))]
-    pub fn load(&self, which: StepSel, dest: Destination<'_>) -> Result<Loaded> {
-        let inner = &self.inner;
+impl Inner {
+    /// `Engine::load`: from the sidecar when there is one (this engine's own tiers only if it
+    /// cannot be reached), else from the newest complete step of the own tiers.
+    pub(crate) fn load(&self, which: StepSel, dest: Destination<'_>) -> Result<Loaded> {
+        let inner = self;
         if let Destination::Device(bufs) = &dest {
             let devices: BTreeSet<usize> = bufs.values().map(DeviceBuffer::ordinal).collect();
             if !devices.is_empty() {
@@ -188,13 +185,9 @@ impl Engine {
         inner.load_step(step, dest)
     }
 
-    /// `rank`'s manifest of `step`, from the first tier (in load order) that holds a valid one
-    /// for this job, step and rank, whatever world size it was written with. This is how a job
-    /// reads checkpoints saved by a job of another size: the manifest names the saved world size
-    /// and the tensor index, and an engine configured as that rank of that world size loads the
-    /// data. Bytes are not verified here; [`Engine::load`] verifies every chunk.
-    pub fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        let inner = &self.inner;
+    /// `Engine::manifest`.
+    pub(crate) fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+        let inner = self;
         let key = format::manifest_key(&inner.job, step, rank);
         for tier in &inner.tiers {
             let bytes = match tier.get_manifest(&key) {
@@ -328,17 +321,14 @@ pub(crate) fn targets<'a>(
     })
 }
 
-impl Engine {
-    /// Reads this rank's `step` from the tiers that hold it into memory that `alloc` gives for
-    /// the file's length (told the nearest tier that holds it), verified chunk by chunk as
-    /// [`Engine::load`] does; returns the manifest, the memory and the tier each chunk came
-    /// from. This is how the sidecar brings a step back into its memory tier.
-    pub fn read_into<B: AsMut<[u8]>, E: From<Error>>(
+impl Inner {
+    /// `Engine::read_into`.
+    pub(crate) fn read_into<B: AsMut<[u8]>, E: From<Error>>(
         &self,
         step: u64,
         alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
     ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
-        let inner = &self.inner;
+        let inner = self;
         let (manifest, tiers) = inner.sources(step)?;
         let len = file_len(&manifest)?;
         let mut buf = alloc(len, tiers[0].kind())?;
