@@ -211,6 +211,12 @@ impl Engine {
             .map_err(to_py)
     }
 
+    /// The newest checkpoint of the job whatever world size saved it, as (step, world size), or
+    /// None.
+    fn latest_checkpoint(&self, py: Python<'_>) -> PyResult<Option<(u64, u32)>> {
+        py.detach(|| self.engine.latest_checkpoint()).map_err(to_py)
+    }
+
     /// Every step complete in some tier, ascending.
     fn complete_steps(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         let mut steps = py

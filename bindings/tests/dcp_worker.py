@@ -3,7 +3,8 @@
     python dcp_worker.py save DIR     # RANK/WORLD_SIZE/MASTER_* set: gloo group, then
                                       #   dcp.save (step 1), dcp.async_save (step 2), and a
                                       #   load of step 1 back with the same world size
-    python dcp_worker.py load DIR     # no process group: load steps 1 and 2 on one rank
+    python dcp_worker.py load DIR     # no process group: load steps 1 and 2 on one rank, then
+                                      #   the newest step with no checkpoint_id
 
 The state is a row-sharded DTensor, a replicated plain tensor, a per-rank Python value and
 nested items; expected values are functions of the step, so any rank can check them.
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from hotstart.torch import StorageReader, StorageWriter
+import hotstart
+from hotstart.torch import StorageReader, StorageWriter, latest_step
 
 ROWS, COLS = 12, 5
 
@@ -61,6 +63,11 @@ def main() -> None:
         assert torch.equal(local, full(1)[rank * rows:(rank + 1) * rows]), local
         assert torch.equal(back["plain"], expected_plain(1))
         assert back["nested"]["step"] == 1
+        # No checkpoint_id: rank 0 finds the newest step and every rank loads that one.
+        newest = state(0)
+        dcp.load(newest, storage_reader=reader())
+        assert torch.equal(newest["sharded"].to_local(), full(2)[rank * rows:(rank + 1) * rows])
+        assert newest["nested"]["step"] == 2
         dist.barrier()
         dist.destroy_process_group()
         print(f"rank {rank} ok", flush=True)
@@ -71,13 +78,23 @@ def main() -> None:
         # run in forty on a 2-core machine.
         os._exit(0)
     else:
-        for step in (1, 2):
+        # Saved by 2 ranks, found by 1.
+        assert latest_step(local_dir=root, job="dcp") == 2
+        ck = hotstart.Checkpointer(local_dir=root, job="dcp", rank=0, world_size=1)
+        assert (ck.latest_step(), ck.saved_world_size(2)) == (2, 2)
+        for step in (1, 2, None):
             dst = {
                 "sharded": torch.zeros(ROWS, COLS),
                 "plain": torch.zeros(7, dtype=torch.float64),
                 "nested": {"bf16": torch.zeros(3, dtype=torch.bfloat16), "step": 0},
             }
-            dcp.load(dst, storage_reader=reader(), checkpoint_id=step)
+            if step is None:
+                # No checkpoint_id: the newest complete step, whatever world size saved it.
+                dcp.load(dst, storage_reader=reader())
+                step = 2
+                print("newest ok")
+            else:
+                dcp.load(dst, storage_reader=reader(), checkpoint_id=step)
             assert torch.equal(dst["sharded"], full(step)), dst["sharded"]
             assert torch.equal(dst["plain"], expected_plain(step))
             assert torch.equal(dst["nested"]["bf16"], torch.full((3,), step, dtype=torch.bfloat16))

@@ -142,4 +142,4 @@ def test_two_ranks_save_one_rank_loads(tmp_path: Path) -> None:
         assert names == ["rank-0.manifest.json", "rank-0.safetensors", "rank-1.manifest.json", "rank-1.safetensors"]
     r = subprocess.run([sys.executable, WORKER, "load", str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "step 1 ok" in r.stdout and "step 2 ok" in r.stdout
+    assert "step 1 ok" in r.stdout and "step 2 ok" in r.stdout and "newest ok" in r.stdout

@@ -200,3 +200,77 @@ def test_cuda_refused_cleanly_without_a_driver(local_dir: Path) -> None:
             ck.engine.save(1, [("x", "F32", [4], 0x1000, 16, 0)], {}, [])
         ck.save(1, {"x": torch.ones(2)}).wait()
         assert ck.load()["x"].tolist() == [1.0, 1.0]
+
+
+def trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def fresh():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def same_adam_state(a, b):
+    assert a.state_dict()["state"].keys() == b.state_dict()["state"].keys()
+    for k, s in a.state_dict()["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            same_bits(s[name], b.state_dict()["state"][k][name])
+
+
+def test_a_fresh_optimizer_is_refused_in_place_with_the_way_out_and_both_ways_work(local_dir: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = trained(1)
+    ck = hotstart.Checkpointer(local_dir=local_dir, job="fresh-opt", rank=0, world_size=1)
+    ck.save(1, {"model": model.state_dict(), "opt": opt.state_dict()}).wait()
+
+    m2, o2 = fresh()
+    state = {"model": m2.state_dict(), "opt": o2.state_dict()}
+    with pytest.raises(StateDictError) as e:
+        ck.load(state)
+    text = str(e.value)
+    assert "only in the checkpoint: ['opt.state.0'" in text
+    assert "strict=False" in text and "get_state_dict" in text and "set_state_dict" in text
+    # The first way out: strict=False adds the optimizer's state, then apply it.
+    ck.load(state, strict=False)
+    m2.load_state_dict(state["model"])
+    o2.load_state_dict(state["opt"])
+    for p, q in zip(model.parameters(), m2.parameters()):
+        same_bits(p.detach(), q.detach())
+    same_adam_state(opt, o2)
+
+    # The second: torch's get_state_dict creates a fresh optimizer's state, so an in-place,
+    # strict load fits it.
+    msd, osd = get_state_dict(model, opt)
+    ck.save(2, {"model": msd, "opt": osd}).wait()
+    m3, o3 = fresh()
+    msd3, osd3 = get_state_dict(m3, o3)
+    ck.load({"model": msd3, "opt": osd3}, step=2)
+    set_state_dict(m3, o3, model_state_dict=msd3, optim_state_dict=osd3)
+    for p, q in zip(model.parameters(), m3.parameters()):
+        same_bits(p.detach(), q.detach())
+    same_adam_state(opt, o3)
+
+
+def test_a_step_saved_by_another_world_size_is_found_and_refused_with_the_way_out(local_dir: Path) -> None:
+    saved = {r: {"w": torch.full((3,), float(r))} for r in range(2)}
+    for r in range(2):
+        hotstart.Checkpointer(local_dir=local_dir, job="elastic", rank=r, world_size=2).save(5, saved[r]).wait()
+    three = hotstart.Checkpointer(local_dir=local_dir, job="elastic", rank=2, world_size=3)
+    assert three.latest_step() == 5
+    assert three.saved_world_size(5) == 2
+    for call in (lambda: three.load(), lambda: three.load(step=5)):
+        with pytest.raises(hotstart.ConfigError) as e:
+            call()
+        assert "saved by 2 ranks" in str(e.value) and "hotstart.torch.StorageReader" in str(e.value)
+    # The same world size still loads it.
+    back = hotstart.Checkpointer(local_dir=local_dir, job="elastic", rank=1, world_size=2).load()
+    assert torch.equal(back["w"], saved[1]["w"])

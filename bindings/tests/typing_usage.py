@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import hotstart
-from hotstart.torch import StorageReader, StorageWriter
+from hotstart.torch import StorageReader, StorageWriter, latest_step
 
 
 def train(steps: int) -> Optional[int]:
@@ -30,7 +30,9 @@ def train(steps: int) -> Optional[int]:
         ck.wait()
         steps_done: List[int] = ck.steps()
         rank: int = ck.rank + ck.world_size
-        del steps_done, rank
+        saved_by: int = ck.saved_world_size(0)
+        newest_dcp: Optional[int] = latest_step(store="s3://bucket/runs", job="dcp", local_dir="/tmp/x")
+        del steps_done, rank, saved_by, newest_dcp
         return ck.latest_step()
 
 

@@ -449,6 +449,21 @@ impl Engine {
         self.inner.latest_in_own_tiers()
     }
 
+    /// The newest checkpoint of this job whatever world size saved it, and that world size: the
+    /// newest step that every rank of the world size that wrote it committed in one of this
+    /// engine's own tiers; with a sidecar, also the newest the sidecar finds complete for this
+    /// world size, whichever is newer. A step of another world size is for a loader that
+    /// reshards (torch.distributed.checkpoint); [`Engine::load`] refuses it with a
+    /// [`Error::Config`] that says so.
+    pub fn latest_checkpoint(&self) -> Result<Option<(u64, u32)>> {
+        let own = self.inner.latest_checkpoint_in_own_tiers()?;
+        let Some(sidecar) = &self.inner.sidecar else {
+            return Ok(own);
+        };
+        let served = sidecar.latest()?.map(|s| (s, self.inner.world_size));
+        Ok(own.max(served))
+    }
+
     /// Applies retention to every tier now; returns the steps whose files of this rank were
     /// removed, per tier.
     pub fn gc(&self) -> Result<Vec<(TierKind, Vec<u64>)>> {

@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use crate::admission::Admission;
 use crate::client::Client;
 use crate::cuda::Gpu;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::retention;
 use crate::staging::Pool;
@@ -126,6 +126,74 @@ impl Inner {
         Ok(Some(m))
     }
 
+    /// The world size that saved `step` in `tier` when every one of its ranks committed it
+    /// there: rank 0's manifest (valid for this job and step) names the world size, and every
+    /// other rank of it has a manifest. `None` when the step is not complete in `tier`.
+    pub(crate) fn saved_world_size(&self, tier: &dyn Tier, step: u64) -> Result<Option<u32>> {
+        let key = format::manifest_key(&self.job, step, 0);
+        let Some(bytes) = tier.get_manifest(&key)? else {
+            return Ok(None);
+        };
+        let location = format!("{key} ({} tier)", tier.kind());
+        let m = match Manifest::parse(&bytes, &location) {
+            Ok(m) if m.job == self.job && m.step == step && m.rank == 0 => m,
+            Ok(_) => return Ok(None),
+            Err(e) => {
+                warn!(step, tier = %tier.kind(), error = %e, "unusable manifest");
+                return Ok(None);
+            }
+        };
+        for r in 1..m.world_size {
+            if !tier.exists(&format::manifest_key(&self.job, step, r))? {
+                return Ok(None);
+            }
+        }
+        Ok(Some(m.world_size))
+    }
+
+    /// The newest step complete in one of this engine's own tiers, whatever world size saved
+    /// it, and that world size.
+    pub(crate) fn latest_checkpoint_in_own_tiers(&self) -> Result<Option<(u64, u32)>> {
+        let mut best: Option<(u64, u32)> = None;
+        for t in &self.tiers {
+            let steps = match t.list_steps(&self.job) {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(tier = %t.kind(), error = %e, "cannot list steps");
+                    continue;
+                }
+            };
+            for &step in steps.iter().rev() {
+                if best.is_some_and(|(b, _)| b >= step) {
+                    break;
+                }
+                if let Some(ws) = self.saved_world_size(t.as_ref(), step)? {
+                    best = Some((step, ws));
+                    break;
+                }
+            }
+        }
+        Ok(best)
+    }
+
+    /// The error for a step this engine's world size cannot load because another world size
+    /// saved it; `None` when that is not why.
+    pub(crate) fn saved_by_another_world(&self, step: u64) -> Option<Error> {
+        let saved = self.tiers.iter().find_map(|t| {
+            self.saved_world_size(t.as_ref(), step)
+                .ok()
+                .flatten()
+                .filter(|&ws| ws != self.world_size)
+        })?;
+        Some(another_world(
+            &self.job,
+            step,
+            saved,
+            self.rank,
+            self.world_size,
+        ))
+    }
+
     pub(crate) fn complete_steps_in(&self, tier: &dyn Tier) -> Result<Vec<u64>> {
         let mut out = Vec::new();
         for step in tier.list_steps(&self.job)? {
@@ -169,5 +237,17 @@ impl Inner {
             info!(tier = %tier.kind(), ?removed, "retention removed steps");
         }
         Ok(removed)
+    }
+}
+
+/// A step saved by `saved` ranks, asked for by rank `rank` of `world_size`.
+pub(crate) fn another_world(job: &str, step: u64, saved: u32, rank: u32, world_size: u32) -> Error {
+    Error::Config {
+        reason: format!(
+            "step {step} of job {job:?} was saved by {saved} ranks, and this is rank {rank} of \
+             {world_size}: a rank's file loads only into the same world size. Load it with \
+             torch.distributed.checkpoint (hotstart.torch.StorageReader reshards it to any world \
+             size), or open the engine with world size {saved}"
+        ),
     }
 }

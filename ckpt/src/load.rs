@@ -39,7 +39,7 @@ use crate::client::Restored;
 use crate::cuda;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
-use crate::inner::Inner;
+use crate::inner::{Inner, another_world};
 use crate::proto::shm::Sealed;
 use crate::tensor::{DevicePtr, Extras, LoadedTensor};
 use crate::tier::{Tier, TierKind, TierReader};
@@ -174,15 +174,28 @@ impl Inner {
         }
         let step = match which {
             StepSel::Step(s) => s,
-            StepSel::Latest => inner
-                .latest_in_own_tiers()?
-                .ok_or_else(|| Error::NotFound {
-                    job: inner.job.clone(),
-                    step: None,
-                    rank: inner.rank,
-                })?,
+            StepSel::Latest => match inner.latest_in_own_tiers()? {
+                Some(step) => step,
+                None => {
+                    return Err(match inner.latest_checkpoint_in_own_tiers()? {
+                        Some((step, saved)) => {
+                            another_world(&inner.job, step, saved, inner.rank, inner.world_size)
+                        }
+                        None => Error::NotFound {
+                            job: inner.job.clone(),
+                            step: None,
+                            rank: inner.rank,
+                        },
+                    });
+                }
+            },
         };
-        inner.load_step(step, dest)
+        inner.load_step(step, dest).map_err(|e| match e {
+            Error::NotFound { .. } | Error::Format { .. } => {
+                inner.saved_by_another_world(step).unwrap_or(e)
+            }
+            e => e,
+        })
     }
 
     /// `Engine::manifest`.

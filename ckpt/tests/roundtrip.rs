@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 
 use common::*;
-use hotstart_ckpt::{Destination, Dtype, EngineConfig, StepSel, Tensor, TierKind};
+use hotstart_ckpt::{Destination, Dtype, EngineConfig, Error, StepSel, Tensor, TierKind};
 use hotstart_store::Store;
 
 /// Saves two steps, checks status, loads both back bit-exact, checks the files with the
@@ -242,9 +242,31 @@ fn manifest_of_another_rank_and_world_size() {
         let extras = [("who".to_string(), vec![rank as u8])].into();
         e.save(5, vec![t], extras).unwrap().wait().unwrap();
     }
-    // A job of one rank: its own view of step 5 is incomplete and unusable...
+    // A job of one rank: step 5 is complete for the world size that saved it, and found as
+    // such, but it is not complete for this world size...
     let single = engine(config("job-m").disk(dir.path()));
     assert_eq!(single.latest_complete_step().unwrap(), None);
+    assert_eq!(single.latest_checkpoint().unwrap(), Some((5, 2)));
+    // ...so loading it is refused, saying why and what loads it.
+    for which in [StepSel::Latest, StepSel::Step(5)] {
+        let e = single.load(which, Destination::Owned).unwrap_err();
+        assert!(matches!(e, Error::Config { .. }), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("saved by 2 ranks") && text.contains("StorageReader"),
+            "{text}"
+        );
+    }
+    // A step that only one of its two ranks committed is not a checkpoint at all.
+    let mut cfg = config("job-m").disk(dir.path());
+    (cfg.rank, cfg.world_size) = (0, 2);
+    let t = Tensor::new("x", Dtype::U8, vec![3], vec![9; 3]).unwrap();
+    engine(cfg)
+        .save(6, vec![t], Default::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(single.latest_checkpoint().unwrap(), Some((5, 2)));
     // ...but every saved rank's manifest is readable and names the saved world size.
     for rank in 0..2u32 {
         let m = single.manifest(5, rank).unwrap();
@@ -259,5 +281,5 @@ fn manifest_of_another_rank_and_world_size() {
     }
     let missing = single.manifest(5, 2).unwrap_err();
     assert!(missing.is_not_found(), "{missing}");
-    assert!(single.manifest(6, 0).unwrap_err().is_not_found());
+    assert!(single.manifest(7, 0).unwrap_err().is_not_found());
 }

@@ -187,8 +187,17 @@ class Checkpointer:
             raise first
 
     def latest_step(self) -> Optional[int]:
-        """The newest step complete in any tier (every rank committed), or None."""
-        return self.engine.latest_step()
+        """The newest complete checkpoint of the job (every rank of the world size that saved
+        it committed it in some tier), or None: also one saved with another world size, which
+        :meth:`load` refuses with a ConfigError (load it with torch.distributed.checkpoint and
+        :class:`hotstart.torch.StorageReader`, which reshards). :meth:`saved_world_size` says
+        which."""
+        found = self.engine.latest_checkpoint()
+        return None if found is None else found[0]
+
+    def saved_world_size(self, step: int) -> int:
+        """The world size that saved ``step`` (from its rank 0 manifest)."""
+        return int(self.engine.manifest(step, 0)["world_size"])
 
     def steps(self) -> List[int]:
         """Every step complete in some tier, ascending."""

@@ -509,7 +509,17 @@ def plan_into(root: Dict[str, Any], state: Any, strict: bool, plan: Plan) -> Any
     result: List[Any] = [state]
     walk(state, root, (), lambda v: result.__setitem__(0, v))
     if errors:
-        raise StateDictError("state dict does not match the checkpoint: " + "; ".join(errors))
+        hint = ""
+        if any(e.startswith("only in the checkpoint") for e in errors):
+            hint = (
+                ". A freshly built optimizer has no per-parameter state until its first step, so"
+                " its state_dict() lacks what the checkpoint holds: load with strict=False, which"
+                " adds those entries to your state dict, then apply it"
+                " (optimizer.load_state_dict(state[...])); or save and load the state dict that"
+                " torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)"
+                " returns (it creates that state) and apply it with set_state_dict"
+            )
+        raise StateDictError("state dict does not match the checkpoint: " + "; ".join(errors) + hint)
 
     def done() -> Any:
         return result[0]

@@ -27,6 +27,11 @@ request covers whole lands straight in the destination tensor (CPU or CUDA, when
 otherwise the stored tensor is read into a temporary and the requested region copied out. So
 a checkpoint saved by 2 ranks loads on 1 rank, or on 4.
 
+**Which step.** ``dcp.load`` with a ``checkpoint_id`` loads that step; without one (and no
+``step=``), the newest complete checkpoint of the job, whatever world size saved it
+(:func:`latest_step`), so a job that comes back with another number of ranks finds the
+checkpoint that DCP reshards for it.
+
 Use a job name of its own for DCP checkpoints (not one a ``Checkpointer`` also writes to).
 """
 
@@ -59,7 +64,7 @@ from . import _core, _state
 from ._checkpointer import PathLike, engine_options
 from .errors import ConfigError, CorruptCheckpoint
 
-__all__ = ["StorageWriter", "StorageReader", "StoredItem"]
+__all__ = ["StorageWriter", "StorageReader", "StoredItem", "latest_step"]
 
 METADATA_KEY = "hotstart.dcp.metadata"
 """The coordinator's extra holding DCP's pickled Metadata."""
@@ -89,6 +94,39 @@ def _step_of(checkpoint_id: Optional[CheckpointId], default: Optional[int]) -> i
     if not text.isdigit():
         raise ConfigError(f"checkpoint_id {checkpoint_id!r} is not a step number (like 100 or 'step-100')")
     return int(text)
+
+
+def latest_step(store: Optional[str] = None, job: Optional[str] = None, *,
+                local_dir: Optional[PathLike] = None) -> Optional[int]:
+    """The newest complete checkpoint of ``job`` (every rank of the world size that saved it
+    committed it), whatever world size saved it, or None: the step ``dcp.load`` with a
+    :class:`StorageReader` and no ``checkpoint_id`` loads. ``store``, ``job`` and ``local_dir``
+    are those of the writer (with the same environment defaults)."""
+    found = _core.Engine(**engine_options(store, job, 0, 1, local_dir)).latest_checkpoint()
+    return None if found is None else found[0]
+
+
+def _agreed_newest(probe: _core.Engine) -> int:
+    """The newest complete step, found by rank 0 of the default process group (when there is
+    one) and shared with every rank, so that all of them load the same step."""
+    found: Any
+    try:
+        newest = probe.latest_checkpoint()
+        found = None if newest is None else newest[0]
+    except Exception as e:  # every rank must take part in the broadcast below
+        found = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [found if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    if isinstance(found, Exception):
+        raise found
+    if found is None:
+        raise ConfigError(
+            f"no complete checkpoint of job {probe.job!r} to load: save one first, or pass "
+            "checkpoint_id=<step> to dcp.load"
+        )
+    return int(found)
 
 
 def _item_name(item: Any) -> str:
@@ -226,7 +264,9 @@ class StorageReader(_StorageReader):
     """Reads checkpoints written by :class:`StorageWriter`, with any world size.
 
     ``store``, ``job`` and ``local_dir`` name the same tiers the writer used. ``step`` is used
-    when ``dcp.load`` gets no ``checkpoint_id``.
+    when ``dcp.load`` gets no ``checkpoint_id``; with neither, the newest complete checkpoint is
+    loaded, whatever world size saved it (:func:`latest_step`; rank 0 finds it and every rank of
+    the default process group loads that step).
     """
 
     def __init__(
@@ -248,7 +288,10 @@ class StorageReader(_StorageReader):
         self._storage: Dict[MetadataIndex, StoredItem] = {}
 
     def reset(self, checkpoint_id: Optional[CheckpointId] = None) -> None:
-        self.step = _step_of(checkpoint_id, self._default_step)
+        if checkpoint_id is None and self._default_step is None:
+            self.step = _agreed_newest(self._probe)
+        else:
+            self.step = _step_of(checkpoint_id, self._default_step)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
