@@ -18,74 +18,7 @@ import numpy as np
 import pytest
 
 import hotstart
-from conftest import ROOT, _die_with_parent, _free_ports, need
-
-
-def _hotstart_bin() -> str:
-    exe = os.environ.get("HOTSTART_BIN") or str(ROOT / "target" / "debug" / "hotstart")
-    if not os.access(exe, os.X_OK):
-        need("the hotstart binary", f"{exe} is missing (`cargo build --bin hotstart`)")
-    return exe
-
-
-class Sidecar:
-    """`hotstart serve` on loopback with a disk tier, no peers (insecure: loopback only)."""
-
-    def __init__(self, tmp: Path) -> None:
-        peer, http = _free_ports(2)
-        self.socket = tmp / "sidecar.sock"
-        self.http = f"http://127.0.0.1:{http}"
-        self.log = tmp / "sidecar.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HOTSTART_")}
-        env["HOTSTART_LOG"] = "info"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    _hotstart_bin(), "serve", "--insecure", "--node-id", "py-0",
-                    "--listen", f"127.0.0.1:{peer}", "--http", f"127.0.0.1:{http}",
-                    "--socket", str(self.socket), "--disk-dir", str(tmp / "disk"),
-                    "--memory-budget", "256MiB",
-                ],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                preexec_fn=_die_with_parent,
-            )
-        deadline = time.monotonic() + 60
-        while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the sidecar did not become ready:\n{self.log.read_text()}")
-            time.sleep(0.05)
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.http + "/readyz", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def metric(self, name: str, labels: str) -> float:
-        with urllib.request.urlopen(self.http + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@pytest.fixture
-def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
-    s = Sidecar(tmp_path)
-    try:
-        yield s
-    finally:
-        s.stop()
+from conftest import Sidecar, _die_with_parent
 
 
 TRAINER = textwrap.dedent(

@@ -1,0 +1,211 @@
+"""A PyTorch job under torchrun that checkpoints through hotstart and resumes after a fault.
+
+The model is sharded with FSDP2 (`fully_shard`: each rank holds a shard of every parameter and
+of AdamW's state, as DTensors), trained on a deterministic data stream (each step's batch is a
+function of the step), on CPU with gloo or on GPUs with NCCL. Every `--save-every` steps it
+checkpoints one of two ways:
+
+- `--sidecar SOCKET` (or HOTSTART_SOCKET): each rank saves its own shards through the node's
+  sidecar (`hotstart serve`) with `hotstart.Checkpointer`. The save returns once the shards are
+  in the sidecar's memory, which outlives this process: when a worker dies, `torchrun
+  --max-restarts` starts every worker again and they load their shards from that memory. Same
+  world size only (a rank's shards are its own).
+- `--dcp-dir DIR` (or `--store URL`): torch.distributed.checkpoint through
+  `hotstart.torch.StorageWriter`; `dcp.load` with `hotstart.torch.StorageReader` and no
+  checkpoint id loads the newest complete checkpoint and reshards it, so the job may come back
+  with another number of processes.
+
+At start it resumes from the newest checkpoint there is. Rank 0 prints `loss <step> <hex>`
+after every step (`float.hex`, so runs compare bit for bit) and `state <digest>` (sha256 over
+every parameter's and optimizer tensor's full bytes, gathered) after resuming and at the end.
+
+    torchrun --nproc-per-node 2 --max-restarts 1 examples/torchrun/train.py \\
+        --job run-1 --steps 40 --save-every 5 --sidecar /run/hotstart/sidecar.sock
+    torchrun --nproc-per-node 3 examples/torchrun/train.py --job run-2 --steps 40 --dcp-dir /tmp/ck
+
+Restarted workers share torchrun's store with the attempt that failed, so the process group's
+keys get a prefix per attempt (`init_group`); without it they can find the dead attempt's
+addresses there and hang or fail to connect.
+
+`--kill-rank R --kill-step K` makes rank R kill itself with SIGKILL after step K on the first
+attempt (TORCHELASTIC_RESTART_COUNT 0): the fault the tests inject.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import hotstart
+import hotstart.torch as htorch
+
+DIM, HIDDEN, OUT, BATCH = 12, 24, 6, 16
+
+
+def init_group(backend: str) -> None:
+    """The default process group, with its keys under a prefix of their own for each torchrun
+    attempt: the workers torchrun restarts share its store with the attempt that failed, and
+    would otherwise find that attempt's stale addresses there and hang or fail to connect."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=rank == 0 and not agent, timeout=timedelta(minutes=5),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                            rank=rank, world_size=world)
+
+
+def build() -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT)
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch, the same on every rank and every run."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(BATCH, DIM, generator=g)
+    return x, torch.sin(x[:, :OUT] * 3)
+
+
+def locals_of(tree: Any) -> Any:
+    """The state dict with every DTensor replaced by this rank's shard (a view of it)."""
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: locals_of(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [locals_of(v) for v in tree]
+    return tree
+
+
+def digest(model_sd: Dict[str, Any], optim_sd: Dict[str, Any]) -> str:
+    """sha256 of every tensor's full bytes (gathered), in name order: the same for any world
+    size. Every rank must call it (gathering is collective)."""
+    h = hashlib.sha256()
+
+    def feed(prefix: str, tree: Any) -> None:
+        if isinstance(tree, dict):
+            for k in sorted(tree, key=str):
+                feed(f"{prefix}.{k}", tree[k])
+        elif isinstance(tree, torch.Tensor):
+            full = tree.full_tensor() if isinstance(tree, DTensor) else tree
+            h.update(prefix.encode())
+            h.update(full.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+
+    feed("model", model_sd)
+    feed("opt", optim_sd["state"])
+    return h.hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--sidecar", default=os.environ.get("HOTSTART_SOCKET"))
+    p.add_argument("--dcp-dir", help="local directory for torch.distributed.checkpoint")
+    p.add_argument("--store", help="store URL for torch.distributed.checkpoint")
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    args = p.parse_args()
+    use_dcp = bool(args.dcp_dir or args.store)
+    if not use_dcp and not args.sidecar:
+        p.error("name a sidecar (--sidecar or HOTSTART_SOCKET), or --dcp-dir / --store")
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    init_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    model, opt = build()
+    ck = None if use_dcp else hotstart.Checkpointer(sidecar=args.sidecar, job=args.job, rank=rank, world_size=world)
+
+    # Resume from the newest checkpoint, if any. get_state_dict gives a fresh optimizer its
+    # state, so the load fits it in place.
+    started = time.monotonic()
+    first = 1
+    if use_dcp:
+        newest = htorch.latest_step(args.store, args.job, local_dir=args.dcp_dir)
+    else:
+        assert ck is not None
+        newest = ck.latest_step()
+    if newest is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        if use_dcp:
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, storage_reader=htorch.StorageReader(args.store, args.job, local_dir=args.dcp_dir))
+        else:
+            assert ck is not None
+            ck.load({"model": locals_of(model_sd), "optim": locals_of(optim_sd)}, step=newest)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        first = newest + 1
+        d = digest(*get_state_dict(model, opt))
+        if rank == 0:
+            print(f"resumed {newest} in {time.monotonic() - started:.3f} s (world {world})", flush=True)
+            print(f"state {d}", flush=True)
+
+    for step in range(first, args.steps + 1):
+        x, y = batch(step)
+        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard], reduction="sum") / BATCH
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        if rank == 0:
+            print(f"loss {step} {float(total).hex()}", flush=True)
+        if step % args.save_every == 0 or step == args.steps:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            if use_dcp:
+                dcp.save({"model": model_sd, "optim": optim_sd},
+                         storage_writer=htorch.StorageWriter(args.store, args.job, local_dir=args.dcp_dir),
+                         checkpoint_id=step)
+            else:
+                assert ck is not None
+                # Waits only until the shards are in the sidecar's memory.
+                ck.save(step, {"model": locals_of(model_sd), "optim": locals_of(optim_sd)}).wait_staged()
+        if (rank == args.kill_rank and step == args.kill_step
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if ck is not None:
+        ck.wait()
+    d = digest(*get_state_dict(model, opt))
+    if rank == 0:
+        print(f"state {d}", flush=True)
+        print("done", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Leave without interpreter finalization: with gloo, a finished collective's work object
+    # can be destroyed on gloo's thread while the interpreter tears down, which aborts the
+    # process now and then ("terminate called without an active exception"), and torchrun
+    # would take that for a failed worker.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
