@@ -1,0 +1,47 @@
+"""scripts/gpu-check.sh: `build` makes the bundle the GPU machine runs (CUDA test binary, stall
+benchmark, abi3 wheel, the Python half), under 64 MiB; `run` without a GPU says so and exits
+cleanly; and its self-test runs every step of `run` here (the Python half on CPU tensors, the
+CUDA tests on their no-driver path), so the script's own logic is checked before a GPU is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, torch_or_fail
+
+torch = torch_or_fail()
+
+
+def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "bundle"
+    env = dict(os.environ, GPU_CHECK_DIR=str(out), PYTHON=sys.executable, GPU_CHECK_TMP=str(tmp_path))
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "build"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["bin", "gpu-check.sh", "gpu_check.py", "wheel"]
+    (wheel,) = (out / "wheel").glob("*.whl")
+    assert "-abi3-" in wheel.name  # installs on the GPU machine's Python 3.12
+    for name in ("ckpt-cuda-tests", "gpu_stall"):
+        assert os.access(out / "bin" / name, os.X_OK), name
+    assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) < 64 << 20
+
+    run = ["bash", str(out / "gpu-check.sh"), "run"]
+    if not torch.cuda.is_available():
+        r = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "no GPU here" in r.stdout, r.stdout + r.stderr
+        assert not (out / "results").exists()
+
+    r = subprocess.run(run, env=dict(env, GPU_CHECK_SELFTEST="1"), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    summary = json.loads((out / "results" / "summary.json").read_text())
+    parts = summary["parts"]
+    assert parts["cuda-tests"] == "passed" and parts["python"] == "passed", parts
+    for name in ("stall-4gib", "stall-16gib"):
+        assert parts[name] == "passed" or parts[name].startswith("skipped: CUDA: no CUDA driver"), parts
+    assert summary["python"]["checks"] and all(summary["python"]["checks"].values()), summary["python"]
+    text = (out / "results" / "summary.md").read_text()
+    assert "| cuda-tests | passed |" in text and "hotstart save → wait_staged" in text
