@@ -169,14 +169,19 @@ impl Engine {
         if let Some(dir) = &cfg.disk_dir {
             tiers.push(Arc::new(DiskTier::new(dir.clone(), cfg.uring.clone())));
         }
-        if let Some(store) = &cfg.store {
-            tiers.push(Arc::new(StoreTier::new(
+        match cfg.store.as_ref().map(|s| (s, s.local_dir())) {
+            // The embedded default: a local directory, written at the disk's speed.
+            Some((_, Some(dir))) => {
+                tiers.push(Arc::new(DiskTier::for_local_store(dir, cfg.uring.clone())))
+            }
+            Some((store, None)) => tiers.push(Arc::new(StoreTier::new(
                 store.clone(),
                 Arc::new(Runtime::new()?),
                 cfg.stripe.clone(),
                 cfg.store_retries,
                 cfg.retry_backoff,
-            )));
+            ))),
+            None => {}
         }
         Engine::with_tiers(cfg, tiers, false)
     }

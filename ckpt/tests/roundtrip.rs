@@ -138,6 +138,24 @@ fn local_dir_store_only() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path().to_str().unwrap()).unwrap();
     conformance(config("job-a").store(store), Some(dir.path()));
+    // Written at the disk's speed, in the store's own layout: the object store's reader (a
+    // file:// URL) verifies every chunk of what the engine wrote, and an engine reading through
+    // it (a wrapped store never takes the direct path) loads the same bytes.
+    let url = format!("file://{}", dir.path().display());
+    let report = hotstart_ckpt::Checkpoints::open(&url)
+        .unwrap()
+        .verify("job-a", None)
+        .unwrap();
+    assert!(report.ok() && report.checked.len() == 2, "{report:?}");
+    let through = Store::open(&url).unwrap().wrap(|inner| inner);
+    assert_eq!(through.local_dir(), None);
+    let mut cfg = config("job-a").store(through);
+    cfg.keep = 0;
+    let l = engine(cfg)
+        .load(StepSel::Latest, Destination::Owned)
+        .unwrap();
+    assert_eq!(l.step, 20);
+    assert_loaded(&l, &sample_tensors(2, 1 << 20), &extras(2));
 }
 
 #[test]

@@ -117,7 +117,11 @@ impl StoreUrl {
                     })?
                     .with_automatic_cleanup(true);
                 let fs = Arc::new(fs);
-                local = Some((fs.clone(), String::new()));
+                local = Some(Local {
+                    fs: fs.clone(),
+                    prefix: String::new(),
+                    dir: root.clone(),
+                });
                 (fs, "")
             }
             StoreUrl::Memory { prefix } => {
@@ -247,10 +251,19 @@ pub struct ObjectInfo {
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
     label: Arc<str>,
-    /// The same backend when it is a local directory opened from its URL, and the key prefix
-    /// applied since ([`Store::prefixed`]), for reads on the calling thread; `None` for remote
-    /// stores and wrapped ones (a wrapper sees every read).
-    local: Option<(Arc<object_store::local::LocalFileSystem>, String)>,
+    /// The backend when it is a local directory opened from its URL; `None` for remote stores
+    /// and wrapped ones (a wrapper sees every read and write).
+    local: Option<Local>,
+}
+
+/// A local directory store, seen directly.
+#[derive(Clone)]
+struct Local {
+    fs: Arc<object_store::local::LocalFileSystem>,
+    /// The key prefix applied since opening ([`Store::prefixed`]), ending in `/` unless empty.
+    prefix: String,
+    /// The directory that holds the keys under that prefix.
+    dir: std::path::PathBuf,
 }
 
 impl fmt::Debug for Store {
@@ -295,10 +308,11 @@ impl Store {
         Store {
             inner: Arc::new(PrefixStore::new(self.inner.clone(), prefix)),
             label: self.label.clone(),
-            local: self
-                .local
-                .as_ref()
-                .map(|(fs, outer)| (fs.clone(), format!("{outer}{prefix}/"))),
+            local: self.local.as_ref().map(|l| Local {
+                fs: l.fs.clone(),
+                prefix: format!("{}{prefix}/", l.prefix),
+                dir: l.dir.join(prefix),
+            }),
         }
     }
 
@@ -362,6 +376,14 @@ impl Store {
         res.bytes().await.map_err(|e| Error::store(key, e))
     }
 
+    /// The directory holding this store's objects (its prefix applied) when it is a local
+    /// directory opened from its URL and not wrapped: key `a/b` is the file `<dir>/a/b`. A
+    /// writer that keeps that layout and makes each file appear whole (a temporary name, then a
+    /// rename) may write there directly.
+    pub fn local_dir(&self) -> Option<&std::path::Path> {
+        self.local.as_ref().map(|l| l.dir.as_path())
+    }
+
     /// Whether this store is a local directory read directly by [`Store::get_blocking`].
     pub fn is_local(&self) -> bool {
         self.local.is_some()
@@ -372,7 +394,9 @@ impl Store {
     /// Saves the hand-off to a blocking thread that every async read of a local file costs,
     /// which is most of the cost of reading many small objects.
     pub fn get_blocking(&self, key: &str) -> Option<Result<Bytes>> {
-        let (local, prefix) = self.local.as_ref()?;
+        let Local {
+            fs: local, prefix, ..
+        } = self.local.as_ref()?;
         let read = || {
             let file = local
                 .path_to_filesystem(&Self::path(&format!("{prefix}{key}"))?)
@@ -454,10 +478,13 @@ mod tests {
             .unwrap();
         let read = |s: &Store, key: &str| s.get_blocking(key).map(|r| r.map(|b| b.to_vec()));
         assert!(store.is_local());
+        assert_eq!(store.local_dir(), Some(dir.path()));
         assert_eq!(read(&store, "envs/chunks/ab").unwrap().unwrap(), b"frame");
         // A prefix keeps the direct path, and both paths agree on where a key lives.
         let envs = store.prefixed("envs");
         assert!(envs.is_local());
+        assert_eq!(envs.local_dir(), Some(dir.path().join("envs").as_path()));
+        assert!(std::fs::exists(envs.local_dir().unwrap().join("chunks/ab")).unwrap());
         assert_eq!(read(&envs, "chunks/ab").unwrap().unwrap(), b"frame");
         assert_eq!(&envs.get("chunks/ab").await.unwrap()[..], b"frame");
         let missing = read(&envs, "chunks/cd").unwrap().unwrap_err();
@@ -466,6 +493,7 @@ mod tests {
         // A wrapper must see every read, so a wrapped store has no direct path.
         let wrapped = store.wrap(|inner| inner);
         assert!(!wrapped.is_local() && read(&wrapped, "envs/chunks/ab").is_none());
+        assert_eq!(wrapped.local_dir(), None);
         let memory = Store::open("memory://").unwrap();
         assert!(!memory.is_local() && read(&memory, "x").is_none());
     }

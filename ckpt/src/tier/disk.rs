@@ -28,6 +28,7 @@ const WRITE_PIECE: usize = 64 << 20;
 pub struct DiskTier {
     root: PathBuf,
     uring: UringConfig,
+    kind: TierKind,
 }
 
 impl DiskTier {
@@ -36,6 +37,19 @@ impl DiskTier {
         DiskTier {
             root: root.into(),
             uring,
+            kind: TierKind::Disk,
+        }
+    }
+
+    /// The store tier of a store that is a local directory (the embedded default), written and
+    /// read as the disk tier is: the store's own layout (key `a/b` is `<dir>/a/b`), each file
+    /// appearing whole under its name (a temporary name, `fdatasync`, rename, directory fsync:
+    /// durable, which the store's own local writer is not), at the disk's speed rather than
+    /// through the object store's buffered writes.
+    pub fn for_local_store(dir: impl Into<PathBuf>, uring: UringConfig) -> DiskTier {
+        DiskTier {
+            kind: TierKind::Store,
+            ..DiskTier::new(dir, uring)
         }
     }
 
@@ -57,7 +71,7 @@ fn store_err(what: &'static str, path: &std::path::Path, e: hotstart_store::Erro
 
 impl Tier for DiskTier {
     fn kind(&self) -> TierKind {
-        TierKind::Disk
+        self.kind
     }
 
     fn put_file(&self, key: &str, data: &Staging) -> Result<()> {
