@@ -125,9 +125,10 @@ run() {
             IFS='|' read -r name result _ <<< "$s"
             echo "| $name | $result |"
         done
-        for f in python.md; do
-            [ -f "$HERE/results/$f" ] && { echo; cat "$HERE/results/$f"; }
-        done
+        if [ -f "$HERE/results/python.md" ]; then
+            echo
+            cat "$HERE/results/python.md"
+        fi
         for name in cuda-tests stall-4gib stall-16gib; do
             echo
             echo "## $name"

@@ -25,6 +25,11 @@ impl Admission {
         })
     }
 
+    /// How many saves may be in flight at once.
+    pub(crate) fn max(&self) -> usize {
+        self.max
+    }
+
     /// A ticket; `None` when `max` saves are in flight and `block` is false.
     pub(crate) fn take(self: &Arc<Self>, block: bool) -> Option<Ticket> {
         let mut t = self.taken.lock().unwrap_or_else(PoisonError::into_inner);

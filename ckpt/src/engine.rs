@@ -233,7 +233,6 @@ impl Engine {
                 chunk_size: cfg.chunk_size,
                 threads,
                 block: cfg.when_full == WhenFull::Block,
-                max_inflight: cfg.max_inflight.max(1),
                 tiers,
                 disk_per_rank,
                 admission: Admission::new(cfg.max_inflight),
@@ -288,14 +287,14 @@ impl Engine {
             shared,
             step,
             rank: inner.rank,
-            inflight: inner.max_inflight,
+            inflight: inner.admission.max(),
         };
         let block = inner.block;
         let Some(ticket) = inner.admission.take(block) else {
             inner.skipped.fetch_add(1, Ordering::Relaxed);
             warn!(
                 step,
-                inflight = inner.max_inflight,
+                inflight = inner.admission.max(),
                 "max_inflight saves in flight; checkpoint skipped"
             );
             return Ok(handle(Shared::skipped(step)));
@@ -387,7 +386,7 @@ impl Engine {
                     shared,
                     step,
                     rank: inner.rank,
-                    inflight: inner.max_inflight,
+                    inflight: inner.admission.max(),
                 },
                 t,
             )),
@@ -451,7 +450,7 @@ impl Engine {
         if let Some(sidecar) = &self.inner.sidecar {
             return sidecar.latest();
         }
-        self.inner.latest_in_own_tiers()
+        Ok(self.inner.latest_in_own_tiers())
     }
 
     /// The newest checkpoint of this job whatever world size saved it, and that world size: the
@@ -461,7 +460,7 @@ impl Engine {
     /// reshards (torch.distributed.checkpoint); [`Engine::load`] refuses it with a
     /// [`Error::Config`] that says so.
     pub fn latest_checkpoint(&self) -> Result<Option<(u64, u32)>> {
-        let own = self.inner.latest_checkpoint_in_own_tiers()?;
+        let own = self.inner.latest_checkpoint_in_own_tiers();
         let Some(sidecar) = &self.inner.sidecar else {
             return Ok(own);
         };

@@ -28,7 +28,6 @@ pub(crate) struct Inner {
     pub(crate) threads: usize,
     /// Whether a save waits for admission (`WhenFull::Block`) rather than being skipped.
     pub(crate) block: bool,
-    pub(crate) max_inflight: usize,
     /// The bound on saves in flight, for saves of either kind.
     pub(crate) admission: Arc<Admission>,
     /// Tiers in load order: disk first, then store. With a sidecar, only read when it cannot
@@ -53,15 +52,39 @@ impl Inner {
     }
 
     /// The newest step complete in any of this engine's own tiers.
-    pub(crate) fn latest_in_own_tiers(&self) -> Result<Option<u64>> {
-        let mut best = None;
+    pub(crate) fn latest_in_own_tiers(&self) -> Option<u64> {
+        let complete = |t: &dyn Tier, step| Ok(self.is_complete(t, step)?.then_some(()));
+        self.newest_in_own_tiers(complete).map(|(step, ())| step)
+    }
+
+    /// The newest step of this job in any of this engine's own tiers for which `found` says
+    /// something, and what it said. Each tier's steps are tried newest first, stopping at the
+    /// first found (or at one no newer than what another tier found already); a tier that
+    /// cannot be read is skipped with a warning.
+    fn newest_in_own_tiers<T>(
+        &self,
+        found: impl Fn(&dyn Tier, u64) -> Result<Option<T>>,
+    ) -> Option<(u64, T)> {
+        let mut best: Option<(u64, T)> = None;
         for t in &self.tiers {
-            match self.complete_steps_in(t.as_ref()) {
-                Ok(steps) => best = best.max(steps.last().copied()),
+            let newest = t.list_steps(&self.job).and_then(|steps| {
+                for &step in steps.iter().rev() {
+                    if best.as_ref().is_some_and(|(b, _)| *b >= step) {
+                        break;
+                    }
+                    if let Some(v) = found(t.as_ref(), step)? {
+                        return Ok(Some((step, v)));
+                    }
+                }
+                Ok(None)
+            });
+            match newest {
+                Ok(Some(n)) => best = Some(n),
+                Ok(None) => {}
                 Err(e) => warn!(tier = %t.kind(), error = %e, "cannot list steps"),
             }
         }
-        Ok(best)
+        best
     }
 
     pub(crate) fn start_persisting(&self, step: u64) {
@@ -153,27 +176,8 @@ impl Inner {
 
     /// The newest step complete in one of this engine's own tiers, whatever world size saved
     /// it, and that world size.
-    pub(crate) fn latest_checkpoint_in_own_tiers(&self) -> Result<Option<(u64, u32)>> {
-        let mut best: Option<(u64, u32)> = None;
-        for t in &self.tiers {
-            let steps = match t.list_steps(&self.job) {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(tier = %t.kind(), error = %e, "cannot list steps");
-                    continue;
-                }
-            };
-            for &step in steps.iter().rev() {
-                if best.is_some_and(|(b, _)| b >= step) {
-                    break;
-                }
-                if let Some(ws) = self.saved_world_size(t.as_ref(), step)? {
-                    best = Some((step, ws));
-                    break;
-                }
-            }
-        }
-        Ok(best)
+    pub(crate) fn latest_checkpoint_in_own_tiers(&self) -> Option<(u64, u32)> {
+        self.newest_in_own_tiers(|t, step| self.saved_world_size(t, step))
     }
 
     /// The error for a step this engine's world size cannot load because another world size

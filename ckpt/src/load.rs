@@ -174,10 +174,10 @@ impl Inner {
         }
         let step = match which {
             StepSel::Step(s) => s,
-            StepSel::Latest => match inner.latest_in_own_tiers()? {
+            StepSel::Latest => match inner.latest_in_own_tiers() {
                 Some(step) => step,
                 None => {
-                    return Err(match inner.latest_checkpoint_in_own_tiers()? {
+                    return Err(match inner.latest_checkpoint_in_own_tiers() {
                         Some((step, saved)) => {
                             another_world(&inner.job, step, saved, inner.rank, inner.world_size)
                         }

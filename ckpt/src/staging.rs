@@ -4,10 +4,11 @@
 //! for large sizes, so they can be written with `O_DIRECT` and uploaded without another copy).
 //! A save takes a [`Slot`] before it copies anything and holds it until every tier has finished
 //! with the bytes; dropping the slot hands the buffer back. The saves in flight bound how many
-//! exist (at most `max_inflight`, see `crate::save`). Buffers are reused across saves, so after the first save of a given size
-//! staging writes into memory that is already faulted in; a save larger than the biggest free
-//! buffer replaces it with a larger one. A buffer still referenced when its slot is dropped
-//! (a store client that kept a clone of the bytes) is simply not reused.
+//! exist (at most `max_inflight`, see `crate::admission`). Buffers are reused across saves, so
+//! after the first save of a given size staging writes into memory that is already faulted in;
+//! a save larger than the biggest free buffer replaces it with a larger one. A buffer still
+//! referenced when its slot is dropped (a store client that kept a clone of the bytes) is
+//! simply not reused.
 //!
 //! **Pinning.** With the `cuda` feature, a buffer that receives device tensors is registered as
 //! pinned host memory (`cuMemHostRegister`) the first time, and stays registered while it is
