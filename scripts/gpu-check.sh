@@ -22,6 +22,7 @@
 #
 # GPU_CHECK_SELFTEST=1 runs the same steps without a GPU (the Python half on small CPU tensors,
 # the Rust benchmark's "no driver" exit counted as skipped): how this script is tested.
+# GPU_CHECK_GIB="4" measures only those sizes in the Python part (default "4 16").
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -53,6 +54,9 @@ for line in sys.stdin:
     echo "==> stall benchmark (ckpt/examples/gpu_stall.rs)" >&2
     cargo build --release --quiet -p hotstart-ckpt --features cuda --example gpu_stall
     cp target/release/examples/gpu_stall "$out/bin/gpu_stall"
+    echo "==> the hotstart binary (for the rows through 'hotstart serve')" >&2
+    cargo build --release --quiet -p hotstart --bin hotstart
+    cp target/release/hotstart "$out/bin/hotstart"
     strip "$out"/bin/*
     echo "==> wheel of the Python package (abi3, CUDA path built in)" >&2
     local maturin="maturin"
@@ -104,16 +108,22 @@ run() {
     rm -rf "$HERE/site"
     "$py" -m pip install --quiet --no-deps --no-index --target "$HERE/site" "$wheel"
     export PYTHONPATH="$HERE/site${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONUNBUFFERED=1
     export GPU_CHECK_TMP="${GPU_CHECK_TMP:-${TMPDIR:-/tmp}}"
     # The limits add up to 9 minutes: one device command of at most 10.
-    part cuda-tests 120 "$HERE/bin/ckpt-cuda-tests" --test-threads 1
-    if [ -n "$selftest" ]; then
-        part python 300 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --device cpu --gib 0.03125 --runs 1
-    else
-        part python 270 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --gib 4 16 --runs 3
-    fi
+    # The Rust figures first: they are short, and the Python part (which also writes to disk)
+    # keeps what it measured if it runs out of time.
+    part cuda-tests 60 "$HERE/bin/ckpt-cuda-tests" --test-threads 1
     part stall-4gib 45 "$HERE/bin/gpu_stall" --gib 4 --tensors 64 --runs 5
     part stall-16gib 90 "$HERE/bin/gpu_stall" --gib 16 --tensors 64 --runs 3
+    if [ -n "$selftest" ]; then
+        part python 300 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --device cpu --gib 0.03125 --runs 1 \
+            --hotstart "$HERE/bin/hotstart"
+    else
+        # shellcheck disable=SC2086 # a list of sizes
+        part python 330 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --gib ${GPU_CHECK_GIB:-4 16} \
+            --runs 3 --hotstart "$HERE/bin/hotstart"
+    fi
     local device
     device="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)"
     {

@@ -2,7 +2,7 @@
 through `hotstart.Checkpointer` and torch.distributed.checkpoint, bit-exact, and the stall and
 restore figures against what a user would do instead, in the same process.
 
-    python gpu_check.py --out DIR [--gib 4 16] [--runs 3] [--device cuda]
+    python gpu_check.py --out DIR [--gib 4 16] [--runs 3] [--device cuda] [--hotstart BIN]
 
 Writes DIR/python.json and prints one Markdown table. `--device cpu` runs the same code on CPU
 tensors with small sizes: how the script itself is tested on machines without a GPU (the
@@ -16,8 +16,10 @@ Rows (every figure a median of `--runs`):
   synchronize: the raw D2H copy) and DCP `async_save`'s blocking part (its own file system
   writer);
 - restore: `Checkpointer.load()` into device tensors from the local disk tier (every chunk
-  verified; the file is in the page cache after its save), against the raw H2D copy of the same
-  bytes from pinned memory.
+  verified), against the raw H2D copy of the same bytes from pinned memory and against reading
+  the same file into memory (the disk's floor);
+- sidecar (with `--hotstart`, the `hotstart` binary): the same save and restore through
+  `hotstart serve`, the restore coming from the sidecar's host memory.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -138,6 +144,8 @@ def stall_rows(tmp: Path, gib: float, runs: int, device: str) -> Dict[str, float
         rows["hotstart load() into device tensors, local disk tier (s)"] = median_of(runs, load)
         if not same(src, into):
             raise SystemExit("the restored device tensors differ from the saved ones")
+        (file,) = (tmp / f"stall-{gib}" / "stall" / f"step-{step[0]}").glob("rank-0.safetensors")
+        rows["read the same file into memory, one thread (s)"] = median_of(runs, lambda: read_file(file))
 
     def raw_h2d() -> float:
         sync(device)
@@ -173,12 +181,116 @@ def stall_rows(tmp: Path, gib: float, runs: int, device: str) -> Dict[str, float
     return rows
 
 
+def render(result: Dict[str, Any]) -> str:
+    lines: List[str] = [f"device: {result['device']}, torch {result['torch']}", ""]
+    lines += ["| check | bit-exact |", "|---|---|"]
+    lines += [f"| {k} | {'yes' if v else 'NO'} |" for k, v in result["checks"].items()]
+    for g, rows in result["sizes"].items():
+        raw, stall = rows["raw D2H into pinned memory (s)"], rows["hotstart save() → wait_staged() (s)"]
+        h2d, load = rows["raw H2D from pinned memory (s)"], rows["hotstart load() into device tensors, local disk tier (s)"]
+        dcp_block = rows["DCP async_save, blocking part (s)"]
+        lines += ["", f"{g} GiB in 32 tensors (bf16 and fp32), median of {rows['runs']:.0f}:", ""]
+        lines += ["| what | seconds | ratio | target |", "|---|---|---|---|"]
+        lines.append(f"| raw D2H into pinned memory | {raw:.3f} | | |")
+        lines.append(f"| hotstart save → wait_staged | {stall:.3f} | {stall / raw:.2f}× raw | ≤ 1.1× |")
+        lines.append(f"| DCP async_save, blocking part | {dcp_block:.3f} | {dcp_block / stall:.2f}× hotstart | ≥ 3× |")
+        lines.append(f"| raw H2D from pinned memory | {h2d:.3f} | | |")
+        lines.append(f"| hotstart load into device tensors (disk tier) | {load:.3f} | {h2d / load:.2f}× raw H2D speed | ≥ 0.8× |")
+        floor = rows.get("read the same file into memory, one thread (s)")
+        if floor is not None:
+            lines.append(f"| read the same file into memory (disk floor) | {floor:.3f} | hotstart takes {load / floor:.2f}× this | |")
+        sc_save = rows.get("sidecar: save() → wait_staged() (s)")
+        if sc_save is not None:
+            sc_load = rows["sidecar: load() into device tensors, from its memory (s)"]
+            lines.append(f"| sidecar: save → wait_staged | {sc_save:.3f} | {sc_save / raw:.2f}× raw | ≤ 1.1× |")
+            lines.append(f"| sidecar: load into device tensors from its memory | {sc_load:.3f} | {h2d / sc_load:.2f}× raw H2D speed | ≥ 0.8× |")
+    return "\n".join(lines)
+
+
+def read_file(path: Path) -> float:
+    buf = bytearray(8 << 20)
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t
+
+
+def sidecar_rows(tmp: Path, gib: float, runs: int, device: str, binary: Path) -> Dict[str, float]:
+    """Save and restore through `hotstart serve` (memory tier and a disk tier, no peers)."""
+    src = state(gib, device)
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        peer, http = a.getsockname()[1], b.getsockname()[1]
+    where = tmp / f"sidecar-{gib}"
+    where.mkdir()
+    sock = where / "sidecar.sock"
+    log = open(where / "sidecar.log", "wb")
+    proc = subprocess.Popen(
+        [str(binary), "serve", "--insecure", "--node-id", "gpu-0", "--listen", f"127.0.0.1:{peer}",
+         "--http", f"127.0.0.1:{http}", "--socket", str(sock), "--disk-dir", str(where / "disk"),
+         "--memory-budget", f"{int(3 * gib) + 1}GiB"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    )
+    rows: Dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the sidecar did not start:\n{(where / 'sidecar.log').read_text()}")
+            time.sleep(0.05)
+        with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1) as ck:
+            step = [0]
+
+            def save() -> float:
+                step[0] += 1
+                sync(device)
+                t = time.perf_counter()
+                h = ck.save(step[0], src)
+                h.wait_staged()
+                took = time.perf_counter() - t
+                h.wait()
+                return took
+
+            save()
+            rows["sidecar: save() → wait_staged() (s)"] = median_of(runs, save)
+            into = {k: torch.empty_like(v) for k, v in src.items()}
+
+            def load() -> float:
+                sync(device)
+                t = time.perf_counter()
+                ck.load(into)
+                sync(device)
+                return time.perf_counter() - t
+
+            rows["sidecar: load() into device tensors, from its memory (s)"] = median_of(runs, load)
+            if not same(src, into):
+                raise SystemExit("the device tensors restored through the sidecar differ from the saved ones")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(where, ignore_errors=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--gib", type=float, nargs="+", default=[4.0, 16.0])
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="runs per figure (at most 2 above 8 GiB)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--hotstart", type=Path, help="the hotstart binary: adds the rows through `hotstart serve`")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here (torch.cuda.is_available() is False): nothing to check")
@@ -187,28 +299,29 @@ def main() -> int:
     result: Dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (self-test)",
         "torch": torch.__version__,
+        "sizes": {},
     }
+
+    def write() -> None:
+        # After every part, so a run stopped at its time limit still leaves what it measured.
+        (args.out / "python.json").write_text(json.dumps(result, indent=2))
+        (args.out / "python.md").write_text(render(result) + "\n")
+
     with tempfile.TemporaryDirectory(dir=os.environ.get("GPU_CHECK_TMP")) as d:
         tmp = Path(d)
         result["checks"] = checks(tmp, args.device)
-        result["sizes"] = {str(g): stall_rows(tmp, g, args.runs, args.device) for g in args.gib}
-    (args.out / "python.json").write_text(json.dumps(result, indent=2))
-    lines: List[str] = [f"device: {result['device']}, torch {result['torch']}", ""]
-    lines += ["| check | bit-exact |", "|---|---|"]
-    lines += [f"| {k} | {'yes' if v else 'NO'} |" for k, v in result["checks"].items()]
-    for g, rows in result["sizes"].items():
-        raw, stall = rows["raw D2H into pinned memory (s)"], rows["hotstart save() → wait_staged() (s)"]
-        h2d, load = rows["raw H2D from pinned memory (s)"], rows["hotstart load() into device tensors, local disk tier (s)"]
-        dcp_block = rows["DCP async_save, blocking part (s)"]
-        lines += ["", f"{g} GiB in 32 tensors (bf16 and fp32):", "", "| what | seconds | ratio | target |", "|---|---|---|---|"]
-        lines.append(f"| raw D2H into pinned memory | {raw:.3f} | | |")
-        lines.append(f"| hotstart save → wait_staged | {stall:.3f} | {stall / raw:.2f}× raw | ≤ 1.1× |")
-        lines.append(f"| DCP async_save, blocking part | {dcp_block:.3f} | {dcp_block / stall:.2f}× hotstart | ≥ 3× |")
-        lines.append(f"| raw H2D from pinned memory | {h2d:.3f} | | |")
-        lines.append(f"| hotstart load into device tensors (disk tier) | {load:.3f} | {h2d / load:.2f}× raw speed | ≥ 0.8× |")
-    table = "\n".join(lines)
-    (args.out / "python.md").write_text(table + "\n")
-    print(table)
+        write()
+        print(f"checks: {result['checks']}", flush=True)
+        for g in args.gib:
+            runs = min(args.runs, 2) if g > 8 else args.runs
+            rows = dict(stall_rows(tmp, g, runs, args.device), runs=runs)
+            result["sizes"][str(g)] = rows
+            write()
+            if args.hotstart:
+                rows.update(sidecar_rows(tmp, g, runs, args.device, args.hotstart))
+            write()
+            print(f"{g} GiB: {result['sizes'][str(g)]}", flush=True)
+    print(render(result))
     return 0 if all(result["checks"].values()) else 1
 
 

@@ -25,15 +25,23 @@
 //! done with the caller's memory. If the buffer cannot be pinned, the copies go to pageable
 //! memory (slower, still correct).
 //!
-//! **Load (host → device).** After the file is read and verified, its buffer is registered as
-//! pinned memory, each tensor is copied with `cuMemcpyHtoDAsync` on its device's stream, an
-//! event is recorded per device and waited on, and the buffer is unregistered.
+//! **Load (host → device).** Device bytes never land in the load's file buffer. Each reader
+//! thread holds two pinned [`Bounce`] buffers (8 MiB, registered once per load): it reads a
+//! window of a chunk into one, hashes it, and issues `cuMemcpyHtoDAsync` from it on the
+//! device's stream, then reads the next window into the other while that copy runs; a buffer is
+//! written again only once the event recorded after its copies has completed. Reading, hashing
+//! and copying to the device so overlap across threads and within each one, and the load waits
+//! for the last copies before it returns.
 //!
 //! **The caller's current context** is left alone: the driver calls need a current context,
 //! and the calling thread may have its own (PyTorch's), so each batch of calls runs with the
 //! device's primary context made current and the previous one restored afterwards.
 
 use std::collections::BTreeSet;
+use std::ops::Range;
+
+use hotstart_store::uring::AlignedBuf;
+use tracing::warn;
 
 use crate::error::{Error, Result};
 use crate::tensor::DevicePtr;
@@ -41,12 +49,12 @@ use crate::tensor::DevicePtr;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
-pub(crate) use driver::{Gpu, Pinned};
+pub(crate) use driver::{Gpu, PendingCopies, Pinned};
 
 #[cfg(not(feature = "cuda"))]
 mod absent;
 #[cfg(not(feature = "cuda"))]
-pub(crate) use absent::{Gpu, Pinned};
+pub(crate) use absent::{Gpu, PendingCopies, Pinned};
 
 /// One device-to-host copy: where the bytes land, and the device memory they come from.
 pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);
@@ -81,5 +89,87 @@ pub(crate) fn check_devices(ordinals: &BTreeSet<usize>) -> Result<()> {
 pub(crate) fn failed(what: &str, ordinal: usize, e: impl std::fmt::Display) -> Error {
     Error::Cuda {
         reason: format!("device {ordinal}: {what}: {e}"),
+    }
+}
+
+/// A host buffer that a load reads into and copies to device memory from: pinned when it can
+/// be, and written again only once the copies issued from it are done.
+pub(crate) struct Bounce {
+    // Drop order matters: `Drop` waits for `pending` first, then `_pin` is unregistered, then
+    // `buf` freed.
+    pending: Option<PendingCopies<'static>>,
+    _pin: Option<Pinned>,
+    buf: AlignedBuf,
+}
+
+impl Bounce {
+    /// `len` bytes of pageable memory, for loads without device destinations.
+    pub(crate) fn host(len: usize) -> Bounce {
+        Bounce {
+            pending: None,
+            _pin: None,
+            buf: AlignedBuf::zeroed(len),
+        }
+    }
+
+    /// `len` bytes registered as pinned memory for device `ordinal` (pageable, with a warning,
+    /// when registering fails: copies are then slower, still correct).
+    pub(crate) fn pinned(gpu: &Gpu, ordinal: usize, len: usize) -> Bounce {
+        let buf = AlignedBuf::zeroed(len);
+        let pin = match gpu.pin(ordinal, buf.as_ptr(), buf.len()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                warn!(error = %e, "cannot pin a load buffer; copying from pageable memory");
+                None
+            }
+        };
+        Bounce {
+            pending: None,
+            _pin: pin,
+            buf,
+        }
+    }
+
+    /// The buffer, once every copy issued from it has finished.
+    pub(crate) fn get(&mut self) -> Result<&mut [u8]> {
+        self.wait()?;
+        Ok(&mut self.buf[..])
+    }
+
+    /// Starts copying each range of the buffer into its device memory; [`Bounce::get`] and
+    /// [`Bounce::wait`] wait for these copies.
+    pub(crate) fn upload(&mut self, gpu: &Gpu, copies: &[(Range<usize>, DevicePtr)]) -> Result<()> {
+        self.wait()?;
+        if let Some(bad) = copies.iter().find(|(r, _)| r.end > self.buf.len()) {
+            return Err(Error::Task {
+                what: "load",
+                message: format!(
+                    "copy of {:?} outside a {}-byte buffer",
+                    bad.0,
+                    self.buf.len()
+                ),
+            });
+        }
+        // SAFETY: every range lies inside `buf` (checked above), which is neither written
+        // (`get` and `upload` wait first) nor unregistered or freed (`Drop` waits first) until
+        // these copies are waited for.
+        self.pending = Some(unsafe { gpu.start_h2d(self.buf.as_ptr(), copies)? });
+        Ok(())
+    }
+
+    /// Waits for the copies issued from the buffer; the first error, if any.
+    pub(crate) fn wait(&mut self) -> Result<()> {
+        match self.pending.take() {
+            Some(p) => p.wait(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            warn!(error = %e, "copies to the device failed");
+        }
     }
 }

@@ -36,7 +36,7 @@ use hotstart_store::uring::AlignedBuf;
 use tracing::{info, warn};
 
 use crate::client::Restored;
-use crate::cuda;
+use crate::cuda::{self, Bounce, Gpu};
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::inner::{Inner, another_world};
@@ -231,12 +231,73 @@ impl Inner {
 
 /// Where a load puts each byte: the destinations, checked against the manifest.
 pub(crate) struct Targets<'a> {
-    /// Per chunk: the caller buffers it covers (offset in the chunk, destination), sorted.
-    pub(crate) direct: Vec<Vec<(usize, &'a mut [u8])>>,
-    /// Host-to-device copies: a file range and the device memory it goes to.
-    copies: Vec<(Range<usize>, DevicePtr)>,
+    /// Per chunk: the caller and device buffers it covers (offset in the chunk, destination),
+    /// sorted.
+    pub(crate) direct: Vec<Vec<(usize, Out<'a>)>>,
     /// Tensors not returned owned (they went to caller or device buffers).
     taken: HashSet<String>,
+}
+
+/// Where a piece of a chunk goes: caller memory, or device memory (copied from a pinned
+/// [`Bounce`] buffer).
+pub(crate) enum Out<'a> {
+    Host(&'a mut [u8]),
+    Device(DevicePtr),
+}
+
+impl<'a> Out<'a> {
+    fn len(&self) -> usize {
+        match self {
+            Out::Host(b) => b.len(),
+            Out::Device(d) => d.len,
+        }
+    }
+
+    /// The first `n` bytes, and the rest.
+    fn split_at(self, n: usize) -> (Out<'a>, Out<'a>) {
+        match self {
+            Out::Host(b) => {
+                let (head, tail) = b.split_at_mut(n);
+                (Out::Host(head), Out::Host(tail))
+            }
+            Out::Device(d) => (
+                Out::Device(DevicePtr { len: n, ..d }),
+                Out::Device(DevicePtr {
+                    ptr: d.ptr + n as u64,
+                    len: d.len - n,
+                    ..d
+                }),
+            ),
+        }
+    }
+}
+
+/// The device whose pinned buffers a load with these pieces copies through, if any piece goes
+/// to device memory.
+fn device_of<'p, 'a: 'p>(pieces: impl IntoIterator<Item = &'p Out<'a>>) -> Option<usize> {
+    pieces.into_iter().find_map(|o| match o {
+        Out::Device(d) => Some(d.ordinal),
+        Out::Host(_) => None,
+    })
+}
+
+/// One worker's bounce buffers: two pinned ones when device memory is written (one is filled
+/// while copies from the other run), else one.
+fn bounces(gpu: &Gpu, device: Option<usize>) -> Vec<Bounce> {
+    match device {
+        Some(ordinal) => (0..2)
+            .map(|_| Bounce::pinned(gpu, ordinal, BOUNCE))
+            .collect(),
+        None => vec![Bounce::host(BOUNCE)],
+    }
+}
+
+/// Waits for the copies from every bounce buffer; the first error, if any.
+fn drain(bounces: &mut [Bounce]) -> Result<()> {
+    bounces
+        .iter_mut()
+        .map(Bounce::wait)
+        .fold(Ok(()), Result::and)
 }
 
 /// The file range of a tensor's bytes.
@@ -304,22 +365,26 @@ pub(crate) fn targets<'a>(
         }
         Ok(range_of(reference, t))
     };
-    let mut copies = Vec::with_capacity(device.len());
-    for (name, out) in &device {
-        copies.push((entry(name, out.len(), "device buffer")?, out.0));
-    }
-    let mut taken: HashSet<String> = device.into_keys().collect();
-    // Caller buffers are filled straight from the chunks that cover them.
-    let mut direct: Vec<Vec<(usize, &mut [u8])>> =
+    // Caller and device buffers are filled straight from the chunks that cover them.
+    let mut direct: Vec<Vec<(usize, Out<'a>)>> =
         (0..reference.chunks.len()).map(|_| Vec::new()).collect();
-    for (name, out) in buffers {
-        let mut at = entry(&name, out.len(), "buffer")?.start;
+    let mut taken = HashSet::new();
+    let outs = buffers
+        .into_iter()
+        .map(|(name, b)| (name, Out::Host(b), "buffer"))
+        .chain(
+            device
+                .into_iter()
+                .map(|(name, d)| (name, Out::Device(d.0), "device buffer")),
+        );
+    for (name, out, what) in outs {
+        let mut at = entry(&name, out.len(), what)?.start;
         taken.insert(name);
-        let mut rest: &mut [u8] = out;
-        while !rest.is_empty() {
+        let mut rest = out;
+        while rest.len() > 0 {
             let chunk = at / chunk_size;
             let n = ((chunk + 1) * chunk_size - at).min(rest.len());
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            let (head, tail) = rest.split_at(n);
             direct[chunk].push((at - chunk * chunk_size, head));
             (at, rest) = (at + n, tail);
         }
@@ -327,11 +392,7 @@ pub(crate) fn targets<'a>(
     for pieces in &mut direct {
         pieces.sort_unstable_by_key(|(at, _)| *at);
     }
-    Ok(Targets {
-        direct,
-        copies,
-        taken,
-    })
+    Ok(Targets { direct, taken })
 }
 
 impl Inner {
@@ -373,19 +434,22 @@ impl Inner {
         let (step, len) = (m.step, file_len(&m)?);
         let mut targets = targets(step, &m, dest)?;
         let direct = std::mem::take(&mut targets.direct);
+        let read = |at, dst: &mut [u8]| {
+            segment.read_at(at, dst).map_err(|e| Error::Sidecar {
+                socket: self
+                    .sidecar
+                    .as_ref()
+                    .map_or_else(String::new, |s| s.socket().display().to_string()),
+                reason: format!("read the restored segment: {e}"),
+            })
+        };
         copy_out(
-            &|at, dst| segment.read_at(at, dst),
+            &read,
             direct,
             m.chunk_size as usize,
             self.threads,
-        )
-        .map_err(|e| Error::Sidecar {
-            socket: self
-                .sidecar
-                .as_ref()
-                .map_or_else(String::new, |s| s.socket().display().to_string()),
-            reason: format!("read the restored segment: {e}"),
-        })?;
+            &self.gpu,
+        )?;
         let all = Bytes::from_owner(SealedBytes(segment, len));
         let loaded = self.finish(step, m, all, targets, chunk_sources)?;
         info!(
@@ -446,8 +510,8 @@ impl Inner {
         self.finish(step, reference, all, targets, chunk_sources)
     }
 
-    /// Decodes a verified file held in `all`: checks its header against the manifest, copies
-    /// device tensors, and hands out the tensors not loaded into buffers as slices of `all`.
+    /// Decodes a verified file held in `all`: checks its header against the manifest, and
+    /// hands out the tensors not loaded into caller or device buffers as slices of `all`.
     pub(crate) fn finish(
         &self,
         step: u64,
@@ -480,9 +544,6 @@ impl Inner {
         let extras = reference
             .decode_extras()
             .map_err(|r| Error::format("manifest", format!("step {step}"), r))?;
-        if !targets.copies.is_empty() {
-            self.gpu.h2d(&all, &targets.copies)?;
-        }
         let tensors = reference
             .tensors
             .iter()
@@ -506,20 +567,21 @@ impl Inner {
     }
 
     /// Fills `buf` with the verified file, chunk by chunk, except the bytes that `direct` sends
-    /// to caller buffers instead (per chunk: offset in the chunk and destination, in order);
-    /// the tier each chunk came from.
+    /// to caller or device buffers instead (per chunk: offset in the chunk and destination, in
+    /// order); the tier each chunk came from. Returns once every copy to a device is done.
     pub(crate) fn read_chunks(
         &self,
         step: u64,
         m: &Manifest,
         tiers: &[&dyn Tier],
         buf: &mut [u8],
-        direct: Vec<Vec<(usize, &mut [u8])>>,
+        direct: Vec<Vec<(usize, Out<'_>)>>,
     ) -> Result<Vec<TierKind>> {
         let key = format::data_key(&self.job, step, self.rank);
         let hashes = m.chunk_hashes();
         let chunk_size = m.chunk_size as usize;
         let n = hashes.len();
+        let device = device_of(direct.iter().flatten().map(|(_, o)| o));
         let cursor = Mutex::new(buf.chunks_mut(chunk_size.max(1)).zip(direct).enumerate());
         let results: Mutex<Vec<Option<TierKind>>> = Mutex::new(vec![None; n]);
         let failure: Mutex<Option<Error>> = Mutex::new(None);
@@ -527,18 +589,24 @@ impl Inner {
         // thread, enough reads stay in flight while the others hash that reading and verifying
         // overlap instead of taking turns.
         let workers = (4 * self.threads).clamp(1, 32).min(n.max(1));
+        let fail = |e: Error| {
+            let mut f = failure.lock().unwrap_or_else(PoisonError::into_inner);
+            if f.is_none() {
+                *f = Some(e);
+            }
+        };
         std::thread::scope(|scope| {
             for _ in 0..workers {
                 scope.spawn(|| {
                     let mut readers: Vec<Option<Box<dyn TierReader + '_>>> =
                         tiers.iter().map(|_| None).collect();
-                    let mut bounce = None;
+                    let mut bounce: Vec<Bounce> = Vec::new();
                     loop {
                         if failure.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
-                            return;
+                            break;
                         }
                         let next = cursor.lock().unwrap_or_else(PoisonError::into_inner).next();
-                        let Some((i, (slice, mut pieces))) = next else { return };
+                        let Some((i, (slice, mut pieces))) = next else { break };
                         let offset = m.chunk_range(i).start;
                         let mut last = String::from("no tier has a valid manifest");
                         let mut got = None;
@@ -551,15 +619,28 @@ impl Inner {
                                 if pieces.is_empty() {
                                     r.read_at(offset, slice).map(|()| blake3::hash(slice))
                                 } else {
-                                    let bounce = bounce
-                                        .get_or_insert_with(|| AlignedBuf::zeroed(BOUNCE));
-                                    scatter_chunk(r.as_mut(), offset, slice, &mut pieces, bounce)
+                                    if bounce.is_empty() {
+                                        bounce = bounces(&self.gpu, device);
+                                    }
+                                    scatter_chunk(
+                                        r.as_mut(),
+                                        offset,
+                                        slice,
+                                        &mut pieces,
+                                        &mut bounce,
+                                        &self.gpu,
+                                    )
                                 }
                             });
                             let why = match res {
                                 Ok(hash) if hash == hashes[i] => {
                                     got = Some(tier.kind());
                                     break;
+                                }
+                                // The device, not the tier, failed: no other tier helps.
+                                Err(e @ Error::Cuda { .. }) => {
+                                    fail(e);
+                                    return;
                                 }
                                 Ok(_) => format!("{} tier: checksum mismatch", tier.kind()),
                                 Err(e) => format!("{} tier: {e}", tier.kind()),
@@ -572,18 +653,18 @@ impl Inner {
                                 results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(kind)
                             }
                             None => {
-                                let mut f = failure.lock().unwrap_or_else(PoisonError::into_inner);
-                                if f.is_none() {
-                                    *f = Some(Error::Corrupt {
-                                        step,
-                                        rank: self.rank,
-                                        chunk: i,
-                                        reason: last,
-                                    });
-                                }
-                                return;
+                                fail(Error::Corrupt {
+                                    step,
+                                    rank: self.rank,
+                                    chunk: i,
+                                    reason: last,
+                                });
+                                break;
                             }
                         }
+                    }
+                    if let Err(e) = drain(&mut bounce) {
+                        fail(e);
                     }
                 });
             }
@@ -607,24 +688,28 @@ impl Inner {
     }
 }
 
-/// Fills the caller-buffer pieces of a verified file (per chunk: offset in the chunk and
-/// destination, as [`Targets::direct`]) with `read` (file offset, destination), over `threads`
-/// threads, in pieces of at most [`BOUNCE`] bytes so one huge tensor is spread over every
-/// thread.
+/// Fills the caller and device buffer pieces of a verified file (per chunk: offset in the chunk
+/// and destination, as [`Targets::direct`]) with `read` (file offset, destination), over
+/// `threads` threads, in pieces of at most [`BOUNCE`] bytes so one huge tensor is spread over
+/// every thread. Device pieces are read into a thread's pinned bounce buffers and copied from
+/// there; returns once those copies are done.
 pub(crate) fn copy_out(
-    read: &(dyn Fn(u64, &mut [u8]) -> std::io::Result<()> + Sync),
-    direct: Vec<Vec<(usize, &mut [u8])>>,
+    read: &(dyn Fn(u64, &mut [u8]) -> Result<()> + Sync),
+    direct: Vec<Vec<(usize, Out<'_>)>>,
     chunk_size: usize,
     threads: usize,
-) -> std::io::Result<()> {
-    let mut jobs: Vec<(usize, &mut [u8])> = Vec::new();
+    gpu: &Gpu,
+) -> Result<()> {
+    let device = device_of(direct.iter().flatten().map(|(_, o)| o));
+    let mut jobs: Vec<(usize, Out<'_>)> = Vec::new();
     for (chunk, pieces) in direct.into_iter().enumerate() {
-        for (at, dst) in pieces {
+        for (at, mut rest) in pieces {
             let mut start = chunk * chunk_size + at;
-            for part in dst.chunks_mut(BOUNCE) {
-                let n = part.len();
+            while rest.len() > 0 {
+                let n = rest.len().min(BOUNCE);
+                let (part, tail) = rest.split_at(n);
                 jobs.push((start, part));
-                start += n;
+                (start, rest) = (start + n, tail);
             }
         }
     }
@@ -635,16 +720,42 @@ pub(crate) fn copy_out(
         threads.clamp(1, jobs.len().max(1))
     };
     let jobs = Mutex::new(jobs.into_iter());
-    let failed: Mutex<Option<std::io::Error>> = Mutex::new(None);
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
     std::thread::scope(|scope| {
         let work = || {
-            loop {
-                let next = jobs.lock().unwrap_or_else(PoisonError::into_inner).next();
-                let Some((start, dst)) = next else { return };
-                if let Err(e) = read(start as u64, dst) {
-                    *failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
-                    return;
+            let mut bounce: Vec<Bounce> = Vec::new();
+            let mut turn = 0;
+            let mut run = || -> Result<()> {
+                loop {
+                    if failed
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .is_some()
+                    {
+                        return Ok(());
+                    }
+                    let next = jobs.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    match next {
+                        None => return Ok(()),
+                        Some((start, Out::Host(dst))) => read(start as u64, dst)?,
+                        Some((start, Out::Device(d))) => {
+                            if bounce.is_empty() {
+                                bounce = bounces(gpu, device);
+                            }
+                            turn = (turn + 1) % bounce.len();
+                            let b = &mut bounce[turn];
+                            read(start as u64, &mut b.get()?[..d.len])?;
+                            b.upload(gpu, &[(0..d.len, d)])?;
+                        }
+                    }
                 }
+            };
+            let res = run().and(drain(&mut bounce));
+            if let Err(e) = res {
+                failed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_or_insert(e);
             }
         };
         for _ in 1..threads {
@@ -664,27 +775,36 @@ const BOUNCE: usize = 8 << 20;
 /// Bytes hashed and then copied out while they are still in the CPU's cache.
 const HASH_STEP: usize = 256 << 10;
 
-/// Reads the chunk at `offset` (as long as `slice`) through `bounce`, hashing it in file order
-/// and copying each byte to its destination: the caller piece that covers it (`pieces`: offset
-/// in the chunk and destination, sorted, disjoint), else `slice`. Each step is hashed, then
-/// copied while it is still in cache, so the bytes cross memory once on their way to the
-/// caller. Returns the chunk's blake3.
+/// Reads the chunk at `offset` (as long as `slice`) through the bounce buffers, a window at a
+/// time (taking turns, so one is filled while copies from another run), hashing it in file
+/// order and sending each byte to its destination: the caller or device piece that covers it
+/// (`pieces`: offset in the chunk and destination, sorted, disjoint), else `slice`. Each step is
+/// hashed, then copied while it is still in cache, so the bytes cross memory once on their way
+/// to the caller; device pieces are copied from the bounce buffer by the device's copy engine.
+/// Returns the chunk's blake3.
 fn scatter_chunk(
     r: &mut dyn TierReader,
     offset: u64,
     slice: &mut [u8],
-    pieces: &mut [(usize, &mut [u8])],
-    bounce: &mut [u8],
+    pieces: &mut [(usize, Out<'_>)],
+    bounces: &mut [Bounce],
+    gpu: &Gpu,
 ) -> Result<blake3::Hash> {
     let mut hasher = blake3::Hasher::new();
     let mut piece = 0;
     let mut at = 0;
+    let mut turn = 0;
+    let mut uploads: Vec<(Range<usize>, DevicePtr)> = Vec::new();
     while at < slice.len() {
+        turn = (turn + 1) % bounces.len();
+        let b = &mut bounces[turn];
+        let bounce = b.get()?;
         let n = bounce.len().min(slice.len() - at);
+        let window = at;
         r.read_at(offset + at as u64, &mut bounce[..n])?;
         for step in bounce[..n].chunks(HASH_STEP) {
             hasher.update(step);
-            // Copy `step` (chunk bytes `at..at + step.len()`) out, piece by piece.
+            // Send `step` (chunk bytes `at..at + step.len()`) out, piece by piece.
             let end = at + step.len();
             while at < end {
                 while piece < pieces.len() && pieces[piece].0 + pieces[piece].1.len() <= at {
@@ -694,10 +814,32 @@ fn scatter_chunk(
                 match pieces.get_mut(piece) {
                     Some((start, dst)) if *start <= at => {
                         let k = (*start + dst.len()).min(end) - at;
-                        crate::memcopy::copy_cold(
-                            &mut dst[at - *start..at - *start + k],
-                            &src[..k],
-                        );
+                        match dst {
+                            Out::Host(dst) => crate::memcopy::copy_cold(
+                                &mut dst[at - *start..at - *start + k],
+                                &src[..k],
+                            ),
+                            Out::Device(d) => {
+                                let from = at - window..at - window + k;
+                                let to = DevicePtr {
+                                    ptr: d.ptr + (at - *start) as u64,
+                                    len: k,
+                                    ..*d
+                                };
+                                match uploads.last_mut() {
+                                    // Contiguous in both: one copy.
+                                    Some((r, p))
+                                        if r.end == from.start
+                                            && p.ordinal == to.ordinal
+                                            && p.ptr + p.len as u64 == to.ptr =>
+                                    {
+                                        r.end = from.end;
+                                        p.len += k;
+                                    }
+                                    _ => uploads.push((from, to)),
+                                }
+                            }
+                        }
                         at += k;
                     }
                     next => {
@@ -707,6 +849,10 @@ fn scatter_chunk(
                     }
                 }
             }
+        }
+        if !uploads.is_empty() {
+            b.upload(gpu, &uploads)?;
+            uploads.clear();
         }
     }
     Ok(hasher.finalize())

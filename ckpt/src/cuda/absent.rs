@@ -52,7 +52,13 @@ impl Gpu {
         Err(not_built())
     }
 
-    pub(crate) fn h2d(&self, _src: &[u8], _copies: &[(Range<usize>, DevicePtr)]) -> Result<()> {
+    /// # Safety
+    /// As the `cuda` build's: nothing is read here.
+    pub(crate) unsafe fn start_h2d(
+        &self,
+        _src: *const u8,
+        _copies: &[(Range<usize>, DevicePtr)],
+    ) -> Result<PendingCopies<'static>> {
         Err(not_built())
     }
 }

@@ -271,37 +271,31 @@ impl Gpu {
         self.issue(Direction::DeviceToHost, copies)
     }
 
-    /// Copies each range of `src` into its device memory, from pinned memory where `src` can be
-    /// registered, and waits for the copies.
-    pub(crate) fn h2d(&self, src: &[u8], copies: &[(Range<usize>, DevicePtr)]) -> Result<()> {
-        let Some((_, first)) = copies.first() else {
-            return Ok(());
-        };
-        let pin = match self.pin(first.ordinal, src.as_ptr(), src.len()) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                warn!(error = %e, "cannot pin the load buffer; copying from pageable memory");
-                None
-            }
-        };
+    /// Starts copying each range of the host memory at `src` into its device memory.
+    ///
+    /// # Safety
+    /// Every range of `src` must stay valid, and unwritten, until the returned copies are
+    /// waited for (or dropped).
+    pub(crate) unsafe fn start_h2d(
+        &self,
+        src: *const u8,
+        copies: &[(Range<usize>, DevicePtr)],
+    ) -> Result<PendingCopies<'static>> {
         let raw = copies
             .iter()
             .map(|(range, dev)| Transfer {
                 // Only read from: host-to-device copies never write host memory.
-                host: src[range.clone()].as_ptr().cast_mut(),
+                // SAFETY: `range` lies inside the memory at `src` (the caller's contract).
+                host: unsafe { src.add(range.start) }.cast_mut(),
                 dev: *dev,
             })
             .collect();
-        let res = self
-            .issue(Direction::HostToDevice, raw)
-            .and_then(PendingCopies::wait);
-        drop(pin);
-        res
+        self.issue(Direction::HostToDevice, raw)
     }
 
     /// Issues every copy on its device's stream and records one event per device. On an error
     /// the copies already issued are waited for before it is returned. The caller ties `'d` to
-    /// the borrow of the host memory (`start_d2h`) or waits at once (`h2d`).
+    /// the borrow of the host memory (`start_d2h`) or leaves it to its caller (`start_h2d`).
     fn issue<'d>(&self, dir: Direction, copies: Vec<Transfer>) -> Result<PendingCopies<'d>> {
         let mut by_device: BTreeMap<usize, Vec<Transfer>> = BTreeMap::new();
         for c in copies {
