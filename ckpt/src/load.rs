@@ -794,7 +794,8 @@ fn scatter_chunk(
     let mut piece = 0;
     let mut at = 0;
     let mut turn = 0;
-    let mut uploads: Vec<(Range<usize>, DevicePtr)> = Vec::new();
+    // Per copy: the bounce range, the device memory, and the piece it belongs to.
+    let mut uploads: Vec<(Range<usize>, DevicePtr, usize)> = Vec::new();
     while at < slice.len() {
         turn = (turn + 1) % bounces.len();
         let b = &mut bounces[turn];
@@ -827,16 +828,14 @@ fn scatter_chunk(
                                     ..*d
                                 };
                                 match uploads.last_mut() {
-                                    // Contiguous in both: one copy.
-                                    Some((r, p))
-                                        if r.end == from.start
-                                            && p.ordinal == to.ordinal
-                                            && p.ptr + p.len as u64 == to.ptr =>
-                                    {
+                                    // The same piece, contiguous: one copy. Never across
+                                    // pieces: adjacent addresses may be two allocations, and
+                                    // one copy may not span them.
+                                    Some((r, p, of)) if *of == piece && r.end == from.start => {
                                         r.end = from.end;
                                         p.len += k;
                                     }
-                                    _ => uploads.push((from, to)),
+                                    _ => uploads.push((from, to, piece)),
                                 }
                             }
                         }
@@ -851,8 +850,8 @@ fn scatter_chunk(
             }
         }
         if !uploads.is_empty() {
-            b.upload(gpu, &uploads)?;
-            uploads.clear();
+            let copies: Vec<_> = uploads.drain(..).map(|(r, p, _)| (r, p)).collect();
+            b.upload(gpu, &copies)?;
         }
     }
     Ok(hasher.finalize())
