@@ -25,7 +25,7 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     assert sorted(p.name for p in out.iterdir()) == ["bin", "gpu-check.sh", "gpu_check.py", "wheel"]
     (wheel,) = (out / "wheel").glob("*.whl")
     assert "-abi3-" in wheel.name  # installs on the GPU machine's Python 3.12
-    for name in ("ckpt-cuda-tests", "gpu_stall"):
+    for name in ("ckpt-cuda-tests", "gpu_stall", "hotstart"):
         assert os.access(out / "bin" / name, os.X_OK), name
     assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) < 64 << 20
 
