@@ -74,6 +74,43 @@ def test_a_killed_trainer_restores_from_the_sidecars_memory(sidecar: Sidecar, tm
     ck.close()
 
 
+KILLED_AFTER_STAGING = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    import hotstart
+
+    socket, job = sys.argv[1], sys.argv[2]
+    ck = hotstart.Checkpointer(sidecar=socket, job=job)
+    ck.save(1, {"w": np.full(1 << 20, 1, np.uint8)}).wait()
+    state = {"w": np.random.default_rng(2).integers(0, 255, 64 << 20, dtype=np.uint8)}
+    ck.save(2, state).wait_staged()
+    # Killed while the save thread still hashes step 2: before its commit.
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_trainer_killed_right_after_wait_staged_keeps_that_step(sidecar: Sidecar, tmp_path: Path) -> None:
+    """`wait_staged()` through a sidecar is the point from which a save survives its process:
+    the sidecar commits a step whose bytes were all in place when the process died."""
+    script = tmp_path / "trainer.py"
+    script.write_text(KILLED_AFTER_STAGING)
+    proc = subprocess.run([sys.executable, str(script), str(sidecar.socket), "py-staged"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=_die_with_parent)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ck = hotstart.Checkpointer(sidecar=sidecar.socket, job="py-staged")
+    # The sidecar finishes the step once it sees the connection close (hashing 64 MiB).
+    deadline = time.monotonic() + 30
+    while ck.latest_step() != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ck.latest_step() == 2, sidecar.log.read_text()[-3000:]
+    got = ck.load()
+    assert np.array_equal(got["w"], np.random.default_rng(2).integers(0, 255, 64 << 20, dtype=np.uint8))
+    assert "the sidecar committed its save" in sidecar.log.read_text()
+    ck.close()
+
+
 def test_the_socket_comes_from_the_environment(sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOTSTART_SOCKET", str(sidecar.socket))
     with hotstart.Checkpointer(job="py-env") as ck:

@@ -458,14 +458,24 @@ impl Lease {
         self.slot.map.clone()
     }
 
-    /// The segment's address and length, and its pinned-memory registration (made while the
-    /// next segment was prepared, or by the save on first use).
-    pub(crate) fn pin(&mut self) -> (Option<(*const u8, usize)>, &mut Option<Pinned>) {
-        let map = &self.slot.map;
-        (
-            Some((map.ptr().cast_const(), map.len())),
-            &mut self.slot.pin,
-        )
+    /// What staging into the segment needs: its address and length, its pinned-memory
+    /// registration (made while the next segment was prepared, or by the save on first use),
+    /// and how to tell the sidecar that every byte is in place (`Filled`, with the manifest
+    /// whose hashes are still to be computed): from then on the step survives this process.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn staging(
+        &mut self,
+    ) -> (
+        Option<(*const u8, usize)>,
+        &mut Option<Pinned>,
+        impl FnMut(Vec<u8>) -> Result<()>,
+    ) {
+        let Slot { pin, map, conn } = &mut self.slot;
+        let filled = |manifest: Vec<u8>| {
+            let manifest = String::from_utf8(manifest).unwrap_or_default();
+            Ok(conn.send(&LocalMsg::Filled { manifest })?)
+        };
+        (Some((map.ptr().cast_const(), map.len())), pin, filled)
     }
 
     /// Unmaps the staged segment and commits it with `manifest`: from then on it is the

@@ -7,8 +7,8 @@
 pub mod shm;
 pub mod wire;
 
-/// Version of the local socket's protocol, checked in `Attach`.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version of the local socket's protocol, checked in `Attach` (2: `Filled`).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Gives the calling thread (and the threads it starts from now on) a lower CPU priority
 /// (nice 10): for work that prepares the next save. Busy training threads keep about nine

@@ -34,7 +34,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Layout, Manifest};
 use crate::handle::{Phase, Shared};
 use crate::inner::Inner;
-use crate::staging::{self, FailUnlessComplete, Region, Staging};
+use crate::staging::{self, FailUnlessComplete, Region, Staged, Staging};
 use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::Tier;
 
@@ -114,8 +114,17 @@ impl Save {
             Target::Sidecar(mut lease) => {
                 let manifest = {
                     let image = Staging::new(lease.region(), len);
-                    let (at, pin) = lease.pin();
-                    stage_and_hash(&inner, &shared, step, &image, at, pin, input)
+                    let (at, pin, mut filled) = lease.staging();
+                    stage_and_hash(
+                        &inner,
+                        &shared,
+                        step,
+                        &image,
+                        at,
+                        pin,
+                        input,
+                        Some(&mut filled),
+                    )
                 };
                 // The image is gone: nothing of this process refers to the segment's bytes
                 // but the lease, which unmaps it before it commits.
@@ -144,7 +153,7 @@ impl Save {
                 Some(s) => (s.region(), s.take_pin()),
                 None => (None, None),
             };
-            let manifest = stage_and_hash(&inner, &shared, step, &image, at, &mut pin, input);
+            let manifest = stage_and_hash(&inner, &shared, step, &image, at, &mut pin, input, None);
             if let (Some(s), Some(p)) = (&mut slot, pin) {
                 s.set_pin(p);
             }
@@ -165,6 +174,10 @@ impl Save {
 /// Stage and hash: fills `image` from the input's tensors, marks the handle staged and returns
 /// the manifest; the manifest at once for a file already staged. `None` after a failure, which
 /// is then on the handle. `at` is the memory under the image, for `pin` (see [`stage`]).
+/// `filled` (a sidecar's segment) is told, before the handle says staged, that every byte is in
+/// place, with the manifest still to be hashed: the sidecar then finishes the step even if this
+/// process dies while it hashes.
+#[allow(clippy::too_many_arguments)]
 fn stage_and_hash(
     inner: &Inner,
     shared: &Shared,
@@ -173,6 +186,7 @@ fn stage_and_hash(
     at: Option<(*const u8, usize)>,
     pin: &mut Option<Pinned>,
     input: Input,
+    filled: Option<&mut dyn FnMut(Vec<u8>) -> Result<()>>,
 ) -> Option<Vec<u8>> {
     let (layout, tensors, extras) = match input {
         Input::Staged { manifest, .. } => return Some(manifest),
@@ -186,10 +200,22 @@ fn stage_and_hash(
     let _abandon = FailUnlessComplete(image);
     let res = stage(inner, at, pin, image, &layout, &tensors);
     drop(tensors);
-    match res.and_then(|()| image.complete()) {
+    let told = |staged: &Staged| match filled {
+        Some(tell) => {
+            let chunks = staged.len.div_ceil(inner.chunk_size.max(1));
+            let unhashed = vec![blake3::Hash::from_bytes([0; 32]); chunks];
+            tell(manifest_with(inner, step, &layout, &unhashed, &extras))
+        }
+        None => Ok(()),
+    };
+    match res
+        .and_then(|()| image.complete())
+        .and_then(|staged| told(&staged).map(|()| staged))
+    {
         Ok(staged) => {
             shared.set_staged(Phase::Done);
-            Some(manifest_for(inner, step, &layout, staged.as_ref(), &extras))
+            let hashes = staging::hash_chunks(staged.as_ref(), inner.chunk_size, inner.threads);
+            Some(manifest_with(inner, step, &layout, &hashes, &extras))
         }
         Err(e) => {
             error!(step, error = %e, "checkpoint staging failed");
@@ -229,16 +255,14 @@ fn stage(
     image.fill(&layout.header, &sources, inner.threads, &inner.gpu)
 }
 
-/// The manifest (JSON) of a staged file: its layout, the blake3 of every chunk (hashed over the
-/// engine's threads) and the extras.
-fn manifest_for(
+/// The manifest (JSON) of a staged file: its layout, the blake3 of every chunk and the extras.
+fn manifest_with(
     inner: &Inner,
     step: u64,
     layout: &Layout,
-    staged: &[u8],
+    hashes: &[blake3::Hash],
     extras: &Extras,
 ) -> Vec<u8> {
-    let hashes = staging::hash_chunks(staged, inner.chunk_size, inner.threads);
     Manifest::new(
         &inner.job,
         step,
@@ -246,7 +270,7 @@ fn manifest_for(
         inner.world_size,
         layout,
         inner.chunk_size as u64,
-        &hashes,
+        hashes,
         extras,
     )
     .to_json()

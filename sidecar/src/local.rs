@@ -16,6 +16,12 @@
 //!   waited for (up to `stage_timeout`); with nothing that could be
 //!   recycled, a new one is made as for a save, evicting but never waiting. New segments made
 //!   ahead are allocated at a lower priority. One stage per connection at a time.
+//! - `Filled{manifest}`: every byte of the step is in the segment (the manifest's chunk hashes
+//!   are not computed yet). No answer: the training process goes on hashing, and from here the
+//!   step is the sidecar's to finish. Should the connection close before the commit (the
+//!   process was killed while it hashed), the sidecar seals the segment, hashes it itself and
+//!   commits the step as the process would have ([`adopt`]), so a save survives its process
+//!   from the moment `wait_staged` returns.
 //! - `Commit{manifest}`: the training process has unmapped the staged segment and closed its
 //!   descriptor; the sidecar maps it read-only, checks it against the manifest's chunk hashes
 //!   and holds it in memory: `Committed`. Persistence and replication start, and each of their
@@ -24,8 +30,8 @@
 //!   good, and its descriptor sent with `Restored`.
 //! - `Latest`: the newest step complete for every rank.
 //!
-//! A segment staged but never committed (the training process died mid-copy) is dropped with
-//! its connection: a torn save never enters the memory tier.
+//! A segment staged but never filled (the training process died mid-copy) is dropped with its
+//! connection: a torn save never enters the memory tier.
 
 use hotstart_ckpt::Error as CkptError;
 use std::os::fd::AsFd;
@@ -40,7 +46,7 @@ use crate::lifecycle::State;
 use crate::memory::{Recycled, Shard, ShardKey};
 use crate::metrics::Failure;
 use hotstart_ckpt::proto::PROTOCOL_VERSION;
-use hotstart_ckpt::proto::shm::Segment;
+use hotstart_ckpt::proto::shm::{Committed, Segment};
 use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg, Side};
 
 use crate::error::{Error, Result};
@@ -52,6 +58,8 @@ struct Staged {
     step: Option<u64>,
     seg: Segment,
     asked: Instant,
+    /// The manifest sent with `Filled` (hashes still to compute), once every byte is in place.
+    filled: Option<String>,
 }
 
 /// Who is on the other end.
@@ -140,12 +148,21 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 if reader.violated() {
                     core.metrics.failed(Failure::Frame);
                     warn!(job = %who.job, rank = who.rank, error = %e, "local connection dropped");
-                } else if let Some(s) = &staged {
-                    match s.step {
-                        Some(step) => {
+                } else if let Some(mut s) = staged {
+                    match (s.filled.take(), s.step) {
+                        (Some(manifest), _) => {
+                            let asked = s.asked;
+                            match adopt(&core, &who, s, &manifest) {
+                                Ok(shard) => core.after_commit(shard, None, asked),
+                                Err(e) => {
+                                    warn!(job = %who.job, rank = who.rank, error = %e, "a filled save whose process went away could not be committed")
+                                }
+                            }
+                        }
+                        (None, Some(step)) => {
                             warn!(job = %who.job, rank = who.rank, step, "training process went away mid-save; dropping its staged segment")
                         }
-                        None => {
+                        (None, None) => {
                             debug!(job = %who.job, rank = who.rank, "the segment prepared for a next save was let go")
                         }
                     }
@@ -170,12 +187,24 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                         step: (!ahead).then_some(step),
                         seg,
                         asked: Instant::now(),
+                        filled: None,
                     });
                     sent
                 }
                 Err(e) => send(&LocalMsg::Failed {
                     reason: e.to_string(),
                 }),
+            },
+            LocalMsg::Filled { manifest } => match &mut staged {
+                Some(s) => {
+                    s.filled = Some(manifest);
+                    Ok(())
+                }
+                None => {
+                    core.metrics.failed(Failure::Frame);
+                    warn!(job = %who.job, rank = who.rank, "filled without a staged segment");
+                    return;
+                }
             },
             LocalMsg::Commit { manifest } => match staged.take() {
                 None => send(&LocalMsg::Failed {
@@ -338,12 +367,52 @@ fn stage(
 
 /// Seals a staged segment and checks it against its manifest: the committed shard.
 fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Shard>> {
+    let asked = s.asked;
+    let (m, held, hashes) = seal(core, who, s, &manifest, "commit")?;
+    if let Some(i) = hashes
+        .iter()
+        .zip(m.chunk_hashes())
+        .position(|(a, b)| *a != b)
+    {
+        core.metrics.failed(Failure::Checksum);
+        return Err(CkptError::Corrupt {
+            step: m.step,
+            rank: who.rank,
+            chunk: i,
+            reason: "the staged bytes do not match the manifest".into(),
+        }
+        .into());
+    }
+    Ok(install(core, who, asked, m, manifest, held))
+}
+
+/// Commits a step whose training process went away after `Filled`, before its commit: every
+/// byte was in place, so the sidecar computes the chunk hashes the process did not get to send
+/// and commits the step with them, as the process would have.
+fn adopt(core: &Core, who: &Rank, s: Staged, filled: &str) -> Result<Arc<Shard>> {
+    let asked = s.asked;
+    let (mut m, held, hashes) = seal(core, who, s, filled, "filled")?;
+    m.chunks = hashes.iter().map(|h| h.to_hex().to_string()).collect();
+    let manifest = String::from_utf8_lossy(&m.to_json()).into_owned();
+    info!(job = %who.job, rank = who.rank, step = m.step, "the training process went away after staging; the sidecar committed its save");
+    Ok(install(core, who, asked, m, manifest, held))
+}
+
+/// Parses a staged segment's manifest (`what`: the message it came with), seals the segment
+/// and hashes its file: the manifest, the sealed segment and its chunk hashes.
+fn seal(
+    core: &Core,
+    who: &Rank,
+    s: Staged,
+    manifest: &str,
+    what: &str,
+) -> Result<(Manifest, Committed, Vec<blake3::Hash>)> {
     let step = match s.step {
         Some(step) => step,
-        None => Manifest::parse(manifest.as_bytes(), "manifest (commit)")?.step,
+        None => Manifest::parse(manifest.as_bytes(), &format!("manifest ({what})"))?.step,
     };
     let location = format!(
-        "{} (commit)",
+        "{} ({what})",
         format::manifest_key(&who.job, step, who.rank)
     );
     let m = Manifest::parse_for(
@@ -372,25 +441,24 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
         .map_err(|e| Error::io("map shared memory", &location, e))?;
     let hashes =
         hotstart_ckpt::hash_chunks(&held.bytes()[..len], m.chunk_size as usize, core.threads);
-    if let Some(i) = hashes
-        .iter()
-        .zip(m.chunk_hashes())
-        .position(|(a, b)| *a != b)
-    {
-        core.metrics.failed(Failure::Checksum);
-        return Err(CkptError::Corrupt {
-            step,
-            rank: who.rank,
-            chunk: i,
-            reason: "the staged bytes do not match the manifest".into(),
-        }
-        .into());
-    }
+    Ok((m, held, hashes))
+}
+
+/// Holds a verified step in the memory tier.
+fn install(
+    core: &Core,
+    who: &Rank,
+    asked: Instant,
+    m: Manifest,
+    manifest: String,
+    held: Committed,
+) -> Arc<Shard> {
+    let len = m.file_len;
     let shard = Arc::new(Shard {
         key: ShardKey {
             job: who.job.clone(),
             rank: who.rank,
-            step,
+            step: m.step,
         },
         world_size: who.world_size,
         origin: core.me.node.clone(),
@@ -401,10 +469,7 @@ fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Sh
     });
     info!(shard = %shard.key, bytes = len, "committed to memory");
     core.memory.insert(shard.clone());
-    core.metrics.saved(
-        hotstart_ckpt::TierKind::Memory,
-        len as u64,
-        s.asked.elapsed(),
-    );
-    Ok(shard)
+    core.metrics
+        .saved(hotstart_ckpt::TierKind::Memory, len, asked.elapsed());
+    shard
 }

@@ -141,6 +141,11 @@ pub enum LocalMsg {
     },
     /// The segment (its descriptor travels with this frame).
     Segment { len: u64 },
+    /// Every byte of the step is in the segment, laid out as this manifest says (its chunk
+    /// hashes not yet computed, all zero); the training process writes the segment no more.
+    /// From here the step is the sidecar's to finish: should the connection close before the
+    /// commit, the sidecar hashes the segment itself and commits the step. No answer.
+    Filled { manifest: String },
     /// Staging is done and the segment unmapped: take it, with this manifest.
     Commit { manifest: String },
     /// Sealed, verified and held in memory.
