@@ -291,7 +291,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
             Side::Local,
         );
         c.send(&LocalMsg::Attach {
-            version: 1,
+            version: hotstart_ckpt::proto::PROTOCOL_VERSION,
             job: "liar".into(),
             rank: 0,
             world_size: 1,
@@ -396,6 +396,68 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     assert_eq!(v("hotstart_failures_total{kind=\"checksum\"}"), 1.0);
     assert_eq!(v("hotstart_failures_total{kind=\"restore\"}"), 1.0);
     assert_eq!(v("hotstart_memory_shards{origin=\"local\"}"), 1.0);
+
+    // `Filled`, then gone before the commit (killed while hashing): the bytes are whole, so
+    // the sidecar hashes them and commits the step itself.
+    let unhashed = |step: u64| {
+        let zero = vec![blake3::Hash::from_bytes([0; 32]); hashes.len()];
+        let m = Manifest::new("liar", step, 0, 1, &layout, chunk as u64, &zero, &extras(1));
+        String::from_utf8(m.to_json()).unwrap()
+    };
+    let fill_and_go = |step: u64, keep_mapped: bool| {
+        let mut c = attach();
+        c.send(&LocalMsg::Stage {
+            step,
+            len: file.len() as u64,
+            wait: false,
+            ahead: false,
+        })
+        .unwrap();
+        assert!(matches!(
+            c.recv::<LocalMsg>().unwrap(),
+            LocalMsg::Segment { .. }
+        ));
+        let seg = Segment::from_fd(c.take_fd().unwrap()).unwrap();
+        let map = write(&seg, &file);
+        drop(seg);
+        c.send(&LocalMsg::Filled {
+            manifest: unhashed(step),
+        })
+        .unwrap();
+        let map = if keep_mapped { Some(map) } else { None };
+        drop(c);
+        map
+    };
+    let newest = |want: u64| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let got = engine.latest_complete_step().unwrap();
+            if got == Some(want) || std::time::Instant::now() > deadline {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert!(fill_and_go(2, false).is_none());
+    assert_eq!(newest(2), Some(2));
+    assert_loaded(
+        &engine.load(StepSel::Step(2), Destination::Owned).unwrap(),
+        &set,
+        &extras(1),
+    );
+    // The same while the segment is still mapped writable somewhere: it cannot be sealed, so
+    // it is not held (nothing that may still change is ever committed). Step 4, filled and
+    // gone after it, is.
+    let still_mapped = fill_and_go(3, true);
+    assert!(fill_and_go(4, false).is_none());
+    assert_eq!(newest(4), Some(4));
+    assert!(
+        engine
+            .load(StepSel::Step(3), Destination::Owned)
+            .unwrap_err()
+            .is_not_found()
+    );
+    drop(still_mapped);
 }
 
 #[test]
