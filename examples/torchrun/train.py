@@ -29,18 +29,30 @@ addresses there and hang or fail to connect.
 
 `--kill-rank R --kill-step K` makes rank R kill itself with SIGKILL after step K on the first
 attempt (TORCHELASTIC_RESTART_COUNT 0): the fault the tests inject.
+
+For measurements (`hotstart-benches restart`): `--width W --depth L` gives the model L more
+hidden layers of W×W (so its state can be GiBs), `--no-digest` skips the gathered digests,
+`--timeline` has every rank print `at <event> <unix time> rank <r> attempt <a>` as it starts,
+has imported torch, has joined the group, has built the model, has its optimizer state ready,
+has loaded its checkpoint, and has finished its first step (and `at kill` just before the
+injected fault). `--floor` does what any restarted worker must do at least and exits: start,
+import torch, join the group, build the model, then copy as many bytes as this rank's state
+holds from memory into memory (printing `floor-copy <seconds>`).
 """
 
 from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # before importing torch: part of what a restart costs
 
 import argparse
 import hashlib
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +63,8 @@ from torch.distributed.tensor import DTensor
 
 import hotstart
 import hotstart.torch as htorch
+
+IMPORTED = time.time()
 
 DIM, HIDDEN, OUT, BATCH = 12, 24, 6, 16
 
@@ -70,11 +84,12 @@ def init_group(backend: str) -> None:
                             rank=rank, world_size=world)
 
 
-def build() -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(width: int = HIDDEN, depth: int = 0) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(1234)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT)
-    )
+    layers: list = [torch.nn.Linear(DIM, width), torch.nn.Tanh()]
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, OUT))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
@@ -129,17 +144,34 @@ def main() -> None:
     p.add_argument("--store", help="store URL for torch.distributed.checkpoint")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--width", type=int, default=HIDDEN, help="hidden width")
+    p.add_argument("--depth", type=int, default=0, help="extra hidden layers of width x width")
+    p.add_argument("--no-digest", action="store_true", help="skip the gathered state digests")
+    p.add_argument("--timeline", action="store_true", help="print when each restart phase ends")
+    p.add_argument("--floor", action="store_true", help="start, build, copy the state's bytes, exit")
     args = p.parse_args()
     use_dcp = bool(args.dcp_dir or args.store)
-    if not use_dcp and not args.sidecar:
+    if not use_dcp and not args.sidecar and not args.floor:
         p.error("name a sidecar (--sidecar or HOTSTART_SOCKET), or --dcp-dir / --store")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank_env = os.environ.get("RANK", "0")
 
+    def mark(event: str, at: Optional[float] = None) -> None:
+        if args.timeline:
+            print(f"at {event} {time.time() if at is None else at:.6f} rank {rank_env} attempt {attempt}", flush=True)
+
+    mark("start", STARTED)
+    mark("imported", IMPORTED)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     init_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    model, opt = build()
+    mark("group")
+    model, opt = build(args.width, args.depth)
+    mark("built")
+    if args.floor:
+        floor(model, opt)
     ck = None if use_dcp else hotstart.Checkpointer(sidecar=args.sidecar, job=args.job, rank=rank, world_size=world)
 
     # Resume from the newest checkpoint, if any. get_state_dict gives a fresh optimizer its
@@ -153,6 +185,7 @@ def main() -> None:
         newest = ck.latest_step()
     if newest is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
+        mark("ready")
         if use_dcp:
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, storage_reader=htorch.StorageReader(args.store, args.job, local_dir=args.dcp_dir))
@@ -160,11 +193,14 @@ def main() -> None:
             assert ck is not None
             ck.load({"model": locals_of(model_sd), "optim": locals_of(optim_sd)}, step=newest)
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        mark("loaded")
         first = newest + 1
-        d = digest(*get_state_dict(model, opt))
         if rank == 0:
             print(f"resumed {newest} in {time.monotonic() - started:.3f} s (world {world})", flush=True)
-            print(f"state {d}", flush=True)
+        if not args.no_digest:
+            d = digest(*get_state_dict(model, opt))
+            if rank == 0:
+                print(f"state {d}", flush=True)
 
     for step in range(first, args.steps + 1):
         x, y = batch(step)
@@ -177,6 +213,8 @@ def main() -> None:
         dist.all_reduce(total)
         if rank == 0:
             print(f"loss {step} {float(total).hex()}", flush=True)
+        if step == first:
+            mark("step")
         if step % args.save_every == 0 or step == args.steps:
             model_sd, optim_sd = get_state_dict(model, opt)
             if use_dcp:
@@ -188,15 +226,38 @@ def main() -> None:
                 # Waits only until the shards are in the sidecar's memory.
                 ck.save(step, {"model": locals_of(model_sd), "optim": locals_of(optim_sd)}).wait_staged()
         if (rank == args.kill_rank and step == args.kill_step
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                and attempt == "0"):
+            mark("kill")
             os.kill(os.getpid(), signal.SIGKILL)
 
     if ck is not None:
         ck.wait()
-    d = digest(*get_state_dict(model, opt))
+    if not args.no_digest:
+        d = digest(*get_state_dict(model, opt))
+        if rank == 0:
+            print(f"state {d}", flush=True)
     if rank == 0:
-        print(f"state {d}", flush=True)
         print("done", flush=True)
+    leave()
+
+
+def floor(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Copies as many bytes as this rank's checkpoint holds (its shards of the parameters and of
+    AdamW's two moments) from memory into memory already faulted in, on every rank at once,
+    prints the copy's seconds, and leaves."""
+    n = 3 * sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
+                for p in model.parameters())
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    dist.barrier()
+    t = time.time()
+    dst.copy_(src)
+    took = time.time() - t
+    print(f"floor-copy {took:.6f} bytes {n} rank {dist.get_rank()}", flush=True)
+    dist.barrier()
+    leave()
+
+
+def leave() -> None:
     dist.barrier()
     dist.destroy_process_group()
     # Leave without interpreter finalization: with gloo, a finished collective's work object
