@@ -116,6 +116,13 @@ const BENCHES: &[Bench] = &[
         quick: Runner::Own(&["sidecar", "--gib", "0.125", "--runs", "1"]),
     },
     Bench {
+        name: "restart",
+        full: Runner::Own(&["restart", "--gib", "2", "--runs", "3"]),
+        quick: Runner::Own(&[
+            "restart", "--gib", "0.125", "--width", "1024", "--runs", "1",
+        ]),
+    },
+    Bench {
         name: "image",
         full: Runner::Own(&["image", "--runs", "7"]),
         quick: Runner::Own(&["image", "--runs", "1", "--record-runs", "1"]),

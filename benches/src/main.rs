@@ -7,6 +7,7 @@
 //! cargo run --profile bench -p hotstart-benches -- ckpt --gib 4     # checkpoint engine
 //! cargo run --profile bench -p hotstart-benches -- fuse --gib 2     # hotstart mount vs FUSE peers
 //! cargo run --profile bench -p hotstart-benches -- sidecar --gib 4  # sidecar restores
+//! cargo run --profile bench -p hotstart-benches -- restart --gib 2  # a torchrun job restarting
 //! cargo run --profile bench -p hotstart-benches -- image            # lazy images vs local copy and pull
 //! cargo run --profile bench -p hotstart-benches -- env              # snapshot restore vs pip, uv
 //! cargo run --profile bench -p hotstart-benches -- all              # everything, results page
@@ -21,6 +22,7 @@ mod env;
 mod fuse;
 mod image;
 mod report;
+mod restart;
 mod sidecar;
 mod store_striped;
 mod store_uring;
@@ -47,6 +49,9 @@ enum Command {
     Fuse(fuse::FuseArgs),
     /// The sidecar: restores from local memory, from a peer, and a restarted process.
     Sidecar(sidecar::SidecarArgs),
+    /// A PyTorch job under torchrun restarting after a kill -9, phase by phase, against the
+    /// floor of starting, importing torch, building the model and copying its state.
+    Restart(restart::RestartArgs),
     /// (internal) The restarted training process of the sidecar benchmark.
     #[command(hide = true)]
     SidecarRestore(sidecar::RestoreChild),
@@ -124,6 +129,7 @@ fn main() -> anyhow::Result<()> {
         Command::Fuse(args) => fuse::run(&args)?,
         Command::Sidecar(args) => sidecar::run(&args)?,
         Command::SidecarRestore(args) => sidecar::restore_child(&args)?,
+        Command::Restart(args) => restart::run(&args)?,
         Command::Image(args) => image::run(&args)?,
         Command::Env(args) => env::run(&args)?,
         Command::All(args) => all::all(&args)?,

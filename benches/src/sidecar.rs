@@ -95,16 +95,16 @@ pub struct RestoreChild {
 }
 
 /// A sidecar served on a runtime thread of its own until dropped.
-struct Running {
-    peer: SocketAddr,
+pub(crate) struct Running {
+    pub(crate) peer: SocketAddr,
     http: SocketAddr,
-    socket: PathBuf,
+    pub(crate) socket: PathBuf,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Running {
-    fn start(settings: Settings) -> anyhow::Result<Running> {
+    pub(crate) fn start(settings: Settings) -> anyhow::Result<Running> {
         let cfg = settings.resolve()?;
         let socket = cfg.socket.clone();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -171,7 +171,8 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn settings(node: &str, dir: &Path, budget: u64) -> anyhow::Result<Settings> {
+/// A sidecar on loopback with a token, memory only, its socket in `dir`.
+pub(crate) fn settings(node: &str, dir: &Path, budget: u64) -> anyhow::Result<Settings> {
     Ok(Settings {
         node_id: Some(node.into()),
         listen: Some(format!("127.0.0.1:{}", free_port()?)),

@@ -30,6 +30,9 @@ addresses there and hang or fail to connect.
 `--kill-rank R --kill-step K` makes rank R kill itself with SIGKILL after step K on the first
 attempt (TORCHELASTIC_RESTART_COUNT 0): the fault the tests inject.
 
+`--torch-dcp DIR` is the baseline a user has without hotstart: torch.distributed.checkpoint's own
+FileSystemWriter and FileSystemReader, one directory per step (DIR/step-N).
+
 For measurements (`hotstart-benches restart`): `--width W --depth L` gives the model L more
 hidden layers of W×W (so its state can be GiBs), `--no-digest` skips the gathered digests,
 `--timeline` has every rank print `at <event> <unix time> rank <r> attempt <a>` as it starts,
@@ -52,6 +55,7 @@ import os
 import signal
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -138,10 +142,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", required=True)
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--save-every", type=int, default=5, help="0: never save")
     p.add_argument("--sidecar", default=os.environ.get("HOTSTART_SOCKET"))
     p.add_argument("--dcp-dir", help="local directory for torch.distributed.checkpoint")
     p.add_argument("--store", help="store URL for torch.distributed.checkpoint")
+    p.add_argument("--torch-dcp", help="directory for torch.distributed.checkpoint's own file system writer and reader")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--width", type=int, default=HIDDEN, help="hidden width")
@@ -150,15 +155,15 @@ def main() -> None:
     p.add_argument("--timeline", action="store_true", help="print when each restart phase ends")
     p.add_argument("--floor", action="store_true", help="start, build, copy the state's bytes, exit")
     args = p.parse_args()
-    use_dcp = bool(args.dcp_dir or args.store)
+    use_dcp = bool(args.dcp_dir or args.store or args.torch_dcp)
     if not use_dcp and not args.sidecar and not args.floor:
-        p.error("name a sidecar (--sidecar or HOTSTART_SOCKET), or --dcp-dir / --store")
+        p.error("name a sidecar (--sidecar or HOTSTART_SOCKET), or --dcp-dir / --store / --torch-dcp")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     rank_env = os.environ.get("RANK", "0")
 
     def mark(event: str, at: Optional[float] = None) -> None:
         if args.timeline:
-            print(f"at {event} {time.time() if at is None else at:.6f} rank {rank_env} attempt {attempt}", flush=True)
+            say(f"at {event} {time.time() if at is None else at:.6f} rank {rank_env} attempt {attempt}")
 
     mark("start", STARTED)
     mark("imported", IMPORTED)
@@ -178,7 +183,10 @@ def main() -> None:
     # state, so the load fits it in place.
     started = time.monotonic()
     first = 1
-    if use_dcp:
+    if args.torch_dcp:
+        steps = [int(d.name[5:]) for d in Path(args.torch_dcp).glob("step-*") if (d / ".metadata").exists()]
+        newest = max(steps, default=None)
+    elif use_dcp:
         newest = htorch.latest_step(args.store, args.job, local_dir=args.dcp_dir)
     else:
         assert ck is not None
@@ -186,7 +194,10 @@ def main() -> None:
     if newest is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
         mark("ready")
-        if use_dcp:
+        if args.torch_dcp:
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, storage_reader=dcp.FileSystemReader(f"{args.torch_dcp}/step-{newest}"))
+        elif use_dcp:
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, storage_reader=htorch.StorageReader(args.store, args.job, local_dir=args.dcp_dir))
         else:
@@ -215,9 +226,12 @@ def main() -> None:
             print(f"loss {step} {float(total).hex()}", flush=True)
         if step == first:
             mark("step")
-        if step % args.save_every == 0 or step == args.steps:
+        if args.save_every > 0 and (step % args.save_every == 0 or step == args.steps):
             model_sd, optim_sd = get_state_dict(model, opt)
-            if use_dcp:
+            if args.torch_dcp:
+                dcp.save({"model": model_sd, "optim": optim_sd},
+                         storage_writer=dcp.FileSystemWriter(f"{args.torch_dcp}/step-{step}"))
+            elif use_dcp:
                 dcp.save({"model": model_sd, "optim": optim_sd},
                          storage_writer=htorch.StorageWriter(args.store, args.job, local_dir=args.dcp_dir),
                          checkpoint_id=step)
@@ -241,6 +255,12 @@ def main() -> None:
     leave()
 
 
+def say(line: str) -> None:
+    """One line in one write, so the lines of ranks that share torchrun's stdout never mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def floor(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     """Copies as many bytes as this rank's checkpoint holds (its shards of the parameters and of
     AdamW's two moments) from memory into memory already faulted in, on every rank at once,
@@ -252,7 +272,7 @@ def floor(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     t = time.time()
     dst.copy_(src)
     took = time.time() - t
-    print(f"floor-copy {took:.6f} bytes {n} rank {dist.get_rank()}", flush=True)
+    say(f"floor-copy {took:.6f} bytes {n} rank {dist.get_rank()}")
     dist.barrier()
     leave()
 
