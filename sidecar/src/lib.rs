@@ -94,6 +94,7 @@ pub(crate) struct Core {
     pub(crate) store_counter: Option<Arc<Counter>>,
     pub(crate) engines: Mutex<HashMap<(String, u32, u32), Arc<Engine>>>,
     pub(crate) inflight: persist::Inflight,
+    pub(crate) adopting: local::Adopting,
     pub(crate) threads: usize,
     stopped: AtomicBool,
 }
@@ -230,6 +231,7 @@ impl Sidecar {
             store_counter,
             engines: Mutex::new(HashMap::new()),
             inflight: persist::Inflight::default(),
+            adopting: local::Adopting::default(),
             threads,
             stopped: AtomicBool::new(false),
             cfg,

@@ -34,9 +34,10 @@
 //! connection: a torn save never enters the memory tier.
 
 use hotstart_ckpt::Error as CkptError;
+use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
@@ -152,6 +153,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     match (s.filled.take(), s.step) {
                         (Some(manifest), _) => {
                             let asked = s.asked;
+                            let _pending = core.adopting.begin(&who.job);
                             match adopt(&core, &who, s, &manifest) {
                                 Ok(shard) => core.after_commit(shard, None, asked),
                                 Err(e) => {
@@ -233,6 +235,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 }
             },
             LocalMsg::Restore { step } => {
+                core.adopting.wait(&who.job, core.cfg.stage_timeout);
                 match core.restore(&who.job, who.rank, who.world_size, step) {
                     Ok(served) => {
                         let msg = LocalMsg::Restored {
@@ -257,12 +260,15 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     }
                 }
             }
-            LocalMsg::Latest => match core.latest(&who.job, who.rank, who.world_size) {
-                Ok(step) => send(&LocalMsg::LatestIs { step }),
-                Err(e) => send(&LocalMsg::Failed {
-                    reason: e.to_string(),
-                }),
-            },
+            LocalMsg::Latest => {
+                core.adopting.wait(&who.job, core.cfg.stage_timeout);
+                match core.latest(&who.job, who.rank, who.world_size) {
+                    Ok(step) => send(&LocalMsg::LatestIs { step }),
+                    Err(e) => send(&LocalMsg::Failed {
+                        reason: e.to_string(),
+                    }),
+                }
+            }
             other => {
                 core.metrics.failed(Failure::Frame);
                 warn!(?other, "unexpected message on a local connection");
@@ -472,4 +478,67 @@ fn install(
     core.metrics
         .saved(hotstart_ckpt::TierKind::Memory, len, asked.elapsed());
     shard
+}
+
+/// Saves being committed for training processes that went away after `Filled`, per job. A
+/// restarted process asks for the newest step (`Latest`, `Restore`) a moment after its
+/// predecessor died, while the sidecar may still be hashing what that one staged: those
+/// requests wait for the job's pending commits, so the restart finds the step.
+#[derive(Debug, Default)]
+pub(crate) struct Adopting {
+    jobs: Mutex<HashMap<String, usize>>,
+    done: Condvar,
+}
+
+/// One pending commit, ended on drop.
+pub(crate) struct Pending<'a> {
+    adopting: &'a Adopting,
+    job: String,
+}
+
+impl Adopting {
+    pub(crate) fn begin(&self, job: &str) -> Pending<'_> {
+        *self
+            .jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(job.to_string())
+            .or_default() += 1;
+        Pending {
+            adopting: self,
+            job: job.to_string(),
+        }
+    }
+
+    /// Waits, at most `limit`, until `job` has no pending commit.
+    pub(crate) fn wait(&self, job: &str, limit: Duration) {
+        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        let (_jobs, waited) = self
+            .done
+            .wait_timeout_while(jobs, limit, |j| j.get(job).is_some_and(|n| *n > 0))
+            .unwrap_or_else(PoisonError::into_inner);
+        if waited.timed_out() {
+            warn!(
+                job,
+                "still committing a save of a process that went away; answering without it"
+            );
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let mut jobs = self
+            .adopting
+            .jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = jobs.get_mut(&self.job) {
+            *n -= 1;
+            if *n == 0 {
+                jobs.remove(&self.job);
+            }
+        }
+        self.adopting.done.notify_all();
+    }
 }
