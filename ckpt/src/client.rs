@@ -478,11 +478,11 @@ impl Lease {
         (Some((map.ptr().cast_const(), map.len())), pin, filled)
     }
 
-    /// Unmaps the staged segment and commits it with `manifest`: from then on it is the
-    /// sidecar's alone, and the memory tier is done. The connection then carries the sidecar's
-    /// reports of every other tier ([`Committed::follow`]); `None` after a failure, which is on
-    /// the handle.
-    pub(crate) fn commit(self, manifest: Vec<u8>, shared: &Shared) -> Option<Committed> {
+    /// Unmaps the filled segment and commits it: the sidecar hashes it (the manifest went with
+    /// `Filled`) and holds it, and the memory tier is done. The connection then carries the
+    /// sidecar's reports of every other tier ([`Committed::follow`]); `None` after a failure,
+    /// which is on the handle.
+    pub(crate) fn commit(self, shared: &Shared) -> Option<Committed> {
         let Lease {
             slot,
             promise,
@@ -497,10 +497,7 @@ impl Lease {
         let Slot { pin, map, mut conn } = slot;
         drop(pin);
         drop(map);
-        let manifest = String::from_utf8(manifest).unwrap_or_default();
-        let committed = conn
-            .send(&LocalMsg::Commit { manifest })
-            .and_then(|()| conn.recv());
+        let committed = conn.send(&LocalMsg::Commit).and_then(|()| conn.recv());
         match committed {
             Ok(LocalMsg::Committed) => {
                 // Preparing before the handle says so: a save that follows at once waits for

@@ -34,7 +34,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Layout, Manifest};
 use crate::handle::{Phase, Shared};
 use crate::inner::Inner;
-use crate::staging::{self, FailUnlessComplete, Region, Staged, Staging};
+use crate::staging::{self, FailUnlessComplete, Region, Staging};
 use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::Tier;
 
@@ -112,7 +112,7 @@ impl Save {
         let len = input.len();
         let (region, pool_slot) = match target {
             Target::Sidecar(mut lease) => {
-                let manifest = {
+                let filled = {
                     let image = Staging::new(lease.region(), len);
                     let (at, pin, mut filled) = lease.staging();
                     stage_and_hash(
@@ -128,7 +128,7 @@ impl Save {
                 };
                 // The image is gone: nothing of this process refers to the segment's bytes
                 // but the lease, which unmaps it before it commits.
-                let Some(committed) = manifest.and_then(|m| lease.commit(m, &shared)) else {
+                let Some(committed) = filled.and_then(|_| lease.commit(&shared)) else {
                     return;
                 };
                 // The sidecar holds the step: its memory, not this save's, bounds what follows.
@@ -175,8 +175,9 @@ impl Save {
 /// the manifest; the manifest at once for a file already staged. `None` after a failure, which
 /// is then on the handle. `at` is the memory under the image, for `pin` (see [`stage`]).
 /// `filled` (a sidecar's segment) is told, before the handle says staged, that every byte is in
-/// place, with the manifest still to be hashed: the sidecar then finishes the step even if this
-/// process dies while it hashes.
+/// place, with the manifest whose hashes the sidecar computes (it hashes what it commits
+/// anyway, so this process does not): from then on the step survives this process. That
+/// manifest, unhashed, is what is returned then.
 #[allow(clippy::too_many_arguments)]
 fn stage_and_hash(
     inner: &Inner,
@@ -200,20 +201,23 @@ fn stage_and_hash(
     let _abandon = FailUnlessComplete(image);
     let res = stage(inner, at, pin, image, &layout, &tensors);
     drop(tensors);
-    let told = |staged: &Staged| match filled {
-        Some(tell) => {
-            let chunks = staged.len.div_ceil(inner.chunk_size.max(1));
-            let unhashed = vec![blake3::Hash::from_bytes([0; 32]); chunks];
-            tell(manifest_with(inner, step, &layout, &unhashed, &extras))
-        }
-        None => Ok(()),
-    };
-    match res
+    let manifest = res
         .and_then(|()| image.complete())
-        .and_then(|staged| told(&staged).map(|()| staged))
-    {
-        Ok(staged) => {
+        .and_then(|staged| match filled {
+            Some(tell) => {
+                let chunks = staged.len.div_ceil(inner.chunk_size.max(1));
+                let unhashed = vec![blake3::Hash::from_bytes([0; 32]); chunks];
+                let m = manifest_with(inner, step, &layout, &unhashed, &extras);
+                tell(m.clone()).map(|()| (m, None))
+            }
+            None => Ok((Vec::new(), Some(staged))),
+        });
+    match manifest {
+        Ok((told, staged)) => {
             shared.set_staged(Phase::Done);
+            let Some(staged) = staged else {
+                return Some(told);
+            };
             let hashes = staging::hash_chunks(staged.as_ref(), inner.chunk_size, inner.threads);
             Some(manifest_with(inner, step, &layout, &hashes, &extras))
         }

@@ -16,16 +16,16 @@
 //!   waited for (up to `stage_timeout`); with nothing that could be
 //!   recycled, a new one is made as for a save, evicting but never waiting. New segments made
 //!   ahead are allocated at a lower priority. One stage per connection at a time.
-//! - `Filled{manifest}`: every byte of the step is in the segment (the manifest's chunk hashes
-//!   are not computed yet). No answer: the training process goes on hashing, and from here the
-//!   step is the sidecar's to finish. Should the connection close before the commit (the
-//!   process was killed while it hashed), the sidecar seals the segment, hashes it itself and
-//!   commits the step as the process would have ([`adopt`]), so a save survives its process
-//!   from the moment `wait_staged` returns.
-//! - `Commit{manifest}`: the training process has unmapped the staged segment and closed its
-//!   descriptor; the sidecar maps it read-only, checks it against the manifest's chunk hashes
-//!   and holds it in memory: `Committed`. Persistence and replication start, and each of their
-//!   tiers reports on this connection with `Persisted{tier, error}`.
+//! - `Filled{manifest}`: every byte of the step is in the segment, laid out as the manifest
+//!   says; its chunk hashes are the sidecar's to compute. No answer. From here the step is the
+//!   sidecar's to finish: should the connection close before `Commit` (the process was killed
+//!   right after `wait_staged`), it is committed all the same ([`commit`]), so a save survives
+//!   its process from the moment `wait_staged` returns.
+//! - `Commit`: the training process has unmapped the filled segment and closed its descriptor;
+//!   the sidecar maps it read-only, hashes it into the manifest (once: the training process
+//!   does not hash what goes to a sidecar) and holds it in memory: `Committed`. Persistence and
+//!   replication start, and each of their tiers reports on this connection with
+//!   `Persisted{tier, error}`.
 //! - `Restore{step}`: the step is served from the nearest tier (`super::restore`), sealed for
 //!   good, and its descriptor sent with `Restored`.
 //! - `Latest`: the newest step complete for every rank.
@@ -149,22 +149,25 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 if reader.violated() {
                     core.metrics.failed(Failure::Frame);
                     warn!(job = %who.job, rank = who.rank, error = %e, "local connection dropped");
-                } else if let Some(mut s) = staged {
-                    match (s.filled.take(), s.step) {
-                        (Some(manifest), _) => {
+                } else if let Some(s) = staged {
+                    match (s.filled.is_some(), s.step) {
+                        (true, _) => {
                             let asked = s.asked;
                             let _pending = core.adopting.begin(&who.job);
-                            match adopt(&core, &who, s, &manifest) {
-                                Ok(shard) => core.after_commit(shard, None, asked),
+                            match commit(&core, &who, s) {
+                                Ok(shard) => {
+                                    info!(shard = %shard.key, "the training process went away after staging; the sidecar committed its save");
+                                    core.after_commit(shard, None, asked)
+                                }
                                 Err(e) => {
                                     warn!(job = %who.job, rank = who.rank, error = %e, "a filled save whose process went away could not be committed")
                                 }
                             }
                         }
-                        (None, Some(step)) => {
+                        (false, Some(step)) => {
                             warn!(job = %who.job, rank = who.rank, step, "training process went away mid-save; dropping its staged segment")
                         }
-                        (None, None) => {
+                        (false, None) => {
                             debug!(job = %who.job, rank = who.rank, "the segment prepared for a next save was let go")
                         }
                     }
@@ -208,7 +211,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     return;
                 }
             },
-            LocalMsg::Commit { manifest } => match staged.take() {
+            LocalMsg::Commit => match staged.take() {
                 None => send(&LocalMsg::Failed {
                     reason: "commit without a staged segment".into(),
                 }),
@@ -219,7 +222,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     } else {
                         Instant::now()
                     };
-                    match commit(&core, &who, s, manifest) {
+                    match commit(&core, &who, s) {
                         Ok(shard) => {
                             let sent = send(&LocalMsg::Committed);
                             core.after_commit(shard, Some(writer.clone()), asked);
@@ -371,57 +374,28 @@ fn stage(
     Ok(seg)
 }
 
-/// Seals a staged segment and checks it against its manifest: the committed shard.
-fn commit(core: &Core, who: &Rank, s: Staged, manifest: String) -> Result<Arc<Shard>> {
-    let asked = s.asked;
-    let (m, held, hashes) = seal(core, who, s, &manifest, "commit")?;
-    if let Some(i) = hashes
-        .iter()
-        .zip(m.chunk_hashes())
-        .position(|(a, b)| *a != b)
-    {
-        core.metrics.failed(Failure::Checksum);
-        return Err(CkptError::Corrupt {
-            step: m.step,
-            rank: who.rank,
-            chunk: i,
-            reason: "the staged bytes do not match the manifest".into(),
+/// Seals a filled segment, hashes it into the manifest that came with `Filled` and holds it in
+/// memory: the committed shard. The same whether the training process asked (`Commit`) or went
+/// away after `Filled`.
+fn commit(core: &Core, who: &Rank, mut s: Staged) -> Result<Arc<Shard>> {
+    let Some(manifest) = s.filled.take() else {
+        return Err(CkptError::Sidecar {
+            socket: core.cfg.socket.display().to_string(),
+            reason: "commit before filled: the training process must say its segment is filled \
+                     first (local protocol 2)"
+                .into(),
         }
         .into());
-    }
-    Ok(install(core, who, asked, m, manifest, held))
-}
-
-/// Commits a step whose training process went away after `Filled`, before its commit: every
-/// byte was in place, so the sidecar computes the chunk hashes the process did not get to send
-/// and commits the step with them, as the process would have.
-fn adopt(core: &Core, who: &Rank, s: Staged, filled: &str) -> Result<Arc<Shard>> {
-    let asked = s.asked;
-    let (mut m, held, hashes) = seal(core, who, s, filled, "filled")?;
-    m.chunks = hashes.iter().map(|h| h.to_hex().to_string()).collect();
-    let manifest = String::from_utf8_lossy(&m.to_json()).into_owned();
-    info!(job = %who.job, rank = who.rank, step = m.step, "the training process went away after staging; the sidecar committed its save");
-    Ok(install(core, who, asked, m, manifest, held))
-}
-
-/// Parses a staged segment's manifest (`what`: the message it came with), seals the segment
-/// and hashes its file: the manifest, the sealed segment and its chunk hashes.
-fn seal(
-    core: &Core,
-    who: &Rank,
-    s: Staged,
-    manifest: &str,
-    what: &str,
-) -> Result<(Manifest, Committed, Vec<blake3::Hash>)> {
+    };
     let step = match s.step {
         Some(step) => step,
-        None => Manifest::parse(manifest.as_bytes(), &format!("manifest ({what})"))?.step,
+        None => Manifest::parse(manifest.as_bytes(), "manifest (filled)")?.step,
     };
     let location = format!(
-        "{} ({what})",
+        "{} (filled)",
         format::manifest_key(&who.job, step, who.rank)
     );
-    let m = Manifest::parse_for(
+    let mut m = Manifest::parse_for(
         manifest.as_bytes(),
         &location,
         &who.job,
@@ -441,13 +415,18 @@ fn seal(
             ),
         ));
     }
+    let asked = s.asked;
     let held = s
         .seg
         .commit()
         .map_err(|e| Error::io("map shared memory", &location, e))?;
-    let hashes =
-        hotstart_ckpt::hash_chunks(&held.bytes()[..len], m.chunk_size as usize, core.threads);
-    Ok((m, held, hashes))
+    m.chunks =
+        hotstart_ckpt::hash_chunks(&held.bytes()[..len], m.chunk_size as usize, core.threads)
+            .iter()
+            .map(|h| h.to_hex().to_string())
+            .collect();
+    let manifest = String::from_utf8_lossy(&m.to_json()).into_owned();
+    Ok(install(core, who, asked, m, manifest, held))
 }
 
 /// Holds a verified step in the memory tier.

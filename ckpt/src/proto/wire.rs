@@ -142,12 +142,13 @@ pub enum LocalMsg {
     /// The segment (its descriptor travels with this frame).
     Segment { len: u64 },
     /// Every byte of the step is in the segment, laid out as this manifest says (its chunk
-    /// hashes not yet computed, all zero); the training process writes the segment no more.
-    /// From here the step is the sidecar's to finish: should the connection close before the
-    /// commit, the sidecar hashes the segment itself and commits the step. No answer.
+    /// hashes all zero: the sidecar computes them); the training process writes the segment no
+    /// more. From here the step is the sidecar's to finish, even if the connection closes
+    /// before `Commit`. No answer.
     Filled { manifest: String },
-    /// Staging is done and the segment unmapped: take it, with this manifest.
-    Commit { manifest: String },
+    /// The segment is unmapped and its descriptor closed: the sidecar seals it, hashes it into
+    /// the manifest that came with `Filled`, and holds it.
+    Commit,
     /// Sealed, verified and held in memory.
     Committed,
     /// A tier the sidecar persists to (peers, disk, store) finished the step.
