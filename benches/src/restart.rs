@@ -131,7 +131,10 @@ struct Phases {
     build: f64,
     /// The fresh optimizer's state (get_state_dict).
     ready: f64,
-    load: f64,
+    /// The checkpoint read into the state dict (`ck.load`).
+    read: f64,
+    /// `set_state_dict`.
+    set: f64,
     step: f64,
     /// An uninterrupted first step of the same job (attempt 0).
     plain_step: f64,
@@ -147,14 +150,20 @@ impl Phases {
             group: at("group")? - at("imported")?,
             build: at("built")? - at("group")?,
             ready: at("ready")? - at("built")?,
-            load: at("loaded")? - at("ready")?,
+            read: at("read")? - at("ready")?,
+            set: at("loaded")? - at("read")?,
             step: at("step")? - at("loaded")?,
             plain_step: t.last("step", 0)? - t.last("built", 0)?,
         })
     }
 
     fn until_loaded(&self) -> f64 {
-        self.respawn + self.import + self.group + self.build + self.ready + self.load
+        self.respawn + self.import + self.group + self.build + self.ready + self.load()
+    }
+
+    /// The state load: read, then set into the model and optimizer.
+    fn load(&self) -> f64 {
+        self.read + self.set
     }
 }
 
@@ -320,7 +329,7 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
     report.add(Row::rate(
         format!("state load (ck.load into the model's and optimizer's tensors, then set_state_dict), {label}"),
         state_bytes,
-        med(&|p| p.load),
+        med(&|p| p.load()),
         "memcpy of the same bytes into faulted memory, each rank at once",
         fmed(&|f| f.copy),
         Some(0.8),
@@ -340,7 +349,8 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
     report.note(format!(
         "Phases, medians in ms (restart | floor): torchrun notices the kill and starts the workers {} | –; \
          import torch {} | {}; process group {} | {}; model build {} | {}; fresh optimizer state \
-         (get_state_dict) {} | –; checkpoint load {} | memcpy {}; first step {} (uninterrupted: {}).",
+         (get_state_dict) {} | –; checkpoint load {} (read {}, set_state_dict {}) | memcpy {}; first \
+         step {} (uninterrupted: {}).",
         ms(med(&|p| p.respawn)),
         ms(med(&|p| p.import)),
         ms(fmed(&|f| f.import)),
@@ -349,7 +359,9 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         ms(med(&|p| p.build)),
         ms(fmed(&|f| f.build)),
         ms(med(&|p| p.ready)),
-        ms(med(&|p| p.load)),
+        ms(med(&|p| p.load())),
+        ms(med(&|p| p.read)),
+        ms(med(&|p| p.set)),
         ms(fmed(&|f| f.copy)),
         ms(med(&|p| p.step)),
         ms(med(&|p| p.plain_step)),
@@ -511,6 +523,7 @@ at imported 108.2 rank 1 attempt 1
 at group 108.3 rank 1 attempt 1
 at built 110.3 rank 0 attempt 1
 at ready 111.3 rank 1 attempt 1
+at read 111.6 rank 1 attempt 1
 at loaded 111.8 rank 0 attempt 1
 at step 114.8 rank 0 attempt 1
 resumed 1 in 5.0 s (world 2)
@@ -521,7 +534,8 @@ noise
         let p = Phases::of(&t).unwrap();
         let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
         assert!(close(p.respawn, 1.0) && close(p.import, 2.2) && close(p.group, 0.1));
-        assert!(close(p.build, 2.0) && close(p.ready, 1.0) && close(p.load, 0.5));
+        assert!(close(p.build, 2.0) && close(p.ready, 1.0) && close(p.load(), 0.5));
+        assert!(close(p.read, 0.3) && close(p.set, 0.2));
         assert!(close(p.step, 3.0) && close(p.plain_step, 3.0));
         assert!(close(p.until_loaded(), 6.8));
         assert!(Floor::of(&t).is_err(), "no floor-copy line");

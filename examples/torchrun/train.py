@@ -37,7 +37,8 @@ For measurements (`hotstart-benches restart`): `--width W --depth L` gives the m
 hidden layers of W×W (so its state can be GiBs), `--no-digest` skips the gathered digests,
 `--timeline` has every rank print `at <event> <unix time> rank <r> attempt <a>` as it starts,
 has imported torch, has joined the group, has built the model, has its optimizer state ready,
-has loaded its checkpoint, and has finished its first step (and `at kill` just before the
+has read its checkpoint into the state dict, has set it into the model and optimizer
+(`set_state_dict`), and has finished its first step (and `at kill` just before the
 injected fault). `--floor` does what any restarted worker must do at least and exits: start,
 import torch, join the group, build the model, then copy as many bytes as this rank's state
 holds from memory into memory (printing `floor-copy <seconds>`).
@@ -203,6 +204,7 @@ def main() -> None:
         else:
             assert ck is not None
             ck.load({"model": locals_of(model_sd), "optim": locals_of(optim_sd)}, step=newest)
+        mark("read")
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         mark("loaded")
         first = newest + 1
