@@ -19,7 +19,8 @@ use hotstart_sidecar::config::Size;
 #[command(after_help = "Examples:\n  \
     hotstart demo                         # 1 GiB of state per trainer, a local directory as the store\n  \
     hotstart demo --size 256MiB --json    # smaller, with a JSON summary on stdout\n  \
-    AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ALLOW_HTTP=true hotstart demo --store s3://ckpt/demo\n\n\
+    AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ALLOW_HTTP=true hotstart demo --store s3://ckpt/demo\n  \
+    hotstart demo --chaos 200 --seed 7   # 200 random faults (4 MiB of state, a checkpoint every 10 steps)\n\n\
     Each sidecar may hold up to 6 times --size of shared memory (its own rank's newest\n\
     checkpoint and the one being saved, and the same for the replicas it holds), so the default\n\
     1 GiB needs about 20 GiB of memory in all; each checkpoint is also written to the disk tier\n\
@@ -29,19 +30,26 @@ pub struct DemoArgs {
     /// directory in the demo's working directory].
     #[arg(long)]
     store: Option<String>,
-    /// Training state (parameters and Adam moments) per trainer, e.g. 1GiB or 256MiB.
-    #[arg(long, default_value = "1GiB")]
-    size: Size,
-    /// Training steps between checkpoints.
-    #[arg(long, default_value_t = 100)]
-    every: u64,
+    /// Training state (parameters and Adam moments) per trainer, e.g. 1GiB or 256MiB [default:
+    /// 1GiB; 4MiB with --chaos].
+    #[arg(long)]
+    size: Option<Size>,
+    /// Training steps between checkpoints [default: 100; 10 with --chaos].
+    #[arg(long)]
+    every: Option<u64>,
     /// Nodes, one sidecar and one trainer each (at least 3: a node is lost and its peers must
     /// hold its replicas).
     #[arg(long, default_value_t = 3)]
     nodes: usize,
-    /// Seed of the model's initialisation and of the synthetic data.
+    /// Seed of the model's initialisation and of the synthetic data (and, with --chaos, of the
+    /// faults: the same seed replays the same fault sequence).
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Instead of the story's three faults, a random campaign of this many faults (trainers and
+    /// sidecars killed, sidecars stopped, the store down, bytes flipped on disk and in the
+    /// store, trainers stalled), with the job's invariants checked after each one.
+    #[arg(long, value_name = "N")]
+    chaos: Option<usize>,
     /// Working directory for sockets, disk tiers, logs and the default store [default: a new
     /// temporary directory, removed at the end unless --keep].
     #[arg(long)]
@@ -77,15 +85,21 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 job: args.job,
                 rank: args.rank,
                 world_size: args.world_size,
-                state_bytes: args.size.0,
+                state_bytes: args.size.map_or(1 << 30, |s| s.0),
                 seed: args.seed,
-                every: args.every,
+                every: args.every.unwrap_or(100),
                 until: args.until,
             },
         )?);
     }
     anyhow::ensure!(args.nodes >= 3, "--nodes must be at least 3");
-    anyhow::ensure!(args.every >= 4, "--every must be at least 4 steps");
+    let (size, every) = match args.chaos {
+        Some(_) => (4 << 20, 10),
+        None => (1 << 30, 100),
+    };
+    let size = args.size.map_or(size, |s| s.0);
+    let every = args.every.unwrap_or(every);
+    anyhow::ensure!(every >= 4, "--every must be at least 4 steps");
     let (dir, temp) = match &args.dir {
         Some(d) => (d.clone(), None),
         None => {
@@ -102,11 +116,14 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         dir: dir.clone(),
         store: args.store,
         nodes: args.nodes,
-        state_bytes: args.size.0,
-        every: args.every,
+        state_bytes: size,
+        every,
         seed: args.seed,
         live: !args.json,
     };
+    if let Some(faults) = args.chaos {
+        return chaos(cfg, faults, args.json, args.keep, temp);
+    }
     let result = hotstart_demo::run(&cfg);
     let keep = args.keep || result.is_err();
     if let Some(t) = temp
@@ -129,5 +146,50 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         summary.problems.is_empty() && summary.faults.iter().all(|f| f.exact),
         "the demo found problems (see above)"
     );
+    Ok(())
+}
+
+/// `hotstart demo --chaos N`: the campaign, its summary, and a failure naming the seed when an
+/// invariant broke (the working directory is then kept).
+fn chaos(
+    cfg: hotstart_demo::DemoConfig,
+    faults: usize,
+    json: bool,
+    keep: bool,
+    temp: Option<tempfile::TempDir>,
+) -> anyhow::Result<()> {
+    let dir = cfg.dir.clone();
+    let seed = cfg.seed;
+    let result =
+        hotstart_demo::chaos::run(&hotstart_demo::chaos::ChaosConfig { demo: cfg, faults });
+    let broken = !matches!(&result, Ok(s) if s.violation.is_none());
+    if let Some(t) = temp
+        && (keep || broken)
+    {
+        let kept = t.keep();
+        eprintln!(
+            "hotstart demo: logs, disk tiers and store kept in {}",
+            kept.display()
+        );
+    }
+    let summary = result.with_context(|| {
+        format!(
+            "the campaign failed (seed {seed}); logs in {}",
+            dir.display()
+        )
+    })?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        eprintln!();
+        eprint!("{}", hotstart_demo::chaos::table(&summary));
+    }
+    if let Some(v) = &summary.violation {
+        anyhow::bail!(
+            "seed {seed}: invariant {} broken: {}",
+            hotstart_demo::chaos::RULES[v.rule.min(hotstart_demo::chaos::RULES.len() - 1)],
+            v.detail
+        );
+    }
     Ok(())
 }

@@ -39,6 +39,8 @@ pub struct Layout {
     pub state_bytes: u64,
     pub seed: u64,
     pub every: u64,
+    /// How long a SIGTERMed sidecar may drain (`--grace`).
+    pub grace: Duration,
 }
 
 /// A message from the trainers' reader threads.
@@ -177,7 +179,7 @@ impl Cluster {
                 "--recovery-timeout",
                 "20s",
                 "--grace",
-                "60s",
+                &format!("{}s", l.grace.as_secs().max(1)),
             ])
             .env("HOTSTART_CLUSTER_TOKEN", &self.token)
             .env("HOTSTART_LOG", "info")
@@ -328,6 +330,44 @@ impl Cluster {
             kill(&mut n.child)?;
         }
         Ok(())
+    }
+
+    /// SIGTERMs node `i`'s sidecar (it drains) and waits for it to exit; its exit status.
+    pub fn terminate_node(&mut self, i: usize, timeout: Duration) -> Result<ExitStatus> {
+        let Some(mut n) = self.nodes[i].take() else {
+            return Err(Error::Protocol(format!("node {i} is not running")));
+        };
+        // SAFETY: kill(2) with the pid of our own unreaped child: it cannot be recycled.
+        unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = n.child.try_wait().map_err(|e| Error::io("wait", e))? {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                kill(&mut n.child)?;
+                return Err(Error::Timeout(format!("sidecar {} to drain", n.id)));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends `signal` (SIGSTOP, SIGCONT) to rank `rank`'s trainer; false when it is not running.
+    pub fn signal_trainer(&mut self, rank: usize, signal: i32) -> bool {
+        let Some(t) = self.trainers[rank].as_mut() else {
+            return false;
+        };
+        if !matches!(t.child.try_wait(), Ok(None)) {
+            return false;
+        }
+        // SAFETY: kill(2) with the pid of our own child, not yet reaped (checked just above, and
+        // only this thread reaps it): the pid cannot have been recycled.
+        unsafe { libc::kill(t.child.id() as i32, signal) == 0 }
+    }
+
+    /// The process id of node `i`'s sidecar, when it runs.
+    pub fn node_pid(&self, i: usize) -> Option<u32> {
+        self.nodes[i].as_ref().map(|n| n.child.id())
     }
 
     /// SIGTERMs every sidecar (they drain persistence) and waits for them to exit.

@@ -9,7 +9,11 @@
 //! ([`scenario`] tells the story): a trainer killed, a whole node killed, a corrupt chunk on disk
 //! found when every node restarts. [`cluster`] runs the processes; [`view`] shows progress (live
 //! on a terminal) and checks every restore and every replayed step as events arrive.
+//!
+//! [`chaos`] runs the same cluster under a random fault campaign drawn from a seed
+//! (`hotstart demo --chaos N --seed S`), checking the job's invariants after every fault.
 
+pub mod chaos;
 pub mod cluster;
 pub mod event;
 pub mod model;

@@ -36,7 +36,7 @@ use crate::cluster::{Cluster, Msg};
 use crate::view::{TIERS, View};
 use crate::{DemoConfig, Error, Result};
 
-const JOB: &str = "demo";
+pub(crate) const JOB: &str = "demo";
 /// The steps a trainer is past a checkpoint when it is killed.
 const PAST: u64 = 3;
 
@@ -106,19 +106,26 @@ pub struct Summary {
     pub seconds: f64,
 }
 
-struct Demo {
-    cluster: Cluster,
-    view: View,
-    faults: Vec<FaultReport>,
-    every: u64,
+pub(crate) struct Demo {
+    pub(crate) cluster: Cluster,
+    pub(crate) view: View,
+    pub(crate) faults: Vec<FaultReport>,
+    pub(crate) every: u64,
     /// Trainers that will exit on their own (they were given a last step).
-    finishing: Vec<bool>,
+    pub(crate) finishing: Vec<bool>,
+    /// Per rank, the newest trainer generation whose stdout has closed.
+    pub(crate) closed: Vec<u32>,
 }
 
 impl Demo {
     /// Takes in events and metrics until `done(view)`, failing after `timeout` or when a trainer
     /// exits that was not told to.
-    fn until(&mut self, what: &str, timeout: Duration, done: impl Fn(&View) -> bool) -> Result<()> {
+    pub(crate) fn until(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&View) -> bool,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut drawn = Instant::now() - Duration::from_secs(1);
         loop {
@@ -136,6 +143,7 @@ impl Demo {
                 Ok(Msg::Event(e)) => self.view.apply(e),
                 Ok(Msg::Closed { rank, generation }) => {
                     let r = rank as usize;
+                    self.closed[r] = self.closed[r].max(generation);
                     if generation == self.cluster.trainer_generation(r)
                         && self.cluster.trainers[r].is_some()
                     {
@@ -159,19 +167,19 @@ impl Demo {
         }
     }
 
-    fn refresh(&mut self) {
+    pub(crate) fn refresh(&mut self) {
         for i in 0..self.view.metrics.len() {
             self.view.metrics[i] = self.cluster.metrics(i);
         }
         self.view.draw();
     }
 
-    fn ranks(&self) -> usize {
+    pub(crate) fn ranks(&self) -> usize {
         self.view.ranks.len()
     }
 
     /// Starts every trainer (to `until`, or until killed).
-    fn start_trainers(&mut self, until: Option<u64>) -> Result<()> {
+    pub(crate) fn start_trainers(&mut self, until: Option<u64>) -> Result<()> {
         for r in 0..self.ranks() {
             self.finishing[r] = until.is_some();
             self.cluster.start_trainer(r, until)?;
@@ -179,7 +187,7 @@ impl Demo {
         Ok(())
     }
 
-    fn kill_trainers(&mut self) -> Result<()> {
+    pub(crate) fn kill_trainers(&mut self) -> Result<()> {
         for r in 0..self.ranks() {
             self.cluster.kill_trainer(r)?;
             self.view.ranks[r].running = false;
@@ -268,13 +276,13 @@ impl Demo {
         Ok(())
     }
 
-    fn steps(&self) -> Vec<u64> {
+    pub(crate) fn steps(&self) -> Vec<u64> {
         self.view.ranks.iter().map(|r| r.step).collect()
     }
 }
 
 /// Where a rank's chunks came from, in words.
-fn describe_sources(chunks: &[String]) -> String {
+pub(crate) fn describe_sources(chunks: &[String]) -> String {
     let mut counts: BTreeMap<usize, (&str, usize)> = BTreeMap::new();
     for c in chunks {
         let order = TIERS.iter().position(|t| t == c).unwrap_or(TIERS.len());
@@ -318,7 +326,7 @@ fn corrupt(file: &std::path::Path) -> Result<u64> {
 /// sidecar halfway: the sidecars' memory budgets must fit in the memory available now, and the
 /// disk tiers plus a local store (two complete steps and one being written, per rank and tier)
 /// in the free space of the working directory.
-fn preflight(cfg: &DemoConfig, layout: &crate::cluster::Layout) -> Result<()> {
+pub(crate) fn preflight(cfg: &DemoConfig, layout: &crate::cluster::Layout) -> Result<()> {
     let n = cfg.nodes as u64;
     let memory = n * layout.memory_budget;
     if let Some(available) = mem_available()
@@ -375,27 +383,34 @@ fn free_bytes(dir: &std::path::Path) -> Option<u64> {
         .map(|st| st.f_bavail * st.f_frsize)
 }
 
-pub fn run(cfg: &DemoConfig) -> Result<Summary> {
-    let started = Instant::now();
-    let n = cfg.nodes;
-    let e = cfg.every;
+/// The layout of the demo's cluster for `cfg` (the store a directory under `cfg.dir` unless set).
+pub(crate) fn layout(cfg: &DemoConfig) -> crate::cluster::Layout {
     let store = match &cfg.store {
         Some(s) => s.clone(),
         None => cfg.dir.join("store").display().to_string(),
     };
-    let layout = crate::cluster::Layout {
+    crate::cluster::Layout {
         exe: cfg.exe.clone(),
         dir: cfg.dir.clone(),
-        nodes: n,
-        store: store.clone(),
+        nodes: cfg.nodes,
+        store,
         // The newest committed step of the node's own rank and one being staged, and the same
         // for each of the (at most two) ranks whose replicas the ring places on this node.
         memory_budget: cfg.state_bytes.saturating_mul(6) + (512 << 20),
         job: JOB.into(),
         state_bytes: cfg.state_bytes,
         seed: cfg.seed,
-        every: e,
-    };
+        every: cfg.every,
+        grace: Duration::from_secs(60),
+    }
+}
+
+pub fn run(cfg: &DemoConfig) -> Result<Summary> {
+    let started = Instant::now();
+    let n = cfg.nodes;
+    let e = cfg.every;
+    let layout = layout(cfg);
+    let store = layout.store.clone();
     preflight(cfg, &layout)?;
     let mut demo = Demo {
         cluster: Cluster::new(layout)?,
@@ -403,6 +418,7 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         faults: Vec::new(),
         every: e,
         finishing: vec![false; n],
+        closed: vec![0; n],
     };
     let res = story(&mut demo, cfg);
     demo.view.finish();

@@ -53,6 +53,8 @@ pub struct Rank {
     pub losses: BTreeMap<u64, u32>,
     pub saved: BTreeMap<u64, Saved>,
     pub restores: Vec<Restore>,
+    /// When the rank last started with no checkpoint to restore.
+    pub fresh: Option<Instant>,
     /// Losses of steps trained again after a restore, compared with the first time.
     pub replayed: u64,
 }
@@ -144,7 +146,10 @@ impl View {
                 rank.state_bytes = state_bytes;
                 rank.running = true;
             }
-            Event::Fresh { .. } => {}
+            Event::Fresh { .. } => {
+                rank.step = 0;
+                rank.fresh = Some(Instant::now());
+            }
             Event::Restored {
                 step,
                 sources,

@@ -1,0 +1,365 @@
+//! The campaign's checker: which copies of each checkpoint survive the faults so far, and the
+//! invariants a restore, the sidecars' memory and the processes must keep.
+//!
+//! **Copies.** The trainers report every tier that committed a step ([`View`] keeps them per
+//! rank and step). The [`Ledger`] adds what the faults destroyed: a sidecar killed or stopped
+//! takes its memory tier with it, and with it every replica it held for other ranks (which peer
+//! holds a replica is the ring's choice, so a replica counts as lost when *any* other node went
+//! down after it was reported); a node replaced with an empty disk takes that disk's copies;
+//! a flipped byte spoils that tier's copy of that rank's step. A step is *held* when every rank
+//! has at least one reported copy of it that no fault destroyed. Retention and recycling only
+//! ever drop a step once a newer one is complete, so the newest held step is always reachable;
+//! the store counts only when the nodes hold no complete step, as the sidecar lists the store
+//! only then ([`Ledger::newest_held`]).
+//!
+//! **Invariants** (numbered as in the campaign's summary):
+//! 1. a restored state is bit-exact (blake3 equal to the hash at save) and a restore never fails
+//!    while a copy survives;
+//! 2. every rank restores the same step, and it is at least the newest held step (never an
+//!    older one while a newer complete one is reachable);
+//! 3. steps trained again after a restore give the same losses, bit for bit;
+//! 4. a sidecar never holds more than its budget (`hotstart_memory_peak_bytes`), and once saves
+//!    drain its memory and its open shared-memory segments are back to a steady size that does
+//!    not depend on how long the campaign ran;
+//! 5. nothing hangs: every wait ends within its timeout, and a SIGTERMed sidecar drains and
+//!    exits 0;
+//! 6. a failed persist or replication never stops training: no trainer exits on its own, and
+//!    the store tier takes new steps again once it is back.
+
+use std::collections::BTreeSet;
+
+use crate::cluster::Metrics;
+use crate::view::{TIERS, View};
+
+/// The invariants, as the summary names them.
+pub const RULES: [&str; 6] = [
+    "1. every persisted step is restorable bit-exact while a copy survives",
+    "2. a restore returns the newest complete reachable step",
+    "3. steps trained again reproduce the recorded losses bit for bit",
+    "4. memory budgets hold and memory returns to a steady size",
+    "5. no hangs: every wait ends within its timeout",
+    "6. failed persists never stop training",
+];
+
+/// A broken invariant.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Violation {
+    /// Index into [`RULES`].
+    pub rule: usize,
+    pub detail: String,
+}
+
+impl Violation {
+    pub fn new(rule: usize, detail: impl Into<String>) -> Violation {
+        Violation {
+            rule,
+            detail: detail.into(),
+        }
+    }
+
+    /// The violation for an error the harness met (a timeout, a process that exited, a
+    /// problem the view found).
+    pub fn from_error(e: &crate::Error) -> Violation {
+        use crate::Error;
+        match e {
+            Error::Timeout(_) => Violation::new(4, e.to_string()),
+            Error::Exited { what, .. } if what.starts_with("trainer") => {
+                Violation::new(5, format!("{e} (a trainer stopped on its own)"))
+            }
+            Error::Check(p) if p.contains("trained again") => Violation::new(2, p.clone()),
+            Error::Check(p) => Violation::new(0, p.clone()),
+            other => Violation::new(4, format!("the campaign could not go on: {other}")),
+        }
+    }
+}
+
+/// Copies destroyed by faults.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    /// (rank, step, tier)
+    lost: BTreeSet<(usize, u64, &'static str)>,
+}
+
+impl Ledger {
+    /// Node `node`'s sidecar is gone: its memory tier, and every replica it may have held.
+    pub fn lose_memory(&mut self, view: &View, node: usize) {
+        for (r, rank) in view.ranks.iter().enumerate() {
+            for (&step, saved) in &rank.saved {
+                if r == node && saved.done.contains_key("memory") {
+                    self.lost.insert((r, step, "memory"));
+                }
+                if r != node && saved.done.contains_key("peer") {
+                    self.lost.insert((r, step, "peer"));
+                }
+            }
+        }
+    }
+
+    /// Node `node` starts again with an empty disk.
+    pub fn lose_disk(&mut self, view: &View, node: usize) {
+        if let Some(rank) = view.ranks.get(node) {
+            for (&step, saved) in &rank.saved {
+                if saved.done.contains_key("disk") {
+                    self.lost.insert((node, step, "disk"));
+                }
+            }
+        }
+    }
+
+    /// One tier's copy of one rank's step is spoilt.
+    pub fn spoil(&mut self, rank: usize, step: u64, tier: &'static str) {
+        self.lost.insert((rank, step, tier));
+    }
+
+    /// Whether rank `rank` has a surviving copy of `step` in `tier`. Retention is modelled as
+    /// the nodes run it: a disk tier holds only its own rank's files, so it keeps the newest
+    /// [`KEEP`] steps of that rank whatever the other ranks did; the store keeps the newest
+    /// [`KEEP`] steps complete in it and every step newer than those.
+    fn holds(&self, view: &View, rank: usize, step: u64, tier: &'static str) -> bool {
+        let done = |r: usize, s: u64| {
+            view.ranks[r]
+                .saved
+                .get(&s)
+                .is_some_and(|x| x.done.contains_key(tier))
+        };
+        if !done(rank, step) || self.lost.contains(&(rank, step, tier)) {
+            return false;
+        }
+        let newer = view.ranks[rank].saved.range(step + 1..).map(|(s, _)| *s);
+        match tier {
+            "disk" => newer.filter(|s| done(rank, *s)).count() < KEEP,
+            "store" => {
+                newer
+                    .filter(|s| (0..view.ranks.len()).all(|r| done(r, *s)))
+                    .count()
+                    < KEEP
+            }
+            _ => true,
+        }
+    }
+
+    /// Per rank, the tiers whose reported copy of `step` survives, in words.
+    pub fn surviving(&self, view: &View, step: u64) -> String {
+        (0..view.ranks.len())
+            .map(|r| {
+                let tiers: Vec<&str> = TIERS
+                    .iter()
+                    .copied()
+                    .filter(|t| self.holds(view, r, step, t))
+                    .collect();
+                format!("rank {r}: {}", tiers.join("+"))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The newest step every rank still holds a copy of in one of `tiers`.
+    fn newest_in(&self, view: &View, tiers: &[&'static str]) -> Option<u64> {
+        let first = view.ranks.first()?;
+        first.saved.keys().rev().copied().find(|&s| {
+            (0..view.ranks.len()).all(|r| tiers.iter().any(|t| self.holds(view, r, s, t)))
+        })
+    }
+
+    /// The step a restore must return at least: the newest step every rank holds in the
+    /// nodes' memory and disks. That is the sidecar's rule (docs/SEMANTICS.md, the sidecar's
+    /// tenet 5): it lists the store only when the nodes hold no complete step, so that a store
+    /// that is down cannot stall a restart. A newer step whose only copy of some rank is in the
+    /// store is passed over for an older one complete in memory or on disk. The ledger's view
+    /// of the nodes is conservative (a replica counts as lost when any peer went down), so it
+    /// cannot tell that the nodes hold nothing, and sets no bound from the store.
+    pub fn newest_held(&self, view: &View) -> Option<u64> {
+        self.newest_in(view, &["memory", "peer", "disk"])
+    }
+}
+
+/// Complete steps the disk and store tiers keep (the sidecar's default `--keep`).
+pub const KEEP: usize = 2;
+
+/// Invariant 2 for a restart: every rank `restored` (None: started fresh) the same step, and
+/// no older than `held`.
+pub fn restore_is_newest(restored: &[Option<u64>], held: Option<u64>) -> Result<(), Violation> {
+    if let Some(r) = restored.iter().position(|s| *s != restored[0]) {
+        return Err(Violation::new(
+            1,
+            format!(
+                "ranks resumed from different steps: rank 0 from {:?}, rank {r} from {:?}",
+                restored[0], restored[r]
+            ),
+        ));
+    }
+    if let Some(h) = held
+        && restored[0].is_none_or(|s| s < h)
+    {
+        return Err(Violation::new(
+            1,
+            format!(
+                "the job resumed from {} while step {h} was complete in a reachable tier",
+                restored[0].map_or("scratch".to_string(), |s| format!("step {s}"))
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Invariant 4 at any moment: no sidecar ever held more than its budget.
+pub fn within_budget(node: usize, m: &Metrics) -> Result<(), Violation> {
+    let budget = m.get("hotstart_memory_budget_bytes");
+    let peak = m.get("hotstart_memory_peak_bytes");
+    let used = m.get("hotstart_memory_used_bytes");
+    if budget > 0.0 && (peak > budget || used > budget) {
+        return Err(Violation::new(
+            3,
+            format!(
+                "node {node} held {peak} bytes at its peak ({used} now), over its budget of {budget}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// What a sidecar holds once saves have drained.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Resident {
+    pub used_bytes: f64,
+    pub shards: f64,
+    /// Shared-memory segments the process has open (memfds among its descriptors).
+    pub segments: usize,
+}
+
+impl Resident {
+    pub fn of(m: &Metrics, pid: Option<u32>) -> Resident {
+        Resident {
+            used_bytes: m.get("hotstart_memory_used_bytes"),
+            shards: m.get("hotstart_memory_shards{origin=\"local\"}")
+                + m.get("hotstart_memory_shards{origin=\"replica\"}"),
+            segments: pid.map_or(0, memfds),
+        }
+    }
+}
+
+/// Shared-memory segments (memfds) process `pid` holds open.
+pub fn memfds(pid: u32) -> usize {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return 0;
+    };
+    dir.flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:"))
+        })
+        .count()
+}
+
+/// Invariant 4 once saves drained: a node holds at most `steps` steps of each rank it holds
+/// (its own and the replicas the ring gives it: at most every rank) and a segment being
+/// prepared per local rank, whatever the campaign did before.
+pub fn steady(
+    node: usize,
+    r: &Resident,
+    ranks: usize,
+    steps: usize,
+    segment_bytes: u64,
+) -> Result<(), Violation> {
+    let max_shards = (ranks * steps) as f64;
+    let max_segments = ranks * steps + 2;
+    let max_bytes = (ranks * steps + 2) as f64 * segment_bytes as f64;
+    if r.shards > max_shards || r.segments > max_segments || r.used_bytes > max_bytes {
+        return Err(Violation::new(
+            3,
+            format!(
+                "node {node} holds {} shards in {} segments, {} bytes, once saves drained; \
+                 steady is at most {max_shards} shards, {max_segments} segments, {max_bytes} bytes",
+                r.shards, r.segments, r.used_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::Event;
+
+    fn persisted(view: &mut View, rank: u32, step: u64, tier: &str) {
+        view.apply(Event::Persisted {
+            rank,
+            step,
+            tier: tier.into(),
+            seconds: 0.1,
+            error: None,
+        });
+    }
+
+    #[test]
+    fn a_step_is_held_while_every_rank_keeps_a_copy() {
+        let mut v = View::new(2, false);
+        for r in 0..2 {
+            persisted(&mut v, r, 10, "memory");
+            persisted(&mut v, r, 10, "disk");
+            persisted(&mut v, r, 20, "memory");
+            persisted(&mut v, r, 20, "peer");
+        }
+        let mut l = Ledger::default();
+        assert_eq!(l.newest_held(&v), Some(20));
+        // A newer step only rank 1 holds nowhere but in the store does not count while the
+        // nodes hold a complete one.
+        persisted(&mut v, 0, 30, "memory");
+        persisted(&mut v, 1, 30, "store");
+        assert_eq!(l.newest_held(&v), Some(20));
+        // Node 0 lost: rank 0's memory copy and rank 1's replica (wherever it was) are gone;
+        // rank 0's replica of 20 on node 1 survives.
+        l.lose_memory(&v, 0);
+        assert_eq!(l.newest_held(&v), Some(20));
+        // Then node 1 too: step 20 is gone everywhere, step 10 survives on disk.
+        l.lose_memory(&v, 1);
+        assert_eq!(l.newest_held(&v), Some(10));
+        l.spoil(1, 10, "disk");
+        assert_eq!(l.newest_held(&v), None);
+        // A disk keeps its rank's newest two steps, whatever the other ranks did.
+        let mut w = View::new(2, false);
+        for s in [10, 20, 30] {
+            persisted(&mut w, 0, s, "disk");
+        }
+        persisted(&mut w, 1, 10, "disk");
+        assert_eq!(Ledger::default().newest_held(&w), None);
+    }
+
+    #[test]
+    fn restores_older_than_the_newest_held_step_break_rule_2() {
+        assert!(restore_is_newest(&[Some(20), Some(20)], Some(20)).is_ok());
+        assert!(restore_is_newest(&[Some(30), Some(30)], Some(20)).is_ok());
+        assert!(restore_is_newest(&[None, None], None).is_ok());
+        assert_eq!(
+            restore_is_newest(&[Some(10), Some(10)], Some(20))
+                .unwrap_err()
+                .rule,
+            1
+        );
+        assert_eq!(
+            restore_is_newest(&[None, None], Some(20)).unwrap_err().rule,
+            1
+        );
+        assert_eq!(
+            restore_is_newest(&[Some(20), Some(10)], None)
+                .unwrap_err()
+                .rule,
+            1
+        );
+    }
+
+    #[test]
+    fn budget_and_steady_size() {
+        let m = Metrics::parse(
+            "hotstart_memory_budget_bytes 100\nhotstart_memory_peak_bytes 101\nhotstart_memory_used_bytes 50\n",
+        );
+        assert_eq!(within_budget(0, &m).unwrap_err().rule, 3);
+        let r = Resident {
+            used_bytes: 40.0,
+            shards: 4.0,
+            segments: 5,
+        };
+        assert!(steady(0, &r, 2, 2, 10).is_ok());
+        assert_eq!(steady(0, &r, 1, 2, 10).unwrap_err().rule, 3);
+    }
+}
