@@ -66,6 +66,37 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class Timed:
+    """Timed saves (`save()` → `wait_staged()`, each save waited for in full before the next)
+    and loads into `into` of one Checkpointer's state `src`."""
+
+    def __init__(self, ck: "hotstart.Checkpointer", src: Dict[str, torch.Tensor], device: str) -> None:
+        self.ck, self.src, self.device, self.step = ck, src, device, 0
+        self.into = {k: torch.empty_like(v) for k, v in src.items()}
+
+    def save(self) -> float:
+        self.step += 1
+        sync(self.device)
+        t = time.perf_counter()
+        h = self.ck.save(self.step, self.src)
+        h.wait_staged()
+        took = time.perf_counter() - t
+        h.wait()
+        return took
+
+    def load(self) -> float:
+        for v in self.into.values():
+            v.zero_()
+        sync(self.device)
+        t = time.perf_counter()
+        self.ck.load(self.into)
+        sync(self.device)
+        took = time.perf_counter() - t
+        if not same(self.src, self.into):
+            raise SystemExit("the restored device tensors differ from the saved ones")
+        return took
+
+
 def same(a: Dict[str, torch.Tensor], b: Dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and torch.equal(a[k].cpu().view(torch.uint8), b[k].cpu().view(torch.uint8))
@@ -117,35 +148,13 @@ def stall_rows(tmp: Path, gib: float, runs: int, device: str) -> Dict[str, float
     rows["raw D2H into pinned memory (s)"] = median_of(runs, raw_d2h)
 
     with hotstart.Checkpointer(local_dir=tmp / f"stall-{gib}", job="stall", keep=1, rank=0, world_size=1) as ck:
-        step = [0]
-
-        def save() -> float:
-            step[0] += 1
-            sync(device)
-            t = time.perf_counter()
-            h = ck.save(step[0], src)
-            h.wait_staged()
-            took = time.perf_counter() - t
-            h.wait()
-            return took
-
-        save()  # the first save allocates and registers its staging memory
-        rows["hotstart save() → wait_staged() (s)"] = median_of(runs, save)
-
+        timed = Timed(ck, src, device)
+        timed.save()  # the first save allocates and registers its staging memory
+        rows["hotstart save() → wait_staged() (s)"] = median_of(runs, timed.save)
         # Restore into device tensors, from disk (the engine's tier) and the raw H2D copy.
-        into = {k: torch.empty_like(v) for k, v in src.items()}
-
-        def load() -> float:
-            sync(device)
-            t = time.perf_counter()
-            ck.load(into)
-            sync(device)
-            return time.perf_counter() - t
-
-        rows["hotstart load() into device tensors, local disk tier (s)"] = median_of(runs, load)
-        if not same(src, into):
-            raise SystemExit("the restored device tensors differ from the saved ones")
-        (file,) = (tmp / f"stall-{gib}" / "stall" / f"step-{step[0]}").glob("rank-0.safetensors")
+        rows["hotstart load() into device tensors, local disk tier (s)"] = median_of(runs, timed.load)
+        into = timed.into
+        (file,) = (tmp / f"stall-{gib}" / "stall" / f"step-{timed.step}").glob("rank-0.safetensors")
         # The engine reads with O_DIRECT: compare with a read whose pages are dropped first (cold,
         # like for like), and show the page cache's speed beside it.
         rows["read the same file into memory, cold, one thread (s)"] = median_of(runs, lambda: read_file(file, cold=True))
@@ -259,41 +268,15 @@ def sidecar_rows(tmp: Path, gib: float, runs: int, device: str, binary: Path) ->
                 raise SystemExit(f"the sidecar did not start:\n{(where / 'sidecar.log').read_text()}")
             time.sleep(0.05)
         with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1) as ck:
-            step = [0]
-
-            def save() -> float:
-                step[0] += 1
-                sync(device)
-                t = time.perf_counter()
-                h = ck.save(step[0], src)
-                h.wait_staged()
-                took = time.perf_counter() - t
-                h.wait()
-                return took
-
-            save()
-            rows["sidecar: save() → wait_staged() (s)"] = median_of(runs, save)
-            into = {k: torch.empty_like(v) for k, v in src.items()}
-
-            def load() -> float:
-                sync(device)
-                t = time.perf_counter()
-                ck.load(into)
-                sync(device)
-                return time.perf_counter() - t
-
-            rows["sidecar: load() into device tensors, from its memory (s)"] = median_of(runs, load)
-            if not same(src, into):
-                raise SystemExit("the device tensors restored through the sidecar differ from the saved ones")
+            timed = Timed(ck, src, device)
+            timed.save()
+            rows["sidecar: save() → wait_staged() (s)"] = median_of(runs, timed.save)
+            rows["sidecar: load() into device tensors, from its memory (s)"] = median_of(runs, timed.load)
         # The same restore copying over every core (the default is at most 8 threads).
         cores = os.cpu_count() or 1
-        # (`load` reads `ck` when called: the new Checkpointer.)
         with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1, threads=cores) as ck:
-            for t in into.values():
-                t.zero_()
-            rows[f"sidecar: load() into device tensors, {cores} threads (s)"] = median_of(runs, load)
-            if not same(src, into):
-                raise SystemExit("the device tensors restored through the sidecar differ from the saved ones")
+            timed.ck = ck
+            rows[f"sidecar: load() into device tensors, {cores} threads (s)"] = median_of(runs, timed.load)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
