@@ -305,9 +305,9 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
         ));
         c
     };
-    let stage = |c: &mut Conn<FdStream>| {
+    let stage = |c: &mut Conn<FdStream>, step: u64| {
         c.send(&LocalMsg::Stage {
-            step: 1,
+            step,
             len: file.len() as u64,
             wait: false,
             ahead: false,
@@ -334,7 +334,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     // segment out. A restore cannot seal it, drops it from memory and finds nothing else (no
     // other tier here).
     let mut c = attach();
-    let seg = stage(&mut c);
+    let seg = stage(&mut c, 1);
     let map = write(&seg, &file);
     drop(seg);
     c.send(&LocalMsg::Filled {
@@ -352,7 +352,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     drop((map, c, r));
     // A commit before the segment was said to be filled: refused, not held.
     let mut c = attach();
-    let seg = stage(&mut c);
+    let seg = stage(&mut c, 1);
     drop(write(&seg, &file));
     drop(seg);
     c.send(&LocalMsg::Commit).unwrap();
@@ -360,7 +360,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     assert!(why.contains("commit before filled"), "{why}");
     // A manifest of another rank: refused.
     let mut c = attach();
-    let seg = stage(&mut c);
+    let seg = stage(&mut c, 1);
     drop(write(&seg, &file));
     drop(seg);
     let other = manifest
@@ -371,7 +371,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     assert!(!refused(&mut c).is_empty());
     // A training process that dies mid-stage: nothing held, its memory given back.
     let mut c = attach();
-    let seg = stage(&mut c);
+    let seg = stage(&mut c, 1);
     drop(seg);
     drop(c);
     // The honest way works, and nothing from the liars was kept.
@@ -396,18 +396,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     // whole, so the sidecar commits the step all the same.
     let fill_and_go = |step: u64, keep_mapped: bool| {
         let mut c = attach();
-        c.send(&LocalMsg::Stage {
-            step,
-            len: file.len() as u64,
-            wait: false,
-            ahead: false,
-        })
-        .unwrap();
-        assert!(matches!(
-            c.recv::<LocalMsg>().unwrap(),
-            LocalMsg::Segment { .. }
-        ));
-        let seg = Segment::from_fd(c.take_fd().unwrap()).unwrap();
+        let seg = stage(&mut c, step);
         let map = write(&seg, &file);
         drop(seg);
         c.send(&LocalMsg::Filled {
