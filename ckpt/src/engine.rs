@@ -14,7 +14,7 @@
 //! alone (they may still be persisting, here or on another rank). Steps this engine is still
 //! persisting are never touched.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -240,6 +240,7 @@ impl Engine {
                 sidecar,
                 skipped: AtomicU64::new(0),
                 persisting: Mutex::new(BTreeSet::new()),
+                asked: Mutex::new((0, BTreeMap::new())),
                 gc_lock: Mutex::new(()),
                 gpu,
             }),

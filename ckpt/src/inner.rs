@@ -3,7 +3,7 @@
 //! the save pipeline (`crate::save`) and loads (`crate::load`) all work on; and what it decides
 //! itself: which steps are complete, and retention after each save.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -40,6 +40,10 @@ pub(crate) struct Inner {
     pub(crate) sidecar: Option<Client>,
     pub(crate) skipped: AtomicU64,
     pub(crate) persisting: Mutex<BTreeSet<u64>>,
+    /// When each step was last asked to be saved through this engine, in order (a counter and
+    /// the step's number from it): a save of step S asked after one of T > S means the job
+    /// went back to an older step (it restored one) and trains again.
+    pub(crate) asked: Mutex<(u64, BTreeMap<u64, u64>)>,
     pub(crate) gc_lock: Mutex<()>,
     /// Per-device contexts and copy streams, made on first use.
     pub(crate) gpu: Arc<Gpu>,
@@ -92,12 +96,16 @@ impl Inner {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(step);
+        let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+        asked.0 += 1;
+        let n = asked.0;
+        asked.1.insert(step, n);
     }
 
     /// Retention on every tier in `persisted`, after `step` reached them.
     pub(crate) fn retention(&self, step: u64, persisted: Vec<&dyn Tier>) {
         for tier in persisted {
-            if let Err(e) = self.gc_tier(tier) {
+            if let Err(e) = self.gc_tier_after(tier, Some(step)) {
                 warn!(step, tier = %tier.kind(), error = %e, "retention failed");
             }
         }
@@ -210,13 +218,44 @@ impl Inner {
 
     /// Retention on one tier; the steps removed.
     pub(crate) fn gc_tier(&self, tier: &dyn Tier) -> Result<Vec<u64>> {
+        self.gc_tier_after(tier, None)
+    }
+
+    /// Retention on `tier`, after a save of `saved` reached it (`None`: `hotstart ckpt gc`).
+    ///
+    /// After a save of S, this rank's copies of steps newer than S that were asked for before
+    /// S (or by an earlier process) are stale: the job went back to an older step and trains
+    /// again, so they belong to a run it abandoned. They are removed (this rank's files only,
+    /// never a step still persisting or asked for again since), and the rule of
+    /// [`retention::plan`] applies to the rest: without this, the newest `keep` steps by number
+    /// would be the abandoned ones, and retention would remove the step just saved.
+    pub(crate) fn gc_tier_after(&self, tier: &dyn Tier, saved: Option<u64>) -> Result<Vec<u64>> {
         let _g = self.gc_lock.lock().unwrap_or_else(PoisonError::into_inner);
         if self.keep == 0 {
             return Ok(Vec::new());
         }
         let per_rank = self.disk_per_rank && tier.kind() == TierKind::Disk;
+        let busy = self
+            .persisting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let stale = |s: u64| {
+            let Some(saved) = saved.filter(|&saved| s > saved) else {
+                return false;
+            };
+            let asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+            let order = |step: u64| asked.1.get(&step).copied();
+            !busy.contains(&s) && order(s) < order(saved)
+        };
         let mut steps = Vec::new();
+        let mut removed = Vec::new();
         for s in tier.list_steps(&self.job)? {
+            if stale(s) {
+                tier.remove_rank(&self.job, s, self.rank)?;
+                removed.push(s);
+                continue;
+            }
             let done = if per_rank {
                 self.read_manifest(tier, s).is_ok_and(|m| m.is_some())
             } else {
@@ -225,12 +264,6 @@ impl Inner {
             steps.push((s, done));
         }
         let plan = retention::plan(&steps, self.keep);
-        let busy = self
-            .persisting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        let mut removed = Vec::new();
         for s in plan.removed {
             if !busy.contains(&s) {
                 tier.remove_rank(&self.job, s, self.rank)?;

@@ -301,3 +301,58 @@ fn manifest_of_another_rank_and_world_size() {
     assert!(missing.is_not_found(), "{missing}");
     assert!(single.manifest(7, 0).unwrap_err().is_not_found());
 }
+
+/// A job that went back to an older step (it restored one) and trains again: once its save of
+/// that step is persisted, this rank's copies of the newer steps of the abandoned run are
+/// removed, and retention keeps the steps of the run that goes on, never the one just saved.
+#[test]
+fn a_save_after_going_back_removes_the_abandoned_newer_steps() {
+    let disk = tempfile::tempdir().unwrap();
+    let store_dir = tempfile::tempdir().unwrap();
+    let open = || {
+        let store = hotstart_store::Store::open(store_dir.path().to_str().unwrap()).unwrap();
+        let mut cfg = config("back").disk(disk.path()).store(store);
+        cfg.keep = 2;
+        engine(cfg)
+    };
+    let set = |step: u64| sample_tensors(step, 1 << 10);
+    let first = open();
+    for step in [10, 20, 30, 40] {
+        first
+            .save(step, to_tensors(&set(step)), extras(step))
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    first.wait_idle(); // retention follows each save's persistence
+    for tier in [TierKind::Disk, TierKind::Store] {
+        assert_eq!(first.complete_steps(tier).unwrap(), vec![30, 40]);
+    }
+    drop(first);
+    // A new process resumed from step 20 (say 30 and 40 were incomplete on another rank).
+    let second = open();
+    second
+        .save(20, to_tensors(&set(20)), extras(20))
+        .unwrap()
+        .wait()
+        .unwrap();
+    second.wait_idle();
+    for tier in [TierKind::Disk, TierKind::Store] {
+        assert_eq!(second.complete_steps(tier).unwrap(), vec![20], "{tier}");
+    }
+    let l = second.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_eq!(l.step, 20);
+    assert_loaded(&l, &set(20), &extras(20));
+    // The run goes on: its own newer steps are kept as usual.
+    for step in [30, 40] {
+        second
+            .save(step, to_tensors(&set(step)), extras(step))
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    second.wait_idle();
+    for tier in [TierKind::Disk, TierKind::Store] {
+        assert_eq!(second.complete_steps(tier).unwrap(), vec![30, 40], "{tier}");
+    }
+}
