@@ -615,7 +615,16 @@ impl Campaign {
         let e = self.d.every;
         let n = self.d.ranks();
         self.stop_trainers()?;
-        let last = (self.d.steps().into_iter().max().unwrap_or(0) / e + 2) * e;
+        // Past every step any rank has saved, in any run the job went back from: the check below
+        // asks for this step to be the newest with every tier done.
+        let saved = self
+            .d
+            .view
+            .ranks
+            .iter()
+            .filter_map(|r| r.saved.keys().last().copied());
+        let newest = self.d.steps().into_iter().chain(saved).max().unwrap_or(0);
+        let last = (newest / e + 2) * e;
         self.d.view.say(format!(
             "the campaign is over: the job trains to step {last}, persisted everywhere"
         ));
