@@ -659,7 +659,7 @@ impl Campaign {
                     resident.segments,
                     crate::bytes(resident.used_bytes as u64)
                 ));
-                check::steady(i, &resident, n, 3, segment)?;
+                check::steady(i, &resident, 1, segment)?;
                 self.checks[3] += 1;
             }
         }

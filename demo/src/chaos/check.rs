@@ -19,8 +19,9 @@
 //!    older one while a newer complete one is reachable);
 //! 3. steps trained again after a restore give the same losses, bit for bit;
 //! 4. a sidecar never holds more than its budget (`hotstart_memory_peak_bytes`), and once saves
-//!    drain its memory and its open shared-memory segments are back to a steady size that does
-//!    not depend on how long the campaign ran;
+//!    drain it holds nothing but committed shards and a segment prepared per local rank: no
+//!    segment or byte left behind by a fault, whatever the campaign did (the tier keeps older
+//!    steps while its budget allows, as docs/SEMANTICS.md says);
 //! 5. nothing hangs: every wait ends within its timeout, and a SIGTERMed sidecar drains and
 //!    exits 0;
 //! 6. a failed persist or replication never stops training: no trainer exits on its own, and
@@ -222,6 +223,8 @@ pub fn within_budget(node: usize, m: &Metrics) -> Result<(), Violation> {
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct Resident {
     pub used_bytes: f64,
+    pub peak_bytes: f64,
+    pub budget: f64,
     pub shards: f64,
     /// Shared-memory segments the process has open (memfds among its descriptors).
     pub segments: usize,
@@ -231,6 +234,8 @@ impl Resident {
     pub fn of(m: &Metrics, pid: Option<u32>) -> Resident {
         Resident {
             used_bytes: m.get("hotstart_memory_used_bytes"),
+            peak_bytes: m.get("hotstart_memory_peak_bytes"),
+            budget: m.get("hotstart_memory_budget_bytes"),
             shards: m.get("hotstart_memory_shards{origin=\"local\"}")
                 + m.get("hotstart_memory_shards{origin=\"replica\"}"),
             segments: pid.map_or(0, memfds),
@@ -250,26 +255,30 @@ pub fn memfds(pid: u32) -> usize {
         .count()
 }
 
-/// Invariant 4 once saves drained: a node holds at most `steps` steps of each rank it holds
-/// (its own and the replicas the ring gives it: at most every rank) and a segment being
-/// prepared per local rank, whatever the campaign did before.
+/// Invariant 4 once saves drained. The memory tier keeps what its budget holds (older steps
+/// stay as restore points until memory is wanted), so steady means: within the budget, at its
+/// peak too, and nothing held but committed shards and a segment prepared per local rank (no
+/// segment, and no byte, left behind by the faults).
 pub fn steady(
     node: usize,
     r: &Resident,
-    ranks: usize,
-    steps: usize,
+    local_ranks: usize,
     segment_bytes: u64,
 ) -> Result<(), Violation> {
-    let max_shards = (ranks * steps) as f64;
-    let max_segments = ranks * steps + 2;
-    let max_bytes = (ranks * steps + 2) as f64 * segment_bytes as f64;
-    if r.shards > max_shards || r.segments > max_segments || r.used_bytes > max_bytes {
+    let max_segments = r.shards as usize + local_ranks + 1;
+    let max_bytes = (r.shards + local_ranks as f64 + 1.0) * segment_bytes as f64;
+    if r.used_bytes > r.budget
+        || r.peak_bytes > r.budget
+        || r.segments > max_segments
+        || r.used_bytes > max_bytes
+    {
         return Err(Violation::new(
             3,
             format!(
-                "node {node} holds {} shards in {} segments, {} bytes, once saves drained; \
-                 steady is at most {max_shards} shards, {max_segments} segments, {max_bytes} bytes",
-                r.shards, r.segments, r.used_bytes
+                "node {node} holds {} bytes (peak {}, budget {}) in {} segments for {} shards once \
+                 saves drained; steady is within the budget, with at most {max_segments} segments \
+                 and {max_bytes} bytes",
+                r.used_bytes, r.peak_bytes, r.budget, r.segments, r.shards
             ),
         ));
     }
@@ -355,11 +364,26 @@ mod tests {
         );
         assert_eq!(within_budget(0, &m).unwrap_err().rule, 3);
         let r = Resident {
-            used_bytes: 40.0,
+            used_bytes: 50.0,
+            peak_bytes: 90.0,
+            budget: 100.0,
             shards: 4.0,
             segments: 5,
         };
-        assert!(steady(0, &r, 2, 2, 10).is_ok());
-        assert_eq!(steady(0, &r, 1, 2, 10).unwrap_err().rule, 3);
+        assert!(steady(0, &r, 1, 10).is_ok());
+        // A segment that is neither a shard nor a prepared one: left behind.
+        let leaked = Resident { segments: 7, ..r };
+        assert_eq!(steady(0, &leaked, 1, 10).unwrap_err().rule, 3);
+        // Bytes beyond what the shards and a prepared segment take.
+        let grown = Resident {
+            used_bytes: 70.0,
+            ..r
+        };
+        assert_eq!(steady(0, &grown, 1, 10).unwrap_err().rule, 3);
+        let over = Resident {
+            peak_bytes: 101.0,
+            ..r
+        };
+        assert_eq!(steady(0, &over, 1, 10).unwrap_err().rule, 3);
     }
 }
