@@ -192,6 +192,11 @@ def main() -> None:
     else:
         assert ck is not None
         newest = ck.latest_step()
+    # Every rank resumes from the step rank 0 found: each asks its own node's sidecar (or
+    # lists the directory), and two nodes may see a step's completion a moment apart.
+    chosen = [newest]
+    dist.broadcast_object_list(chosen, src=0)
+    newest = chosen[0]
     if newest is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
         mark("ready")
