@@ -39,7 +39,7 @@ pub use check::{RULES, Violation};
 pub use plan::{Fault, FileTier, Moment, Planned};
 
 use crate::cluster::{Cluster, Msg};
-use crate::scenario::{Demo, JOB};
+use crate::scenario::{Demo, JOB, flip_byte};
 use crate::view::{TIERS, View};
 use crate::{DemoConfig, Error, Result};
 use check::Ledger;
@@ -711,23 +711,6 @@ impl Campaign {
         }
         Ok(())
     }
-}
-
-/// Flips byte `at` of `file` (and makes it durable).
-fn flip_byte(file: &std::path::Path, at: u64) -> Result<()> {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(file)
-        .map_err(|e| Error::io("open the file to corrupt", e))?;
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, at)
-        .map_err(|e| Error::io("read", e))?;
-    f.write_all_at(&[b[0] ^ 0x5A], at)
-        .map_err(|e| Error::io("write", e))?;
-    f.sync_all().map_err(|e| Error::io("sync", e))?;
-    Ok(())
 }
 
 /// The summary as text, for people.

@@ -304,21 +304,29 @@ pub(crate) fn describe_sources(chunks: &[String]) -> String {
 
 /// Flips one byte in the middle of `file`; the offset.
 fn corrupt(file: &std::path::Path) -> Result<u64> {
+    let len = std::fs::metadata(file)
+        .map_err(|e| Error::io("stat the file to corrupt", e))?
+        .len();
+    let at = len / 2;
+    flip_byte(file, at)?;
+    Ok(at)
+}
+
+/// Flips byte `at` of `file` (and makes it durable).
+pub(crate) fn flip_byte(file: &std::path::Path, at: u64) -> Result<()> {
     use std::os::unix::fs::FileExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(file)
         .map_err(|e| Error::io("open the file to corrupt", e))?;
-    let len = f.metadata().map_err(|e| Error::io("stat", e))?.len();
-    let at = len / 2;
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, at)
         .map_err(|e| Error::io("read", e))?;
     f.write_all_at(&[b[0] ^ 0x5A], at)
         .map_err(|e| Error::io("write", e))?;
     f.sync_all().map_err(|e| Error::io("sync", e))?;
-    Ok(at)
+    Ok(())
 }
 
 /// Runs the whole demo.
