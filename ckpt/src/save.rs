@@ -12,7 +12,10 @@
 //!    caller's tensors are dropped and the handle is marked staged (the caller may now change
 //!    them). A step the sidecar already holds ([`Input::Staged`]) is not staged again.
 //! 3. *Hash* every `chunk_size` chunk with blake3 over the same threads, after staging, so it
-//!    never slows the copy that training waits for; the manifest follows.
+//!    never slows the copy that training waits for; the manifest follows. A sidecar's segment is
+//!    not hashed here: before the handle says staged, the sidecar is told the segment is filled
+//!    (with the manifest, its hashes left to the sidecar, which hashes what it keeps anyway), and
+//!    from then on the step survives this process.
 //! 4. *Sink*: the engine's own tiers (disk and store) start writing the file as soon as its first
 //!    bytes are staged (the disk tier in pieces behind the copies, the store tier once the whole
 //!    file is there) and write the manifest, the commit, after it; retention follows each tier
