@@ -157,10 +157,20 @@ impl View {
                 hash,
                 ..
             } => {
-                let exact = rank.saved.get(&step).is_some_and(|s| s.hash == hash);
+                let saved = rank.saved.entry(step).or_default();
+                // A trainer killed right after its save was staged never reported the state's
+                // hash, yet the sidecar keeps the step (it survives from `wait_staged` on). Its
+                // first restore sets the hash: the losses of the steps trained again from it
+                // must then equal the first run's (a wrong state would not give them), and every
+                // later restore of the step must give this hash.
+                if saved.hash.is_empty() {
+                    saved.hash = hash.clone();
+                }
+                let exact = saved.hash == hash;
                 if !exact {
                     self.problems.push(format!(
-                        "rank {r}: the state restored from step {step} differs from the state saved"
+                        "rank {r}: the state restored from step {step} differs from the state saved ({hash} restored, {} saved)",
+                        saved.hash
                     ));
                 }
                 rank.step = step;

@@ -271,6 +271,11 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
         };
         let res: Result<()> = match msg {
             PeerMsg::Inventory { job } => {
+                // A peer asks while a restart is deciding its step: the commits of saves whose
+                // processes went away after staging count, as they do for this node's own.
+                if let Some(job) = job.as_deref() {
+                    core.adopting.wait(job, core.cfg.stage_timeout);
+                }
                 let shards = core.inventory(job.as_deref());
                 conn.send(&PeerMsg::Held { shards }).map_err(Error::from)
             }
