@@ -394,19 +394,8 @@ impl Campaign {
                 self.store_down()?;
                 self.pause(Duration::from_millis(millis))?;
                 self.store_up()?;
-                let at = Instant::now();
                 // Rule 6: training went on, and the store takes new steps again.
-                let newest = self.newest_saved();
-                self.d
-                    .until("the store tier to take a new step", LONG, |v| {
-                        v.ranks
-                            .iter()
-                            .zip(&newest)
-                            .all(|(r, n)| r.newest_in(&["store"]).is_some_and(|s| s > *n))
-                    })?;
-                self.checks[5] += 1;
-                self.recovered(kind, at);
-                self.rebase();
+                self.new_step_in("store", "the store tier to take a new step", kind)?;
             }
             Fault::FlipByte { tier, rank, pick } => return Ok(Some(self.flip(tier, rank, pick)?)),
             Fault::SlowTrainer { rank, millis } => {
@@ -416,21 +405,27 @@ impl Campaign {
                 let stopped = self.pause(Duration::from_millis(millis));
                 self.d.cluster.signal_trainer(rank, libc::SIGCONT);
                 stopped?;
-                let at = Instant::now();
-                let newest = self.newest_saved();
-                self.d
-                    .until("a new step in every rank's memory", LONG, |v| {
-                        v.ranks
-                            .iter()
-                            .zip(&newest)
-                            .all(|(r, n)| r.newest_in(&["memory"]).is_some_and(|s| s > *n))
-                    })?;
-                self.checks[5] += 1;
-                self.recovered(kind, at);
-                self.rebase();
+                self.new_step_in("memory", "a new step in every rank's memory", kind)?;
             }
         }
         Ok(None)
+    }
+
+    /// Waits for every rank to have a step newer than the one it had saved in `tier` (training
+    /// went on through the fault), then counts the fault of `kind` recovered.
+    fn new_step_in(&mut self, tier: &str, what: &str, kind: &'static str) -> Step {
+        let at = Instant::now();
+        let newest = self.newest_saved();
+        self.d.until(what, LONG, |v| {
+            v.ranks
+                .iter()
+                .zip(&newest)
+                .all(|(r, n)| r.newest_in(&[tier]).is_some_and(|s| s > *n))
+        })?;
+        self.checks[5] += 1;
+        self.recovered(kind, at);
+        self.rebase();
+        Ok(())
     }
 
     /// Per rank, the newest step it has saved.
@@ -617,12 +612,7 @@ impl Campaign {
         self.stop_trainers()?;
         // Past every step any rank has saved, in any run the job went back from: the check below
         // asks for this step to be the newest with every tier done.
-        let saved = self
-            .d
-            .view
-            .ranks
-            .iter()
-            .filter_map(|r| r.saved.keys().last().copied());
+        let saved = self.newest_saved();
         let newest = self.d.steps().into_iter().chain(saved).max().unwrap_or(0);
         let last = (newest / e + 2) * e;
         self.d.view.say(format!(

@@ -163,19 +163,7 @@ fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
     let l1 = engine.load(StepSel::Step(1), Destination::Owned).unwrap();
     assert_loaded(&l1, &sets[0], &extras(1));
     // Into caller buffers: one copy, every byte.
-    let mut outs: Vec<Vec<u8>> = sets[1].iter().map(|t| vec![0u8; t.3.len()]).collect();
-    let bufs = sets[1]
-        .iter()
-        .zip(&mut outs)
-        .map(|(t, out)| (t.0.clone(), &mut out[..]))
-        .collect();
-    let l = engine
-        .load(StepSel::Latest, Destination::Buffers(bufs))
-        .unwrap();
-    assert!(l.tensors.is_empty());
-    for (t, out) in sets[1].iter().zip(&outs) {
-        assert!(out == &t.3, "{}", t.0);
-    }
+    load_into_buffers(&engine, StepSel::Latest, &sets[1]);
     // Buffers decided from the restored step's manifest, in the same single request.
     let mut planned: Vec<(String, Vec<u8>)> = Vec::new();
     let slot = &mut planned;

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use hotstart_ckpt::{Dtype, Engine, EngineConfig, Extras, Loaded, Tensor};
+use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, Extras, Loaded, StepSel, Tensor};
 use hotstart_store::Store;
 use hotstart_testkit::SeaweedFs;
 
@@ -83,4 +83,25 @@ pub fn config(job: &str) -> EngineConfig {
 
 pub fn engine(cfg: EngineConfig) -> Engine {
     Engine::new(cfg).expect("engine")
+}
+
+/// Loads `which` into a caller buffer for every tensor of `set`, asserts each buffer holds the
+/// tensor's bytes and that nothing came back owned; the load's result (its chunk sources).
+pub fn load_into_buffers(
+    engine: &Engine,
+    which: StepSel,
+    set: &[(String, Dtype, Vec<u64>, Vec<u8>)],
+) -> Loaded {
+    let mut outs: Vec<Vec<u8>> = set.iter().map(|t| vec![0u8; t.3.len()]).collect();
+    let bufs = set
+        .iter()
+        .zip(&mut outs)
+        .map(|(t, out)| (t.0.clone(), &mut out[..]))
+        .collect();
+    let l = engine.load(which, Destination::Buffers(bufs)).unwrap();
+    assert!(l.tensors.is_empty());
+    for (t, out) in set.iter().zip(&outs) {
+        assert!(out == &t.3, "bytes of {} differ", t.0);
+    }
+    l
 }
