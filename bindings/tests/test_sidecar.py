@@ -85,7 +85,7 @@ KILLED_AFTER_STAGING = textwrap.dedent(
     ck.save(1, {"w": np.full(1 << 20, 1, np.uint8)}).wait()
     state = {"w": np.random.default_rng(2).integers(0, 255, 64 << 20, dtype=np.uint8)}
     ck.save(2, state).wait_staged()
-    # Killed while the save thread still hashes step 2: before its commit.
+    # Killed at once: usually before the save thread has committed step 2.
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
@@ -93,7 +93,10 @@ KILLED_AFTER_STAGING = textwrap.dedent(
 
 def test_a_trainer_killed_right_after_wait_staged_keeps_that_step(sidecar: Sidecar, tmp_path: Path) -> None:
     """`wait_staged()` through a sidecar is the point from which a save survives its process:
-    the sidecar commits a step whose bytes were all in place when the process died."""
+    the sidecar commits a step whose bytes were all in place when the process died. Whether the
+    kill lands before or after the process's own commit is a race; either way the step must load
+    bit-exact. The sidecar's own commit of a filled segment is tested without the race in
+    sidecar/tests/sidecar.rs."""
     script = tmp_path / "trainer.py"
     script.write_text(KILLED_AFTER_STAGING)
     proc = subprocess.run([sys.executable, str(script), str(sidecar.socket), "py-staged"],
@@ -107,7 +110,6 @@ def test_a_trainer_killed_right_after_wait_staged_keeps_that_step(sidecar: Sidec
     assert ck.latest_step() == 2, sidecar.log.read_text()[-3000:]
     got = ck.load()
     assert np.array_equal(got["w"], np.random.default_rng(2).integers(0, 255, 64 << 20, dtype=np.uint8))
-    assert "the sidecar committed its save" in sidecar.log.read_text()
     ck.close()
 
 
