@@ -5,7 +5,9 @@
 //! as long as the sidecar holds it: a [`Charge`] is taken before the segment exists and given
 //! back when it is dropped. Charges are whole pages. The budget is never exceeded: a request
 //! that does not fit first evicts, then waits (up to a deadline) for memory that is about to be
-//! freed, then is refused with [`Error::Budget`].
+//! freed, then is refused with [`Error::Budget`]. A shard it evicted that someone still reads
+//! frees its memory when they let go: the request waits for that (a moment, even with no
+//! deadline of its own) before it evicts more or gives up.
 //!
 //! **Recycling.** A training process stages each save into a segment that was prepared ahead
 //! (see `super::local`); in the steady state that is the segment of an older step of the same
@@ -44,6 +46,10 @@ use hotstart_ckpt::proto::wire::{Held, ShardInfo};
 
 /// Charges are rounded up to whole pages of this size.
 const PAGE: u64 = 4096;
+
+/// How long a request waits for the memory of shards it evicted while someone still read them
+/// (an inventory, a transfer, a restore) before it evicts more or is refused.
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
 
 /// A rank's file of one step.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -206,6 +212,8 @@ impl Memory {
     pub fn reserve(self: &Arc<Self>, len: u64, wait: Duration, what: &str) -> Result<Charge> {
         let need = pages(len);
         let deadline = Instant::now() + wait;
+        // Until when shards just evicted may still be let go of by whoever reads them.
+        let mut releasing = None;
         let mut s = self.lock();
         loop {
             if s.used.saturating_add(need) <= self.budget {
@@ -216,6 +224,19 @@ impl Memory {
                     bytes: need,
                 });
             }
+            if let Some(left) = releasing
+                .map(|r: Instant| r.saturating_duration_since(Instant::now()))
+                .filter(|l| !l.is_zero())
+            {
+                // Evicting more now would take steps the memory about to come back makes room
+                // for; refusing would fail a request that fits in a moment.
+                s = self
+                    .freed
+                    .wait_timeout(s, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+                continue;
+            }
             let short = need.saturating_add(s.used) - self.budget;
             let victims = evict(&mut s, short);
             if !victims.is_empty() {
@@ -224,7 +245,13 @@ impl Memory {
                 for v in &victims {
                     info!(shard = %v.key, bytes = v.len(), "evicted from memory");
                 }
+                let read_elsewhere = victims
+                    .iter()
+                    .any(|v| Arc::strong_count(v) > 1 || Arc::strong_count(&v.seg) > 1);
                 drop(victims);
+                if read_elsewhere {
+                    releasing = Some(Instant::now() + RELEASE_WAIT);
+                }
                 s = self.lock();
                 continue;
             }
@@ -530,6 +557,28 @@ mod tests {
             .to_string();
         assert!(err.contains("larger than the whole budget"), "{err}");
         assert_eq!(mem.stats().refusals, 2);
+    }
+
+    #[test]
+    fn memory_of_an_evicted_shard_still_being_read_is_waited_for_not_evicted_around() {
+        let mem = Memory::new(4 * 8192, "me");
+        for step in 1..=4 {
+            mem.insert(shard(&mem, "j", 0, step, 8192).unwrap());
+        }
+        // Someone reads every shard (an inventory, a transfer) while a request with no wait
+        // of its own needs one more page: it evicts step 1 only, and gets the page when the
+        // reader lets go.
+        let read = mem.shards(Some("j"));
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(read);
+        });
+        let charge = mem.reserve(8192, Duration::ZERO, "replica").unwrap();
+        reader.join().unwrap();
+        assert_eq!(steps(&mem, 0), vec![2, 3, 4]);
+        assert_eq!(mem.stats().evictions, 1);
+        drop(charge);
+        assert_eq!(mem.stats().used, 3 * 8192);
     }
 
     fn taken(r: Recycled) -> Segment {
