@@ -6,6 +6,7 @@ mod env_cmd;
 mod image_cmd;
 mod mount_cmd;
 mod serve_cmd;
+mod snapshotter_cmd;
 mod store_cmd;
 
 use clap::{Parser, Subcommand};
@@ -50,13 +51,15 @@ enum Command {
     /// Dependency snapshots: restore an installed environment instead of reinstalling it.
     #[command(subcommand)]
     Env(env_cmd::EnvCommand),
+    /// Serve container snapshots to containerd (a proxy snapshotter on a unix socket).
+    Snapshotter(snapshotter_cmd::SnapshotterArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // The daemon logs what it does (state changes, restores and where they came from).
     let default_filter = match cli.command {
-        Command::Serve(_) => "info",
+        Command::Serve(_) | Command::Snapshotter(_) => "info",
         _ => "warn",
     };
     tracing_subscriber::fmt()
@@ -92,6 +95,7 @@ fn main() -> std::process::ExitCode {
             Command::Demo(_) => Err(anyhow::anyhow!("the demo runs without an async runtime")),
             Command::Image(cmd) => image_cmd::run(cmd).await,
             Command::Env(cmd) => env_cmd::run(cmd).await,
+            Command::Snapshotter(args) => snapshotter_cmd::run(args).await,
         }
     });
     exit(result)

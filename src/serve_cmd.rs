@@ -97,7 +97,7 @@ pub struct ServeArgs {
     threads: Option<usize>,
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     match (
         signal(SignalKind::terminate()),

@@ -248,3 +248,71 @@ fn dockerfile_exposes_the_daemons_default_ports_and_runs_it() {
     assert!(text.contains(r#"ENTRYPOINT ["/usr/local/bin/hotstart"]"#));
     assert!(text.contains(r#"CMD ["serve"]"#));
 }
+
+#[test]
+fn snapshotter_deployments_agree_with_the_command() {
+    let help = Command::new(env!("CARGO_BIN_EXE_hotstart"))
+        .args(["snapshotter", "--help"])
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    let help = String::from_utf8(help.stdout).unwrap();
+    let (root_dir, socket) = (
+        "/var/lib/hotstart/snapshotter",
+        "/run/hotstart/snapshotter.sock",
+    );
+    for default in [root_dir, socket] {
+        assert!(help.contains(&format!("[default: {default}]")), "{help}");
+    }
+
+    // containerd's proxy plugin and the systemd unit name the same socket and root.
+    let config = std::fs::read_to_string(root().join("deploy/containerd/config.toml")).unwrap();
+    let plugin = config
+        .split("[proxy_plugins.hotstart]")
+        .nth(1)
+        .expect("config.toml: no [proxy_plugins.hotstart]");
+    assert!(plugin.contains("type = \"snapshot\""), "{plugin}");
+    assert!(
+        plugin.contains(&format!("address = \"{socket}\"")),
+        "{plugin}"
+    );
+    assert!(config.contains("snapshotter = \"hotstart\""));
+    let unit =
+        std::fs::read_to_string(root().join("deploy/containerd/hotstart-snapshotter.service"))
+            .unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("the unit has an ExecStart");
+    assert!(
+        exec.ends_with(&format!("snapshotter --root {root_dir} --socket {socket}")),
+        "{exec}"
+    );
+
+    // The DaemonSet runs it with the host's state directory and socket directory.
+    let docs = documents(&root().join("deploy/kubernetes/snapshotter-daemonset.yaml"));
+    let ds = docs
+        .iter()
+        .find(|d| d.get("kind").and_then(Value::as_str) == Some("DaemonSet"))
+        .expect("a DaemonSet");
+    let pod = at(ds, "spec.template.spec");
+    let c = named(at(pod, "containers"), "snapshotter");
+    let args: Vec<&str> = at(c, "args")
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        args,
+        ["snapshotter", "--root", root_dir, "--socket", socket]
+    );
+    for (volume, path) in [("state", root_dir), ("socket", "/run/hotstart")] {
+        assert_eq!(
+            str_at(named(at(pod, "volumes"), volume), "hostPath.path"),
+            path
+        );
+        assert_eq!(mount_of(c, volume), Some(path));
+    }
+    assert_eq!(at(c, "securityContext.privileged").as_bool(), Some(true));
+}

@@ -29,6 +29,8 @@ pub mod mount;
 pub mod prefetch;
 pub mod profile;
 pub mod report;
+#[cfg(feature = "containerd")]
+pub mod snapshotter;
 pub mod warm;
 
 pub use build::{BuildConfig, Source};

@@ -24,12 +24,16 @@
 //! [`spawn_tied`] spawns any child that way (sidecars and trainers in end-to-end tests), and
 //! [`get`] is a plain HTTP GET (a sidecar's `/metrics`).
 //!
+//! [`Containerd`] is a private containerd (own root, state and socket) with a proxy snapshotter
+//! plugged in, driven through `ctr`.
+//!
 //! [`tree`] has a sample directory with every kind of entry and a walk that compares two
 //! trees, for the tests of trees, images and snapshots.
 //!
 //! Only std, libc and tempfile are used: the helpers speak plain HTTP/1.1 over `TcpStream`
 //! (unsigned requests, which SeaweedFS accepts when it has no identities configured).
 
+mod containerd;
 mod data;
 mod http;
 mod locate;
@@ -37,6 +41,7 @@ mod seaweedfs;
 mod spawn;
 pub mod tree;
 
+pub use containerd::Containerd;
 pub use data::pattern;
 pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};

@@ -605,7 +605,7 @@ fn process_alive(pid: libc::pid_t) -> bool {
 }
 
 /// Whether the CI variable asks for no skipping.
-fn ci() -> bool {
+pub(crate) fn ci() -> bool {
     env::var("CI").is_ok_and(|v| {
         let v = v.trim();
         !v.is_empty() && !v.eq_ignore_ascii_case("false") && v != "0"
