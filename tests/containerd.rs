@@ -274,7 +274,10 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
             break;
         }
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("unavailable") && Instant::now() < deadline, "{err}");
+        assert!(
+            err.contains("unavailable") && Instant::now() < deadline,
+            "{err}"
+        );
         std::thread::sleep(Duration::from_millis(250));
     }
     let usage = c.ctr_ok(&["snapshots", "--snapshotter", "hotstart", "usage"]);

@@ -9,13 +9,30 @@
 
 pub mod state;
 
+/// containerd's Snapshots service (generated; see the files' headers).
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod api {
+    pub mod types {
+        include!("api/containerd.types.rs");
+    }
+    pub mod services {
+        pub mod snapshots {
+            pub mod v1 {
+                include!("api/containerd.services.snapshots.v1.rs");
+            }
+        }
+    }
+}
+
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use containerd_snapshots::tonic::{self, Status};
-use containerd_snapshots::{Info, Kind as CtrKind, Snapshotter, Usage as CtrUsage, api};
+use api::services::snapshots::v1 as pb;
+use pb::snapshots_server::{Snapshots as SnapshotsApi, SnapshotsServer};
+use tonic::{Request, Response, Status};
 use tracing::{debug, info};
 
 pub use state::{Kind, Mount, Record, SnapshotError, Snapshots};
@@ -49,27 +66,36 @@ impl Service {
     async fn run<T: Send + 'static>(
         &self,
         call: impl FnOnce(&Snapshots) -> Result<T, SnapshotError> + Send + 'static,
-    ) -> Result<T, Status> {
+    ) -> Result<Response<T>, Status> {
         let s = self.snapshots.clone();
         tokio::task::spawn_blocking(move || call(&s))
             .await
             .map_err(|e| Status::internal(format!("snapshotter task failed: {e}")))?
+            .map(Response::new)
             .map_err(Status::from)
     }
 }
 
-fn info(key: String, r: Record) -> Info {
-    Info {
-        kind: match r.kind {
-            Kind::View => CtrKind::View,
-            Kind::Active => CtrKind::Active,
-            Kind::Committed => CtrKind::Committed,
-        },
+fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    prost_types::Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+fn info(key: String, r: Record) -> pb::Info {
+    pb::Info {
         name: key,
         parent: r.parent,
+        kind: match r.kind {
+            Kind::View => pb::Kind::View,
+            Kind::Active => pb::Kind::Active,
+            Kind::Committed => pb::Kind::Committed,
+        } as i32,
+        created_at: Some(timestamp(r.created)),
+        updated_at: Some(timestamp(r.updated)),
         labels: r.labels.into_iter().collect(),
-        created_at: r.created,
-        updated_at: r.updated,
     }
 }
 
@@ -90,96 +116,134 @@ fn labels(l: HashMap<String, String>) -> BTreeMap<String, String> {
 }
 
 #[tonic::async_trait]
-impl Snapshotter for Service {
-    type Error = Status;
-
-    async fn stat(&self, key: String) -> Result<Info, Status> {
-        self.run(move |s| s.stat(&key).map(|r| info(key, r))).await
-    }
-
-    async fn update(&self, i: Info, paths: Option<Vec<String>>) -> Result<Info, Status> {
+impl SnapshotsApi for Service {
+    async fn prepare(
+        &self,
+        r: Request<pb::PrepareSnapshotRequest>,
+    ) -> Result<Response<pb::PrepareSnapshotResponse>, Status> {
+        let r = r.into_inner();
+        debug!(key = %r.key, parent = %r.parent, "prepare");
         self.run(move |s| {
-            s.update(&i.name, labels(i.labels), &paths.unwrap_or_default())
-                .map(|r| info(i.name, r))
+            let mounts = to_api(s.prepare(&r.key, &r.parent, labels(r.labels))?);
+            Ok(pb::PrepareSnapshotResponse { mounts })
         })
         .await
     }
 
-    async fn usage(&self, key: String) -> Result<CtrUsage, Status> {
-        let u = self.run(move |s| s.usage(&key)).await?;
-        Ok(CtrUsage {
-            inodes: u.inodes,
-            size: u.size,
-        })
-    }
-
-    async fn mounts(&self, key: String) -> Result<Vec<api::types::Mount>, Status> {
-        self.run(move |s| s.mounts(&key)).await.map(to_api)
-    }
-
-    async fn prepare(
-        &self,
-        key: String,
-        parent: String,
-        l: HashMap<String, String>,
-    ) -> Result<Vec<api::types::Mount>, Status> {
-        debug!(%key, %parent, "prepare");
-        self.run(move |s| s.prepare(&key, &parent, labels(l)))
-            .await
-            .map(to_api)
-    }
-
     async fn view(
         &self,
-        key: String,
-        parent: String,
-        l: HashMap<String, String>,
-    ) -> Result<Vec<api::types::Mount>, Status> {
-        debug!(%key, %parent, "view");
-        self.run(move |s| s.view(&key, &parent, labels(l)))
-            .await
-            .map(to_api)
+        r: Request<pb::ViewSnapshotRequest>,
+    ) -> Result<Response<pb::ViewSnapshotResponse>, Status> {
+        let r = r.into_inner();
+        debug!(key = %r.key, parent = %r.parent, "view");
+        self.run(move |s| {
+            let mounts = to_api(s.view(&r.key, &r.parent, labels(r.labels))?);
+            Ok(pb::ViewSnapshotResponse { mounts })
+        })
+        .await
     }
 
-    async fn commit(
+    async fn mounts(
         &self,
-        name: String,
-        key: String,
-        l: HashMap<String, String>,
-    ) -> Result<(), Status> {
-        debug!(%name, %key, "commit");
-        self.run(move |s| s.commit(&name, &key, labels(l))).await
+        r: Request<pb::MountsRequest>,
+    ) -> Result<Response<pb::MountsResponse>, Status> {
+        let key = r.into_inner().key;
+        self.run(move |s| {
+            let mounts = to_api(s.mounts(&key)?);
+            Ok(pb::MountsResponse { mounts })
+        })
+        .await
     }
 
-    async fn remove(&self, key: String) -> Result<(), Status> {
+    async fn commit(&self, r: Request<pb::CommitSnapshotRequest>) -> Result<Response<()>, Status> {
+        let r = r.into_inner();
+        debug!(name = %r.name, key = %r.key, "commit");
+        self.run(move |s| s.commit(&r.name, &r.key, labels(r.labels)))
+            .await
+    }
+
+    async fn remove(&self, r: Request<pb::RemoveSnapshotRequest>) -> Result<Response<()>, Status> {
+        let key = r.into_inner().key;
         debug!(%key, "remove");
         self.run(move |s| s.remove(&key)).await
     }
 
-    async fn clear(&self) -> Result<(), Status> {
-        let n = self.run(|s| s.cleanup()).await?;
+    async fn stat(
+        &self,
+        r: Request<pb::StatSnapshotRequest>,
+    ) -> Result<Response<pb::StatSnapshotResponse>, Status> {
+        let key = r.into_inner().key;
+        self.run(move |s| {
+            let rec = s.stat(&key)?;
+            Ok(pb::StatSnapshotResponse {
+                info: Some(info(key, rec)),
+            })
+        })
+        .await
+    }
+
+    async fn update(
+        &self,
+        r: Request<pb::UpdateSnapshotRequest>,
+    ) -> Result<Response<pb::UpdateSnapshotResponse>, Status> {
+        let r = r.into_inner();
+        let i = r
+            .info
+            .ok_or_else(|| Status::invalid_argument("an update names the snapshot in its info"))?;
+        let paths = r.update_mask.map(|m| m.paths).unwrap_or_default();
+        self.run(move |s| {
+            let rec = s.update(&i.name, labels(i.labels), &paths)?;
+            Ok(pb::UpdateSnapshotResponse {
+                info: Some(info(i.name, rec)),
+            })
+        })
+        .await
+    }
+
+    type ListStream =
+        futures::stream::Iter<std::vec::IntoIter<Result<pb::ListSnapshotsResponse, Status>>>;
+
+    async fn list(
+        &self,
+        r: Request<pb::ListSnapshotsRequest>,
+    ) -> Result<Response<Self::ListStream>, Status> {
+        let filters = r.into_inner().filters;
+        let all = self.run(move |s| s.list(&filters)).await?.into_inner();
+        // In messages of at most 100 snapshots, as containerd's own snapshotters send them.
+        let mut pages = Vec::new();
+        let mut infos = all.into_iter().map(|i| info(i.key, i.record)).peekable();
+        while infos.peek().is_some() {
+            pages.push(Ok(pb::ListSnapshotsResponse {
+                info: infos.by_ref().take(100).collect(),
+            }));
+        }
+        Ok(Response::new(futures::stream::iter(pages)))
+    }
+
+    async fn usage(
+        &self,
+        r: Request<pb::UsageRequest>,
+    ) -> Result<Response<pb::UsageResponse>, Status> {
+        let key = r.into_inner().key;
+        self.run(move |s| {
+            let u = s.usage(&key)?;
+            Ok(pb::UsageResponse {
+                size: u.size,
+                inodes: u.inodes,
+            })
+        })
+        .await
+    }
+
+    async fn cleanup(&self, _: Request<pb::CleanupRequest>) -> Result<Response<()>, Status> {
+        let n = self.run(|s| s.cleanup()).await?.into_inner();
         if n > 0 {
             info!(
                 directories = n,
                 "cleanup removed directories no snapshot names"
             );
         }
-        Ok(())
-    }
-
-    type InfoStream = futures::stream::Iter<std::vec::IntoIter<Result<Info, Status>>>;
-
-    async fn list(
-        &self,
-        _snapshotter: String,
-        filters: Vec<String>,
-    ) -> Result<Self::InfoStream, Status> {
-        let all = self.run(move |s| s.list(&filters)).await?;
-        Ok(futures::stream::iter(
-            all.into_iter()
-                .map(|i| Ok(info(i.key, i.record)))
-                .collect::<Vec<_>>(),
-        ))
+        Ok(Response::new(()))
     }
 }
 
@@ -210,9 +274,7 @@ pub async fn serve(
     info!(socket = %socket.display(), root = %snapshots.root().display(), "snapshotter serving");
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
     let res = tonic::transport::Server::builder()
-        .add_service(containerd_snapshots::server(Arc::new(Service::new(
-            snapshots,
-        ))))
+        .add_service(SnapshotsServer::new(Service::new(snapshots)))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     let _ = std::fs::remove_file(socket);
