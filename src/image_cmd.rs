@@ -34,6 +34,12 @@ pub enum ImageCommand {
     Pull(PullArgs),
     /// Show an image's profile and the reports of its past mounts (hit rate, stall, waste).
     Stats(StatsArgs),
+    /// Convert an OCI image layout for `hotstart snapshotter`: each layer is stored as an image
+    /// in the store, and the new layout DEST is the same image with each layer annotated with
+    /// the image that serves it lazily. Push DEST to a registry (e.g. `ctr images import` then
+    /// `ctr images push`, or `skopeo copy oci:DEST docker://...`); nodes without the
+    /// snapshotter pull and unpack it as usual.
+    Convert(ConvertArgs),
 }
 
 /// Where the images are.
@@ -49,16 +55,25 @@ pub struct StoreArg {
 
 impl StoreArg {
     fn images(&self, cache_dir: Option<PathBuf>, cache_mib: u64) -> anyhow::Result<Images> {
-        let store =
-            Store::open(&self.store).with_context(|| format!("open store {}", self.store))?;
-        let cfg = ChunkStoreConfig {
-            concurrency: self.concurrency.max(1),
-            cache_dir,
-            cache_capacity: cache_mib << 20,
-            ..ChunkStoreConfig::default()
-        };
-        Ok(Images::new(ChunkStore::new(store, cfg)?))
+        images_at(&self.store, self.concurrency, cache_dir, cache_mib)
     }
+}
+
+/// The images in the store at `url`, through a local chunk cache in `cache_dir`.
+pub(crate) fn images_at(
+    url: &str,
+    concurrency: usize,
+    cache_dir: Option<PathBuf>,
+    cache_mib: u64,
+) -> anyhow::Result<Images> {
+    let store = Store::open(url).with_context(|| format!("open store {url}"))?;
+    let cfg = ChunkStoreConfig {
+        concurrency: concurrency.max(1),
+        cache_dir,
+        cache_capacity: cache_mib << 20,
+        ..ChunkStoreConfig::default()
+    };
+    Ok(Images::new(ChunkStore::new(store, cfg)?))
 }
 
 /// Options of `hotstart image build`.
@@ -102,6 +117,24 @@ pub struct InspectArgs {
     json: bool,
 }
 
+/// Options of `hotstart image convert`.
+#[derive(Debug, Args)]
+pub struct ConvertArgs {
+    /// The OCI image layout directory to convert.
+    source: PathBuf,
+    /// The new OCI image layout directory to write (must not exist, or be empty).
+    dest: PathBuf,
+    #[command(flatten)]
+    store: StoreArg,
+    /// Bytes per chunk, in KiB.
+    #[arg(long, default_value_t = 1024)]
+    chunk_kib: usize,
+    /// The platform to take from a multi-platform index, e.g. linux/arm64 (default: this
+    /// machine's).
+    #[arg(long)]
+    platform: Option<String>,
+}
+
 /// The local chunk cache of mounts and pulls.
 #[derive(Debug, Args)]
 pub struct CacheArgs {
@@ -112,10 +145,10 @@ pub struct CacheArgs {
         env = "HOTSTART_CHUNK_CACHE",
         default_value = "/var/tmp/hotstart/chunks"
     )]
-    cache_dir: PathBuf,
+    pub(crate) cache_dir: PathBuf,
     /// Disk the chunk cache may use, in MiB (least recently used chunks are evicted).
     #[arg(long, default_value_t = 10240)]
-    cache_mib: u64,
+    pub(crate) cache_mib: u64,
 }
 
 /// Options of `hotstart image mount`.
@@ -211,7 +244,40 @@ pub async fn run(cmd: ImageCommand) -> anyhow::Result<()> {
         ImageCommand::Mount(a) => mount(a).await,
         ImageCommand::Pull(a) => pull(a).await,
         ImageCommand::Stats(a) => stats(a).await,
+        ImageCommand::Convert(a) => convert(a).await,
     }
+}
+
+fn build_config(chunk_kib: usize, platform: &Option<String>) -> BuildConfig {
+    BuildConfig {
+        chunk_size: chunk_kib.max(1) << 10,
+        platform: platform.clone(),
+        ..BuildConfig::default()
+    }
+}
+
+async fn convert(a: ConvertArgs) -> anyhow::Result<()> {
+    let images = a.store.images(None, 0)?;
+    let cfg = build_config(a.chunk_kib, &a.platform);
+    let c = hotstart_prefetch::convert(&images, &a.source, &a.dest, &cfg)
+        .await
+        .with_context(|| format!("convert {} into {}", a.source.display(), a.dest.display()))?;
+    for l in &c.layers {
+        println!(
+            "{} {}: {} files, {}{}",
+            l.digest,
+            l.image,
+            l.counts.files,
+            human(l.counts.bytes),
+            if l.built {
+                ""
+            } else {
+                " (already in the store)"
+            }
+        );
+    }
+    println!("converted {} (manifest {})", a.dest.display(), c.manifest);
+    Ok(())
 }
 
 fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
@@ -339,11 +405,7 @@ fn print_run(r: &MountReport) {
 
 async fn build(a: BuildArgs) -> anyhow::Result<()> {
     let images = a.store.images(None, 0)?;
-    let cfg = BuildConfig {
-        chunk_size: a.chunk_kib.max(1) << 10,
-        platform: a.platform.clone(),
-        ..BuildConfig::default()
-    };
+    let cfg = build_config(a.chunk_kib, &a.platform);
     let r = images
         .build(&a.source, &a.name, &cfg)
         .await

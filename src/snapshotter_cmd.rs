@@ -4,13 +4,22 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use hotstart_prefetch::snapshotter::{self, Snapshots};
+use hotstart_fuse::MountOptions;
+use hotstart_prefetch::LazyConfig;
+use hotstart_prefetch::snapshotter::{self, Lazy, Snapshots};
+
+use crate::image_cmd::{CacheArgs, images_at};
 
 /// Serve container snapshots to containerd as a proxy plugin (gRPC on a unix socket).
 ///
 /// Snapshots are overlayfs layers in local directories under --root; their record is written
 /// durably on every change, so a restarted snapshotter serves every snapshot containerd knows
-/// of. containerd's config.toml names this socket:
+/// of. With --store, a layer converted by `hotstart image convert` is not downloaded and
+/// unpacked: its image is mounted lazily from the store instead (chunks fetched at first read,
+/// verified, the image's profile recorded and replayed). A layer that cannot be served so is
+/// unpacked by containerd as usual.
+///
+/// containerd's config.toml names this socket:
 ///
 ///   [proxy_plugins.hotstart]
 ///     type = "snapshot"
@@ -34,6 +43,15 @@ pub struct SnapshotterArgs {
         default_value = "/run/hotstart/snapshotter.sock"
     )]
     socket: PathBuf,
+    /// The store converted layers are served from (a directory, file:// or s3:// URL); without
+    /// it every layer is unpacked by containerd.
+    #[arg(long, env = "HOTSTART_STORE")]
+    store: Option<String>,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Memory for verified chunks of each lazy layer, in MiB.
+    #[arg(long, default_value_t = 256)]
+    memory_mib: u64,
 }
 
 pub async fn run(args: SnapshotterArgs) -> anyhow::Result<()> {
@@ -41,6 +59,37 @@ pub async fn run(args: SnapshotterArgs) -> anyhow::Result<()> {
     let snapshots = tokio::task::spawn_blocking(move || Snapshots::open(root))
         .await?
         .with_context(|| format!("open the snapshotter state in {}", args.root.display()))?;
-    snapshotter::serve(snapshots, &args.socket, crate::serve_cmd::shutdown_signal()).await?;
+    let lazy = match &args.store {
+        Some(url) => {
+            let images = images_at(
+                url,
+                32,
+                Some(args.cache.cache_dir.clone()),
+                args.cache.cache_mib,
+            )?;
+            let defaults = LazyConfig::default();
+            Some(Lazy::new(
+                images,
+                LazyConfig {
+                    memory_cache: args.memory_mib << 20,
+                    mount: MountOptions {
+                        // Containers run as any user; the kernel checks their permissions.
+                        allow_other: true,
+                        fs_name: "hotstart-layer".into(),
+                        ..defaults.mount.clone()
+                    },
+                    ..defaults
+                },
+            ))
+        }
+        None => None,
+    };
+    snapshotter::serve(
+        snapshots,
+        lazy,
+        &args.socket,
+        crate::serve_cmd::shutdown_signal(),
+    )
+    .await?;
     Ok(())
 }

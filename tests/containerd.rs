@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use hotstart_testkit::{Containerd, spawn_tied};
+use hotstart_testkit::{Containerd, Registry, spawn_tied};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -21,6 +21,17 @@ fn sha256(data: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect();
     format!("sha256:{hex}")
+}
+
+/// A tar header of `mode` and `size`, owned by root.
+fn header(mode: u32, size: u64) -> tar::Header {
+    let mut h = tar::Header::new_ustar();
+    h.set_mode(mode);
+    h.set_size(size);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(1_700_000_000);
+    h
 }
 
 /// An uncompressed layer tarball: directories, then `files` (path, mode, bytes).
@@ -35,17 +46,13 @@ fn layer(files: &[(String, u32, Vec<u8>)]) -> Vec<u8> {
         }
     }
     for d in dirs {
-        let mut h = tar::Header::new_ustar();
+        let mut h = header(0o755, 0);
         h.set_entry_type(tar::EntryType::Directory);
-        h.set_mode(0o755);
-        h.set_size(0);
         b.append_data(&mut h, format!("{}/", d.display()), std::io::empty())
             .unwrap();
     }
     for (path, mode, data) in files {
-        let mut h = tar::Header::new_ustar();
-        h.set_mode(*mode);
-        h.set_size(data.len() as u64);
+        let mut h = header(*mode, data.len() as u64);
         b.append_data(&mut h, path, data.as_slice()).unwrap();
     }
     b.into_inner().unwrap()
@@ -77,9 +84,19 @@ fn programs() -> Vec<(String, u32, Vec<u8>)> {
         .collect()
 }
 
-/// An OCI archive of a two-layer image named [`IMAGE`], whose command prints what the layers
-/// hold; returns its path and the bytes it should print.
-fn image_archive(dir: &Path) -> (PathBuf, String) {
+/// The image every test runs: two layers, the first with `sh`, `cat`, a greeting, a file the
+/// second removes and a few MiB of text; its command prints what the layers hold.
+struct TestImage {
+    /// The OCI layout.
+    layout: PathBuf,
+    /// The layers' digests, bottom first.
+    layers: Vec<String>,
+    /// What the command prints.
+    expect: String,
+}
+
+/// Writes [`TestImage`] as an OCI layout in `dir`, named `name`.
+fn image_layout(dir: &Path, name: &str) -> TestImage {
     // A few MiB of text, read back through the container's own upper layer.
     let big: String = (0..200_000).map(|i| format!("line {i:07}\n")).collect();
     let mut one = programs();
@@ -90,6 +107,11 @@ fn image_archive(dir: &Path) -> (PathBuf, String) {
     ));
     one.push(("etc/gone".into(), 0o644, b"removed by layer two\n".to_vec()));
     one.push(("data/big".into(), 0o644, big.clone().into_bytes()));
+    one.push((
+        "opt/old.txt".into(),
+        0o644,
+        b"hidden by layer two\n".to_vec(),
+    ));
     let two = vec![
         (
             "data/hello.txt".into(),
@@ -97,18 +119,26 @@ fn image_archive(dir: &Path) -> (PathBuf, String) {
             b"hello from layer two\n".to_vec(),
         ),
         ("etc/.wh.gone".into(), 0o644, Vec::new()),
+        ("opt/.wh..wh..opq".into(), 0o644, Vec::new()),
+        (
+            "opt/new.txt".into(),
+            0o644,
+            b"opt from layer two\n".to_vec(),
+        ),
     ];
     let layers = [layer(&one), layer(&two)];
-    let mut blobs: Vec<(String, Vec<u8>)> = Vec::new();
-    let mut add = |data: Vec<u8>| {
+    let layout = dir.join("layout");
+    let blobs = layout.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let add = |data: Vec<u8>| {
         let d = sha256(&data);
-        let size = data.len();
-        blobs.push((d.clone(), data));
-        (d, size)
+        std::fs::write(blobs.join(d.trim_start_matches("sha256:")), &data).unwrap();
+        (d, data.len())
     };
     let diff_ids: Vec<String> = layers.iter().map(|l| sha256(l)).collect();
     let script = "cat /etc/greeting /data/hello.txt; \
                   if [ -e /etc/gone ]; then echo gone-still-there; else echo gone-is-gone; fi; \
+                  if [ -e /opt/old.txt ]; then echo opaque-broken; else cat /opt/new.txt; fi; \
                   cat /data/big > /data/copy && cat /data/copy";
     let config = json!({
         "architecture": "amd64", "os": "linux",
@@ -116,10 +146,12 @@ fn image_archive(dir: &Path) -> (PathBuf, String) {
         "rootfs": {"type": "layers", "diff_ids": diff_ids},
     });
     let (cd, cs) = add(serde_json::to_vec(&config).unwrap());
+    let mut digests = Vec::new();
     let layer_descs: Vec<_> = layers
         .iter()
         .map(|l| {
             let (d, s) = add(l.clone());
+            digests.push(d.clone());
             json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": s})
         })
         .collect();
@@ -130,48 +162,63 @@ fn image_archive(dir: &Path) -> (PathBuf, String) {
         "layers": layer_descs,
     });
     let (md, ms) = add(serde_json::to_vec(&manifest).unwrap());
+    let tag = name.rsplit_once(':').map_or("latest", |(_, t)| t);
     let index = json!({
         "schemaVersion": 2,
         "manifests": [{
             "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": ms,
-            "annotations": {"io.containerd.image.name": IMAGE, "org.opencontainers.image.ref.name": "1"},
+            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag},
         }],
     });
-    let mut b = tar::Builder::new(Vec::new());
-    let mut put = |name: &str, data: &[u8]| {
-        let mut h = tar::Header::new_ustar();
-        h.set_mode(0o644);
-        h.set_size(data.len() as u64);
-        b.append_data(&mut h, name, data).unwrap();
-    };
-    put("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#);
-    put("index.json", &serde_json::to_vec(&index).unwrap());
-    for (d, data) in &blobs {
-        put(
-            &format!("blobs/sha256/{}", d.trim_start_matches("sha256:")),
-            data,
-        );
+    std::fs::write(
+        layout.join("index.json"),
+        serde_json::to_vec(&index).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        layout.join("oci-layout"),
+        br#"{"imageLayoutVersion":"1.0.0"}"#,
+    )
+    .unwrap();
+    TestImage {
+        layout,
+        layers: digests,
+        expect: format!(
+            "hello from layer one\nhello from layer two\ngone-is-gone\nopt from layer two\n{big}"
+        ),
     }
-    let path = dir.join("image.tar");
+}
+
+/// `layout` as a tarball (what `ctr images import` reads).
+fn archive(layout: &Path) -> PathBuf {
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_dir_all(".", layout).unwrap();
+    let path = layout.with_extension("tar");
     std::fs::write(&path, b.into_inner().unwrap()).unwrap();
-    let expect = format!("hello from layer one\nhello from layer two\ngone-is-gone\n{big}");
-    (path, expect)
+    path
 }
 
 struct Snapshotter {
     child: Child,
     root: PathBuf,
     socket: PathBuf,
+    args: Vec<String>,
 }
 
 impl Snapshotter {
     fn start(root: &Path, socket: &Path) -> Snapshotter {
+        Snapshotter::start_with(root, socket, &[])
+    }
+
+    /// Started with more arguments (a store to serve converted layers from).
+    fn start_with(root: &Path, socket: &Path, args: &[String]) -> Snapshotter {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_hotstart"));
         cmd.arg("snapshotter")
             .arg("--root")
             .arg(root)
             .arg("--socket")
-            .arg(socket);
+            .arg(socket)
+            .args(args);
         let mut child = spawn_tied(cmd, None).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::os::unix::net::UnixStream::connect(socket).is_err() {
@@ -185,12 +232,32 @@ impl Snapshotter {
             child,
             root: root.into(),
             socket: socket.into(),
+            args: args.to_vec(),
         }
+    }
+
+    /// Killed (-9) and started again with the same arguments.
+    fn restart(mut self) -> Snapshotter {
+        self.kill();
+        Snapshotter::start_with(&self.root.clone(), &self.socket.clone(), &self.args.clone())
     }
 
     fn kill(&mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
+    }
+
+    /// The images its lazily served layers come from.
+    fn lazy(&self) -> Vec<String> {
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.root.join("metadata.json")).unwrap())
+                .unwrap();
+        m["snapshots"]
+            .as_object()
+            .unwrap()
+            .values()
+            .filter_map(|r| r["lazy"].as_str().map(String::from))
+            .collect()
     }
 
     /// The snapshots its metadata file names: (key, kind, parent).
@@ -220,8 +287,26 @@ impl Drop for Snapshotter {
     }
 }
 
-fn run_container(c: &Containerd, id: &str) -> String {
-    c.ctr_ok(&["run", "--rm", "--snapshotter", "hotstart", IMAGE, id])
+fn run_container(c: &Containerd, image: &str, id: &str) -> String {
+    c.ctr_ok(&["run", "--rm", "--snapshotter", "hotstart", image, id])
+}
+
+/// Runs a container, retrying while containerd redials a restarted snapshotter (a backoff of
+/// at most 3 s in containerd 1.6: until then its calls fail as unavailable).
+fn run_after_restart(c: &Containerd, image: &str, id: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let out = c.ctr(&["run", "--rm", "--snapshotter", "hotstart", image, id]);
+        if out.status.success() {
+            return String::from_utf8_lossy(&out.stdout).into_owned();
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("unavailable") && Instant::now() < deadline,
+            "{err}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 #[test]
@@ -232,13 +317,15 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
     let Some(c) = Containerd::start("hotstart", &socket) else {
         return;
     };
-    let (archive, expect) = image_archive(dir.path());
+    let image = image_layout(dir.path(), IMAGE);
+    let expect = image.expect.clone();
+    let tarball = archive(&image.layout);
     c.ctr_ok(&[
         "images",
         "import",
         "--snapshotter",
         "hotstart",
-        archive.to_str().unwrap(),
+        tarball.to_str().unwrap(),
     ]);
 
     // Two committed layers, the second on the first, both in the snapshotter's record.
@@ -257,29 +344,14 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
         "{listed}"
     );
 
-    assert_eq!(run_container(&c, "first"), expect);
+    assert_eq!(run_container(&c, IMAGE, "first"), expect);
 
     // Killed and restarted: every snapshot containerd knows of is still served.
     sn.kill();
     let failed = c.ctr(&["run", "--rm", "--snapshotter", "hotstart", IMAGE, "down"]);
     assert!(!failed.status.success(), "ran with the snapshotter down");
     let sn = Snapshotter::start(&sn.root.clone(), &sn.socket.clone());
-    // containerd redials a proxy plugin with a backoff (at most 3 s in containerd 1.6): until
-    // then its calls fail as unavailable.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let out = c.ctr(&["run", "--rm", "--snapshotter", "hotstart", IMAGE, "second"]);
-        if out.status.success() {
-            assert_eq!(String::from_utf8_lossy(&out.stdout), expect);
-            break;
-        }
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            err.contains("unavailable") && Instant::now() < deadline,
-            "{err}"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    assert_eq!(run_after_restart(&c, IMAGE, "second"), expect);
     let usage = c.ctr_ok(&["snapshots", "--snapshotter", "hotstart", "usage"]);
     assert!(usage.lines().count() >= 3, "{usage}");
 
@@ -314,4 +386,202 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
         .read_to_string(&mut buf)
         .unwrap();
     assert!(buf.contains("\"snapshots\":{}"), "{buf}");
+}
+
+/// A CRI client for the one call a kubelet makes to pull an image: containerd's CRI plugin
+/// pulls with its unpacker, which hands each layer's `containerd.io/snapshot/` annotations to
+/// the snapshotter and downloads only the layers the snapshotter does not already have.
+/// (`ctr images pull` fetches every layer before it unpacks, so it never takes this path.)
+mod cri {
+    use std::path::Path;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ImageSpec {
+        #[prost(string, tag = "1")]
+        pub image: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PullImageRequest {
+        #[prost(message, optional, tag = "1")]
+        pub image: Option<ImageSpec>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PullImageResponse {
+        #[prost(string, tag = "1")]
+        pub image_ref: String,
+    }
+
+    /// `runtime.v1.ImageService/PullImage` of `image` through the CRI socket `socket`.
+    pub fn pull(socket: &Path, image: &str) -> Result<String, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let socket = socket.to_path_buf();
+        rt.block_on(async move {
+            let channel = tonic::transport::Endpoint::from_static("http://localhost")
+                .connect_with_connector(tower::service_fn(move |_| {
+                    tokio::net::UnixStream::connect(socket.clone())
+                }))
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let mut grpc = tonic::client::Grpc::new(channel);
+            grpc.ready().await.map_err(|e| format!("ready: {e}"))?;
+            let request = PullImageRequest {
+                image: Some(ImageSpec {
+                    image: image.to_string(),
+                }),
+            };
+            let codec = tonic::codec::ProstCodec::<PullImageRequest, PullImageResponse>::default();
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/runtime.v1.ImageService/PullImage",
+            );
+            grpc.unary(tonic::Request::new(request), path, codec)
+                .await
+                .map(|r| r.into_inner().image_ref)
+                .map_err(|s| s.message().to_string())
+        })
+    }
+}
+
+/// `hotstart image stats --json` of `image` in the store `store`.
+fn stats(store: &Path, image: &str) -> serde_json::Value {
+    let out = hotstart_testkit::run_ok(
+        Command::new(env!("CARGO_BIN_EXE_hotstart"))
+            .args(["image", "stats", "--json", "--store"])
+            .arg(store)
+            .arg(image),
+    );
+    serde_json::from_str(&out).unwrap()
+}
+
+/// Removes every image of the namespace (CRI names an image by its reference and by its id)
+/// and waits for containerd's garbage collection, which removes their snapshots.
+fn remove_images(c: &Containerd) {
+    let names = c.ctr_ok(&["images", "ls", "--quiet"]);
+    let mut args = vec!["images", "rm", "--sync"];
+    args.extend(names.lines().filter(|l| !l.is_empty()));
+    c.ctr_ok(&args);
+}
+
+/// The layer digests containerd's content store holds.
+fn content(c: &Containerd) -> String {
+    c.ctr_ok(&["content", "ls", "--quiet"])
+}
+
+#[test]
+fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
+    let Some(registry) = Registry::start() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("{}/hotstart/lazy:1", registry.host());
+    let image = image_layout(dir.path(), &name);
+
+    // Converted: one image in the store per layer, the layout annotated.
+    let store = dir.path().join("store");
+    let converted = dir.path().join("converted");
+    let out = hotstart_testkit::run_ok(
+        Command::new(env!("CARGO_BIN_EXE_hotstart"))
+            .args(["image", "convert", "--store"])
+            .arg(&store)
+            .arg(&image.layout)
+            .arg(&converted),
+    );
+    let layer_images: Vec<String> = image
+        .layers
+        .iter()
+        .map(|d| {
+            format!(
+                "hotstart-layers/sha256-{}:latest",
+                d.trim_start_matches("sha256:")
+            )
+        })
+        .collect();
+    for (d, l) in image.layers.iter().zip(&layer_images) {
+        assert!(out.contains(&format!("{d} {l}")), "{out}");
+    }
+
+    let socket = dir.path().join("sn.sock");
+    let cache = dir.path().join("cache");
+    let args = vec![
+        "--store".to_string(),
+        store.display().to_string(),
+        "--cache-dir".into(),
+        cache.display().to_string(),
+    ];
+    let sn = Snapshotter::start_with(&dir.path().join("state"), &socket, &args);
+    // Pushed to the registry by a containerd of its own: the node's starts with nothing.
+    {
+        let Some(pusher) = Containerd::start("hotstart", &socket) else {
+            return;
+        };
+        let tarball = archive(&converted);
+        pusher.ctr_ok(&["images", "import", "--no-unpack", tarball.to_str().unwrap()]);
+        pusher.ctr_ok(&["images", "push", "--plain-http", &name]);
+    }
+    let Some(c) = Containerd::start_cri("hotstart", &socket, &registry.host()) else {
+        return;
+    };
+
+    // Pulled as a kubelet pulls, with the snapshotter: both layers mounted from the store,
+    // neither downloaded.
+    let pull =
+        || cri::pull(&c.socket(), &name).unwrap_or_else(|e| panic!("pull: {e}\n{}", c.log()));
+    pull();
+    let mut lazy = sn.lazy();
+    lazy.sort();
+    let mut want = layer_images.clone();
+    want.sort();
+    assert_eq!(lazy, want);
+    let held = content(&c);
+    for d in &image.layers {
+        assert!(
+            !held.contains(d.as_str()),
+            "layer {d} was downloaded:\n{held}"
+        );
+    }
+    assert_eq!(run_container(&c, &name, "lazy-1"), image.expect);
+
+    // Removing the image unmounts the layers, which writes what the run read into the
+    // layer's profile; the next start replays it.
+    remove_images(&c);
+    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
+    let first = stats(&store, &layer_images[0]);
+    assert!(first["profile"]["chunks"].as_u64().unwrap() > 0, "{first}");
+    pull();
+    assert_eq!(run_container(&c, &name, "lazy-2"), image.expect);
+
+    // Killed and restarted: the lazy layers are mounted again, containers run again.
+    let sn = sn.restart();
+    assert_eq!(run_after_restart(&c, &name, "lazy-3"), image.expect);
+    remove_images(&c);
+    let runs = stats(&store, &layer_images[0]);
+    let mounts = runs["mounts"].as_array().unwrap();
+    assert!(mounts.len() >= 2, "{runs}");
+    assert!(
+        mounts[1]["prefetched_chunks"].as_u64().unwrap() > 0,
+        "the second mount replayed nothing: {runs}"
+    );
+
+    // A layer the store does not have is downloaded and unpacked by containerd; the other one
+    // is still served lazily, and the container reads both.
+    let top = layer_images[1].trim_end_matches(":latest");
+    std::fs::remove_dir_all(store.join("images").join(top)).unwrap();
+    pull();
+    assert_eq!(sn.lazy(), vec![layer_images[0].clone()]);
+    let held = content(&c);
+    assert!(held.contains(&image.layers[1]), "{held}");
+    assert!(!held.contains(&image.layers[0]), "{held}");
+    assert_eq!(run_container(&c, &name, "mixed"), image.expect);
+    remove_images(&c);
+    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
+    assert_eq!(
+        std::fs::read_dir(sn.root.join("snapshots"))
+            .unwrap()
+            .count(),
+        0
+    );
 }

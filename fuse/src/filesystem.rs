@@ -26,6 +26,8 @@ pub enum NodeKind {
     File,
     Dir,
     Symlink,
+    /// A character device 0/0: how overlayfs marks a path removed by an upper layer.
+    Whiteout,
 }
 
 /// The attributes of one inode, as stat shows them.

@@ -146,6 +146,7 @@ fn file_type(kind: NodeKind) -> FileType {
         NodeKind::File => FileType::RegularFile,
         NodeKind::Dir => FileType::Directory,
         NodeKind::Symlink => FileType::Symlink,
+        NodeKind::Whiteout => FileType::CharDevice,
     }
 }
 

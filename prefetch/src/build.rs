@@ -32,6 +32,10 @@ pub struct BuildConfig {
     pub platform: Option<String>,
     /// Bounds on what tarball entries may claim.
     pub limits: LayerLimits,
+    /// Build a layer tarball as one layer of an overlay stack: its whiteouts and opaque
+    /// markers are kept as overlayfs represents them instead of applied (what
+    /// `hotstart image convert` builds; see `layers.rs`).
+    pub overlay_layer: bool,
 }
 
 impl Default for BuildConfig {
@@ -40,6 +44,7 @@ impl Default for BuildConfig {
             chunk_size: DEFAULT_CHUNK_SIZE,
             platform: None,
             limits: LayerLimits::default(),
+            overlay_layer: false,
         }
     }
 }
@@ -89,7 +94,8 @@ pub async fn build_tree(source: &Source, chunks: &ChunkStore, cfg: &BuildConfig)
         Source::Dir(dir) => Ok(Tree::build(dir, chunks, chunk_size).await?),
         Source::Tar(path) => {
             let layers = vec![Layer { path: path.clone() }];
-            layers::tree_from_layers(layers, chunks, chunk_size, cfg.limits).await
+            layers::tree_from_layers(layers, chunks, chunk_size, cfg.limits, cfg.overlay_layer)
+                .await
         }
         Source::Oci(dir) => {
             let (dir2, platform) = (dir.clone(), cfg.platform.clone());
@@ -97,7 +103,7 @@ pub async fn build_tree(source: &Source, chunks: &ChunkStore, cfg: &BuildConfig)
                 tokio::task::spawn_blocking(move || oci::layers(&dir2, platform.as_deref()))
                     .await
                     .map_err(|e| Error::task("OCI layout", e))??;
-            layers::tree_from_layers(layers, chunks, chunk_size, cfg.limits).await
+            layers::tree_from_layers(layers, chunks, chunk_size, cfg.limits, false).await
         }
     }
 }

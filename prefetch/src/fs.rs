@@ -45,6 +45,8 @@ enum Data {
     Symlink {
         target: String,
     },
+    /// An overlay whiteout (a character device 0/0 to the kernel).
+    Whiteout,
 }
 
 #[derive(Debug)]
@@ -179,6 +181,7 @@ impl ImageFs {
                         target: target.clone(),
                     },
                 ),
+                EntryKind::Whiteout => push_node(&mut nodes, e, Data::Whiteout),
             };
             ino_of.insert(&e.path, ino);
             let parent_node = &mut nodes[parent as usize - 1];
@@ -306,6 +309,7 @@ impl ImageFs {
             Data::Dir { .. } => (NodeKind::Dir, 0),
             Data::File { size, .. } => (NodeKind::File, *size),
             Data::Symlink { target } => (NodeKind::Symlink, target.len() as u64),
+            Data::Whiteout => (NodeKind::Whiteout, 0),
         };
         NodeAttr {
             ino,
@@ -324,6 +328,7 @@ impl ImageFs {
             Data::Dir { .. } => NodeKind::Dir,
             Data::File { .. } => NodeKind::File,
             Data::Symlink { .. } => NodeKind::Symlink,
+            Data::Whiteout => NodeKind::Whiteout,
         }
     }
 

@@ -51,6 +51,8 @@ impl TreeCounts {
                 EntryKind::Dir => c.dirs += 1,
                 EntryKind::Symlink { .. } => c.symlinks += 1,
                 EntryKind::Hardlink { .. } => c.hardlinks += 1,
+                // A layer's whiteouts remove paths below it; they hold nothing.
+                EntryKind::Whiteout => {}
                 EntryKind::File { size, chunks } => {
                     c.files += 1;
                     c.bytes += size;

@@ -18,6 +18,7 @@
 //!   [`MountReport`] (`report.rs`) and [`metrics`]: what a mount did.
 
 pub mod build;
+pub mod convert;
 pub mod decode;
 pub mod error;
 pub mod fs;
@@ -34,6 +35,7 @@ pub mod snapshotter;
 pub mod warm;
 
 pub use build::{BuildConfig, Source};
+pub use convert::{Converted, ConvertedLayer, LAYER_ANNOTATION, convert, layer_image};
 pub use error::{Error, Result};
 pub use fs::{ImageFs, WarmFile, WarmRun};
 pub use image::{

@@ -135,9 +135,15 @@ async fn layers_apply_in_order_with_whiteouts_and_opaque_directories() {
         paths.push(Layer { path: p });
     }
     let images = local_images(&work.path().join("store"));
-    let tree = tree_from_layers(paths, images.chunks(), 1 << 20, LayerLimits::default())
-        .await
-        .unwrap();
+    let tree = tree_from_layers(
+        paths,
+        images.chunks(),
+        1 << 20,
+        LayerLimits::default(),
+        false,
+    )
+    .await
+    .unwrap();
     let dest = work.path().join("out");
     pull_tree(&tree, images.chunks(), &dest).await.unwrap();
 
@@ -167,6 +173,70 @@ async fn layers_apply_in_order_with_whiteouts_and_opaque_directories() {
         .unwrap();
     }
     assert_trees_equal_but_mtimes(&want, &dest);
+}
+
+#[tokio::test]
+async fn one_layer_keeps_its_whiteouts_and_opaque_markers_for_overlayfs() {
+    use hotstart_store::EntryKind;
+    let work = tempfile::tempdir().unwrap();
+    let f = |n: &str, data: &[u8]| tar_entry(n.as_bytes(), REGULAR, 0o644, b"", data, None);
+    let layer = tar(&[
+        f("etc/.wh.gone", b""),
+        f("opt/old/.wh..wh..opq", b""),
+        f("opt/old/3", b"3"),
+        f(".wh.top", b""),
+    ]);
+    let p = work.path().join("l.tar");
+    std::fs::write(&p, layer).unwrap();
+    let images = local_images(&work.path().join("store"));
+    let layers = || vec![Layer { path: p.clone() }];
+    let tree = tree_from_layers(
+        layers(),
+        images.chunks(),
+        1 << 20,
+        LayerLimits::default(),
+        true,
+    )
+    .await
+    .unwrap();
+    let kinds: Vec<(&str, &EntryKind)> = tree
+        .entries
+        .iter()
+        .map(|e| (e.path.as_str(), &e.kind))
+        .collect();
+    assert!(
+        kinds.contains(&("etc/gone", &EntryKind::Whiteout)),
+        "{kinds:?}"
+    );
+    assert!(kinds.contains(&("top", &EntryKind::Whiteout)), "{kinds:?}");
+    let old = tree.entries.iter().find(|e| e.path == "opt/old").unwrap();
+    assert_eq!(
+        old.xattrs.get("trusted.overlay.opaque").map(Vec::as_slice),
+        Some(&b"y"[..])
+    );
+    assert!(tree.entries.iter().any(|e| e.path == "opt/old/3"));
+    // Applied (the default), a lone layer's markers leave nothing behind.
+    let applied = tree_from_layers(
+        layers(),
+        images.chunks(),
+        1 << 20,
+        LayerLimits::default(),
+        false,
+    )
+    .await
+    .unwrap();
+    assert!(
+        applied
+            .entries
+            .iter()
+            .all(|e| e.kind != EntryKind::Whiteout && e.xattrs.is_empty())
+    );
+    // Kept markers only make sense for one layer.
+    let two = vec![Layer { path: p.clone() }, Layer { path: p.clone() }];
+    let e = tree_from_layers(two, images.chunks(), 1 << 20, LayerLimits::default(), true)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("one layer"), "{e}");
 }
 
 /// Builds `archive` and expects it refused, naming `entry`; no image may be left.

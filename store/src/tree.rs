@@ -103,6 +103,11 @@ pub enum EntryKind {
         #[serde(rename = "to")]
         target: String,
     },
+    /// An overlay whiteout: in a tree that is one layer of a stack (a container image layer
+    /// served to overlayfs), it hides this path in the layers below. Served and written as a
+    /// character device 0/0, overlayfs's own representation.
+    #[serde(rename = "w")]
+    Whiteout,
 }
 
 /// Checks that `path` is a safe relative entry path.
@@ -213,7 +218,7 @@ impl Tree {
                         });
                     }
                 }
-                EntryKind::Dir => {}
+                EntryKind::Dir | EntryKind::Whiteout => {}
             }
         }
         Ok(())
@@ -344,6 +349,7 @@ impl Tree {
                     files.push((e, abs, Some(safe_join(&dest, target, &mut known)?)));
                 }
                 EntryKind::File { .. } => files.push((e, abs, None)),
+                EntryKind::Whiteout => mknod_whiteout(&abs)?,
             }
         }
         let (links, plain): (Vec<_>, Vec<_>) = files.into_iter().partition(|(_, _, t)| t.is_some());
@@ -399,7 +405,7 @@ impl Tree {
                     xattr::write(&abs, &e.xattrs)?;
                     set_mtime(&abs, e.mtime_ns, true)?;
                 }
-                EntryKind::Hardlink { .. } => {}
+                EntryKind::Hardlink { .. } | EntryKind::Whiteout => {}
                 EntryKind::File { .. } => xattr::write(&abs, &e.xattrs)?,
                 EntryKind::Dir => {
                     xattr::write(&abs, &e.xattrs)?;
@@ -414,6 +420,27 @@ impl Tree {
         }
         Ok(stats)
     }
+}
+
+/// Creates the character device 0/0 overlayfs reads as a whiteout (needs CAP_MKNOD).
+fn mknod_whiteout(path: &Path) -> Result<()> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        Error::io(
+            "create whiteout",
+            path,
+            std::io::ErrorKind::InvalidInput.into(),
+        )
+    })?;
+    // SAFETY: mknod reads the NUL-terminated path `c` owns; S_IFCHR with device 0 creates no
+    // usable device, only the marker overlayfs knows.
+    if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR, 0) } != 0 {
+        return Err(Error::io(
+            "create whiteout (a character device 0/0; needs root)",
+            path,
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 /// How [`Tree::materialize_with`] writes files.

@@ -23,20 +23,19 @@ impl Containerd {
     /// not installed and `CI` is not set; panics when `CI` is set and one is missing, or when
     /// containerd does not start (with its log).
     pub fn start(name: &str, snapshotter: &Path) -> Option<Containerd> {
-        let missing: Vec<&str> = ["containerd", "ctr", "runc"]
-            .into_iter()
-            .filter(|b| which(b).is_none())
-            .collect();
-        if !missing.is_empty() {
-            let why = format!(
-                "{} not installed (Debian: apt-get install containerd runc; scripts/setup.sh does)",
-                missing.join(", ")
-            );
-            if crate::seaweedfs::ci() {
-                panic!("CI is set, so containerd tests may not be skipped: {why}");
-            }
-            let test = thread::current().name().unwrap_or("test").to_string();
-            let _ = io::stderr().write_all(format!("skipping {test}: {why}\n").as_bytes());
+        Containerd::start_with(name, snapshotter, None)
+    }
+
+    /// [`Containerd::start`] with its CRI plugin serving (as on a Kubernetes node), using the
+    /// snapshotter `name` for every image it pulls, with the layer annotations passed to it,
+    /// and pulling from the plain-HTTP registry at `registry` (`host:port`). `ctr` then works
+    /// in CRI's namespace, `k8s.io`.
+    pub fn start_cri(name: &str, snapshotter: &Path, registry: &str) -> Option<Containerd> {
+        Containerd::start_with(name, snapshotter, Some(registry))
+    }
+
+    fn start_with(name: &str, snapshotter: &Path, cri: Option<&str>) -> Option<Containerd> {
+        if !installed(&["containerd", "ctr", "runc"], "containerd runc") {
             return None;
         }
         // Short paths: containerd's sockets live under the state directory.
@@ -45,13 +44,35 @@ impl Containerd {
             .tempdir_in("/tmp")
             .expect("a temporary directory");
         let config = dir.path().join("config.toml");
+        let cri_section = match cri {
+            None => String::new(),
+            Some(registry) => format!(
+                r#"[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "{name}"
+    disable_snapshot_annotations = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni}"
+    conf_dir = "{cni}"
+  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."{registry}"]
+    endpoint = ["http://{registry}"]
+"#,
+                cni = dir.path().join("cni").display()
+            ),
+        };
+        let disabled = if cri.is_some() {
+            ""
+        } else {
+            "\"io.containerd.grpc.v1.cri\", "
+        };
         std::fs::write(
             &config,
             format!(
                 r#"version = 2
 root = "{root}"
 state = "{state}"
-disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs",
+disabled_plugins = [{disabled}"io.containerd.snapshotter.v1.btrfs",
   "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs",
   "io.containerd.snapshotter.v1.devmapper"]
 [grpc]
@@ -62,7 +83,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.b
   [proxy_plugins.{name}]
     type = "snapshot"
     address = "{snapshotter}"
-"#,
+{cri_section}"#,
                 root = dir.path().join("root").display(),
                 state = dir.path().join("state").display(),
                 sock = dir.path().join("c.sock").display(),
@@ -81,7 +102,12 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.b
         let mut c = Containerd {
             child,
             dir,
-            namespace: "hotstart-test".into(),
+            namespace: if cri.is_some() {
+                "k8s.io"
+            } else {
+                "hotstart-test"
+            }
+            .into(),
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -98,11 +124,11 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.b
         }
     }
 
-    /// Runs `ctr` against this containerd, in the test namespace.
+    /// Runs `ctr` against this containerd, in its namespace.
     pub fn ctr(&self, args: &[&str]) -> Output {
         Command::new("ctr")
             .arg("--address")
-            .arg(self.dir.path().join("c.sock"))
+            .arg(self.socket())
             .args(["--namespace", &self.namespace])
             .args(args)
             .output()
@@ -134,6 +160,11 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.b
     pub fn root(&self) -> PathBuf {
         self.dir.path().join("root")
     }
+
+    /// Its gRPC socket (where CRI is served too).
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("c.sock")
+    }
 }
 
 impl Drop for Containerd {
@@ -147,6 +178,98 @@ impl Drop for Containerd {
             }
             thread::sleep(Duration::from_millis(50));
         }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether every one of `bins` is on PATH; if not, prints `skipping <test>: ...` (or panics
+/// when `CI` is set) naming the Debian `packages` that have them.
+fn installed(bins: &[&str], packages: &str) -> bool {
+    let missing: Vec<&str> = bins
+        .iter()
+        .copied()
+        .filter(|b| which(b).is_none())
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    let why = format!(
+        "{} not installed (Debian: apt-get install {packages}; scripts/setup.sh does)",
+        missing.join(", ")
+    );
+    if crate::seaweedfs::ci() {
+        panic!("CI is set, so these tests may not be skipped: {why}");
+    }
+    let test = thread::current().name().unwrap_or("test").to_string();
+    let _ = io::stderr().write_all(format!("skipping {test}: {why}\n").as_bytes());
+    false
+}
+
+/// An OCI registry (Debian's `docker-registry`, the distribution project's) on 127.0.0.1, with
+/// its storage in a temporary directory; stopped on drop.
+pub struct Registry {
+    child: Child,
+    _dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl Registry {
+    /// Starts one; `None` (after saying so) when `docker-registry` is not installed and `CI` is
+    /// not set.
+    pub fn start() -> Option<Registry> {
+        if !installed(&["docker-registry"], "docker-registry") {
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
+                 http:\n  addr: 127.0.0.1:{port}\n",
+                dir.path().join("data").display()
+            ),
+        )
+        .expect("write the registry's config");
+        let log = std::fs::File::create(dir.path().join("registry.log")).expect("log file");
+        let mut cmd = Command::new("docker-registry");
+        cmd.arg("serve")
+            .arg(&config)
+            .stdout(log.try_clone().expect("log file"))
+            .stderr(log);
+        let mut child = spawn_tied(cmd, None).expect("start docker-registry");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        while crate::get(addr, "/v2/", Duration::from_secs(2)).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "docker-registry exited ({status}): {}",
+                    std::fs::read_to_string(dir.path().join("registry.log")).unwrap_or_default()
+                );
+            }
+            assert!(Instant::now() < deadline, "docker-registry did not answer");
+            thread::sleep(Duration::from_millis(100));
+        }
+        Some(Registry {
+            child,
+            _dir: dir,
+            port,
+        })
+    }
+
+    /// `127.0.0.1:<port>`, the host part of image names pushed here.
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -41,7 +41,7 @@ mod seaweedfs;
 mod spawn;
 pub mod tree;
 
-pub use containerd::Containerd;
+pub use containerd::{Containerd, Registry};
 pub use data::pattern;
 pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};

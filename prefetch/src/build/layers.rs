@@ -24,6 +24,11 @@
 //!    updates its metadata (its children stay). A hard link must name a regular file already in
 //!    the image; anything else is refused.
 //!
+//! **One layer of an overlay stack.** With `keep_whiteouts` (a tree built from one layer, to be
+//! served as that layer under overlayfs), markers are not applied but kept as overlayfs
+//! represents them: a whiteout `dir/.wh.name` becomes a character device 0/0 at `dir/name`
+//! ([`EntryKind::Whiteout`]), an opaque marker the xattr `trusted.overlay.opaque=y` on `dir`.
+//!
 //! Device nodes and FIFOs are skipped with a warning. A header whose size is above
 //! [`LayerLimits::max_file_size`] is refused before any of it is read, and an archive that ends
 //! inside an entry's data is an error naming the entry.
@@ -82,7 +87,12 @@ enum Kind {
     Dir,
     Symlink(String),
     File(u64),
+    /// A whiteout kept for overlayfs.
+    Whiteout,
 }
+
+/// The xattr that makes a directory of a lower layer opaque to overlayfs.
+const OVERLAY_OPAQUE: &str = "trusted.overlay.opaque";
 
 #[derive(Debug, Clone)]
 struct Node {
@@ -99,6 +109,10 @@ struct Model {
     nodes: BTreeMap<String, Node>,
     inodes: HashMap<u64, Meta>,
     next_inode: u64,
+    /// Keep whiteouts and opaque markers for overlayfs instead of applying them.
+    keep_whiteouts: bool,
+    /// Directories an opaque marker was kept for.
+    opaque: std::collections::BTreeSet<String>,
 }
 
 /// One chunk of one file inode, in file order.
@@ -108,17 +122,28 @@ struct Piece {
 }
 
 /// Applies `layers` in order and returns the resulting tree, its file contents stored in
-/// `chunks` in chunks of `chunk_size`.
+/// `chunks` in chunks of `chunk_size`; with `keep_whiteouts`, the one layer's whiteouts and
+/// opaque markers are kept for overlayfs (see the module docs).
 pub async fn tree_from_layers(
     layers: Vec<Layer>,
     chunks: &ChunkStore,
     chunk_size: usize,
     limits: LayerLimits,
+    keep_whiteouts: bool,
 ) -> Result<Tree> {
+    if keep_whiteouts && layers.len() != 1 {
+        return Err(Error::source(
+            layers.first().map_or(Path::new(""), |l| l.path.as_path()),
+            "whiteouts are kept only in a tree of one layer",
+        ));
+    }
     let concurrency = chunks.config().concurrency.max(1);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Piece>(concurrency * 2);
     let reader = tokio::task::spawn_blocking(move || {
-        let mut model = Model::default();
+        let mut model = Model {
+            keep_whiteouts,
+            ..Model::default()
+        };
         for (i, layer) in layers.iter().enumerate() {
             apply_layer(&mut model, i, layer, &tx, chunk_size.max(1), &limits)?;
         }
@@ -255,7 +280,15 @@ fn apply_layer(
             model
                 .check_parents(&rel, index)
                 .map_err(|r| hostile(path, &raw, r))?;
-            model.remove_below(dir, Some(index));
+            if model.keep_whiteouts {
+                if dir.is_empty() {
+                    tracing::warn!(layer = %path.display(), "opaque marker at the layer's root ignored");
+                } else {
+                    model.opaque.insert(dir.to_string());
+                }
+            } else {
+                model.remove_below(dir, Some(index));
+            }
             continue;
         }
         if let Some(hidden) = name.strip_prefix(WHITEOUT) {
@@ -268,6 +301,17 @@ fn apply_layer(
                 format!("{dir}/{hidden}")
             };
             check_entry_path(&target).map_err(|e| hostile(path, &raw, root_reason(e)))?;
+            if model.keep_whiteouts {
+                model.put(
+                    target,
+                    Node {
+                        kind: Kind::Whiteout,
+                        meta: Meta::default(),
+                        layer: index,
+                    },
+                );
+                continue;
+            }
             if model.nodes.get(&target).is_some_and(|n| n.layer < index) {
                 model.nodes.remove(&target);
             }
@@ -464,7 +508,7 @@ impl Model {
                         "would write through the symlink {ancestor:?} (-> {to:?})"
                     ));
                 }
-                Some(Kind::File(_)) => {
+                Some(Kind::File(_) | Kind::Whiteout) => {
                     return Err(format!("parent {ancestor:?} is not a directory"));
                 }
                 None => {
@@ -559,9 +603,15 @@ impl Model {
     fn into_tree(self, mut refs: HashMap<u64, Vec<ChunkRef>>) -> Result<Tree> {
         let mut first_of: HashMap<u64, String> = HashMap::new();
         let mut entries = Vec::with_capacity(self.nodes.len());
-        for (path, node) in self.nodes {
+        for (path, mut node) in self.nodes {
+            if self.opaque.contains(&path) {
+                node.meta
+                    .xattrs
+                    .insert(OVERLAY_OPAQUE.into(), b"y".to_vec());
+            }
             let (kind, meta) = match node.kind {
                 Kind::Dir => (EntryKind::Dir, node.meta),
+                Kind::Whiteout => (EntryKind::Whiteout, node.meta),
                 Kind::Symlink(target) => (EntryKind::Symlink { target }, node.meta),
                 Kind::File(ino) => match first_of.get(&ino) {
                     Some(first) => (

@@ -28,6 +28,8 @@ struct Descriptor {
     digest: String,
     #[serde(default)]
     platform: Option<Platform>,
+    #[serde(default)]
+    annotations: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -87,8 +89,51 @@ pub fn host_platform() -> String {
     format!("linux/{arch}")
 }
 
+/// The image manifest an index leads to.
+#[derive(Debug)]
+pub struct ImageManifest {
+    /// The annotations of the index's entry it was reached through (an image name, a tag).
+    pub annotations: serde_json::Map<String, serde_json::Value>,
+    /// Its media type (from the manifest, or the descriptor that named it).
+    pub media_type: String,
+    /// The manifest as stored, verified against its digest.
+    pub bytes: Vec<u8>,
+}
+
+impl ImageManifest {
+    /// Its layers' blobs, bottom first: (descriptor index, digest, path), each verified.
+    pub fn layer_blobs(&self, dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+        let doc = parse(dir, &self.bytes)?;
+        let mut out = Vec::new();
+        for d in doc.layers {
+            if !LAYER_TYPES.contains(&d.media_type.as_str()) {
+                return Err(Error::source(
+                    dir,
+                    format!(
+                        "layer {} has media type {:?}, which is not a tar layer",
+                        d.digest, d.media_type
+                    ),
+                ));
+            }
+            let path = blob_path(dir, &d.digest)?;
+            verify_file(&path, &d.digest)?;
+            out.push((d.digest, path));
+        }
+        Ok(out)
+    }
+}
+
 /// The layers of the image in the layout at `dir`, bottom first, each verified.
 pub fn layers(dir: &Path, platform: Option<&str>) -> Result<Vec<Layer>> {
+    let m = image_manifest(dir, platform)?;
+    Ok(m.layer_blobs(dir)?
+        .into_iter()
+        .map(|(_, path)| Layer { path })
+        .collect())
+}
+
+/// The image manifest for `platform` (this machine's by default) in the layout at `dir`.
+pub fn image_manifest(dir: &Path, platform: Option<&str>) -> Result<ImageManifest> {
     let layout = read_bounded(&dir.join("oci-layout"), MAX_JSON)?;
     let layout: serde_json::Value = serde_json::from_slice(&layout)
         .map_err(|e| Error::source(dir.join("oci-layout"), format!("not JSON: {e}")))?;
@@ -99,18 +144,28 @@ pub fn layers(dir: &Path, platform: Option<&str>) -> Result<Vec<Layer>> {
         ));
     }
     let index_path = dir.join("index.json");
-    let mut doc = parse(&index_path, &read_bounded(&index_path, MAX_JSON)?)?;
+    let mut bytes = read_bounded(&index_path, MAX_JSON)?;
+    let mut doc = parse(&index_path, &bytes)?;
     let wanted = platform.map_or_else(host_platform, str::to_string);
+    let mut annotations = None;
     // An index (possibly nested) down to one manifest; a depth bound stops cycles.
     for _ in 0..8 {
         if !doc.layers.is_empty() || MANIFEST_TYPES.contains(&doc.media_type.as_str()) {
-            return layer_list(dir, doc);
+            return Ok(ImageManifest {
+                annotations: annotations.unwrap_or_default(),
+                media_type: doc.media_type,
+                bytes,
+            });
         }
         let chosen =
             choose(&doc.manifests, &wanted).map_err(|reason| Error::source(&index_path, reason))?;
-        let (path, bytes) = blob(dir, &chosen.digest, MAX_JSON)?;
+        if annotations.is_none() {
+            annotations = Some(chosen.annotations.clone());
+        }
+        let (path, blob) = blob(dir, &chosen.digest, MAX_JSON)?;
         let media_type = chosen.media_type.clone();
-        doc = parse(&path, &bytes)?;
+        doc = parse(&path, &blob)?;
+        bytes = blob;
         if doc.media_type.is_empty() {
             doc.media_type = media_type;
         }
@@ -160,27 +215,8 @@ fn choose<'a>(manifests: &'a [Descriptor], wanted: &str) -> Result<&'a Descripto
     }
 }
 
-fn layer_list(dir: &Path, manifest: Document) -> Result<Vec<Layer>> {
-    let mut out = Vec::new();
-    for d in manifest.layers {
-        if !LAYER_TYPES.contains(&d.media_type.as_str()) {
-            return Err(Error::source(
-                dir,
-                format!(
-                    "layer {} has media type {:?}, which is not a tar layer",
-                    d.digest, d.media_type
-                ),
-            ));
-        }
-        let path = blob_path(dir, &d.digest)?;
-        verify_file(&path, &d.digest)?;
-        out.push(Layer { path });
-    }
-    Ok(out)
-}
-
 /// `blobs/sha256/<hex>` for a well-formed digest.
-fn blob_path(dir: &Path, digest: &str) -> Result<PathBuf> {
+pub fn blob_path(dir: &Path, digest: &str) -> Result<PathBuf> {
     let hex = digest
         .strip_prefix("sha256:")
         .filter(|h| h.len() == 64 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
@@ -243,7 +279,7 @@ fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -279,6 +315,7 @@ mod tests {
                 architecture: arch.into(),
                 variant: None,
             }),
+            annotations: Default::default(),
         };
         let list = [d("amd64"), d("arm64")];
         assert_eq!(

@@ -7,6 +7,7 @@
 //! written durably on every change, so a restarted snapshotter serves every snapshot containerd
 //! knows of. See docs/SEMANTICS.md, "Container images".
 
+pub mod lazy;
 pub mod state;
 
 /// containerd's Snapshots service (generated; see the files' headers).
@@ -33,8 +34,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use api::services::snapshots::v1 as pb;
 use pb::snapshots_server::{Snapshots as SnapshotsApi, SnapshotsServer};
 use tonic::{Request, Response, Status};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
+pub use lazy::Lazy;
 pub use state::{Kind, Mount, Record, SnapshotError, Snapshots};
 
 impl From<SnapshotError> for Status {
@@ -50,16 +52,19 @@ impl From<SnapshotError> for Status {
     }
 }
 
-/// The gRPC face of [`Snapshots`]: every call runs on the blocking pool (it touches files).
+/// The gRPC face of [`Snapshots`]: every call runs on the blocking pool (it touches files);
+/// with [`Lazy`], layers converted by `hotstart image convert` are served lazily.
 #[derive(Debug, Clone)]
 pub struct Service {
     snapshots: Arc<Snapshots>,
+    lazy: Option<Arc<Lazy>>,
 }
 
 impl Service {
-    pub fn new(snapshots: Snapshots) -> Service {
+    pub fn new(snapshots: Snapshots, lazy: Option<Lazy>) -> Service {
         Service {
             snapshots: Arc::new(snapshots),
+            lazy: lazy.map(Arc::new),
         }
     }
 
@@ -67,12 +72,56 @@ impl Service {
         &self,
         call: impl FnOnce(&Snapshots) -> Result<T, SnapshotError> + Send + 'static,
     ) -> Result<Response<T>, Status> {
-        let s = self.snapshots.clone();
-        tokio::task::spawn_blocking(move || call(&s))
+        lazy::blocking(&self.snapshots, call)
             .await
-            .map_err(|e| Status::internal(format!("snapshotter task failed: {e}")))?
             .map(Response::new)
-            .map_err(Status::from)
+    }
+
+    /// Mounts the lazily served layers `key` stacks on, if any is not mounted.
+    async fn ensure_lazy(&self, key: &str) -> Result<(), Status> {
+        let Some(lazy) = &self.lazy else {
+            return Ok(());
+        };
+        if key.is_empty() {
+            return Ok(());
+        }
+        let key = key.to_string();
+        let layers = lazy::blocking(&self.snapshots, move |s| s.lazy_layers(&key)).await?;
+        lazy.ensure(&self.snapshots, layers).await
+    }
+
+    /// Serves the layer containerd is about to unpack lazily, when its labels name an image
+    /// and a target: `Some(status)` to answer with (`AlreadyExists`: containerd skips the
+    /// layer's download), `None` to prepare as usual (containerd downloads and unpacks it).
+    async fn try_lazy(&self, parent: &str, l: &BTreeMap<String, String>) -> Option<Status> {
+        let lazy = self.lazy.as_ref()?;
+        let (target, image) = (l.get(lazy::TARGET_LABEL)?, l.get(crate::LAYER_ANNOTATION)?);
+        match lazy
+            .serve(&self.snapshots, target, parent, l.clone(), image)
+            .await
+        {
+            Ok(()) => Some(Status::already_exists(format!(
+                "snapshot {target:?} already exists (served lazily from {image})"
+            ))),
+            Err(s) if s.code() == tonic::Code::AlreadyExists => Some(s),
+            Err(s) => {
+                warn!(%image, error = %s.message(), "layer not served lazily; containerd unpacks it");
+                None
+            }
+        }
+    }
+
+    /// Mounts every lazily served layer (at start); a layer that fails is mounted again when
+    /// a container needs it.
+    pub async fn mount_lazy_layers(&self) {
+        if let Some(lazy) = &self.lazy {
+            for layer in self.snapshots.all_lazy() {
+                let image = layer.1.clone();
+                if let Err(e) = lazy.ensure(&self.snapshots, vec![layer]).await {
+                    warn!(%image, error = %e.message(), "lazy layer not mounted at start");
+                }
+            }
+        }
     }
 }
 
@@ -122,9 +171,14 @@ impl SnapshotsApi for Service {
         r: Request<pb::PrepareSnapshotRequest>,
     ) -> Result<Response<pb::PrepareSnapshotResponse>, Status> {
         let r = r.into_inner();
-        debug!(key = %r.key, parent = %r.parent, "prepare");
+        let l = labels(r.labels);
+        debug!(key = %r.key, parent = %r.parent, labels = ?l, "prepare");
+        if let Some(answer) = self.try_lazy(&r.parent, &l).await {
+            return Err(answer);
+        }
+        self.ensure_lazy(&r.parent).await?;
         self.run(move |s| {
-            let mounts = to_api(s.prepare(&r.key, &r.parent, labels(r.labels))?);
+            let mounts = to_api(s.prepare(&r.key, &r.parent, l)?);
             Ok(pb::PrepareSnapshotResponse { mounts })
         })
         .await
@@ -136,6 +190,7 @@ impl SnapshotsApi for Service {
     ) -> Result<Response<pb::ViewSnapshotResponse>, Status> {
         let r = r.into_inner();
         debug!(key = %r.key, parent = %r.parent, "view");
+        self.ensure_lazy(&r.parent).await?;
         self.run(move |s| {
             let mounts = to_api(s.view(&r.key, &r.parent, labels(r.labels))?);
             Ok(pb::ViewSnapshotResponse { mounts })
@@ -148,6 +203,7 @@ impl SnapshotsApi for Service {
         r: Request<pb::MountsRequest>,
     ) -> Result<Response<pb::MountsResponse>, Status> {
         let key = r.into_inner().key;
+        self.ensure_lazy(&key).await?;
         self.run(move |s| {
             let mounts = to_api(s.mounts(&key)?);
             Ok(pb::MountsResponse { mounts })
@@ -165,6 +221,13 @@ impl SnapshotsApi for Service {
     async fn remove(&self, r: Request<pb::RemoveSnapshotRequest>) -> Result<Response<()>, Status> {
         let key = r.into_inner().key;
         debug!(%key, "remove");
+        if let Some(lazy) = &self.lazy {
+            let k = key.clone();
+            let rec = lazy::blocking(&self.snapshots, move |s| s.stat(&k)).await?;
+            if rec.lazy.is_some() {
+                lazy.release(rec.id).await;
+            }
+        }
         self.run(move |s| s.remove(&key)).await
     }
 
@@ -208,6 +271,7 @@ impl SnapshotsApi for Service {
         r: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<Self::ListStream>, Status> {
         let filters = r.into_inner().filters;
+        debug!(?filters, "walk");
         let all = self.run(move |s| s.list(&filters)).await?.into_inner();
         // In messages of at most 100 snapshots, as containerd's own snapshotters send them.
         let mut pages = Vec::new();
@@ -247,10 +311,12 @@ impl SnapshotsApi for Service {
     }
 }
 
-/// Serves `snapshots` on the unix socket `socket` until `shutdown` completes. A socket file
-/// left by a process that is gone is replaced; one that answers is refused.
+/// Serves `snapshots` (with `lazy`, converted layers lazily) on the unix socket `socket` until
+/// `shutdown` completes, then unmounts the lazy layers. A socket file left by a process that is
+/// gone is replaced; one that answers is refused.
 pub async fn serve(
     snapshots: Snapshots,
+    lazy: Option<Lazy>,
     socket: &Path,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), SnapshotError> {
@@ -270,13 +336,19 @@ pub async fn serve(
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir).map_err(io("create the directory of"))?;
     }
+    let root = snapshots.root().display().to_string();
+    let service = Service::new(snapshots, lazy);
+    service.mount_lazy_layers().await;
     let listener = tokio::net::UnixListener::bind(socket).map_err(io("listen on"))?;
-    info!(socket = %socket.display(), root = %snapshots.root().display(), "snapshotter serving");
+    info!(socket = %socket.display(), %root, "snapshotter serving");
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
     let res = tonic::transport::Server::builder()
-        .add_service(SnapshotsServer::new(Service::new(snapshots)))
+        .add_service(SnapshotsServer::new(service.clone()))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     let _ = std::fs::remove_file(socket);
+    if let Some(lazy) = &service.lazy {
+        lazy.release_all().await;
+    }
     res.map_err(|e| io("serve")(std::io::Error::other(e.to_string())))
 }

@@ -69,6 +69,10 @@ pub struct Record {
     /// Measured when committed (a committed snapshot never changes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// The image in the store that serves this committed layer lazily (mounted read-only at
+    /// its directory), when it is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lazy: Option<String>,
 }
 
 /// A snapshot and its key.
@@ -309,6 +313,7 @@ impl Snapshots {
                     created: now,
                     updated: now,
                     usage: None,
+                    lazy: None,
                 },
             );
             mounts(m, key, &self.root)
@@ -319,6 +324,92 @@ impl Snapshots {
             let _ = fs::remove_dir_all(dir);
         }
         res
+    }
+
+    /// The directory a lazily served layer is mounted at.
+    pub fn fs_dir(&self, id: u64) -> PathBuf {
+        self.dir(id).join("fs")
+    }
+
+    /// Takes an id and an empty directory for a layer served lazily as the committed snapshot
+    /// `name` over `parent`; [`Snapshots::record_lazy`] records it once it is mounted. Until
+    /// then nothing names the directory (a crash leaves it to cleanup).
+    pub fn reserve_lazy(&self, name: &str, parent: &str) -> Result<u64> {
+        let id = self.change(|m| {
+            if m.snapshots.contains_key(name) {
+                return Err(SnapshotError::AlreadyExists { key: name.into() });
+            }
+            check_parent(m, parent)?;
+            m.next_id += 1;
+            Ok(m.next_id - 1)
+        })?;
+        let fs_dir = self.fs_dir(id);
+        fs::create_dir_all(&fs_dir).map_err(io("create", &fs_dir))?;
+        Ok(id)
+    }
+
+    /// Records the layer mounted at [`Snapshots::fs_dir`]`(id)` as the committed snapshot `name`.
+    pub fn record_lazy(
+        &self,
+        name: &str,
+        id: u64,
+        parent: &str,
+        labels: BTreeMap<String, String>,
+        image: &str,
+        usage: Usage,
+    ) -> Result<()> {
+        self.change(|m| {
+            if m.snapshots.contains_key(name) {
+                return Err(SnapshotError::AlreadyExists { key: name.into() });
+            }
+            check_parent(m, parent)?;
+            let now = SystemTime::now();
+            m.snapshots.insert(
+                name.into(),
+                Record {
+                    id,
+                    kind: Kind::Committed,
+                    parent: parent.into(),
+                    labels,
+                    created: now,
+                    updated: now,
+                    usage: Some(usage),
+                    lazy: Some(image.into()),
+                },
+            );
+            Ok(())
+        })
+    }
+
+    /// Deletes the directory of an id no record names (a lazy layer that could not be mounted).
+    pub fn discard(&self, id: u64) {
+        let dir = self.dir(id);
+        detach(&dir.join("fs"));
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    /// The lazily served layers `key` stacks on (itself included): (id, image), top first.
+    pub fn lazy_layers(&self, key: &str) -> Result<Vec<(u64, String)>> {
+        let m = self.lock();
+        let mut out = Vec::new();
+        let mut k = key;
+        while !k.is_empty() {
+            let r = m.snapshots.get(k).ok_or_else(|| not_found(k))?;
+            if let Some(image) = &r.lazy {
+                out.push((r.id, image.clone()));
+            }
+            k = r.parent.as_str();
+        }
+        Ok(out)
+    }
+
+    /// Every lazily served layer: (id, image).
+    pub fn all_lazy(&self) -> Vec<(u64, String)> {
+        self.lock()
+            .snapshots
+            .values()
+            .filter_map(|r| r.lazy.clone().map(|i| (r.id, i)))
+            .collect()
     }
 
     /// How to mount the active or view snapshot `key`.
@@ -393,6 +484,7 @@ impl Snapshots {
         })?;
         // Gone from the record: a crash from here on leaves a directory cleanup deletes.
         let dir = self.dir(id);
+        detach(&dir.join("fs"));
         fs::remove_dir_all(&dir).map_err(io("remove", &dir))
     }
 
@@ -458,12 +550,37 @@ impl Snapshots {
             let e = e.map_err(io("read", &dirs))?;
             if !ids.contains(e.file_name().to_string_lossy().as_ref()) {
                 let p = e.path();
+                detach(&p.join("fs"));
                 fs::remove_dir_all(&p).map_err(io("remove", &p))?;
                 removed += 1;
             }
         }
         Ok(removed)
     }
+}
+
+/// A parent must exist and be committed.
+fn check_parent(m: &Metadata, parent: &str) -> Result<()> {
+    match m.snapshots.get(parent) {
+        _ if parent.is_empty() => Ok(()),
+        None => Err(not_found(parent)),
+        Some(p) if p.kind != Kind::Committed => Err(SnapshotError::Precondition {
+            key: parent.into(),
+            reason: format!("a parent must be committed, this one is {}", p.kind.name()),
+        }),
+        Some(_) => Ok(()),
+    }
+}
+
+/// Detaches whatever is mounted at `path` (a lazy layer's FUSE mount, live or left by a
+/// crash); nothing if nothing is.
+fn detach(path: &Path) {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
+    // SAFETY: umount2 reads the NUL-terminated path `c` owns; EINVAL (not a mount point) and
+    // ENOENT are the expected failures and change nothing.
+    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
 }
 
 fn not_found(key: &str) -> SnapshotError {
@@ -548,7 +665,8 @@ fn usage(dir: &Path) -> Result<Usage> {
 
 /// One filter of a list request: comma-separated conditions that must all hold, each
 /// `field==value` or `field!=value` over `name`, `parent`, `kind` and `labels.<name>` (the label
-/// name may be quoted: `labels."a.b"`), or a bare `field` that must be present.
+/// name may be quoted: `labels."a.b"`; an absent field equals `""`), or a bare `field` that
+/// must be present.
 #[derive(Debug)]
 pub struct Filter(Vec<(String, Option<(bool, String)>)>);
 
@@ -590,7 +708,8 @@ impl Filter {
             };
             match (test, value) {
                 (None, v) => v.is_some(),
-                (Some((eq, want)), v) => (v.as_deref() == Some(want.as_str())) == *eq,
+                // A field that is absent equals "" (containerd asks for `parent==""`).
+                (Some((eq, want)), v) => (v.as_deref().unwrap_or("") == want) == *eq,
             }
         })
     }
@@ -759,6 +878,7 @@ mod tests {
         assert_eq!(keys(&["labels.\"gc\"==x"]), ["w"]);
         assert_eq!(keys(&["labels.q", "name==w"]), ["c", "w"]);
         assert_eq!(keys(&["kind!=committed,parent"]), ["w"]);
+        assert_eq!(keys(&["labels.a==1,parent==\"\""]), ["c"]);
         assert!(matches!(
             s.list(&["size>3".into()]),
             Err(SnapshotError::Invalid(_))
