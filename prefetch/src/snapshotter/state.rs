@@ -878,7 +878,7 @@ mod tests {
         assert_eq!(keys(&["labels.\"gc\"==x"]), ["w"]);
         assert_eq!(keys(&["labels.q", "name==w"]), ["c", "w"]);
         assert_eq!(keys(&["kind!=committed,parent"]), ["w"]);
-        assert_eq!(keys(&["labels.a==1,parent==\"\""]), ["c"]);
+        assert_eq!(keys(&["labels.q==1,parent==\"\""]), ["c"]);
         assert!(matches!(
             s.list(&["size>3".into()]),
             Err(SnapshotError::Invalid(_))
