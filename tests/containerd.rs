@@ -93,6 +93,8 @@ struct TestImage {
     layers: Vec<String>,
     /// What the command prints.
     expect: String,
+    /// The contents of `/data/big` (in the first layer), which the command copies and prints.
+    big: Vec<u8>,
 }
 
 /// Writes [`TestImage`] as an OCI layout in `dir`, named `name`.
@@ -186,6 +188,7 @@ fn image_layout(dir: &Path, name: &str) -> TestImage {
         expect: format!(
             "hello from layer one\nhello from layer two\ngone-is-gone\nopt from layer two\n{big}"
         ),
+        big: big.into_bytes(),
     }
 }
 
@@ -584,4 +587,31 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
             .count(),
         0
     );
+
+    // A corrupt chunk in the store (the last MiB of /data/big), and no cached copy: the read
+    // that needs it fails with EIO inside the container; no wrong byte is served.
+    std::fs::remove_dir_all(&cache).unwrap();
+    let tail = &image.big[(image.big.len() - 1) / (1 << 20) * (1 << 20)..];
+    let hex = blake3::hash(tail).to_hex().to_string();
+    let chunk = store.join("chunks").join(&hex[..2]).join(&hex);
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&chunk, bytes).unwrap();
+    pull();
+    let out = c.ctr(&["run", "--rm", "--snapshotter", "hotstart", &name, "corrupt"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "ran to the end over a corrupt chunk");
+    assert!(
+        format!("{stdout}{stderr}").contains("Input/output error"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(
+        image.expect.starts_with(stdout.as_ref()),
+        "served bytes that are not the file's"
+    );
+    remove_images(&c);
 }
