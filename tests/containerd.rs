@@ -391,64 +391,6 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
     assert!(buf.contains("\"snapshots\":{}"), "{buf}");
 }
 
-/// A CRI client for the one call a kubelet makes to pull an image: containerd's CRI plugin
-/// pulls with its unpacker, which hands each layer's `containerd.io/snapshot/` annotations to
-/// the snapshotter and downloads only the layers the snapshotter does not already have.
-/// (`ctr images pull` fetches every layer before it unpacks, so it never takes this path.)
-mod cri {
-    use std::path::Path;
-
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ImageSpec {
-        #[prost(string, tag = "1")]
-        pub image: String,
-    }
-
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct PullImageRequest {
-        #[prost(message, optional, tag = "1")]
-        pub image: Option<ImageSpec>,
-    }
-
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct PullImageResponse {
-        #[prost(string, tag = "1")]
-        pub image_ref: String,
-    }
-
-    /// `runtime.v1.ImageService/PullImage` of `image` through the CRI socket `socket`.
-    pub fn pull(socket: &Path, image: &str) -> Result<String, String> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let socket = socket.to_path_buf();
-        rt.block_on(async move {
-            let channel = tonic::transport::Endpoint::from_static("http://localhost")
-                .connect_with_connector(tower::service_fn(move |_| {
-                    tokio::net::UnixStream::connect(socket.clone())
-                }))
-                .await
-                .map_err(|e| format!("connect: {e}"))?;
-            let mut grpc = tonic::client::Grpc::new(channel);
-            grpc.ready().await.map_err(|e| format!("ready: {e}"))?;
-            let request = PullImageRequest {
-                image: Some(ImageSpec {
-                    image: image.to_string(),
-                }),
-            };
-            let codec = tonic::codec::ProstCodec::<PullImageRequest, PullImageResponse>::default();
-            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-                "/runtime.v1.ImageService/PullImage",
-            );
-            grpc.unary(tonic::Request::new(request), path, codec)
-                .await
-                .map(|r| r.into_inner().image_ref)
-                .map_err(|s| s.message().to_string())
-        })
-    }
-}
-
 /// `hotstart image stats --json` of `image` in the store `store`.
 fn stats(store: &Path, image: &str) -> serde_json::Value {
     let out = hotstart_testkit::run_ok(
@@ -525,14 +467,13 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
         pusher.ctr_ok(&["images", "import", "--no-unpack", tarball.to_str().unwrap()]);
         pusher.ctr_ok(&["images", "push", "--plain-http", &name]);
     }
-    let Some(c) = Containerd::start_cri("hotstart", &socket, &registry.host()) else {
+    let Some(c) = Containerd::start_cri("hotstart", &socket, "hotstart", &registry.host()) else {
         return;
     };
 
     // Pulled as a kubelet pulls, with the snapshotter: both layers mounted from the store,
     // neither downloaded.
-    let pull =
-        || cri::pull(&c.socket(), &name).unwrap_or_else(|e| panic!("pull: {e}\n{}", c.log()));
+    let pull = || c.cri_pull(&name);
     pull();
     let mut lazy = sn.lazy();
     lazy.sort();

@@ -26,15 +26,20 @@ impl Containerd {
         Containerd::start_with(name, snapshotter, None)
     }
 
-    /// [`Containerd::start`] with its CRI plugin serving (as on a Kubernetes node), using the
-    /// snapshotter `name` for every image it pulls, with the layer annotations passed to it,
-    /// and pulling from the plain-HTTP registry at `registry` (`host:port`). `ctr` then works
-    /// in CRI's namespace, `k8s.io`.
-    pub fn start_cri(name: &str, snapshotter: &Path, registry: &str) -> Option<Containerd> {
-        Containerd::start_with(name, snapshotter, Some(registry))
+    /// [`Containerd::start`] with its CRI plugin serving (as on a Kubernetes node), unpacking
+    /// every image it pulls with the snapshotter `cri_snapshotter` (`name`, or containerd's own
+    /// `overlayfs`), the layer annotations passed to it, and pulling from the plain-HTTP
+    /// registry at `registry` (`host:port`). `ctr` then works in CRI's namespace, `k8s.io`.
+    pub fn start_cri(
+        name: &str,
+        snapshotter: &Path,
+        cri_snapshotter: &str,
+        registry: &str,
+    ) -> Option<Containerd> {
+        Containerd::start_with(name, snapshotter, Some((cri_snapshotter, registry)))
     }
 
-    fn start_with(name: &str, snapshotter: &Path, cri: Option<&str>) -> Option<Containerd> {
+    fn start_with(name: &str, snapshotter: &Path, cri: Option<(&str, &str)>) -> Option<Containerd> {
         if !installed(&["containerd", "ctr", "runc"], "containerd runc") {
             return None;
         }
@@ -46,11 +51,11 @@ impl Containerd {
         let config = dir.path().join("config.toml");
         let cri_section = match cri {
             None => String::new(),
-            Some(registry) => format!(
+            Some((cri_snapshotter, registry)) => format!(
                 r#"[plugins."io.containerd.grpc.v1.cri"]
   disable_tcp_service = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "{name}"
+    snapshotter = "{cri_snapshotter}"
     disable_snapshot_annotations = false
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{cni}"
@@ -164,6 +169,13 @@ disabled_plugins = [{disabled}"io.containerd.snapshotter.v1.btrfs",
     /// Its gRPC socket (where CRI is served too).
     pub fn socket(&self) -> PathBuf {
         self.dir.path().join("c.sock")
+    }
+
+    /// Pulls `image` through CRI, as a kubelet does (see [`cri_pull`]); panics with
+    /// containerd's log when it fails.
+    pub fn cri_pull(&self, image: &str) -> String {
+        cri_pull(&self.socket(), image)
+            .unwrap_or_else(|e| panic!("CRI pull of {image}: {e}\n{}", self.log()))
     }
 }
 
@@ -281,4 +293,64 @@ fn which(bin: &str) -> Option<PathBuf> {
         .split(':')
         .map(|d| Path::new(d).join(bin))
         .find(|p| p.is_file())
+}
+
+/// The messages of the one CRI call a kubelet makes to pull an image (field numbers of
+/// `runtime.v1.ImageService/PullImage`; what is not needed is left out).
+mod cri {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ImageSpec {
+        #[prost(string, tag = "1")]
+        pub image: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PullImageRequest {
+        #[prost(message, optional, tag = "1")]
+        pub image: Option<ImageSpec>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PullImageResponse {
+        #[prost(string, tag = "1")]
+        pub image_ref: String,
+    }
+}
+
+/// `runtime.v1.ImageService/PullImage` of `image` through containerd's socket `socket`.
+///
+/// containerd's CRI plugin pulls with its unpacker, which hands each layer's
+/// `containerd.io/snapshot/` annotations to the snapshotter and downloads only the layers the
+/// snapshotter does not already have. (`ctr images pull` fetches every layer before it
+/// unpacks, so it never takes that path.)
+pub fn cri_pull(socket: &Path, image: &str) -> Result<String, String> {
+    use cri::{ImageSpec, PullImageRequest, PullImageResponse};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let socket = socket.to_path_buf();
+    rt.block_on(async move {
+        let channel = tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_| {
+                tokio::net::UnixStream::connect(socket.clone())
+            }))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.map_err(|e| format!("ready: {e}"))?;
+        let request = PullImageRequest {
+            image: Some(ImageSpec {
+                image: image.to_string(),
+            }),
+        };
+        let codec = tonic::codec::ProstCodec::<PullImageRequest, PullImageResponse>::default();
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+            "/runtime.v1.ImageService/PullImage",
+        );
+        grpc.unary(tonic::Request::new(request), path, codec)
+            .await
+            .map(|r| r.into_inner().image_ref)
+            .map_err(|s| s.message().to_string())
+    })
 }

@@ -30,8 +30,8 @@
 //! [`tree`] has a sample directory with every kind of entry and a walk that compares two
 //! trees, for the tests of trees, images and snapshots.
 //!
-//! Only std, libc and tempfile are used: the helpers speak plain HTTP/1.1 over `TcpStream`
-//! (unsigned requests, which SeaweedFS accepts when it has no identities configured).
+//! The helpers speak plain HTTP/1.1 over `TcpStream` (unsigned requests, which SeaweedFS accepts
+//! when it has no identities configured); only [`cri_pull`] needs gRPC (tonic).
 
 mod containerd;
 mod data;
@@ -41,7 +41,7 @@ mod seaweedfs;
 mod spawn;
 pub mod tree;
 
-pub use containerd::{Containerd, Registry};
+pub use containerd::{Containerd, Registry, cri_pull};
 pub use data::pattern;
 pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};

@@ -47,8 +47,7 @@ impl Lazy {
 
     fn unavailable(&self, image: &str, e: impl std::fmt::Display) -> Status {
         Status::unavailable(format!(
-            "layer image {image} cannot be mounted from {}: {e}; containers on this layer start \
-             once the store is reachable again",
+            "layer image {image} cannot be mounted from {}: {e}",
             self.images.store().url()
         ))
     }
@@ -67,12 +66,18 @@ impl Lazy {
             if mounted.contains_key(&id) {
                 continue;
             }
-            let r = ImageRef::parse(&image).map_err(|e| self.unavailable(&image, e))?;
+            let unavailable = |e: &dyn std::fmt::Display| {
+                self.unavailable(
+                    &image,
+                    format!("{e}; containers on this layer start once it can be mounted again"),
+                )
+            };
+            let r = ImageRef::parse(&image).map_err(|e| unavailable(&e))?;
             let m = self
                 .images
                 .mount(&r, &snapshots.fs_dir(id), self.cfg.clone())
                 .await
-                .map_err(|e| self.unavailable(&image, e))?;
+                .map_err(|e| unavailable(&e))?;
             info!(%image, id, "lazy layer mounted");
             mounted.insert(id, m);
         }
