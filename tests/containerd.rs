@@ -9,72 +9,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use hotstart_testkit::{Containerd, Registry, spawn_tied};
-use serde_json::json;
-use sha2::{Digest, Sha256};
+use hotstart_testkit::{Containerd, Registry, oci, spawn_tied};
 
 const IMAGE: &str = "hotstart.test/base:1";
 
-fn sha256(data: &[u8]) -> String {
-    let hex: String = Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("sha256:{hex}")
-}
-
-/// A tar header of `mode` and `size`, owned by root.
-fn header(mode: u32, size: u64) -> tar::Header {
-    let mut h = tar::Header::new_ustar();
-    h.set_mode(mode);
-    h.set_size(size);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(1_700_000_000);
-    h
-}
-
-/// An uncompressed layer tarball: directories, then `files` (path, mode, bytes).
-fn layer(files: &[(String, u32, Vec<u8>)]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    let mut dirs = std::collections::BTreeSet::new();
-    for (path, _, _) in files {
-        let mut p = Path::new(path).parent();
-        while let Some(d) = p.filter(|d| !d.as_os_str().is_empty()) {
-            dirs.insert(d.to_path_buf());
-            p = d.parent();
-        }
-    }
-    for d in dirs {
-        let mut h = header(0o755, 0);
-        h.set_entry_type(tar::EntryType::Directory);
-        b.append_data(&mut h, format!("{}/", d.display()), std::io::empty())
-            .unwrap();
-    }
-    for (path, mode, data) in files {
-        let mut h = header(*mode, data.len() as u64);
-        b.append_data(&mut h, path, data.as_slice()).unwrap();
-    }
-    b.into_inner().unwrap()
-}
-
 /// This machine's `sh` and `cat` with the libraries they load, at the same paths.
 fn programs() -> Vec<(String, u32, Vec<u8>)> {
-    let mut paths = vec!["/bin/sh".to_string(), "/bin/cat".to_string()];
-    for bin in ["/bin/sh", "/bin/cat"] {
-        let out = hotstart_testkit::run_ok(Command::new("ldd").arg(bin));
-        for line in out.lines() {
-            let lib = match line.split_once("=>") {
-                Some((_, right)) => right.split_whitespace().next(),
-                None => line.split_whitespace().next(),
-            };
-            if let Some(lib) = lib.filter(|l| l.starts_with('/'))
-                && !paths.iter().any(|p| p == lib)
-            {
-                paths.push(lib.to_string());
-            }
-        }
-    }
+    let bins = [PathBuf::from("/bin/sh"), PathBuf::from("/bin/cat")];
+    let mut paths: Vec<String> = bins.iter().map(|b| b.display().to_string()).collect();
+    paths.extend(oci::libraries(&bins, None));
     paths
         .into_iter()
         .map(|p| {
@@ -128,77 +71,26 @@ fn image_layout(dir: &Path, name: &str) -> TestImage {
             b"opt from layer two\n".to_vec(),
         ),
     ];
-    let layers = [layer(&one), layer(&two)];
-    let layout = dir.join("layout");
-    let blobs = layout.join("blobs/sha256");
-    std::fs::create_dir_all(&blobs).unwrap();
-    let add = |data: Vec<u8>| {
-        let d = sha256(&data);
-        std::fs::write(blobs.join(d.trim_start_matches("sha256:")), &data).unwrap();
-        (d, data.len())
-    };
-    let diff_ids: Vec<String> = layers.iter().map(|l| sha256(l)).collect();
     let script = "cat /etc/greeting /data/hello.txt; \
                   if [ -e /etc/gone ]; then echo gone-still-there; else echo gone-is-gone; fi; \
                   if [ -e /opt/old.txt ]; then echo opaque-broken; else cat /opt/new.txt; fi; \
                   cat /data/big > /data/copy && cat /data/copy";
-    let config = json!({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh", "-c", script]},
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-    });
-    let (cd, cs) = add(serde_json::to_vec(&config).unwrap());
-    let mut digests = Vec::new();
-    let layer_descs: Vec<_> = layers
-        .iter()
-        .map(|l| {
-            let (d, s) = add(l.clone());
-            digests.push(d.clone());
-            json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": s})
-        })
-        .collect();
-    let manifest = json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cs},
-        "layers": layer_descs,
-    });
-    let (md, ms) = add(serde_json::to_vec(&manifest).unwrap());
-    let tag = name.rsplit_once(':').map_or("latest", |(_, t)| t);
-    let index = json!({
-        "schemaVersion": 2,
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": ms,
-            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag},
-        }],
-    });
-    std::fs::write(
-        layout.join("index.json"),
-        serde_json::to_vec(&index).unwrap(),
-    )
-    .unwrap();
-    std::fs::write(
-        layout.join("oci-layout"),
-        br#"{"imageLayoutVersion":"1.0.0"}"#,
-    )
-    .unwrap();
+    let layout = oci::write_layout(
+        &dir.join("layout"),
+        name,
+        &["/bin/sh", "-c", script],
+        &["PATH=/bin"],
+        &[oci::layer_tar(&one), oci::layer_tar(&two)],
+        false,
+    );
     TestImage {
-        layout,
-        layers: digests,
+        layout: layout.dir,
+        layers: layout.layers,
         expect: format!(
             "hello from layer one\nhello from layer two\ngone-is-gone\nopt from layer two\n{big}"
         ),
         big: big.into_bytes(),
     }
-}
-
-/// `layout` as a tarball (what `ctr images import` reads).
-fn archive(layout: &Path) -> PathBuf {
-    let mut b = tar::Builder::new(Vec::new());
-    b.append_dir_all(".", layout).unwrap();
-    let path = layout.with_extension("tar");
-    std::fs::write(&path, b.into_inner().unwrap()).unwrap();
-    path
 }
 
 struct Snapshotter {
@@ -322,7 +214,7 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
     };
     let image = image_layout(dir.path(), IMAGE);
     let expect = image.expect.clone();
-    let tarball = archive(&image.layout);
+    let tarball = oci::archive(&image.layout);
     c.ctr_ok(&[
         "images",
         "import",
@@ -463,7 +355,7 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
         let Some(pusher) = Containerd::start("hotstart", &socket) else {
             return;
         };
-        let tarball = archive(&converted);
+        let tarball = oci::archive(&converted);
         pusher.ctr_ok(&["images", "import", "--no-unpack", tarball.to_str().unwrap()]);
         pusher.ctr_ok(&["images", "push", "--plain-http", &name]);
     }

@@ -24,6 +24,8 @@
 //! [`spawn_tied`] spawns any child that way (sidecars and trainers in end-to-end tests), and
 //! [`get`] is a plain HTTP GET (a sidecar's `/metrics`).
 //!
+//! [`oci`] writes OCI images offline (layer tarballs, layouts, the libraries a program needs).
+//!
 //! [`Containerd`] is a private containerd (own root, state and socket) with a proxy snapshotter
 //! plugged in, driven through `ctr`.
 //!
@@ -37,6 +39,7 @@ mod containerd;
 mod data;
 mod http;
 mod locate;
+pub mod oci;
 mod seaweedfs;
 mod spawn;
 pub mod tree;
