@@ -103,15 +103,15 @@ lib = [l.split()[-1] for l in maps.splitlines() if 'libpython' in l][:1]\n\
 print(sys.prefix); print(numpy.__file__); print(lib[0] if lib else '')";
 
 /// The Python installation: where things are, from the interpreter itself.
-struct Python {
-    version: String,
-    base_prefix: PathBuf,
-    purelib: PathBuf,
-    executable: PathBuf,
-    libpython: Option<PathBuf>,
+pub(crate) struct Python {
+    pub(crate) version: String,
+    pub(crate) base_prefix: PathBuf,
+    pub(crate) purelib: PathBuf,
+    pub(crate) executable: PathBuf,
+    pub(crate) libpython: Option<PathBuf>,
 }
 
-fn python_info(python: &Path) -> anyhow::Result<Python> {
+pub(crate) fn python_info(python: &Path) -> anyhow::Result<Python> {
     let code = "import sys, sysconfig, os\n\
 v = sysconfig.get_config_var('py_version_short')\n\
 lib = os.path.join(sysconfig.get_config_var('LIBDIR') or '', sysconfig.get_config_var('INSTSONAME') or '')\n\
@@ -152,7 +152,7 @@ fn cp(from: &Path, to: &Path) -> anyhow::Result<()> {
 /// A self-contained installation at `root`: the interpreter, libpython, the standard library
 /// (without its test suite, static library and the base site-packages) and `packages` from the
 /// virtualenv's site-packages (each with its `.libs` directory and metadata).
-fn install_tree(py: &Python, root: &Path, packages: &[&str]) -> anyhow::Result<()> {
+pub(crate) fn install_tree(py: &Python, root: &Path, packages: &[&str]) -> anyhow::Result<()> {
     let ver = format!("python{}", py.version);
     let (bin, lib) = (root.join("bin"), root.join("lib"));
     std::fs::create_dir_all(&bin)?;

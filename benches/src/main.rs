@@ -18,6 +18,7 @@
 mod all;
 mod chart;
 mod ckpt;
+mod container;
 mod env;
 mod fuse;
 mod image;
@@ -58,6 +59,10 @@ enum Command {
 
     /// Starting Python with numpy from a lazy image, against a local copy and a full pull.
     Image(image::ImageArgs),
+
+    /// Starting a container with containerd: hotstart's snapshotter against containerd's own
+    /// pull and unpack, and against the image already unpacked.
+    Container(container::ContainerArgs),
 
     /// Environment snapshots: restore against pip, uv (cold and warm cache) and tar.
     Env(env::EnvArgs),
@@ -131,6 +136,7 @@ fn main() -> anyhow::Result<()> {
         Command::SidecarRestore(args) => sidecar::restore_child(&args)?,
         Command::Restart(args) => restart::run(&args)?,
         Command::Image(args) => image::run(&args)?,
+        Command::Container(args) => container::run(&args)?,
         Command::Env(args) => env::run(&args)?,
         Command::All(args) => all::all(&args)?,
     }

@@ -1,0 +1,579 @@
+//! Starting a container with containerd and runc: a Python image with numpy (the interpreter,
+//! its standard library and the packages, with every library they load), run as
+//! `python -c "import numpy, ...; print('ready')"`, timed from the pull request to the
+//! container's exit after printing `ready`, four ways:
+//!
+//! - **(a) image already unpacked** on the node, containerd's own overlayfs snapshotter (the
+//!   floor);
+//! - **(b) containerd's pull and unpack, then run**: a CRI pull (what a kubelet asks) of the
+//!   plain image with the overlayfs snapshotter, every layer downloaded and unpacked;
+//! - **(c) hotstart, no profile**: a CRI pull of the image converted by
+//!   `hotstart image convert`, with `hotstart snapshotter`: the layers are mounted lazily, never
+//!   downloaded, and every chunk is fetched at its first read;
+//! - **(d) hotstart with a profile**: the same after one start recorded the chunks it read: the
+//!   profile is replayed (and the page cache warmed) before the container's first read.
+//!
+//! **The link.** The registry (Debian's `docker-registry`) and the chunk store are behind the
+//! same emulated remote link: every request waits `--latency-ms` (20 ms) and everything they
+//! send moves at most `--mbps` (200 MB/s) together. The registry is reached through a TCP proxy
+//! in this process that holds each burst a client sends (a request) for the latency and paces
+//! what comes back; the store is a local directory behind hotstart-store's throttle
+//! (`wrap::Throttle`), which the snapshotter (run in this process, the same code as
+//! `hotstart snapshotter`) reads through.
+//!
+//! **Fair starts.** Every run drops the page cache first (cold, as on a node that never ran
+//! the image), and (b), (c), (d) start from a fresh containerd (nothing pulled) and, for (c)
+//! and (d), a fresh snapshotter with an empty local chunk cache. (c) removes the layers'
+//! profiles first; (d) has the one (c) just recorded. Medians of `--runs` runs.
+//!
+//! stargz-snapshotter and nydus-snapshotter are not measured: neither is packaged for Debian,
+//! and this machine reaches no other download site.
+//!
+//! ```text
+//! cargo run --profile bench -p hotstart-benches -- container --runs 3
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use hotstart_prefetch::snapshotter::{Lazy, Snapshots};
+use hotstart_prefetch::{BuildConfig, ImageRef, Images, LazyConfig, MountReport};
+use hotstart_store::wrap::{Interceptor, Throttle, ThrottleConfig};
+use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
+use hotstart_testkit::{Containerd, Registry, oci};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::image::{install_tree, python_info};
+use crate::report::{Report, Row, median};
+use crate::store_uring::drop_page_cache;
+
+/// Options of `hotstart-benches container`.
+#[derive(Debug, clap::Args)]
+pub struct ContainerArgs {
+    /// The Python whose installation (and virtualenv site-packages) makes the image (default:
+    /// the workspace's .venv).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Packages of the virtualenv's site-packages in the image, and imported by the program.
+    #[arg(long, default_value = "numpy")]
+    packages: String,
+    /// Added delay per request to the registry and the store, in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    latency_ms: u64,
+    /// The link's bandwidth, in MB/s (10^6 bytes per second).
+    #[arg(long, default_value_t = 200)]
+    mbps: u64,
+    /// Repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Scratch directory (on disk): the image, the store, containerd's and the snapshotter's
+    /// state.
+    #[arg(long, default_value = "/var/tmp")]
+    dir: PathBuf,
+    /// Write the results as Markdown to this file too.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+}
+
+/// The emulated link's pacing of what servers send: one budget for all connections.
+struct Pace {
+    bytes_per_sec: f64,
+    next: Mutex<Instant>,
+}
+
+impl Pace {
+    /// When `n` more bytes may have arrived.
+    fn reserve(&self, n: usize) -> Instant {
+        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let start = (*next).max(Instant::now());
+        *next = start + Duration::from_secs_f64(n as f64 / self.bytes_per_sec);
+        *next
+    }
+}
+
+/// A TCP proxy from `listen` to `upstream` behind the link: each burst a client sends waits
+/// `latency`, and what the server sends is paced by `pace`.
+async fn proxy(
+    listen: tokio::net::TcpListener,
+    upstream: std::net::SocketAddr,
+    latency: Duration,
+    pace: Arc<Pace>,
+) {
+    loop {
+        let Ok((client, _)) = listen.accept().await else {
+            return;
+        };
+        let pace = pace.clone();
+        tokio::spawn(async move {
+            let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                return;
+            };
+            let _ = client.set_nodelay(true);
+            let _ = server.set_nodelay(true);
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            let up = async move {
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let n = match cr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    tokio::time::sleep(latency).await;
+                    if sw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = sw.shutdown().await;
+            };
+            let down = async move {
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let n = match sr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    tokio::time::sleep_until(pace.reserve(n).into()).await;
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = cw.shutdown().await;
+            };
+            tokio::join!(up, down);
+        });
+    }
+}
+
+/// The Python image, before it is written as a layout.
+struct PythonImage {
+    /// Three layer tarballs: system libraries; the interpreter and its standard library; the
+    /// packages.
+    layers: Vec<Vec<u8>>,
+    env: Vec<String>,
+    cmd: Vec<String>,
+}
+
+/// The Python image of the installation of `python` with `packages`, built under `scratch`.
+fn python_image(python: &Path, packages: &[&str], scratch: &Path) -> anyhow::Result<PythonImage> {
+    let py = python_info(python)?;
+    let full = scratch.join("full/usr/local");
+    install_tree(&py, &full, packages)?;
+    let ver = format!("python{}", py.version);
+    // The packages go into a layer of their own; the rest of the installation into another.
+    let site = full.join("lib").join(&ver).join("site-packages");
+    let pkgs = scratch.join("pkgs");
+    let pkg_site = pkgs.join("usr/local/lib").join(&ver).join("site-packages");
+    std::fs::create_dir_all(pkg_site.parent().context("site-packages path")?)?;
+    std::fs::rename(&site, &pkg_site)?;
+    std::fs::create_dir_all(&site)?;
+    // Every library the interpreter and the packages' extensions load, from this machine.
+    let mut objects = vec![full.join("bin").join(&ver)];
+    for root in [&full, &pkgs] {
+        for e in walk(root)? {
+            let name = e.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if name.ends_with(".so") || name.contains(".so.") {
+                objects.push(e);
+            }
+        }
+    }
+    let libs = scratch.join("libs");
+    for lib in oci::libraries(&objects, Some(scratch)) {
+        let to = libs.join(lib.trim_start_matches('/'));
+        std::fs::create_dir_all(to.parent().context("library path")?)?;
+        std::fs::copy(&lib, &to).with_context(|| format!("copy {lib}"))?;
+    }
+    let layers = vec![
+        oci::dir_tar(&libs),
+        oci::dir_tar(&scratch.join("full")),
+        oci::dir_tar(&pkgs),
+    ];
+    let program = format!("import {}; print('ready')", packages.join(", "));
+    let env = vec![
+        "PATH=/usr/local/bin:/usr/bin:/bin".to_string(),
+        "PYTHONHOME=/usr/local".to_string(),
+        "PYTHONDONTWRITEBYTECODE=1".to_string(),
+        format!("PYTHONPATH=/usr/local/lib/{ver}/site-packages"),
+    ];
+    let _ = std::fs::remove_dir_all(scratch.join("full"));
+    let _ = std::fs::remove_dir_all(&pkgs);
+    let _ = std::fs::remove_dir_all(&libs);
+    Ok(PythonImage {
+        layers,
+        env,
+        cmd: vec![format!("/usr/local/bin/{ver}"), "-c".into(), program],
+    })
+}
+
+fn walk(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            let t = e.file_type()?;
+            if t.is_dir() {
+                stack.push(e.path());
+            } else if t.is_file() {
+                out.push(e.path());
+            }
+        }
+    }
+    Ok(out)
+}
+
+struct Bench {
+    scratch: PathBuf,
+    rt: tokio::runtime::Runtime,
+    /// The chunk store behind the link.
+    remote: Store,
+    /// The layers' images in the store.
+    layer_images: Vec<ImageRef>,
+    /// containerd's proxy-plugin socket for the snapshotter.
+    socket: PathBuf,
+    registry_host: String,
+}
+
+impl Bench {
+    fn fresh(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let p = self.scratch.join(name);
+        if p.exists() {
+            std::fs::remove_dir_all(&p)?;
+        }
+        std::fs::create_dir_all(&p)?;
+        Ok(p)
+    }
+
+    fn containerd(&self, cri_snapshotter: &str) -> anyhow::Result<Containerd> {
+        Containerd::start_cri(
+            "hotstart",
+            &self.socket,
+            cri_snapshotter,
+            &self.registry_host,
+        )
+        .context("containerd, ctr and runc are needed (apt-get install containerd runc)")
+    }
+
+    /// Pulls `image` through CRI and runs it once; the time from the pull to its exit.
+    fn pull_and_run(
+        &self,
+        c: &Containerd,
+        image: &str,
+        snapshotter: &str,
+        id: &str,
+    ) -> anyhow::Result<Duration> {
+        drop_page_cache().context("drop the page cache (needs root)")?;
+        let start = Instant::now();
+        hotstart_testkit::cri_pull(&c.socket(), image)
+            .map_err(|e| anyhow::anyhow!("pull {image}: {e}"))?;
+        run_container(c, image, snapshotter, id)?;
+        Ok(start.elapsed())
+    }
+
+    /// The snapshotter, serving from a fresh state and an empty chunk cache, until the
+    /// returned sender is dropped.
+    fn snapshotter(
+        &self,
+    ) -> anyhow::Result<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    )> {
+        let state = self.fresh("snapshotter")?;
+        let cache = self.fresh("chunk-cache")?;
+        let images = Images::new(ChunkStore::new(
+            self.remote.clone(),
+            ChunkStoreConfig {
+                cache_dir: Some(cache),
+                concurrency: 64,
+                ..ChunkStoreConfig::default()
+            },
+        )?);
+        let d = LazyConfig::default();
+        let cfg = LazyConfig {
+            memory_cache: 256 << 20,
+            mount: hotstart_fuse::MountOptions {
+                allow_other: true,
+                fs_name: "hotstart-layer".into(),
+                ..d.mount.clone()
+            },
+            ..d
+        };
+        let snapshots = Snapshots::open(state)?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let socket = self.socket.clone();
+        let task = self.rt.spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            if let Err(e) = hotstart_prefetch::snapshotter::serve(
+                snapshots,
+                Some(Lazy::new(images, cfg)),
+                &socket,
+                shutdown,
+            )
+            .await
+            {
+                eprintln!("snapshotter: {e}");
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            ensure!(Instant::now() < deadline, "the snapshotter did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok((stop, task))
+    }
+
+    /// Removes what the layers' mounts recorded (profiles, traces, reports).
+    fn forget_profiles(&self) -> anyhow::Result<()> {
+        self.rt.block_on(async {
+            for image in &self.layer_images {
+                let dir = image.artifacts();
+                for prefix in [dir.traces_prefix(), dir.runs_prefix()] {
+                    for o in self.remote.list(&prefix).await? {
+                        self.remote.delete(&o.key).await?;
+                    }
+                }
+                match self.remote.delete(&dir.profile_key()).await {
+                    Err(e) if !e.is_not_found() => return Err(e.into()),
+                    _ => {}
+                }
+            }
+            Ok::<_, anyhow::Error>(())
+        })
+    }
+
+    /// The newest mount report of each layer.
+    fn last_reports(&self, images: &Images) -> anyhow::Result<Vec<MountReport>> {
+        self.rt.block_on(async {
+            let mut out = Vec::new();
+            for image in &self.layer_images {
+                let (_, runs) = images.stats(image).await?;
+                out.extend(runs.into_iter().last());
+            }
+            Ok(out)
+        })
+    }
+}
+
+/// `ctr run --rm` of `image`; it must print `ready`.
+fn run_container(c: &Containerd, image: &str, snapshotter: &str, id: &str) -> anyhow::Result<()> {
+    let out = c.ctr(&["run", "--rm", "--snapshotter", snapshotter, image, id]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || stdout.trim() != "ready" {
+        bail!(
+            "container {id} of {image}: {}{}\n{}",
+            stdout,
+            String::from_utf8_lossy(&out.stderr),
+            c.log()
+        );
+    }
+    Ok(())
+}
+
+/// Stops containerd's use of the images: removes them all (CRI names each twice), which
+/// removes their snapshots (and unmounts lazy layers, writing their traces).
+fn remove_images(c: &Containerd) {
+    let names = c.ctr_ok(&["images", "ls", "--quiet"]);
+    let mut args = vec!["images", "rm", "--sync"];
+    args.extend(names.lines().filter(|l| !l.is_empty()));
+    if args.len() > 3 {
+        c.ctr_ok(&args);
+    }
+}
+
+pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
+    ensure!(args.runs >= 1, "--runs must be at least 1");
+    let python = match &args.python {
+        Some(p) => p.clone(),
+        None => hotstart_testkit::workspace_root()
+            .context("no workspace root; give --python")?
+            .join(".venv/bin/python"),
+    };
+    let scratch_dir = tempfile::Builder::new()
+        .prefix("hotstart-bench-container-")
+        .tempdir_in(&args.dir)?;
+    let scratch = scratch_dir.path().to_path_buf();
+    let packages: Vec<&str> = args.packages.split(',').map(str::trim).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?;
+
+    // The registry, behind the link.
+    let registry =
+        Registry::start().context("docker-registry is needed (apt-get install docker-registry)")?;
+    let pace = Arc::new(Pace {
+        bytes_per_sec: args.mbps as f64 * 1e6,
+        next: Mutex::new(Instant::now()),
+    });
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let linked = format!("127.0.0.1:{}", listener.local_addr()?.port());
+    let upstream: std::net::SocketAddr = registry.host().parse()?;
+    rt.spawn(proxy(
+        listener,
+        upstream,
+        Duration::from_millis(args.latency_ms),
+        pace,
+    ));
+
+    // The image, plain and converted, pushed to the registry straight (not over the link).
+    let image = python_image(&python, &packages, &scratch)?;
+    let cmd: Vec<&str> = image.cmd.iter().map(String::as_str).collect();
+    let env: Vec<&str> = image.env.iter().map(String::as_str).collect();
+    let (plain, lazy) = ("bench/python:plain", "bench/python:lazy");
+    let layout = oci::write_layout(
+        &scratch.join("plain"),
+        &format!("{}/{plain}", registry.host()),
+        &cmd,
+        &env,
+        &image.layers,
+        true,
+    );
+    drop(image);
+    let store_dir = scratch.join("store");
+    let store = Store::open(store_dir.to_str().context("scratch path")?)?;
+    let builder = Images::new(ChunkStore::new(store.clone(), ChunkStoreConfig::default())?);
+    let built = Instant::now();
+    let converted = rt.block_on(hotstart_prefetch::convert(
+        &builder,
+        &layout.dir,
+        &scratch.join("lazy"),
+        &BuildConfig::default(),
+    ))?;
+    // The converted image goes to the same repository under another tag.
+    let index_path = scratch.join("lazy/index.json");
+    let mut index: serde_json::Value = serde_json::from_slice(&std::fs::read(&index_path)?)?;
+    index["manifests"][0]["annotations"] = serde_json::json!({
+        "io.containerd.image.name": format!("{}/{lazy}", registry.host()),
+        "org.opencontainers.image.ref.name": "lazy",
+    });
+    std::fs::write(&index_path, serde_json::to_vec(&index)?)?;
+    let image_mib = layout.layer_bytes as f64 / (1 << 20) as f64;
+    eprintln!(
+        "image: {} layers, {image_mib:.0} MiB compressed ({} files); converted in {:.1} s",
+        converted.layers.len(),
+        converted.layers.iter().map(|l| l.counts.files).sum::<u64>(),
+        built.elapsed().as_secs_f64()
+    );
+    let socket = scratch.join("sn.sock");
+    {
+        let pusher = Containerd::start("hotstart", &socket).context("containerd is needed")?;
+        for (dir, tag) in [(&layout.dir, plain), (&scratch.join("lazy"), lazy)] {
+            let tarball = oci::archive(dir);
+            pusher.ctr_ok(&[
+                "images",
+                "import",
+                "--no-unpack",
+                tarball.to_str().context("path")?,
+            ]);
+            pusher.ctr_ok(&[
+                "images",
+                "push",
+                "--plain-http",
+                &format!("{}/{tag}", registry.host()),
+            ]);
+        }
+    }
+    let link = Arc::new(Throttle::new(ThrottleConfig {
+        latency: Duration::from_millis(args.latency_ms),
+        per_request_bytes_per_sec: None,
+        total_bytes_per_sec: Some(args.mbps * 1_000_000),
+    }));
+    let bench = Bench {
+        scratch: scratch.clone(),
+        rt,
+        remote: store.wrap(|inner| link.wrap(inner)),
+        layer_images: converted.layers.iter().map(|l| l.image.clone()).collect(),
+        socket,
+        registry_host: linked.clone(),
+    };
+    let (plain, lazy) = (format!("{linked}/{plain}"), format!("{linked}/{lazy}"));
+
+    let (mut a, mut b, mut c, mut d) = (vec![], vec![], vec![], vec![]);
+    let mut d_reports: Vec<MountReport> = Vec::new();
+    for i in 0..args.runs {
+        // (b) then (a): containerd's own pull and unpack, then the unpacked image again.
+        let ctrd = bench.containerd("overlayfs")?;
+        b.push(bench.pull_and_run(&ctrd, &plain, "overlayfs", &format!("b{i}"))?);
+        drop_page_cache()?;
+        let start = Instant::now();
+        run_container(&ctrd, &plain, "overlayfs", &format!("a{i}"))?;
+        a.push(start.elapsed());
+        drop(ctrd);
+
+        // (c): lazily, no profile; its reads become the profile (d) replays.
+        bench.forget_profiles()?;
+        for (label, times) in [("c", &mut c), ("d", &mut d)] {
+            let (stop, task) = bench.snapshotter()?;
+            let ctrd = bench.containerd("hotstart")?;
+            times.push(bench.pull_and_run(&ctrd, &lazy, "hotstart", &format!("{label}{i}"))?);
+            remove_images(&ctrd);
+            drop(ctrd);
+            drop(stop);
+            bench.rt.block_on(task)?;
+        }
+        let images = Images::new(ChunkStore::new(store.clone(), ChunkStoreConfig::default())?);
+        d_reports.extend(bench.last_reports(&images)?);
+        eprintln!(
+            "  run {}: (a) {:.2} s  (b) {:.2} s  (c) {:.2} s  (d) {:.2} s",
+            i + 1,
+            a[i].as_secs_f64(),
+            b[i].as_secs_f64(),
+            c[i].as_secs_f64(),
+            d[i].as_secs_f64()
+        );
+    }
+    let fetched: u64 = d_reports
+        .iter()
+        .map(|r| r.demand_fetch_bytes + r.prefetched_bytes)
+        .sum::<u64>()
+        / args.runs as u64;
+    let (hits, reads): (u64, u64) = d_reports
+        .iter()
+        .fold((0, 0), |(h, n), r| (h + r.hits, n + r.chunks_read));
+    let (a, b, c, d) = (median(a), median(b), median(c), median(d));
+
+    let mut report = Report::new("Container start: containerd + runc, hotstart snapshotter");
+    let what = format!(
+        "start `python -c \"import {}\"` ({image_mib:.0} MiB image)",
+        packages.join(", ")
+    );
+    report.add(Row::time(
+        format!("{what}, hotstart with profile (d)"),
+        d,
+        "image unpacked locally (a)",
+        a,
+        Some(1.0 / 1.3),
+    ));
+    report.add(Row::time(
+        format!("{what}, hotstart with profile (d)"),
+        d,
+        "containerd pull + unpack (b)",
+        b,
+        Some(5.0),
+    ));
+    report.add(Row::time(
+        format!("{what}, hotstart without profile (c)"),
+        c,
+        "containerd pull + unpack (b)",
+        b,
+        None,
+    ));
+    report.note(format!(
+        "link: {} ms per request and {} MB/s in all, for the registry (a TCP proxy) and the chunk store (hotstart-store's throttle); page cache dropped before every start; fresh containerd and snapshotter for (b), (c), (d)",
+        args.latency_ms, args.mbps
+    ));
+    report.note(format!(
+        "(d) fetched {:.1} MiB of chunks, {:.0}% of the image's {image_mib:.1} MiB of layers (target ≤ 30%); chunk hit rate {:.0}% (target ≥ 90%); profile: one recorded start",
+        fetched as f64 / (1 << 20) as f64,
+        100.0 * fetched as f64 / layout.layer_bytes.max(1) as f64,
+        100.0 * hits as f64 / reads.max(1) as f64
+    ));
+    report.note("stargz-snapshotter and nydus-snapshotter: not measured; neither is packaged for Debian and this machine reaches no other download site");
+    report.finish(args.markdown.as_deref())?;
+    drop(registry);
+    Ok(())
+}
