@@ -128,6 +128,11 @@ const BENCHES: &[Bench] = &[
         quick: Runner::Own(&["image", "--runs", "1", "--record-runs", "1"]),
     },
     Bench {
+        name: "container",
+        full: Runner::Own(&["container", "--runs", "5"]),
+        quick: Runner::Own(&["container", "--runs", "1"]),
+    },
+    Bench {
         name: "env",
         full: Runner::Own(&["env", "--runs", "3"]),
         quick: Runner::Own(&[

@@ -272,7 +272,13 @@ impl Bench {
         let start = Instant::now();
         hotstart_testkit::cri_pull(&c.socket(), image)
             .map_err(|e| anyhow::anyhow!("pull {image}: {e}"))?;
+        let pulled = start.elapsed();
         run_container(c, image, snapshotter, id)?;
+        eprintln!(
+            "    {id}: pull {:.3} s, run {:.3} s",
+            pulled.as_secs_f64(),
+            (start.elapsed() - pulled).as_secs_f64()
+        );
         Ok(start.elapsed())
     }
 

@@ -494,6 +494,13 @@ impl Drop for ProfileRead {
     }
 }
 
+impl ProfileRead {
+    /// A profile already read.
+    pub fn ready(profile: Profile) -> ProfileRead {
+        ProfileRead(tokio::spawn(async move { Ok(profile) }))
+    }
+}
+
 /// Starts reading the profile under `artifacts` if `cfg` prefetches, for
 /// [`LazyMount::mount_with`]: started before the tree is at hand, the two reads overlap.
 pub fn read_profile(

@@ -6,6 +6,12 @@
 //! records the layer as committed, and tells containerd it exists. Overlayfs stacks it like any
 //! other layer.
 //!
+//! containerd prepares an image's layers one after another. When CRI passes the layers above
+//! the one being prepared (`containerd.io/snapshot/cri.image-layers`), their images are opened
+//! ahead (record, tree, profile) while this layer mounts, so each later layer mounts without
+//! those round trips. (Fetching their hot chunks ahead too was slower on two cores: decoding
+//! and caching them competed with the mount in progress.)
+//!
 //! A layer that cannot be mounted (no store configured, the image not in the store, the store
 //! unreachable) is left to containerd, which downloads and unpacks it as usual: a pull never
 //! fails for it. A layer recorded as lazy is mounted again when the snapshotter starts, and
@@ -15,17 +21,33 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use hotstart_store::Tree;
 use tokio::sync::Mutex;
 use tonic::Status;
 use tracing::{info, warn};
 
 use super::state::{SnapshotError, Snapshots, Usage};
-use crate::image::Images;
+use crate::convert::layer_image;
+use crate::image::{ImageRecord, Images};
 use crate::layout::ImageRef;
-use crate::mount::{LazyConfig, LazyMount};
+use crate::mount::{LazyConfig, LazyMount, ProfileRead, load_profile};
+use crate::profile::Profile;
 
 /// The snapshot label containerd passes with the chain id of the layer it is about to unpack.
 pub const TARGET_LABEL: &str = "containerd.io/snapshot.ref";
+
+/// The label CRI passes with the digests of the layer being prepared and those above it.
+pub const IMAGE_LAYERS_LABEL: &str = "containerd.io/snapshot/cri.image-layers";
+
+/// Layers opened ahead at most (the rest are opened when prepared).
+const MAX_AHEAD: usize = 64;
+
+/// A layer's image, opened ahead of its prepare.
+struct Opened {
+    record: ImageRecord,
+    tree: Tree,
+    profile: Profile,
+}
 
 /// The lazily served layers of one snapshotter.
 #[derive(Debug)]
@@ -34,6 +56,16 @@ pub struct Lazy {
     cfg: LazyConfig,
     /// Live mounts by snapshot id.
     mounted: Mutex<HashMap<u64, LazyMount>>,
+    /// Layer images being opened ahead, by image name.
+    ahead: std::sync::Mutex<HashMap<String, tokio::task::JoinHandle<crate::Result<Opened>>>>,
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opened")
+            .field("image", &self.record.image)
+            .finish()
+    }
 }
 
 impl Lazy {
@@ -42,6 +74,7 @@ impl Lazy {
             images,
             cfg,
             mounted: Mutex::new(HashMap::new()),
+            ahead: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -96,20 +129,29 @@ impl Lazy {
         image: &str,
     ) -> Result<(), Status> {
         let r = ImageRef::parse(image).map_err(|e| self.unavailable(image, e))?;
-        let record = self
-            .images
-            .record(&r)
-            .await
-            .map_err(|e| self.unavailable(image, e))?;
+        let ahead = self.take_ahead(image);
+        let (record, tree, profile) = match ahead {
+            Some(handle) => match handle.await {
+                Ok(Ok(o)) => (o.record, o.tree, Some(ProfileRead::ready(o.profile))),
+                _ => self.open(&r).await?,
+            },
+            None => self.open(&r).await?,
+        };
         let id = blocking(snapshots, {
             let (name, parent) = (name.to_string(), parent.to_string());
             move |s| s.reserve_lazy(&name, &parent)
         })
         .await?;
-        let mounted = match self
-            .images
-            .mount(&r, &snapshots.fs_dir(id), self.cfg.clone())
-            .await
+        let mounted = match LazyMount::mount_with(
+            self.images.chunks().clone(),
+            &tree,
+            image,
+            Some(r.artifacts()),
+            &snapshots.fs_dir(id),
+            self.cfg.clone(),
+            profile,
+        )
+        .await
         {
             Ok(m) => m,
             Err(e) => {
@@ -137,6 +179,48 @@ impl Lazy {
         Ok(())
     }
 
+    /// The record and tree of `image`, with its profile being read meanwhile.
+    async fn open(
+        &self,
+        image: &ImageRef,
+    ) -> Result<(ImageRecord, Tree, Option<ProfileRead>), Status> {
+        let profile = crate::read_profile(self.images.store(), Some(&image.artifacts()), &self.cfg);
+        let (record, tree) = self
+            .images
+            .open(image)
+            .await
+            .map_err(|e| self.unavailable(&image.to_string(), e))?;
+        Ok((record, tree, profile))
+    }
+
+    fn take_ahead(&self, image: &str) -> Option<tokio::task::JoinHandle<crate::Result<Opened>>> {
+        self.ahead
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(image)
+    }
+
+    /// Starts opening the images of the layers above the one being prepared (`layers`: the
+    /// value of [`IMAGE_LAYERS_LABEL`], this layer first). Layers that are not converted fail
+    /// to open and are prepared as usual.
+    pub fn open_ahead(&self, layers: &str) {
+        let mut ahead = self
+            .ahead
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for digest in layers.split(',').skip(1) {
+            let Ok(image) = layer_image(digest.trim()) else {
+                continue;
+            };
+            let key = image.to_string();
+            if ahead.len() >= MAX_AHEAD || ahead.contains_key(&key) {
+                continue;
+            }
+            let (images, prefetch) = (self.images.clone(), self.cfg.prefetch);
+            ahead.insert(key, tokio::spawn(open_ahead(images, image, prefetch)));
+        }
+    }
+
     /// Unmounts the layer of snapshot `id` (its run report and trace are written to the store).
     pub async fn release(&self, id: u64) {
         let m = self.mounted.lock().await.remove(&id);
@@ -156,6 +240,26 @@ impl Lazy {
             }
         }
     }
+}
+
+/// Opens `image`: its record and tree, and with `prefetch` its profile.
+async fn open_ahead(images: Images, image: ImageRef, prefetch: bool) -> crate::Result<Opened> {
+    let artifacts = image.artifacts();
+    let (opened, profile) = tokio::join!(images.open(&image), async {
+        if prefetch {
+            load_profile(images.store(), &artifacts)
+                .await
+                .unwrap_or_default()
+        } else {
+            Profile::default()
+        }
+    });
+    let (record, tree) = opened?;
+    Ok(Opened {
+        record,
+        tree,
+        profile,
+    })
 }
 
 /// Deletes the directory of a lazy layer that was not recorded.

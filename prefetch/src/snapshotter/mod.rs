@@ -96,6 +96,9 @@ impl Service {
     async fn try_lazy(&self, parent: &str, l: &BTreeMap<String, String>) -> Option<Status> {
         let lazy = self.lazy.as_ref()?;
         let (target, image) = (l.get(lazy::TARGET_LABEL)?, l.get(crate::LAYER_ANNOTATION)?);
+        if let Some(layers) = l.get(lazy::IMAGE_LAYERS_LABEL) {
+            lazy.open_ahead(layers);
+        }
         match lazy
             .serve(&self.snapshots, target, parent, l.clone(), image)
             .await
