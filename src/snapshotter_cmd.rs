@@ -72,6 +72,8 @@ pub async fn run(args: SnapshotterArgs) -> anyhow::Result<()> {
                 images,
                 LazyConfig {
                     memory_cache: args.memory_mib << 20,
+                    // A container's first start fetches its layers at the link's bandwidth.
+                    fetch_all_without_profile: true,
                     mount: MountOptions {
                         // Containers run as any user; the kernel checks their permissions.
                         allow_other: true,

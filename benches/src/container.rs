@@ -303,6 +303,7 @@ impl Bench {
         let d = LazyConfig::default();
         let cfg = LazyConfig {
             memory_cache: 256 << 20,
+            fetch_all_without_profile: true,
             mount: hotstart_fuse::MountOptions {
                 allow_other: true,
                 fs_name: "hotstart-layer".into(),

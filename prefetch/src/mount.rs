@@ -65,6 +65,10 @@ pub struct LazyConfig {
     pub mount: MountOptions,
     /// Told the replay's plan before the replay starts (see [`PlanHook`]).
     pub on_plan: Option<PlanHook>,
+    /// Without a profile (no mount recorded one yet), prefetch every chunk of the tree in file
+    /// order instead of nothing, behind demand reads and without warming the page cache: a
+    /// first start then waits for the link's bandwidth rather than one round trip per chunk.
+    pub fetch_all_without_profile: bool,
 }
 
 /// Told the chunks a replay will prefetch, in replay order, before it prefetches any: a caller
@@ -101,6 +105,7 @@ impl Default for LazyConfig {
                 ..MountOptions::default()
             },
             on_plan: None,
+            fetch_all_without_profile: false,
         }
     }
 }
@@ -279,7 +284,10 @@ impl LazyMount {
                 store.clone(),
                 dir.clone(),
                 profile,
-                tree.chunk_ids().into_iter().collect(),
+                tree.chunk_refs()
+                    .into_iter()
+                    .map(|c| (c.id, c.len))
+                    .collect(),
                 budget,
                 cfg.clone(),
                 loader.clone(),
@@ -526,7 +534,7 @@ async fn prepare_and_replay(
     store: Store,
     dir: ArtifactDir,
     profile: Option<ProfileRead>,
-    present: HashSet<ChunkId>,
+    chunks_in_order: Vec<(ChunkId, u32)>,
     budget: u64,
     cfg: LazyConfig,
     loader: Arc<Loader>,
@@ -542,7 +550,26 @@ async fn prepare_and_replay(
             return ReplayStats::default();
         };
         let plan = match (&mut profile.0).await {
+            Ok(Ok(profile)) if profile.runs == 0 && cfg.fetch_all_without_profile => {
+                let mut total = 0u64;
+                let plan: Vec<(ChunkId, u32)> = chunks_in_order
+                    .into_iter()
+                    .take_while(|(_, len)| {
+                        total += u64::from(*len);
+                        total <= budget
+                    })
+                    .collect();
+                tracing::info!(
+                    planned = plan.len(),
+                    "no profile yet; prefetching the whole tree"
+                );
+                if let Some(tx) = plan_tx {
+                    let _ = tx.send(Vec::new());
+                }
+                plan
+            }
             Ok(Ok(profile)) => {
+                let present: HashSet<ChunkId> = chunks_in_order.iter().map(|(id, _)| *id).collect();
                 let plan = profile.plan(&present, budget);
                 tracing::info!(runs = profile.runs, planned = plan.len(), "profile loaded");
                 if let Some(tx) = plan_tx {

@@ -423,6 +423,48 @@ fn a_damaged_profile_costs_only_the_prefetch() {
     assert_eq!((profile.runs, runs.len()), (2, 2));
 }
 
+/// Without a profile, `fetch_all_without_profile` prefetches every chunk of the tree (behind
+/// the job's reads): the first mount's job finds what it reads already fetched, the bytes are
+/// the tree's, and only what the job read becomes the profile.
+#[test]
+fn a_first_mount_may_prefetch_the_whole_tree() {
+    let env = Env::local();
+    let src = env.path("job");
+    write_job_tree(&src);
+    let images = env.images("cache-0");
+    env.build(&images, &src, "job:v1", 64 << 10);
+    let image = ImageRef::parse("job:v1").unwrap();
+    let (_, tree) = env.rt.block_on(images.open(&image)).unwrap();
+    let cfg = LazyConfig {
+        fetch_all_without_profile: true,
+        ..LazyConfig::default()
+    };
+    let ((), first) = env.with_mount(&images, "job:v1", cfg.clone(), true, job);
+    assert_eq!(
+        first.planned_chunks,
+        tree.chunk_ids().len() as u64,
+        "{first:?}"
+    );
+    assert_eq!(
+        first.prefetched_chunks + first.demand_fetches,
+        first.planned_chunks,
+        "{first:?}"
+    );
+    assert!(first.hits > 0, "{first:?}");
+    // The profile holds what the job read, not the whole tree.
+    let (profile, _) = env.rt.block_on(images.stats(&image)).unwrap();
+    assert_eq!(profile.entries.len() as u64, first.chunks_read);
+    assert!(first.chunks_read < first.planned_chunks, "{first:?}");
+    // With a profile, the option changes nothing: the profile is replayed.
+    let images = env.images("cache-1");
+    let ((), second) = env.with_mount(&images, "job:v1", cfg, true, job);
+    assert_eq!(
+        second.planned_chunks,
+        profile.entries.len() as u64,
+        "{second:?}"
+    );
+}
+
 /// A mount that reads nothing (its job never started) leaves the profile as it was, byte for
 /// byte: it is not a run, and five of them do not decay the profile away.
 #[test]

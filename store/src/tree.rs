@@ -157,13 +157,18 @@ impl Tree {
 
     /// Every chunk id the tree refers to, first use order, without repeats.
     pub fn chunk_ids(&self) -> Vec<ChunkId> {
+        self.chunk_refs().into_iter().map(|c| c.id).collect()
+    }
+
+    /// Every chunk the tree refers to (id and length), first use order, without repeats.
+    pub fn chunk_refs(&self) -> Vec<ChunkRef> {
         let mut seen = std::collections::HashSet::new();
         let mut out = Vec::new();
         for e in &self.entries {
             if let EntryKind::File { chunks, .. } = &e.kind {
                 for c in chunks {
                     if seen.insert(c.id) {
-                        out.push(c.id);
+                        out.push(*c);
                     }
                 }
             }
