@@ -142,14 +142,17 @@ impl Snapshotter {
         self.child.wait().unwrap();
     }
 
-    /// The images its lazily served layers come from.
-    fn lazy(&self) -> Vec<String> {
+    /// Its metadata file's snapshots.
+    fn snapshots(&self) -> serde_json::Map<String, serde_json::Value> {
         let m: serde_json::Value =
             serde_json::from_slice(&std::fs::read(self.root.join("metadata.json")).unwrap())
                 .unwrap();
-        m["snapshots"]
-            .as_object()
-            .unwrap()
+        m["snapshots"].as_object().unwrap().clone()
+    }
+
+    /// The images its lazily served layers come from.
+    fn lazy(&self) -> Vec<String> {
+        self.snapshots()
             .values()
             .filter_map(|r| r["lazy"].as_str().map(String::from))
             .collect()
@@ -157,12 +160,7 @@ impl Snapshotter {
 
     /// The snapshots its metadata file names: (key, kind, parent).
     fn recorded(&self) -> Vec<(String, String, String)> {
-        let m: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(self.root.join("metadata.json")).unwrap())
-                .unwrap();
-        m["snapshots"]
-            .as_object()
-            .unwrap()
+        self.snapshots()
             .iter()
             .map(|(k, r)| {
                 (

@@ -40,12 +40,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use hotstart_prefetch::snapshotter::{Lazy, Snapshots};
 use hotstart_prefetch::{BuildConfig, ImageRef, Images, LazyConfig, MountReport};
-use hotstart_store::wrap::{Counter, Interceptor, Op, Throttle, ThrottleConfig};
+use hotstart_store::wrap::{Counter, Interceptor, Op};
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
 use hotstart_testkit::{Containerd, Registry, oci};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::image::{install_tree, python_info};
+use crate::image::{LinkArgs, install_tree, python_info};
 use crate::report::{Report, Row, median};
 use crate::store_uring::drop_page_cache;
 
@@ -59,12 +59,9 @@ pub struct ContainerArgs {
     /// Packages of the virtualenv's site-packages in the image, and imported by the program.
     #[arg(long, default_value = "numpy")]
     packages: String,
-    /// Added delay per request to the registry and the store, in milliseconds.
-    #[arg(long, default_value_t = 20)]
-    latency_ms: u64,
-    /// The link's bandwidth, in MB/s (10^6 bytes per second).
-    #[arg(long, default_value_t = 200)]
-    mbps: u64,
+    /// The link in front of the registry and the store.
+    #[command(flatten)]
+    link: LinkArgs,
     /// Repetitions; medians are reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -413,7 +410,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     let registry =
         Registry::start().context("docker-registry is needed (apt-get install docker-registry)")?;
     let pace = Arc::new(Pace {
-        bytes_per_sec: args.mbps as f64 * 1e6,
+        bytes_per_sec: args.link.mbps as f64 * 1e6,
         next: Mutex::new(Instant::now()),
     });
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
@@ -422,7 +419,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     rt.spawn(proxy(
         listener,
         upstream,
-        Duration::from_millis(args.latency_ms),
+        Duration::from_millis(args.link.latency_ms),
         pace,
     ));
 
@@ -487,11 +484,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
             ]);
         }
     }
-    let link = Arc::new(Throttle::new(ThrottleConfig {
-        latency: Duration::from_millis(args.latency_ms),
-        per_request_bytes_per_sec: None,
-        total_bytes_per_sec: Some(args.mbps * 1_000_000),
-    }));
+    let link = args.link.throttle();
     let wire = Arc::new(Counter::default());
     let bench = Bench {
         scratch: scratch.clone(),
@@ -592,7 +585,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     ));
     report.note(format!(
         "link: {} ms per request and {} MB/s in all, for the registry (a TCP proxy) and the chunk store (hotstart-store's throttle); page cache dropped before every start; fresh containerd and snapshotter for (b), (c), (d)",
-        args.latency_ms, args.mbps
+        args.link.latency_ms, args.link.mbps
     ));
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     report.note(format!(

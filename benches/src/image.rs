@@ -64,12 +64,8 @@ pub struct ImageArgs {
         default_value = "numpy,json,decimal,email.mime.text,http.client,urllib.request,sqlite3,asyncio,xml.etree.ElementTree,logging,argparse,csv,zipfile,tarfile,hashlib,statistics,fractions,unittest"
     )]
     modules: String,
-    /// Added delay per store request, in milliseconds.
-    #[arg(long, default_value_t = 20)]
-    latency_ms: u64,
-    /// The link's bandwidth, in MB/s (10^6 bytes per second).
-    #[arg(long, default_value_t = 200)]
-    mbps: u64,
+    #[command(flatten)]
+    link: LinkArgs,
     /// Repetitions; medians are reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -94,6 +90,28 @@ pub struct ImageArgs {
     /// Write the results as Markdown to this file too.
     #[arg(long)]
     markdown: Option<PathBuf>,
+}
+
+/// The emulated remote link of the image and container benchmarks.
+#[derive(Debug, clap::Args)]
+pub(crate) struct LinkArgs {
+    /// Added delay per request, in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    pub(crate) latency_ms: u64,
+    /// The link's bandwidth, in MB/s (10^6 bytes per second).
+    #[arg(long, default_value_t = 200)]
+    pub(crate) mbps: u64,
+}
+
+impl LinkArgs {
+    /// hotstart-store's throttle with this latency and bandwidth (for all requests together).
+    pub(crate) fn throttle(&self) -> Arc<Throttle> {
+        Arc::new(Throttle::new(ThrottleConfig {
+            latency: Duration::from_millis(self.latency_ms),
+            per_request_bytes_per_sec: None,
+            total_bytes_per_sec: Some(self.mbps * 1_000_000),
+        }))
+    }
 }
 
 /// What `python -c` reports about itself.
@@ -330,11 +348,7 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
 
     let store_dir = scratch.path().join("store");
     let store = Store::open(store_dir.to_str().context("scratch path")?)?;
-    let link = Arc::new(Throttle::new(ThrottleConfig {
-        latency: Duration::from_millis(args.latency_ms),
-        per_request_bytes_per_sec: None,
-        total_bytes_per_sec: Some(args.mbps * 1_000_000),
-    }));
+    let link = args.link.throttle();
     let remote = store.wrap(|inner| link.wrap(inner));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
@@ -449,8 +463,8 @@ pub fn run(args: &ImageArgs) -> anyhow::Result<()> {
         record.counts.files,
         record.counts.bytes as f64 / (1 << 20) as f64,
         modules.len(),
-        args.latency_ms,
-        args.mbps,
+        args.link.latency_ms,
+        args.link.mbps,
         match args.kernel_read_ahead_kib {
             0 => "the kernel's default (128 KiB)".to_string(),
             k => format!("{k} KiB"),

@@ -189,16 +189,17 @@ async fn one_layer_keeps_its_whiteouts_and_opaque_markers_for_overlayfs() {
     let p = work.path().join("l.tar");
     std::fs::write(&p, layer).unwrap();
     let images = local_images(&work.path().join("store"));
-    let layers = || vec![Layer { path: p.clone() }];
-    let tree = tree_from_layers(
-        layers(),
-        images.chunks(),
-        1 << 20,
-        LayerLimits::default(),
-        true,
-    )
-    .await
-    .unwrap();
+    let build = |n: usize, keep: bool| {
+        let layers = vec![Layer { path: p.clone() }; n];
+        tree_from_layers(
+            layers,
+            images.chunks(),
+            1 << 20,
+            LayerLimits::default(),
+            keep,
+        )
+    };
+    let tree = build(1, true).await.unwrap();
     let kinds: Vec<(&str, &EntryKind)> = tree
         .entries
         .iter()
@@ -216,15 +217,7 @@ async fn one_layer_keeps_its_whiteouts_and_opaque_markers_for_overlayfs() {
     );
     assert!(tree.entries.iter().any(|e| e.path == "opt/old/3"));
     // Applied (the default), a lone layer's markers leave nothing behind.
-    let applied = tree_from_layers(
-        layers(),
-        images.chunks(),
-        1 << 20,
-        LayerLimits::default(),
-        false,
-    )
-    .await
-    .unwrap();
+    let applied = build(1, false).await.unwrap();
     assert!(
         applied
             .entries
@@ -232,10 +225,7 @@ async fn one_layer_keeps_its_whiteouts_and_opaque_markers_for_overlayfs() {
             .all(|e| e.kind != EntryKind::Whiteout && e.xattrs.is_empty())
     );
     // Kept markers only make sense for one layer.
-    let two = vec![Layer { path: p.clone() }, Layer { path: p.clone() }];
-    let e = tree_from_layers(two, images.chunks(), 1 << 20, LayerLimits::default(), true)
-        .await
-        .unwrap_err();
+    let e = build(2, true).await.unwrap_err();
     assert!(e.to_string().contains("one layer"), "{e}");
 }
 
