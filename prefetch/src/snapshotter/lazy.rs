@@ -42,6 +42,16 @@ pub const IMAGE_LAYERS_LABEL: &str = "containerd.io/snapshot/cri.image-layers";
 /// Layers opened ahead at most (the rest are opened when prepared).
 const MAX_AHEAD: usize = 64;
 
+/// How long a layer opened ahead waits for its prepare (containerd skips the prepare of a
+/// layer it already has) before it is dropped.
+const AHEAD_FOR: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// A layer image being opened ahead, since when.
+type Ahead = (
+    std::time::Instant,
+    tokio::task::JoinHandle<crate::Result<Opened>>,
+);
+
 /// A layer's image, opened ahead of its prepare.
 struct Opened {
     record: ImageRecord,
@@ -57,7 +67,7 @@ pub struct Lazy {
     /// Live mounts by snapshot id.
     mounted: Mutex<HashMap<u64, LazyMount>>,
     /// Layer images being opened ahead, by image name.
-    ahead: std::sync::Mutex<HashMap<String, tokio::task::JoinHandle<crate::Result<Opened>>>>,
+    ahead: std::sync::Mutex<HashMap<String, Ahead>>,
 }
 
 impl std::fmt::Debug for Opened {
@@ -198,6 +208,7 @@ impl Lazy {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(image)
+            .map(|(_, handle)| handle)
     }
 
     /// Starts opening the images of the layers above the one being prepared (`layers`: the
@@ -208,6 +219,13 @@ impl Lazy {
             .ahead
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        ahead.retain(|_, (since, handle)| {
+            let keep = since.elapsed() < AHEAD_FOR;
+            if !keep {
+                handle.abort();
+            }
+            keep
+        });
         for digest in layers.split(',').skip(1) {
             let Ok(image) = layer_image(digest.trim()) else {
                 continue;
@@ -217,7 +235,8 @@ impl Lazy {
                 continue;
             }
             let (images, prefetch) = (self.images.clone(), self.cfg.prefetch);
-            ahead.insert(key, tokio::spawn(open_ahead(images, image, prefetch)));
+            let handle = tokio::spawn(open_ahead(images, image, prefetch));
+            ahead.insert(key, (std::time::Instant::now(), handle));
         }
     }
 

@@ -225,8 +225,9 @@ impl SnapshotsApi for Service {
         let key = r.into_inner().key;
         debug!(%key, "remove");
         if let Some(lazy) = &self.lazy {
+            // Unmounted only once nothing stacks on it (and so only if it can be removed).
             let k = key.clone();
-            let rec = lazy::blocking(&self.snapshots, move |s| s.stat(&k)).await?;
+            let rec = lazy::blocking(&self.snapshots, move |s| s.removable(&k)).await?;
             if rec.lazy.is_some() {
                 lazy.release(rec.id).await;
             }

@@ -466,19 +466,15 @@ impl Snapshots {
         Ok(())
     }
 
+    /// The record of `key` if it may be removed: it exists and nothing stacks on it.
+    pub fn removable(&self, key: &str) -> Result<Record> {
+        removable(&self.lock(), key).cloned()
+    }
+
     /// Removes `key` and its files; refused while another snapshot stacks on it.
     pub fn remove(&self, key: &str) -> Result<()> {
         let id = self.change(|m| {
-            let Some(r) = m.snapshots.get(key) else {
-                return Err(not_found(key));
-            };
-            if let Some(child) = m.snapshots.iter().find(|(_, c)| c.parent == key) {
-                return Err(SnapshotError::Precondition {
-                    key: key.into(),
-                    reason: format!("snapshot {:?} stacks on it; remove that first", child.0),
-                });
-            }
-            let id = r.id;
+            let id = removable(m, key)?.id;
             m.snapshots.remove(key);
             Ok(id)
         })?;
@@ -557,6 +553,17 @@ impl Snapshots {
         }
         Ok(removed)
     }
+}
+
+fn removable<'a>(m: &'a Metadata, key: &str) -> Result<&'a Record> {
+    let r = m.snapshots.get(key).ok_or_else(|| not_found(key))?;
+    if let Some(child) = m.snapshots.iter().find(|(_, c)| c.parent == key) {
+        return Err(SnapshotError::Precondition {
+            key: key.into(),
+            reason: format!("snapshot {:?} stacks on it; remove that first", child.0),
+        });
+    }
+    Ok(r)
 }
 
 /// A parent must exist and be committed.
