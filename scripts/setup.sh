@@ -4,8 +4,8 @@
 #
 #   - apt packages: fuse3 (fusermount3 for the FUSE mounts), pkg-config, fio (disk floor in
 #     benchmarks), iproute2, nftables, iptables and iperf3 (benches/netem.sh), s3fs and rclone
-#     (the FUSE mounts `hotstart-benches fuse` compares with), containerd and runc (the
-#     snapshotter's tests), curl, fonts-dejavu-core (chart
+#     (the FUSE mounts `hotstart-benches fuse` compares with), containerd, runc and
+#     docker-registry (the snapshotter's tests), curl, fonts-dejavu-core (chart
 #     text), python3-venv (when `python3 -m venv` does not work). `apt-get update` runs once,
 #     only if something is missing.
 #   - .venv at the repository root (gitignored), with the Python packages listed in
@@ -59,9 +59,11 @@ want iperf3 iperf3
 # hotstart-benches fuse: the S3 FUSE mounts a user would pick instead of `hotstart mount`.
 want s3fs s3fs
 want rclone rclone
-# tests/containerd.rs: `hotstart snapshotter` under a real containerd (with ctr) and runc.
+# tests/containerd.rs: `hotstart snapshotter` under a real containerd (with ctr) and runc,
+# pulling from a real registry (the distribution project's, Debian's docker-registry).
 want containerd containerd
 want runc runc
+want docker-registry docker-registry
 
 python_venv_works() {
     local probe

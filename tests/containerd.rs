@@ -292,15 +292,6 @@ fn stats(store: &Path, image: &str) -> serde_json::Value {
     serde_json::from_str(&out).unwrap()
 }
 
-/// Removes every image of the namespace (CRI names an image by its reference and by its id)
-/// and waits for containerd's garbage collection, which removes their snapshots.
-fn remove_images(c: &Containerd) {
-    let names = c.ctr_ok(&["images", "ls", "--quiet"]);
-    let mut args = vec!["images", "rm", "--sync"];
-    args.extend(names.lines().filter(|l| !l.is_empty()));
-    c.ctr_ok(&args);
-}
-
 /// The layer digests containerd's content store holds.
 fn content(c: &Containerd) -> String {
     c.ctr_ok(&["content", "ls", "--quiet"])
@@ -381,7 +372,7 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
 
     // Removing the image unmounts the layers, which writes what the run read into the
     // layer's profile; the next start replays it.
-    remove_images(&c);
+    c.remove_images();
     assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
     let first = stats(&store, &layer_images[0]);
     assert!(first["profile"]["chunks"].as_u64().unwrap() > 0, "{first}");
@@ -391,7 +382,7 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
     // Killed and restarted: the lazy layers are mounted again, containers run again.
     let sn = sn.restart();
     assert_eq!(run_after_restart(&c, &name, "lazy-3"), image.expect);
-    remove_images(&c);
+    c.remove_images();
     let runs = stats(&store, &layer_images[0]);
     let mounts = runs["mounts"].as_array().unwrap();
     assert!(mounts.len() >= 2, "{runs}");
@@ -410,7 +401,7 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
     assert!(held.contains(&image.layers[1]), "{held}");
     assert!(!held.contains(&image.layers[0]), "{held}");
     assert_eq!(run_container(&c, &name, "mixed"), image.expect);
-    remove_images(&c);
+    c.remove_images();
     assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
     assert_eq!(
         std::fs::read_dir(sn.root.join("snapshots"))
@@ -444,5 +435,5 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
         image.expect.starts_with(stdout.as_ref()),
         "served bytes that are not the file's"
     );
-    remove_images(&c);
+    c.remove_images();
 }

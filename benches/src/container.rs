@@ -377,17 +377,6 @@ fn run_container(c: &Containerd, image: &str, snapshotter: &str, id: &str) -> an
     Ok(())
 }
 
-/// Stops containerd's use of the images: removes them all (CRI names each twice), which
-/// removes their snapshots (and unmounts lazy layers, writing their traces).
-fn remove_images(c: &Containerd) {
-    let names = c.ctr_ok(&["images", "ls", "--quiet"]);
-    let mut args = vec!["images", "rm", "--sync"];
-    args.extend(names.lines().filter(|l| !l.is_empty()));
-    if args.len() > 3 {
-        c.ctr_ok(&args);
-    }
-}
-
 pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     ensure!(args.runs >= 1, "--runs must be at least 1");
     let python = match &args.python {
@@ -528,7 +517,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
                 d_wire += bench.wire.get(Op::Get).bytes;
                 d_pulls.push(pulled);
             }
-            remove_images(&ctrd);
+            ctrd.remove_images();
             drop(ctrd);
             drop(stop);
             bench.rt.block_on(task)?;

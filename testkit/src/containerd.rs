@@ -153,6 +153,17 @@ disabled_plugins = [{disabled}"io.containerd.snapshotter.v1.btrfs",
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Removes every image of its namespace (CRI names an image by its reference and by its
+    /// id) and waits for the garbage collection that removes their snapshots.
+    pub fn remove_images(&self) {
+        let names = self.ctr_ok(&["images", "ls", "--quiet"]);
+        let mut args = vec!["images", "rm", "--sync"];
+        args.extend(names.lines().filter(|l| !l.is_empty()));
+        if args.len() > 3 {
+            self.ctr_ok(&args);
+        }
+    }
+
     /// The tail of containerd's log.
     pub fn log(&self) -> String {
         let text =

@@ -114,8 +114,9 @@ impl Service {
         }
     }
 
-    /// Mounts every lazily served layer (at start); a layer that fails is mounted again when
-    /// a container needs it.
+    /// Mounts every lazily served layer (in the background at start: containers that ran on
+    /// them before the restart keep the old, dead mount anyway, and a mount that stacks on one
+    /// mounts it first); a layer that fails is mounted again when a container needs it.
     pub async fn mount_lazy_layers(&self) {
         if let Some(lazy) = &self.lazy {
             for layer in self.snapshots.all_lazy() {
@@ -342,8 +343,9 @@ pub async fn serve(
     }
     let root = snapshots.root().display().to_string();
     let service = Service::new(snapshots, lazy);
-    service.mount_lazy_layers().await;
     let listener = tokio::net::UnixListener::bind(socket).map_err(io("listen on"))?;
+    let remount = service.clone();
+    tokio::spawn(async move { remount.mount_lazy_layers().await });
     info!(socket = %socket.display(), %root, "snapshotter serving");
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
     let res = tonic::transport::Server::builder()

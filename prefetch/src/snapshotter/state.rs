@@ -332,17 +332,19 @@ impl Snapshots {
     }
 
     /// Takes an id and an empty directory for a layer served lazily as the committed snapshot
-    /// `name` over `parent`; [`Snapshots::record_lazy`] records it once it is mounted. Until
-    /// then nothing names the directory (a crash leaves it to cleanup).
+    /// `name` over `parent`; [`Snapshots::record_lazy`] records it (and the id with it) once
+    /// it is mounted. Until then nothing on disk names the directory: a crash leaves it to the
+    /// sweep at start, before any id is handed out again.
     pub fn reserve_lazy(&self, name: &str, parent: &str) -> Result<u64> {
-        let id = self.change(|m| {
+        let id = {
+            let mut m = self.lock();
             if m.snapshots.contains_key(name) {
                 return Err(SnapshotError::AlreadyExists { key: name.into() });
             }
-            check_parent(m, parent)?;
+            check_parent(&m, parent)?;
             m.next_id += 1;
-            Ok(m.next_id - 1)
-        })?;
+            m.next_id - 1
+        };
         let fs_dir = self.fs_dir(id);
         fs::create_dir_all(&fs_dir).map_err(io("create", &fs_dir))?;
         Ok(id)
