@@ -45,3 +45,4 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     assert summary["python"]["checks"] and all(summary["python"]["checks"].values()), summary["python"]
     text = (out / "results" / "summary.md").read_text()
     assert "| cuda-tests | passed |" in text and "hotstart save → wait_staged" in text
+    assert "floor: copy the bytes out of shared memory" in text
