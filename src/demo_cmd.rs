@@ -74,6 +74,8 @@ pub struct DemoArgs {
     world_size: u32,
     #[arg(long, hide = true)]
     until: Option<u64>,
+    #[arg(long, hide = true)]
+    resume_agreement: Option<PathBuf>,
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
@@ -89,6 +91,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 seed: args.seed,
                 every: args.every.unwrap_or(100),
                 until: args.until,
+                agreement: args.resume_agreement,
             },
         )?);
     }

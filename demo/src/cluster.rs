@@ -78,6 +78,8 @@ pub struct Cluster {
     /// Starts of each node so far (a new start after a kill is a replacement node).
     node_generations: Vec<u32>,
     trainer_generations: Vec<u32>,
+    /// Starts of the whole job so far: each has its own file to agree on a step through.
+    job_starts: u32,
     pub nodes: Vec<Option<Node>>,
     pub trainers: Vec<Option<Trainer>>,
     tx: Sender<Msg>,
@@ -131,6 +133,7 @@ impl Cluster {
             http_ports: http_ports.to_vec(),
             node_generations: vec![0; layout.nodes],
             trainer_generations: vec![0; layout.nodes],
+            job_starts: 0,
             nodes: (0..layout.nodes).map(|_| None).collect(),
             trainers: (0..layout.nodes).map(|_| None).collect(),
             tx,
@@ -235,9 +238,21 @@ impl Cluster {
         }
     }
 
-    /// Starts rank `rank`'s trainer on its node's sidecar; it trains until `until` (or until
-    /// killed).
-    pub fn start_trainer(&mut self, rank: usize, until: Option<u64>) -> Result<()> {
+    /// A new start of the whole job: the file its trainers agree on the step to resume from
+    /// through (rank 0 writes it).
+    pub fn next_job_start(&mut self) -> PathBuf {
+        self.job_starts += 1;
+        self.layout.dir.join(format!("resume-{}", self.job_starts))
+    }
+
+    /// Starts rank `rank`'s trainer on its node's sidecar, resuming from the step agreed in
+    /// `agreement` ([`Cluster::next_job_start`]); it trains until `until` (or until killed).
+    pub fn start_trainer(
+        &mut self,
+        rank: usize,
+        until: Option<u64>,
+        agreement: &Path,
+    ) -> Result<()> {
         self.trainer_generations[rank] += 1;
         let generation = self.trainer_generations[rank];
         let l = &self.layout;
@@ -253,6 +268,8 @@ impl Cluster {
             .args(["--size", &l.state_bytes.to_string()])
             .args(["--seed", &l.seed.to_string()])
             .args(["--every", &l.every.to_string()])
+            .arg("--resume-agreement")
+            .arg(agreement)
             .env("HOTSTART_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -180,9 +180,10 @@ impl Demo {
 
     /// Starts every trainer (to `until`, or until killed).
     pub(crate) fn start_trainers(&mut self, until: Option<u64>) -> Result<()> {
+        let agreement = self.cluster.next_job_start();
         for r in 0..self.ranks() {
             self.finishing[r] = until.is_some();
-            self.cluster.start_trainer(r, until)?;
+            self.cluster.start_trainer(r, until, &agreement)?;
         }
         Ok(())
     }

@@ -10,8 +10,8 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::PathBuf;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use hotstart_ckpt::{
     Destination, Dtype, Engine, EngineConfig, Phase, SaveHandle, StepSel, Tensor, TierKind,
@@ -35,6 +35,9 @@ pub struct TrainerConfig {
     pub every: u64,
     /// Stop after this step (run until killed when `None`).
     pub until: Option<u64>,
+    /// Where the job agrees on the step it resumes from: rank 0 writes it, the other ranks read
+    /// it (`None`: each rank restores the newest step its own sidecar finds).
+    pub agreement: Option<PathBuf>,
 }
 
 const STEP_EXTRA: &str = "demo.step";
@@ -84,7 +87,7 @@ fn emit(event: &Event) {
 
 /// Restores the newest step complete for every rank: a model shaped after the checkpoint,
 /// loaded straight into its memory, and the event reporting it; `None` when there is none.
-fn restore(engine: &Engine, rank: u32) -> Result<Option<(Model, Event)>> {
+fn restore(engine: &Engine, rank: u32, which: StepSel) -> Result<Option<(Model, Event)>> {
     let started = Instant::now();
     let mut model: Option<Model> = None;
     let slot = &mut model;
@@ -111,7 +114,7 @@ fn restore(engine: &Engine, rank: u32) -> Result<Option<(Model, Event)>> {
         }
         Ok(Destination::Buffers(buffers))
     }));
-    let loaded = match engine.load(StepSel::Latest, plan) {
+    let loaded = match engine.load(which, plan) {
         Ok(l) => l,
         Err(e) if e.is_not_found() => return Ok(None),
         Err(e) => return Err(e.into()),
@@ -218,11 +221,61 @@ impl Pending {
 }
 
 /// Runs a trainer until `until` (or until killed).
+/// How long the other ranks wait for rank 0's choice of step.
+const AGREEMENT_WAIT: Duration = Duration::from_secs(120);
+
+/// The step this start resumes from (`None`: start fresh). A job lets one rank decide, as a
+/// real job broadcasts rank 0's choice (docs/SEMANTICS.md): two sidecars may see a step become
+/// complete a moment apart, so ranks that each asked their own could resume from different
+/// steps. Rank 0 asks its sidecar for the newest step complete for every rank and writes it to
+/// `path` (written beside, then renamed); the other ranks wait for it there.
+fn agreed_step(engine: &Engine, rank: u32, path: &Path) -> Result<Option<u64>> {
+    if rank == 0 {
+        let step = engine.latest_complete_step()?;
+        let text = step.map_or_else(|| "fresh\n".to_string(), |s| format!("{s}\n"));
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text).map_err(|e| Error::io("write the agreed step", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::io("publish the agreed step", e))?;
+        return Ok(step);
+    }
+    let deadline = Instant::now() + AGREEMENT_WAIT;
+    loop {
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                let text = text.trim();
+                if text == "fresh" {
+                    return Ok(None);
+                }
+                return text.parse().map(Some).map_err(|_| {
+                    Error::Protocol(format!("{}: not a step: {text:?}", path.display()))
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("read the agreed step", e)),
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Timeout(format!(
+                "rank 0 to choose the step to resume from ({})",
+                path.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 pub fn run(cfg: &TrainerConfig) -> Result<()> {
     let engine = Engine::new(
         EngineConfig::new(cfg.job.clone(), cfg.rank, cfg.world_size).sidecar(&cfg.socket),
     )?;
-    let mut model = match restore(&engine, cfg.rank)? {
+    let which = match &cfg.agreement {
+        None => Some(StepSel::Latest),
+        Some(path) => agreed_step(&engine, cfg.rank, path)?.map(StepSel::Step),
+    };
+    let restored = match which {
+        Some(which) => restore(&engine, cfg.rank, which)?,
+        None => None,
+    };
+    let mut model = match restored {
         Some((model, event)) => {
             emit(&Event::Started {
                 rank: cfg.rank,

@@ -27,6 +27,17 @@ pub struct Saved {
     pub done: BTreeMap<String, f64>,
     /// Tier → error.
     pub failed: BTreeMap<String, String>,
+    /// The job went back to an older step after this one was saved: the rank's next save
+    /// removes it (docs/SEMANTICS.md, retention), so none of its copies counts any more, until
+    /// it is saved again.
+    pub abandoned: bool,
+}
+
+impl Saved {
+    /// Whether `tier` holds this step (reported there, and not abandoned since).
+    pub fn in_tier(&self, tier: &str) -> bool {
+        !self.abandoned && self.done.contains_key(tier)
+    }
 }
 
 /// One restore of one rank.
@@ -65,7 +76,7 @@ impl Rank {
         self.saved
             .iter()
             .rev()
-            .find(|(_, s)| tiers.iter().all(|t| s.done.contains_key(*t)))
+            .find(|(_, s)| tiers.iter().all(|t| s.in_tier(t)))
             .map(|(&step, _)| step)
     }
 }
@@ -149,6 +160,9 @@ impl View {
             Event::Fresh { .. } => {
                 rank.step = 0;
                 rank.fresh = Some(Instant::now());
+                for saved in rank.saved.values_mut() {
+                    saved.abandoned = true;
+                }
             }
             Event::Restored {
                 step,
@@ -158,6 +172,8 @@ impl View {
                 ..
             } => {
                 let saved = rank.saved.entry(step).or_default();
+                // Restored, so not removed: a run that went back past it saved nothing since.
+                saved.abandoned = false;
                 // A trainer killed right after its save was staged never reported the state's
                 // hash, yet the sidecar keeps the step (it survives from `wait_staged` on). Its
                 // first restore sets the hash: the losses of the steps trained again from it
@@ -172,6 +188,9 @@ impl View {
                         "rank {r}: the state restored from step {step} differs from the state saved ({hash} restored, {} saved)",
                         saved.hash
                     ));
+                }
+                for (_, newer) in rank.saved.range_mut(step + 1..) {
+                    newer.abandoned = true;
                 }
                 rank.step = step;
                 rank.restores.push(Restore {
@@ -211,6 +230,11 @@ impl View {
                     self.problems.push(format!(
                         "rank {r}: step {step} saved again with a different state"
                     ));
+                }
+                if saved.abandoned {
+                    // The copies of the abandoned run's save are gone or going; this save's
+                    // tiers report anew.
+                    *saved = Saved::default();
                 }
                 saved.hash = hash;
                 saved.stall = stall_seconds;

@@ -8,7 +8,9 @@
 //! down after it was reported); a node replaced with an empty disk takes that disk's copies;
 //! a flipped byte spoils that tier's copy of that rank's step. A step is *held* when every rank
 //! has at least one reported copy of it that no fault destroyed. Retention and recycling only
-//! ever drop a step once a newer one is complete, so the newest held step is always reachable;
+//! ever drop a step once a newer one is complete, or once the job went back to an older step
+//! and saved again (the abandoned run's steps count no more from the restore on: see
+//! [`crate::view::Saved::abandoned`]), so the newest held step is always reachable;
 //! the store counts only when the nodes hold no complete step, as the sidecar lists the store
 //! only then ([`Ledger::newest_held`]).
 //!
@@ -117,12 +119,7 @@ impl Ledger {
     /// [`KEEP`] steps of that rank whatever the other ranks did; the store keeps the newest
     /// [`KEEP`] steps complete in it and every step newer than those.
     fn holds(&self, view: &View, rank: usize, step: u64, tier: &'static str) -> bool {
-        let done = |r: usize, s: u64| {
-            view.ranks[r]
-                .saved
-                .get(&s)
-                .is_some_and(|x| x.done.contains_key(tier))
-        };
+        let done = |r: usize, s: u64| view.ranks[r].saved.get(&s).is_some_and(|x| x.in_tier(tier));
         if !done(rank, step) || self.lost.contains(&(rank, step, tier)) {
             return false;
         }
@@ -332,6 +329,78 @@ mod tests {
         }
         persisted(&mut w, 1, 10, "disk");
         assert_eq!(Ledger::default().newest_held(&w), None);
+    }
+
+    /// Finding of seed 3 (`hotstart demo --chaos 15 --seed 3`, on a loaded machine): the job
+    /// went back to an older step and saved again, which rightly removed the abandoned run's
+    /// newer steps, while the ledger still counted them as held on disk and in the store.
+    #[test]
+    fn steps_the_job_went_back_past_count_no_more_until_saved_again() {
+        let mut v = View::new(2, false);
+        let save = |v: &mut View, r: u32, s: u64| {
+            v.apply(Event::Saved {
+                rank: r,
+                step: s,
+                stall_seconds: 0.0,
+                hash: format!("h{s}"),
+            });
+            persisted(v, r, s, "disk");
+            persisted(v, r, s, "store");
+        };
+        for r in 0..2 {
+            for s in [10, 20, 30] {
+                save(&mut v, r, s);
+            }
+        }
+        let l = Ledger::default();
+        assert_eq!(l.newest_held(&v), Some(30));
+        // Rank 0 restores 10 (its newer copies were lost, say); rank 1 too.
+        for r in 0..2 {
+            v.apply(Event::Restored {
+                rank: r,
+                step: 10,
+                sources: vec!["store".into()],
+                seconds: 0.1,
+                hash: "h10".into(),
+            });
+        }
+        assert!(v.problems.is_empty(), "{:?}", v.problems);
+        assert_eq!(l.newest_held(&v), Some(10));
+        assert_eq!(v.ranks[0].newest_in(&["disk"]), Some(10));
+        let restore = |v: &mut View, s: u64, from: &str| {
+            for r in 0..2 {
+                v.apply(Event::Restored {
+                    rank: r,
+                    step: s,
+                    sources: vec![from.into()],
+                    seconds: 0.1,
+                    hash: format!("h{s}"),
+                });
+            }
+        };
+        // Killed again before any save: nothing was removed, and a restore may find step 30
+        // again, which is held again from then on.
+        restore(&mut v, 30, "disk");
+        assert!(v.ranks[0].saved[&30].in_tier("disk"));
+        assert_eq!(l.newest_held(&v), Some(30));
+        // Back to 10 once more, then saved again: step 20 counts anew, from this save's own
+        // reports only.
+        restore(&mut v, 10, "store");
+        for r in 0..2 {
+            v.apply(Event::Saved {
+                rank: r,
+                step: 20,
+                stall_seconds: 0.0,
+                hash: "h20".into(),
+            });
+        }
+        assert_eq!(l.newest_held(&v), Some(10));
+        for r in 0..2 {
+            persisted(&mut v, r, 20, "disk");
+        }
+        assert_eq!(l.newest_held(&v), Some(20));
+        assert!(!v.ranks[0].saved[&20].in_tier("store"));
+        assert!(v.problems.is_empty(), "{:?}", v.problems);
     }
 
     #[test]
