@@ -311,8 +311,17 @@ impl Client {
 
     /// The newest step complete for every rank, as the sidecar sees it.
     pub(crate) fn latest(&self) -> Result<Option<u64>> {
+        self.ask_latest(LocalMsg::Latest)
+    }
+
+    /// The newest step complete for every rank that is older than `step`.
+    pub(crate) fn latest_below(&self, step: u64) -> Result<Option<u64>> {
+        self.ask_latest(LocalMsg::LatestBelow { step })
+    }
+
+    fn ask_latest(&self, ask: LocalMsg) -> Result<Option<u64>> {
         let mut conn = self.connect()?;
-        conn.send(&LocalMsg::Latest)?;
+        conn.send(&ask)?;
         match conn.recv()? {
             LocalMsg::LatestIs { step } => Ok(step),
             LocalMsg::Failed { reason } => Err(self.error(reason)),

@@ -451,7 +451,17 @@ impl Engine {
         if let Some(sidecar) = &self.inner.sidecar {
             return sidecar.latest();
         }
-        Ok(self.inner.latest_in_own_tiers())
+        Ok(self.inner.latest_in_own_tiers_below(None))
+    }
+
+    /// The newest step complete as [`Engine::latest_complete_step`] finds them, older than
+    /// `step`: where a job goes back to when one of its ranks cannot restore the step it chose
+    /// (corrupt or gone in every tier), so that every rank restores the same step.
+    pub fn latest_complete_step_below(&self, step: u64) -> Result<Option<u64>> {
+        if let Some(sidecar) = &self.inner.sidecar {
+            return sidecar.latest_below(step);
+        }
+        Ok(self.inner.latest_in_own_tiers_below(Some(step)))
     }
 
     /// The newest checkpoint of this job whatever world size saved it, and that world size: the

@@ -55,9 +55,15 @@ impl Inner {
         self.tiers.iter().map(|t| t.kind()).collect()
     }
 
-    /// The newest step complete in any of this engine's own tiers.
-    pub(crate) fn latest_in_own_tiers(&self) -> Option<u64> {
-        let complete = |t: &dyn Tier, step| Ok(self.is_complete(t, step)?.then_some(()));
+    /// The newest step complete in any of this engine's own tiers (older than `below`, if
+    /// given).
+    pub(crate) fn latest_in_own_tiers_below(&self, below: Option<u64>) -> Option<u64> {
+        let complete = |t: &dyn Tier, step| {
+            if below.is_some_and(|b| step >= b) {
+                return Ok(None);
+            }
+            Ok(self.is_complete(t, step)?.then_some(()))
+        };
         self.newest_in_own_tiers(complete).map(|(step, ())| step)
     }
 

@@ -174,7 +174,7 @@ impl Inner {
         }
         let step = match which {
             StepSel::Step(s) => s,
-            StepSel::Latest => match inner.latest_in_own_tiers() {
+            StepSel::Latest => match inner.latest_in_own_tiers_below(None) {
                 Some(step) => step,
                 None => {
                     return Err(match inner.latest_checkpoint_in_own_tiers() {

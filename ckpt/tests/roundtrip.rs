@@ -36,6 +36,8 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
         assert_eq!(engine.complete_steps(*t).unwrap(), vec![10, 20]);
     }
     assert_eq!(engine.latest_complete_step().unwrap(), Some(20));
+    assert_eq!(engine.latest_complete_step_below(20).unwrap(), Some(10));
+    assert_eq!(engine.latest_complete_step_below(10).unwrap(), None);
 
     let latest = engine.load(StepSel::Latest, Destination::Owned).unwrap();
     assert_eq!(latest.step, 20);

@@ -238,8 +238,8 @@ impl Cluster {
         }
     }
 
-    /// A new start of the whole job: the file its trainers agree on the step to resume from
-    /// through (rank 0 writes it).
+    /// A new start of the whole job: the directory its trainers agree on the step to resume
+    /// from through.
     pub fn next_job_start(&mut self) -> PathBuf {
         self.job_starts += 1;
         self.layout.dir.join(format!("resume-{}", self.job_starts))

@@ -35,8 +35,9 @@ pub struct TrainerConfig {
     pub every: u64,
     /// Stop after this step (run until killed when `None`).
     pub until: Option<u64>,
-    /// Where the job agrees on the step it resumes from: rank 0 writes it, the other ranks read
-    /// it (`None`: each rank restores the newest step its own sidecar finds).
+    /// The directory the job agrees on the step it resumes from through, one per start of the
+    /// job (see [`restore_agreed`]; `None`: each rank restores the newest step its own sidecar
+    /// finds).
     pub agreement: Option<PathBuf>,
 }
 
@@ -221,45 +222,86 @@ impl Pending {
 }
 
 /// Runs a trainer until `until` (or until killed).
-/// How long the other ranks wait for rank 0's choice of step.
+/// How long a rank waits for the others in [`restore_agreed`].
 const AGREEMENT_WAIT: Duration = Duration::from_secs(120);
 
-/// The step this start resumes from (`None`: start fresh). A job lets one rank decide, as a
-/// real job broadcasts rank 0's choice (docs/SEMANTICS.md): two sidecars may see a step become
-/// complete a moment apart, so ranks that each asked their own could resume from different
-/// steps. Rank 0 asks its sidecar for the newest step complete for every rank and writes it to
-/// `path` (written beside, then renamed); the other ranks wait for it there.
-fn agreed_step(engine: &Engine, rank: u32, path: &Path) -> Result<Option<u64>> {
-    if rank == 0 {
-        let step = engine.latest_complete_step()?;
-        let text = step.map_or_else(|| "fresh\n".to_string(), |s| format!("{s}\n"));
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, text).map_err(|e| Error::io("write the agreed step", e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io("publish the agreed step", e))?;
-        return Ok(step);
-    }
+/// Writes `text` to `path` whole: written beside, then renamed.
+fn publish(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(|e| Error::io("write an agreement file", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io("publish an agreement file", e))
+}
+
+/// The contents of `path` once it exists.
+fn await_file(path: &Path, what: &str) -> Result<String> {
     let deadline = Instant::now() + AGREEMENT_WAIT;
     loop {
         match std::fs::read_to_string(path) {
-            Ok(text) => {
-                let text = text.trim();
-                if text == "fresh" {
-                    return Ok(None);
-                }
-                return text.parse().map(Some).map_err(|_| {
-                    Error::Protocol(format!("{}: not a step: {text:?}", path.display()))
-                });
-            }
+            Ok(text) => return Ok(text),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("read the agreed step", e)),
+            Err(e) => return Err(Error::io("read an agreement file", e)),
         }
         if Instant::now() > deadline {
-            return Err(Error::Timeout(format!(
-                "rank 0 to choose the step to resume from ({})",
-                path.display()
-            )));
+            return Err(Error::Timeout(format!("{what} ({})", path.display())));
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Restores the step the whole job agrees on, through files in the directory `dir` (one per
+/// start of the job), as a real job does through its collectives: a job must let one rank
+/// decide (docs/SEMANTICS.md), since two sidecars may see a step become complete a moment apart.
+///
+/// In round k rank 0 proposes a step (`step-k`): the newest complete for every rank, then each
+/// round the newest complete one older than the last proposal. Every rank tries to restore it
+/// and says whether it could (`result-k-<rank>`). When all could, that is the step; when one
+/// could not (its copies corrupt or gone in every tier), the job goes back a step and tries
+/// again, rather than failing the same way at every restart. `None`: no step is left, every
+/// rank starts fresh.
+fn restore_agreed(engine: &Engine, cfg: &TrainerConfig, dir: &Path) -> Result<Option<(Model, Event)>> {
+    if cfg.rank == 0 {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create the agreement directory", e))?;
+    }
+    let mut proposed: Option<u64> = None;
+    let mut round = 0;
+    loop {
+        let at = dir.join(format!("step-{round}"));
+        if cfg.rank == 0 {
+            let step = match proposed {
+                None => engine.latest_complete_step()?,
+                Some(s) => engine.latest_complete_step_below(s)?,
+            };
+            publish(&at, &step.map_or_else(|| "fresh".to_string(), |s| s.to_string()))?;
+        }
+        let text = await_file(&at, "rank 0 to choose the step to resume from")?;
+        if text == "fresh" {
+            return Ok(None);
+        }
+        let step: u64 = text
+            .parse()
+            .map_err(|_| Error::Protocol(format!("{}: not a step: {text:?}", at.display())))?;
+        proposed = Some(step);
+        let (restored, said) = match restore(engine, cfg.rank, StepSel::Step(step)) {
+            Ok(Some(r)) => (Some(r), "ok".to_string()),
+            Ok(None) => (None, "not found".to_string()),
+            Err(e) => (None, e.to_string()),
+        };
+        if restored.is_none() {
+            eprintln!("rank {}: cannot restore step {step}: {said}", cfg.rank);
+        }
+        publish(&dir.join(format!("result-{round}-{}", cfg.rank)), &said)?;
+        let mut all = true;
+        for r in 0..cfg.world_size {
+            let theirs = await_file(
+                &dir.join(format!("result-{round}-{r}")),
+                "every rank to try the chosen step",
+            )?;
+            all &= theirs == "ok";
+        }
+        if all {
+            return Ok(restored);
+        }
+        round += 1;
     }
 }
 
@@ -267,13 +309,9 @@ pub fn run(cfg: &TrainerConfig) -> Result<()> {
     let engine = Engine::new(
         EngineConfig::new(cfg.job.clone(), cfg.rank, cfg.world_size).sidecar(&cfg.socket),
     )?;
-    let which = match &cfg.agreement {
-        None => Some(StepSel::Latest),
-        Some(path) => agreed_step(&engine, cfg.rank, path)?.map(StepSel::Step),
-    };
-    let restored = match which {
-        Some(which) => restore(&engine, cfg.rank, which)?,
-        None => None,
+    let restored = match &cfg.agreement {
+        None => restore(&engine, cfg.rank, StepSel::Latest)?,
+        Some(dir) => restore_agreed(&engine, cfg, dir)?,
     };
     let mut model = match restored {
         Some((model, event)) => {

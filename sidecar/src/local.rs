@@ -263,9 +263,13 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     }
                 }
             }
-            LocalMsg::Latest => {
+            LocalMsg::Latest | LocalMsg::LatestBelow { .. } => {
+                let below = match msg {
+                    LocalMsg::LatestBelow { step } => Some(step),
+                    _ => None,
+                };
                 core.adopting.wait(&who.job, core.cfg.stage_timeout);
-                match core.latest(&who.job, who.rank, who.world_size) {
+                match core.latest(&who.job, who.rank, who.world_size, below) {
                     Ok(step) => send(&LocalMsg::LatestIs { step }),
                     Err(e) => send(&LocalMsg::Failed {
                         reason: e.to_string(),
@@ -318,7 +322,7 @@ fn stage(
             .into());
         }
         // Asked again while waiting: the others' commits move it on.
-        let complete = core.latest_seen(&who.job, who.world_size);
+        let complete = core.latest_seen(&who.job, who.world_size, None);
         match core.memory.recycle(&who.job, who.rank, size, complete) {
             Recycled::Taken(seg) => return Ok(seg),
             Recycled::Busy if ahead => {

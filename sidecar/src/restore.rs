@@ -88,17 +88,30 @@ impl Core {
         out
     }
 
-    /// The newest step of `job` complete for every rank of `world_size`; see the module docs.
-    pub(crate) fn latest(&self, job: &str, rank: u32, world_size: u32) -> Result<Option<u64>> {
-        match self.latest_seen(job, world_size) {
+    /// The newest step of `job` complete for every rank of `world_size` (older than `below`,
+    /// if given); see the module docs.
+    pub(crate) fn latest(
+        &self,
+        job: &str,
+        rank: u32,
+        world_size: u32,
+        below: Option<u64>,
+    ) -> Result<Option<u64>> {
+        match self.latest_seen(job, world_size, below) {
             Some(step) => Ok(Some(step)),
-            None => self.latest_in_store(job, rank, world_size),
+            None => self.latest_in_store(job, rank, world_size, below),
         }
     }
 
-    /// The newest step of `job` complete for every rank of `world_size` in this node's memory
-    /// and disk and those of the peers that answered their last probe (the store not asked).
-    pub(crate) fn latest_seen(&self, job: &str, world_size: u32) -> Option<u64> {
+    /// The newest step of `job` complete for every rank of `world_size` (older than `below`,
+    /// if given) in this node's memory and disk and those of the peers that answered their
+    /// last probe (the store not asked).
+    pub(crate) fn latest_seen(
+        &self,
+        job: &str,
+        world_size: u32,
+        below: Option<u64>,
+    ) -> Option<u64> {
         let mut present: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
         let mut add = |infos: &[ShardInfo]| {
             for s in infos {
@@ -132,13 +145,20 @@ impl Core {
         present
             .iter()
             .rev()
+            .filter(|(s, _)| below.is_none_or(|b| **s < b))
             .find(|(_, r)| complete(r))
             .map(|(s, _)| *s)
     }
 
     /// The newest step complete in the store, or `None` (also when the store does not answer
     /// in time).
-    fn latest_in_store(&self, job: &str, rank: u32, world_size: u32) -> Result<Option<u64>> {
+    fn latest_in_store(
+        &self,
+        job: &str,
+        rank: u32,
+        world_size: u32,
+        below: Option<u64>,
+    ) -> Result<Option<u64>> {
         if !self.tiers.iter().any(|t| t.kind() == TierKind::Store) {
             return Ok(None);
         }
@@ -153,7 +173,11 @@ impl Core {
             return Err(Error::io("spawn store listing", "", e));
         }
         match rx.recv_timeout(STORE_LIST_DEADLINE) {
-            Ok(Ok(steps)) => Ok(steps.last().copied()),
+            Ok(Ok(steps)) => Ok(steps
+                .iter()
+                .rev()
+                .find(|s| below.is_none_or(|b| **s < b))
+                .copied()),
             Ok(Err(e)) => {
                 warn!(job, error = %e, "cannot list the store");
                 Ok(None)
@@ -183,7 +207,7 @@ impl Core {
         let step = match step {
             Some(s) => s,
             None => self
-                .latest(job, rank, world_size)?
+                .latest(job, rank, world_size, None)?
                 .ok_or_else(|| not_found(None))?,
         };
         let key = ShardKey {

@@ -148,6 +148,9 @@ fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
         assert!(matches!(st.peers, Phase::Off), "no peers configured");
     }
     assert_eq!(engine.latest_complete_step().unwrap(), Some(2));
+    // Where a job goes back to when a rank cannot restore step 2.
+    assert_eq!(engine.latest_complete_step_below(2).unwrap(), Some(1));
+    assert_eq!(engine.latest_complete_step_below(1).unwrap(), None);
     let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
     assert_eq!(l.step, 2);
     assert_loaded(&l, &sets[1], &extras(2));

@@ -169,6 +169,9 @@ pub enum LocalMsg {
     },
     /// Which step is the newest complete for every rank?
     Latest,
+    /// Which step is the newest complete for every rank, older than `step`? (What a job goes
+    /// back to when a rank cannot restore the step it chose: corrupt or gone in every tier.)
+    LatestBelow { step: u64 },
     /// The answer to `Latest`.
     LatestIs { step: Option<u64> },
     /// No such step anywhere.
