@@ -258,7 +258,11 @@ fn await_file(path: &Path, what: &str) -> Result<String> {
 /// could not (its copies corrupt or gone in every tier), the job goes back a step and tries
 /// again, rather than failing the same way at every restart. `None`: no step is left, every
 /// rank starts fresh.
-fn restore_agreed(engine: &Engine, cfg: &TrainerConfig, dir: &Path) -> Result<Option<(Model, Event)>> {
+fn restore_agreed(
+    engine: &Engine,
+    cfg: &TrainerConfig,
+    dir: &Path,
+) -> Result<Option<(Model, Event)>> {
     if cfg.rank == 0 {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("create the agreement directory", e))?;
     }
@@ -271,7 +275,10 @@ fn restore_agreed(engine: &Engine, cfg: &TrainerConfig, dir: &Path) -> Result<Op
                 None => engine.latest_complete_step()?,
                 Some(s) => engine.latest_complete_step_below(s)?,
             };
-            publish(&at, &step.map_or_else(|| "fresh".to_string(), |s| s.to_string()))?;
+            publish(
+                &at,
+                &step.map_or_else(|| "fresh".to_string(), |s| s.to_string()),
+            )?;
         }
         let text = await_file(&at, "rank 0 to choose the step to resume from")?;
         if text == "fresh" {
@@ -362,4 +369,77 @@ pub fn run(cfg: &TrainerConfig) -> Result<()> {
         p.report(cfg.rank);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    /// Rank 1's copy of the newest step is corrupt in the only tier: the job must go back to
+    /// the step before it, every rank together, instead of failing at every restart.
+    #[test]
+    fn the_job_goes_back_together_when_a_rank_cannot_restore_the_chosen_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("disk");
+        let agreement = dir.path().join("resume-1");
+        let engine =
+            |rank| Engine::new(EngineConfig::new("demo", rank, 2).disk(disk.clone())).unwrap();
+        let mut hashes = Vec::new();
+        for rank in 0..2 {
+            let e = engine(rank);
+            let mut model = Model::new(Model::rows_for(1 << 20), u64::from(rank));
+            let mut saved = BTreeMap::new();
+            for step in [10, 20] {
+                model.step = step;
+                let (h, _) = save(&e, &model, rank).unwrap();
+                h.wait().unwrap();
+                saved.insert(step, state_hash(&model));
+            }
+            hashes.push(saved);
+        }
+        let file = disk.join("demo/step-20/rank-1.safetensors");
+        let mut bytes = std::fs::read(&file).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        std::fs::write(&file, bytes).unwrap();
+
+        let restored: Vec<_> = std::thread::scope(|s| {
+            let runs: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (engine, agreement) = (engine(rank), agreement.clone());
+                    s.spawn(move || {
+                        let cfg = TrainerConfig {
+                            socket: PathBuf::new(),
+                            job: "demo".into(),
+                            rank,
+                            world_size: 2,
+                            state_bytes: 1 << 20,
+                            seed: 0,
+                            every: 10,
+                            until: None,
+                            agreement: Some(agreement.clone()),
+                        };
+                        restore_agreed(&engine, &cfg, &agreement).unwrap()
+                    })
+                })
+                .collect();
+            runs.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        for (rank, r) in restored.iter().enumerate() {
+            let (model, _) = r.as_ref().expect("a step restored");
+            assert_eq!(model.step, 10, "rank {rank}");
+            assert_eq!(state_hash(model), hashes[rank][&10], "rank {rank}");
+        }
+        let read = |name: &str| std::fs::read_to_string(agreement.join(name)).unwrap();
+        assert_eq!(read("step-0"), "20");
+        assert_eq!(read("result-0-0"), "ok");
+        assert_ne!(read("result-0-1"), "ok");
+        assert_eq!(read("step-1"), "10");
+        assert_eq!(
+            (read("result-1-0"), read("result-1-1")),
+            ("ok".into(), "ok".into())
+        );
+    }
 }
