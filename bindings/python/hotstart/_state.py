@@ -313,8 +313,7 @@ def flat_tree(tensors: List[Tuple[str, str, List[int]]]) -> Dict[str, Any]:
 
 
 def _alloc(leaf: Dict[str, Any]) -> Any:
-    """A new, uninitialised CPU tensor or array for a tensor leaf, its memory not yet touched
-    (and asked for huge pages, see `_huge_pages`)."""
+    """A new, uninitialised CPU tensor or array for a tensor leaf."""
     kind = leaf["kind"]
     if kind == "torch":
         import torch
@@ -322,40 +321,11 @@ def _alloc(leaf: Dict[str, Any]) -> Any:
         dtype = getattr(torch, leaf["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise StateDictError(f"unknown torch dtype {leaf['dtype']!r} (saved by a newer torch?)")
-        t = torch.empty(leaf["shape"], dtype=dtype)
-        _huge_pages(t.data_ptr(), t.numel() * t.element_size())
-        return t
+        return torch.empty(leaf["shape"], dtype=dtype)
     import numpy as np
 
     dtype = np.lib.format.descr_to_dtype(_descr(json.loads(leaf["dtype"])))
-    a = np.empty(leaf["shape"], dtype=dtype)
-    _huge_pages(a.__array_interface__["data"][0], a.nbytes)
-    return a
-
-
-_HUGE = 2 << 20
-_madvise: Any = None
-
-
-def _huge_pages(ptr: int, nbytes: int) -> None:
-    """Asks Linux to back the whole 2 MiB pages inside freshly allocated memory with transparent
-    huge pages (`MADV_HUGEPAGE`; what `enabled=madvise`, the common default, needs). The load
-    then writes each byte of it first, and a first write of a huge page costs one fault instead
-    of 512: on a VM those faults take longer than reading the bytes from disk. Best effort:
-    nothing happens elsewhere, or where the kernel says no."""
-    global _madvise
-    start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
-    end = (ptr + nbytes) & ~(_HUGE - 1)
-    if end <= start or not sys.platform.startswith("linux"):
-        return
-    if _madvise is None:
-        import ctypes
-
-        f = ctypes.CDLL(None, use_errno=True).madvise
-        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        f.restype = ctypes.c_int
-        _madvise = f
-    _madvise(start, end - start, 14)  # MADV_HUGEPAGE
+    return np.empty(leaf["shape"], dtype=dtype)
 
 
 def _descr(d: Any) -> Any:
