@@ -86,8 +86,9 @@ fn emit(event: &Event) {
     let _ = out.flush();
 }
 
-/// Restores the newest step complete for every rank: a model shaped after the checkpoint,
-/// loaded straight into its memory, and the event reporting it; `None` when there is none.
+/// Restores step `which` (the newest complete for every rank, or a given one): a model shaped
+/// after the checkpoint, loaded straight into its memory, and the event reporting it; `None`
+/// when there is none.
 fn restore(engine: &Engine, rank: u32, which: StepSel) -> Result<Option<(Model, Event)>> {
     let started = Instant::now();
     let mut model: Option<Model> = None;
@@ -221,7 +222,6 @@ impl Pending {
     }
 }
 
-/// Runs a trainer until `until` (or until killed).
 /// How long a rank waits for the others in [`restore_agreed`].
 const AGREEMENT_WAIT: Duration = Duration::from_secs(120);
 
@@ -312,6 +312,7 @@ fn restore_agreed(
     }
 }
 
+/// Runs a trainer until `until` (or until killed).
 pub fn run(cfg: &TrainerConfig) -> Result<()> {
     let engine = Engine::new(
         EngineConfig::new(cfg.job.clone(), cfg.rank, cfg.world_size).sidecar(&cfg.socket),
