@@ -211,6 +211,12 @@ impl Engine {
             .map_err(to_py)
     }
 
+    /// The newest step complete in any tier that is older than `step`, or None.
+    fn latest_step_below(&self, py: Python<'_>, step: u64) -> PyResult<Option<u64>> {
+        py.detach(|| self.engine.latest_complete_step_below(step))
+            .map_err(to_py)
+    }
+
     /// The newest checkpoint of the job whatever world size saved it, as (step, world size), or
     /// None.
     fn latest_checkpoint(&self, py: Python<'_>) -> PyResult<Option<(u64, u32)>> {

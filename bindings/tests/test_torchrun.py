@@ -72,6 +72,31 @@ def test_a_worker_killed_mid_run_resumes_from_the_sidecars_memory_bit_exact(side
     assert sidecar.metric("hotstart_restores_total", 'source="memory"') == 2
 
 
+def test_a_step_one_rank_cannot_load_sends_the_whole_job_back_a_step(tmp_path: Path) -> None:
+    sidecar = Sidecar(tmp_path)
+    try:
+        first = torchrun(2, ["--job", "back", "--steps", "6", "--save-every", "3", "--sidecar", str(sidecar.socket)])
+    finally:
+        sidecar.stop()
+    # The node restarts (its memory is gone) and rank 1's copy of step 6 on disk, the only one
+    # left, has a byte flipped: rank 1 cannot load step 6, rank 0 can. Retrying step 6 would fail
+    # at every restart; the job goes back to step 3 instead, every rank together.
+    f = tmp_path / "disk" / "back" / "step-6" / "rank-1.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x40
+    f.write_bytes(bytes(data))
+    sidecar = Sidecar(tmp_path)
+    try:
+        out = torchrun(2, ["--job", "back", "--steps", "9", "--save-every", "3", "--sidecar", str(sidecar.socket)])
+    finally:
+        sidecar.stop()
+    assert resumed(out) == [(3, 2)], out
+    again = losses(out)
+    assert sorted(again) == list(range(4, 10)), out
+    # Steps 4 to 6 trained from step 3's state give the first run's losses to the bit.
+    assert all(again[s] == losses(first)[s] for s in (4, 5, 6)), (out, first)
+
+
 def test_a_two_rank_job_resumes_on_three_ranks_and_on_one_through_dcp_bit_exact(tmp_path: Path) -> None:
     ck = str(tmp_path / "dcp")
     two = torchrun(2, ["--job", "elastic", "--steps", "4", "--save-every", "2", "--dcp-dir", ck])

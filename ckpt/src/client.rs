@@ -399,6 +399,18 @@ impl Client {
                     rank: self.dial.rank,
                 });
             }
+            LocalMsg::Corrupt {
+                step,
+                chunk,
+                reason,
+            } => {
+                return Err(Error::Corrupt {
+                    step,
+                    rank: self.dial.rank,
+                    chunk,
+                    reason,
+                });
+            }
             LocalMsg::Failed { reason } => return Err(self.error(reason)),
             other => {
                 return Err(conn

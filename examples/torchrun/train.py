@@ -109,6 +109,27 @@ def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x[:, :OUT] * 3)
 
 
+def load_agreed(ck: "hotstart.Checkpointer", step: Optional[int], state: Any, flag: torch.Tensor) -> Optional[int]:
+    """Loads `step` into `state` on every rank, or the step the job goes back to: when some rank
+    cannot load it (its copies damaged in every tier), retrying it would fail at every restart,
+    so rank 0 names the newest complete step older than it and every rank loads that one. The
+    step every rank loaded, or None when no step is left."""
+    while step is not None:
+        try:
+            ck.load(state, step=step)
+            flag.fill_(1)
+        except (hotstart.CorruptCheckpoint, hotstart.NoCheckpoint) as e:
+            print(f"rank {dist.get_rank()}: cannot load step {step}: {e}", file=sys.stderr, flush=True)
+            flag.fill_(0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag.item()) == 1:
+            return step
+        chosen = [ck.latest_step(below=step) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        step = chosen[0]
+    return None
+
+
 def locals_of(tree: Any) -> Any:
     """The state dict with every DTensor replaced by this rank's shard (a view of it)."""
     if isinstance(tree, DTensor):
@@ -197,7 +218,8 @@ def main() -> None:
     chosen = [newest]
     dist.broadcast_object_list(chosen, src=0)
     newest = chosen[0]
-    if newest is not None:
+    tried = newest is not None
+    if tried:
         model_sd, optim_sd = get_state_dict(model, opt)
         mark("ready")
         if args.torch_dcp:
@@ -208,7 +230,14 @@ def main() -> None:
             dcp.load(state, storage_reader=htorch.StorageReader(args.store, args.job, local_dir=args.dcp_dir))
         else:
             assert ck is not None
-            ck.load({"model": locals_of(model_sd), "optim": locals_of(optim_sd)}, step=newest)
+            flag = torch.zeros(1, dtype=torch.int32, device="cuda" if backend == "nccl" else "cpu")
+            newest = load_agreed(ck, newest, {"model": locals_of(model_sd), "optim": locals_of(optim_sd)}, flag)
+    if tried and newest is None:
+        # Every step some rank tried was unusable, and the tensors may hold part of one: start
+        # over from a freshly built model.
+        model, opt = build(args.width, args.depth)
+        first = 1
+    elif newest is not None:
         mark("read")
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         mark("loaded")

@@ -91,6 +91,19 @@ impl Error {
         self.as_ckpt()
             .is_some_and(hotstart_ckpt::Error::is_not_found)
     }
+
+    /// Step, chunk and reason when a chunk's copies are damaged or gone in every tier.
+    pub fn corrupt(&self) -> Option<(u64, usize, String)> {
+        match self.as_ckpt()? {
+            hotstart_ckpt::Error::Corrupt {
+                step,
+                chunk,
+                reason,
+                ..
+            } => Some((*step, *chunk, reason.clone())),
+            _ => None,
+        }
+    }
 }
 
 /// `Result` with the sidecar's [`Error`].

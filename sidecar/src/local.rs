@@ -254,6 +254,15 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                             .send_fd(&msg, served.shard.seg.as_fd())
                     }
                     Err(e) if e.is_not_found() => send(&LocalMsg::NotFound { step }),
+                    Err(e) if let Some((step, chunk, reason)) = e.corrupt() => {
+                        core.metrics.failed(Failure::Restore);
+                        warn!(job = %who.job, rank = who.rank, error = %e, "restore failed");
+                        send(&LocalMsg::Corrupt {
+                            step,
+                            chunk,
+                            reason,
+                        })
+                    }
                     Err(e) => {
                         core.metrics.failed(Failure::Restore);
                         warn!(job = %who.job, rank = who.rank, error = %e, "restore failed");

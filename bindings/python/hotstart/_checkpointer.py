@@ -186,12 +186,18 @@ class Checkpointer:
         if first is not None:
             raise first
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self, below: Optional[int] = None) -> Optional[int]:
         """The newest complete checkpoint of the job (every rank of the world size that saved
         it committed it in some tier), or None: also one saved with another world size, which
         :meth:`load` refuses with a ConfigError (load it with torch.distributed.checkpoint and
         :class:`hotstart.torch.StorageReader`, which reshards). :meth:`saved_world_size` says
-        which."""
+        which.
+
+        With ``below``, the newest step complete for this world size that is older than
+        ``below``: where a job goes back to, every rank together, when one of its ranks cannot
+        load the step it chose (``CorruptCheckpoint``: its copies are damaged in every tier)."""
+        if below is not None:
+            return self.engine.latest_step_below(below)
         found = self.engine.latest_checkpoint()
         return None if found is None else found[0]
 

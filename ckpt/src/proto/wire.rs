@@ -176,6 +176,12 @@ pub enum LocalMsg {
     LatestIs { step: Option<u64> },
     /// No such step anywhere.
     NotFound { step: Option<u64> },
+    /// The step's shard has a chunk whose copies are damaged or gone in every tier.
+    Corrupt {
+        step: u64,
+        chunk: usize,
+        reason: String,
+    },
     /// The request failed.
     Failed { reason: String },
 }
