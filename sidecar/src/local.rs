@@ -27,8 +27,10 @@
 //!   replication start, and each of their tiers reports on this connection with
 //!   `Persisted{tier, error}`.
 //! - `Restore{step}`: the step is served from the nearest tier (`super::restore`), sealed for
-//!   good, and its descriptor sent with `Restored`.
-//! - `Latest`: the newest step complete for every rank.
+//!   good, and its descriptor sent with `Restored`; `NotFound` when no tier has it, `Corrupt`
+//!   when a chunk of it is damaged or gone in every tier.
+//! - `Latest`: the newest step complete for every rank; `LatestBelow{step}`: the newest one
+//!   older than `step` (where a job goes back to when a rank cannot restore `step`).
 //!
 //! A segment staged but never filled (the training process died mid-copy) is dropped with its
 //! connection: a torn save never enters the memory tier.
