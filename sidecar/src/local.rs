@@ -274,19 +274,8 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     }
                 }
             }
-            LocalMsg::Latest | LocalMsg::LatestBelow { .. } => {
-                let below = match msg {
-                    LocalMsg::LatestBelow { step } => Some(step),
-                    _ => None,
-                };
-                core.adopting.wait(&who.job, core.cfg.stage_timeout);
-                match core.latest(&who.job, who.rank, who.world_size, below) {
-                    Ok(step) => send(&LocalMsg::LatestIs { step }),
-                    Err(e) => send(&LocalMsg::Failed {
-                        reason: e.to_string(),
-                    }),
-                }
-            }
+            LocalMsg::Latest => send(&latest(&core, &who, None)),
+            LocalMsg::LatestBelow { step } => send(&latest(&core, &who, Some(step))),
             other => {
                 core.metrics.failed(Failure::Frame);
                 warn!(?other, "unexpected message on a local connection");
@@ -297,6 +286,18 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
             debug!(error = %e, "local connection closed");
             return;
         }
+    }
+}
+
+/// The answer to `Latest` (`below` None) or `LatestBelow`, once the job's pending commits are
+/// in.
+fn latest(core: &Core, who: &Rank, below: Option<u64>) -> LocalMsg {
+    core.adopting.wait(&who.job, core.cfg.stage_timeout);
+    match core.latest(&who.job, who.rank, who.world_size, below) {
+        Ok(step) => LocalMsg::LatestIs { step },
+        Err(e) => LocalMsg::Failed {
+            reason: e.to_string(),
+        },
     }
 }
 

@@ -97,13 +97,9 @@ disabled_plugins = [{disabled}"io.containerd.snapshotter.v1.btrfs",
             ),
         )
         .expect("write containerd's config");
-        let log = std::fs::File::create(dir.path().join("containerd.log")).expect("log file");
         let mut cmd = Command::new("containerd");
-        cmd.arg("--config")
-            .arg(&config)
-            .stdout(log.try_clone().expect("log file"))
-            .stderr(log);
-        let child = spawn_tied(cmd, None).expect("start containerd");
+        cmd.arg("--config").arg(&config);
+        let child = spawn_logged(cmd, &dir.path().join("containerd.log"), "containerd");
         let mut c = Containerd {
             child,
             dir,
@@ -259,13 +255,9 @@ impl Registry {
             ),
         )
         .expect("write the registry's config");
-        let log = std::fs::File::create(dir.path().join("registry.log")).expect("log file");
         let mut cmd = Command::new("docker-registry");
-        cmd.arg("serve")
-            .arg(&config)
-            .stdout(log.try_clone().expect("log file"))
-            .stderr(log);
-        let mut child = spawn_tied(cmd, None).expect("start docker-registry");
+        cmd.arg("serve").arg(&config);
+        let mut child = spawn_logged(cmd, &dir.path().join("registry.log"), "docker-registry");
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
         while crate::get(addr, "/v2/", Duration::from_secs(2)).is_err() {
@@ -364,4 +356,11 @@ pub fn cri_pull(socket: &Path, image: &str) -> Result<String, String> {
             .map(|r| r.into_inner().image_ref)
             .map_err(|s| s.message().to_string())
     })
+}
+
+/// Starts `cmd` (tied to this process) with its stdout and stderr in the file `log`.
+fn spawn_logged(mut cmd: Command, log: &Path, what: &str) -> Child {
+    let file = std::fs::File::create(log).expect("log file");
+    cmd.stdout(file.try_clone().expect("log file")).stderr(file);
+    spawn_tied(cmd, None).unwrap_or_else(|e| panic!("start {what}: {e}"))
 }
