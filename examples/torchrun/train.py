@@ -102,11 +102,12 @@ def build(width: int = HIDDEN, depth: int = 0) -> Tuple[torch.nn.Module, torch.o
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Step `step`'s batch, the same on every rank and every run."""
+def batch(step: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch, the same on every rank, every run and every device (drawn on the
+    CPU, then moved where the model is)."""
     g = torch.Generator().manual_seed(step)
     x = torch.randn(BATCH, DIM, generator=g)
-    return x, torch.sin(x[:, :OUT] * 3)
+    return x.to(device), torch.sin(x[:, :OUT] * 3).to(device)
 
 
 def load_agreed(ck: "hotstart.Checkpointer", step: Optional[int], state: Any, flag: torch.Tensor) -> Optional[int]:
@@ -190,15 +191,18 @@ def main() -> None:
     mark("start", STARTED)
     mark("imported", IMPORTED)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        # Before the group forms, so NCCL binds this rank to its own GPU.
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     init_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     mark("group")
     model, opt = build(args.width, args.depth)
     mark("built")
     if args.floor:
-        floor(model, opt)
+        floor(model, device)
     ck = None if use_dcp else hotstart.Checkpointer(sidecar=args.sidecar, job=args.job, rank=rank, world_size=world)
 
     # Resume from the newest checkpoint, if any. get_state_dict gives a fresh optimizer its
@@ -230,7 +234,7 @@ def main() -> None:
             dcp.load(state, storage_reader=htorch.StorageReader(args.store, args.job, local_dir=args.dcp_dir))
         else:
             assert ck is not None
-            flag = torch.zeros(1, dtype=torch.int32, device="cuda" if backend == "nccl" else "cpu")
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
             newest = load_agreed(ck, newest, {"model": locals_of(model_sd), "optim": locals_of(optim_sd)}, flag)
     if tried and newest is None:
         # Every step some rank tried was unusable, and the tensors may hold part of one: start
@@ -250,7 +254,7 @@ def main() -> None:
                 print(f"state {d}", flush=True)
 
     for step in range(first, args.steps + 1):
-        x, y = batch(step)
+        x, y = batch(step, device)
         shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard], reduction="sum") / BATCH
@@ -297,16 +301,20 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def floor(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def floor(model: torch.nn.Module, device: torch.device) -> None:
     """Copies as many bytes as this rank's checkpoint holds (its shards of the parameters and of
     AdamW's two moments) from memory into memory already faulted in, on every rank at once,
-    prints the copy's seconds, and leaves."""
+    prints the copy's seconds, and leaves. On a GPU the copy is host to device, from pinned
+    memory: the least a restore from host memory must do."""
     n = 3 * sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
                 for p in model.parameters())
-    src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    src = torch.ones(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.zeros(n, dtype=torch.uint8, device=device)
     dist.barrier()
     t = time.time()
     dst.copy_(src)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     took = time.time() - t
     say(f"floor-copy {took:.6f} bytes {n} rank {dist.get_rank()}")
     dist.barrier()
