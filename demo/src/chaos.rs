@@ -12,13 +12,19 @@
 //!     wait for the moment (k steps past the last recovery)     ("immediately": mid-restore)
 //!     check memory budgets                                     (rule 4)
 //!     inject: kill -9 trainer | kill -9 node (disk kept/lost) | SIGTERM sidecar |
-//!             kill -9 every node | store outage | flip a byte | stop a trainer
+//!             kill -9 every node | store outage | flip a byte | stop a trainer |
+//!             cut peer links (a partition) | fill a node's disk tier
 //!     record which copies the fault destroyed                  (check.rs: Ledger)
 //!     restart what the fault stopped (every trainer, as a launcher does), or wait out the
 //!     window and for the tier/training to move on again       (rules 5, 6)
 //!  finish: train to a last step persisted everywhere, check the sidecars' steady memory, kill
 //!  every node, restore that step from disk bit-exact, SIGTERM every sidecar (exit 0)
 //! ```
+//!
+//! Sidecars reach their peers through fault proxies ([`crate::link`]) and run with a short
+//! `--peer-timeout`, so a partition longer than it makes them give up on stalled peers; each
+//! node's disk tier is a small tmpfs of its own, which a full-disk fault fills (mounting needs
+//! root: without it, that kind is not drawn and the summary says so).
 //!
 //! Every wait has a timeout; a timeout, a trainer that stops on its own, a restored state whose
 //! hash differs from the one at save, a replayed loss that differs, an older step restored while
@@ -38,7 +44,7 @@ use serde::Serialize;
 pub use check::{RULES, Violation};
 pub use plan::{Fault, FileTier, Moment, Planned};
 
-use crate::cluster::{Cluster, Msg};
+use crate::cluster::{Cluster, FaultSetup, Msg};
 use crate::scenario::{Demo, JOB, flip_byte};
 use crate::view::{TIERS, View};
 use crate::{DemoConfig, Error, Result};
@@ -83,6 +89,8 @@ pub struct ChaosSummary {
     pub violation: Option<Violation>,
     /// Every fault injected, with its moment and what it hit.
     pub history: Vec<String>,
+    /// Kinds this campaign could not draw, and why.
+    pub not_drawn: BTreeMap<String, String>,
     pub dir: PathBuf,
     pub seconds: f64,
 }
@@ -108,18 +116,41 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosSummary> {
     let started = Instant::now();
     let mut layout = crate::scenario::layout(&cfg.demo);
     layout.grace = Duration::from_secs(20);
+    // Mounting each node's small disk needs root.
+    // SAFETY: geteuid has no preconditions.
+    let can_mount = unsafe { libc::geteuid() } == 0;
+    layout.faults = FaultSetup {
+        links: true,
+        // Room for the steps the disk tier keeps (2), one being written, and as many again.
+        disk_bytes: can_mount.then(|| 8 * cfg.demo.state_bytes + (16 << 20)),
+        peer_timeout: Some(PEER_TIMEOUT),
+    };
     crate::scenario::preflight(&cfg.demo, &layout)?;
     let n = cfg.demo.nodes;
     let store_dir = cfg.demo.store.is_none().then(|| cfg.demo.dir.join("store"));
-    let plan = plan::plan(
-        cfg.demo.seed,
-        cfg.faults,
-        plan::Scope {
-            nodes: n,
-            every: cfg.demo.every,
-            local_store: store_dir.is_some(),
-        },
-    );
+    let scope = plan::Scope {
+        nodes: n,
+        every: cfg.demo.every,
+        local_store: store_dir.is_some(),
+        disk_full: can_mount,
+    };
+    let plan = plan::plan(cfg.demo.seed, cfg.faults, scope);
+    let mut not_drawn = BTreeMap::new();
+    if !scope.local_store {
+        for kind in [plan::KINDS[5], "byte flipped (store)"] {
+            not_drawn.insert(
+                kind.to_string(),
+                "the store is not a local directory".to_string(),
+            );
+        }
+    }
+    if !scope.disk_full {
+        not_drawn.insert(
+            plan::KINDS[9].to_string(),
+            "each node's disk must be a filesystem of its own, and mounting one needs root"
+                .to_string(),
+        );
+    }
     let mut c = Campaign {
         d: Demo {
             cluster: Cluster::new(layout)?,
@@ -199,6 +230,7 @@ pub fn run(cfg: &ChaosConfig) -> Result<ChaosSummary> {
             .collect(),
         violation,
         history: c.history,
+        not_drawn,
         dir: cfg.demo.dir.clone(),
         seconds: started.elapsed().as_secs_f64(),
     })
@@ -225,6 +257,9 @@ impl From<Violation> for Broken {
 type Step<T = ()> = std::result::Result<T, Broken>;
 
 const READY: Duration = Duration::from_secs(120);
+/// The sidecars' `--peer-timeout` in a campaign: partitions last 0.5–10 s, so about half of
+/// them outlast it.
+const PEER_TIMEOUT: Duration = Duration::from_secs(5);
 const LONG: Duration = Duration::from_secs(180);
 
 impl Campaign {
@@ -406,6 +441,29 @@ impl Campaign {
                 self.d.cluster.signal_trainer(rank, libc::SIGCONT);
                 stopped?;
                 self.new_step_in("memory", "a new step in every rank's memory", kind)?;
+            }
+            Fault::Partition { node, from, millis } => {
+                let others: Vec<usize> = match from {
+                    Some(o) => vec![o],
+                    None => (0..self.d.ranks()).filter(|&j| j != node).collect(),
+                };
+                for &o in &others {
+                    self.d.cluster.set_cut(node, o, true)?;
+                }
+                let waited = self.pause(Duration::from_millis(millis));
+                for &o in &others {
+                    self.d.cluster.set_cut(node, o, false)?;
+                }
+                waited?;
+                // Rule 6: training went on, and replication resumes once the links heal.
+                self.new_step_in("peer", "a new step in a peer's memory for every rank", kind)?;
+            }
+            Fault::DiskFull { node, millis } => {
+                let ballast = self.d.cluster.fill_disk(node)?;
+                let waited = self.pause(Duration::from_millis(millis));
+                drop(ballast);
+                waited?;
+                self.new_step_in("disk", "the disk tier to take a new step", kind)?;
             }
         }
         Ok(None)
@@ -731,7 +789,10 @@ pub fn table(s: &ChaosSummary) -> String {
             k, f.injected, f.recovered, f.p50_seconds, f.p99_seconds, f.max_seconds
         ));
     }
-    line("(recovery: restarts, from the fault to every rank's state restored; store outage, from the store's return to a step newer than the outage in it for every rank; slow trainer, from its continuing to a newer step in every rank's memory)".into());
+    line("(recovery: restarts, from the fault to every rank's state restored; store outage, full disk and partition, from the store's return, the disk freed or the links healed to a newer step in that tier for every rank; slow trainer, from its continuing to a newer step in every rank's memory)".into());
+    for (k, why) in &s.not_drawn {
+        line(format!("not drawn: {k} ({why})"));
+    }
     line(String::new());
     line(format!(
         "restores by the farthest tier read: {}",

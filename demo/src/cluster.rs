@@ -20,6 +20,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::{Duration, Instant};
 
 use crate::event::Event;
+use crate::link::Links;
 use crate::{Error, Result};
 
 /// What the cluster is made of.
@@ -41,6 +42,21 @@ pub struct Layout {
     pub every: u64,
     /// How long a SIGTERMed sidecar may drain (`--grace`).
     pub grace: Duration,
+    /// The faults a campaign may inject into the cluster's links and disks.
+    pub faults: FaultSetup,
+}
+
+/// What a cluster prepares so that faults can be injected into it; nothing by default.
+#[derive(Debug, Clone, Default)]
+pub struct FaultSetup {
+    /// Sidecars reach their peers through fault proxies ([`Links`]), so a partition can cut
+    /// chosen links.
+    pub links: bool,
+    /// Each node's disk tier is a tmpfs of this many bytes of its own (mounted by the cluster,
+    /// which needs root), so that it can be filled up.
+    pub disk_bytes: Option<u64>,
+    /// The sidecars' `--peer-timeout` (how long a stalled peer connection is waited for).
+    pub peer_timeout: Option<Duration>,
 }
 
 /// A message from the trainers' reader threads.
@@ -82,6 +98,10 @@ pub struct Cluster {
     job_starts: u32,
     pub nodes: Vec<Option<Node>>,
     pub trainers: Vec<Option<Trainer>>,
+    /// The peer links' fault proxies, with [`FaultSetup::links`].
+    links: Option<Links>,
+    /// Disk directories with a tmpfs of their own mounted ([`FaultSetup::disk_bytes`]).
+    mounts: Vec<PathBuf>,
     tx: Sender<Msg>,
     pub rx: Receiver<Msg>,
 }
@@ -127,6 +147,11 @@ impl Cluster {
             .to_hex()
             .to_string();
         let (tx, rx) = channel();
+        let links = if layout.faults.links {
+            Some(Links::start(peer_ports)?)
+        } else {
+            None
+        };
         Ok(Cluster {
             token,
             peer_ports: peer_ports.to_vec(),
@@ -136,6 +161,8 @@ impl Cluster {
             job_starts: 0,
             nodes: (0..layout.nodes).map(|_| None).collect(),
             trainers: (0..layout.nodes).map(|_| None).collect(),
+            links,
+            mounts: Vec::new(),
             tx,
             rx,
             layout,
@@ -149,18 +176,31 @@ impl Cluster {
     /// Starts node `i`'s sidecar; `fresh_disk` gives it a new, empty disk directory (a
     /// replacement machine). Does not wait for it to be ready.
     pub fn start_node(&mut self, i: usize, fresh_disk: bool) -> Result<()> {
+        let id = Self::node_id(i);
         if fresh_disk || self.node_generations[i] == 0 {
+            // The machine it replaces is gone, and its disk with it.
+            if self.node_generations[i] > 0 {
+                let old = self.disk_dir(i);
+                self.unmount(&old);
+            }
             self.node_generations[i] += 1;
         }
-        let generation = self.node_generations[i];
+        let disk = self.disk_dir(i);
+        if let Some(bytes) = self.layout.faults.disk_bytes {
+            self.mount_tmpfs(&disk, bytes)?;
+        }
         let l = &self.layout;
-        let id = Self::node_id(i);
         let socket = l.dir.join(format!("{id}.sock"));
-        let disk = l.dir.join(format!("{id}-disk-{generation}"));
         let log = l.dir.join(format!("{id}.log"));
         let peers: Vec<String> = (0..l.nodes)
             .filter(|&j| j != i)
-            .map(|j| format!("{}=127.0.0.1:{}", Self::node_id(j), self.peer_ports[j]))
+            .map(|j| {
+                let port = match &self.links {
+                    Some(links) => links.port(i, j),
+                    None => self.peer_ports[j],
+                };
+                format!("{}=127.0.0.1:{port}", Self::node_id(j))
+            })
             .collect();
         let http = SocketAddr::from(([127, 0, 0, 1], self.http_ports[i]));
         let mut cmd = Command::new(&l.exe);
@@ -184,6 +224,11 @@ impl Cluster {
                 "--grace",
                 &format!("{}s", l.grace.as_secs().max(1)),
             ])
+            .args(
+                l.faults
+                    .peer_timeout
+                    .map(|t| format!("--peer-timeout={}s", t.as_secs().max(1))),
+            )
             .env("HOTSTART_CLUSTER_TOKEN", &self.token)
             .env("HOTSTART_LOG", "info")
             .env_remove("HOTSTART_SOCKET")
@@ -203,6 +248,76 @@ impl Cluster {
             child,
         });
         Ok(())
+    }
+
+    /// Node `i`'s disk-tier directory (its current machine's).
+    fn disk_dir(&self, i: usize) -> PathBuf {
+        self.layout.dir.join(format!(
+            "{}-disk-{}",
+            Self::node_id(i),
+            self.node_generations[i]
+        ))
+    }
+
+    /// Mounts a tmpfs of `bytes` at `dir`, once.
+    fn mount_tmpfs(&mut self, dir: &Path, bytes: u64) -> Result<()> {
+        if self.mounts.iter().any(|m| m == dir) {
+            return Ok(());
+        }
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create a disk directory", e))?;
+        let cstr = |s: &str| std::ffi::CString::new(s).expect("no NUL");
+        let target = cstr(&dir.display().to_string());
+        let (fstype, options) = (cstr("tmpfs"), cstr(&format!("size={bytes}")));
+        // SAFETY: every pointer is a NUL-terminated string that outlives the call.
+        let rc = unsafe {
+            libc::mount(
+                fstype.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                0,
+                options.as_ptr().cast(),
+            )
+        };
+        if rc != 0 {
+            return Err(Error::Resources(format!(
+                "cannot mount a {bytes}-byte tmpfs at {} for the full-disk fault ({}); run as root, or without that fault",
+                dir.display(),
+                std::io::Error::last_os_error()
+            )));
+        }
+        self.mounts.push(dir.to_path_buf());
+        Ok(())
+    }
+
+    fn unmount(&mut self, dir: &Path) {
+        if let Some(k) = self.mounts.iter().position(|m| m == dir) {
+            let target = std::ffi::CString::new(dir.display().to_string()).expect("no NUL");
+            // SAFETY: a NUL-terminated path that outlives the call. MNT_DETACH: a process still
+            // holding a file there (a sidecar being reaped) does not keep the mount.
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+            self.mounts.swap_remove(k);
+        }
+    }
+
+    /// Cuts (or heals) the links between nodes `a` and `b`, both ways.
+    pub fn set_cut(&self, a: usize, b: usize, cut: bool) -> Result<()> {
+        let links = self.links.as_ref().ok_or_else(|| {
+            Error::Protocol("a partition needs the cluster's link proxies".into())
+        })?;
+        links.set_cut(a, b, cut);
+        Ok(())
+    }
+
+    /// Fills node `i`'s disk tier for as long as the returned guard lives: a ballast file takes
+    /// every free byte, and again whatever the sidecar frees, until the guard is dropped and
+    /// the ballast removed.
+    pub fn fill_disk(&self, i: usize) -> Result<Ballast> {
+        if self.layout.faults.disk_bytes.is_none() {
+            return Err(Error::Protocol(
+                "a full disk needs the cluster's own disk mounts".into(),
+            ));
+        }
+        Ballast::fill(self.disk_dir(i).join(".ballast"))
     }
 
     fn append(log: &Path) -> Result<File> {
@@ -430,6 +545,59 @@ impl Drop for Cluster {
         for n in self.nodes.iter_mut().flatten() {
             let _ = kill(&mut n.child);
         }
+        for m in self.mounts.clone() {
+            self.unmount(&m);
+        }
+    }
+}
+
+/// A file that keeps a filesystem full while it lives ([`Cluster::fill_disk`]).
+pub struct Ballast {
+    path: PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    filler: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Ballast {
+    fn fill(path: PathBuf) -> Result<Ballast> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let mut file = File::create(&path).map_err(|e| Error::io("create a ballast file", e))?;
+        // The first fill before returning: the disk is full when the fault is said to begin.
+        top_up(&mut file);
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let filler = std::thread::Builder::new()
+            .name("demo-ballast".into())
+            .spawn(move || {
+                while !flag.load(Ordering::SeqCst) {
+                    top_up(&mut file);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+            .map_err(|e| Error::io("start a ballast thread", e))?;
+        Ok(Ballast {
+            path,
+            stop,
+            filler: Some(filler),
+        })
+    }
+}
+
+/// Appends to `file` until its filesystem has no byte left.
+fn top_up(file: &mut File) {
+    let big = vec![0u8; 1 << 20];
+    for size in [1 << 20, 4096, 1] {
+        while file.write_all(&big[..size]).is_ok() {}
+    }
+}
+
+impl Drop for Ballast {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.filler.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 

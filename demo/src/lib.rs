@@ -16,6 +16,7 @@
 pub mod chaos;
 pub mod cluster;
 pub mod event;
+pub mod link;
 pub mod model;
 pub mod scenario;
 pub mod trainer;

@@ -411,6 +411,7 @@ pub(crate) fn layout(cfg: &DemoConfig) -> crate::cluster::Layout {
         seed: cfg.seed,
         every: cfg.every,
         grace: Duration::from_secs(60),
+        faults: Default::default(),
     }
 }
 

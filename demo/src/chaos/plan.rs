@@ -80,10 +80,20 @@ pub enum Fault {
     /// A trainer stopped (SIGSTOP) for a window, wherever it was (often mid-stage), then
     /// continued: the other ranks' saves run ahead and its own overlap theirs.
     SlowTrainer { rank: usize, millis: u64 },
+    /// The links between node `node` and node `from` (every peer of it when `None`) cut for a
+    /// window, then healed: connections stall rather than fail ([`crate::link`]).
+    Partition {
+        node: usize,
+        from: Option<usize>,
+        millis: u64,
+    },
+    /// Node `node`'s disk tier full for a window (a ballast file takes every free byte, again
+    /// as the sidecar frees some), then freed.
+    DiskFull { node: usize, millis: u64 },
 }
 
 /// The kinds, in the order summaries list them.
-pub const KINDS: [&str; 8] = [
+pub const KINDS: [&str; 10] = [
     "kill -9 trainer",
     "kill -9 node (disk kept)",
     "kill -9 node (disk lost)",
@@ -92,6 +102,8 @@ pub const KINDS: [&str; 8] = [
     "store outage",
     "byte flipped",
     "slow trainer",
+    "network partition",
+    "full disk",
 ];
 
 impl Fault {
@@ -110,6 +122,8 @@ impl Fault {
             Fault::StoreOutage { .. } => KINDS[5],
             Fault::FlipByte { .. } => KINDS[6],
             Fault::SlowTrainer { .. } => KINDS[7],
+            Fault::Partition { .. } => KINDS[8],
+            Fault::DiskFull { .. } => KINDS[9],
         }
     }
 
@@ -144,6 +158,19 @@ impl fmt::Display for Fault {
             ),
             Fault::SlowTrainer { rank, millis } => {
                 write!(f, "trainer {rank} stopped for {millis} ms")
+            }
+            Fault::Partition {
+                node,
+                from: Some(other),
+                millis,
+            } => write!(f, "node {node} cut off from node {other} for {millis} ms"),
+            Fault::Partition {
+                node,
+                from: None,
+                millis,
+            } => write!(f, "node {node} cut off from every peer for {millis} ms"),
+            Fault::DiskFull { node, millis } => {
+                write!(f, "node {node}'s disk tier full for {millis} ms")
             }
         }
     }
@@ -184,6 +211,8 @@ pub struct Scope {
     pub every: u64,
     /// The store is a local directory (store outages and store flips need one).
     pub local_store: bool,
+    /// Each node's disk tier can be filled (a filesystem of its own; mounting one needs root).
+    pub disk_full: bool,
 }
 
 /// The campaign of `faults` faults for `seed`.
@@ -229,9 +258,23 @@ pub fn plan(seed: u64, faults: usize, scope: Scope) -> Vec<Planned> {
                     rank: rng.range(0, n - 1) as usize,
                     pick: rng.draw(),
                 },
-                _ => Fault::SlowTrainer {
+                84..=89 => Fault::SlowTrainer {
                     rank: rng.range(0, n - 1) as usize,
                     millis: rng.range(200, 3000),
+                },
+                90..=94 => {
+                    let node = rng.range(0, n - 1);
+                    Fault::Partition {
+                        node: node as usize,
+                        from: (n > 2 && rng.chance(1, 2))
+                            .then(|| ((node + rng.range(1, n - 1)) % n) as usize),
+                        // Past the sidecars' peer timeout about half the time.
+                        millis: rng.range(500, 10_000),
+                    }
+                }
+                _ => Fault::DiskFull {
+                    node: rng.range(0, n - 1) as usize,
+                    millis: rng.range(500, 8000),
                 },
             };
             let needs_store = matches!(
@@ -242,7 +285,8 @@ pub fn plan(seed: u64, faults: usize, scope: Scope) -> Vec<Planned> {
                         ..
                     }
             );
-            if !needs_store || scope.local_store {
+            let needs_mount = matches!(f, Fault::DiskFull { .. });
+            if (!needs_store || scope.local_store) && (!needs_mount || scope.disk_full) {
                 break f;
             }
         };
@@ -269,6 +313,7 @@ mod tests {
         nodes: 3,
         every: 10,
         local_store: true,
+        disk_full: true,
     };
 
     #[test]
@@ -288,7 +333,13 @@ mod tests {
                 Fault::KillTrainer { rank }
                 | Fault::FlipByte { rank, .. }
                 | Fault::SlowTrainer { rank, .. } => rank,
-                Fault::KillNode { node, .. } | Fault::TermNode { node } => node,
+                Fault::KillNode { node, .. }
+                | Fault::TermNode { node }
+                | Fault::DiskFull { node, .. } => node,
+                Fault::Partition { node, from, .. } => {
+                    assert_ne!(from, Some(node), "{}", f.fault);
+                    from.unwrap_or(0).max(node)
+                }
                 _ => 0,
             };
             assert!(target < 3, "{}", f.fault);
@@ -318,5 +369,16 @@ mod tests {
                 f.fault
             );
         }
+    }
+
+    #[test]
+    fn no_disk_is_filled_where_none_can_be_mounted() {
+        let unmounted = Scope {
+            disk_full: false,
+            ..SCOPE
+        };
+        let p = plan(4, 1000, unmounted);
+        assert!(!p.iter().any(|f| matches!(f.fault, Fault::DiskFull { .. })));
+        assert!(p.iter().any(|f| matches!(f.fault, Fault::Partition { .. })));
     }
 }
