@@ -47,7 +47,9 @@ pub struct DemoArgs {
     seed: u64,
     /// Instead of the story's three faults, a random campaign of this many faults (trainers and
     /// sidecars killed, sidecars stopped, the store down, bytes flipped on disk and in the
-    /// store, trainers stalled), with the job's invariants checked after each one.
+    /// store, trainers stalled, peer links cut, a node's disk full), with the job's invariants
+    /// checked after each one. Filling a disk needs root (each node's disk tier is then a small
+    /// tmpfs of its own); without root that kind is left out and the summary says so.
     #[arg(long, value_name = "N")]
     chaos: Option<usize>,
     /// Working directory for sockets, disk tiers, logs and the default store [default: a new

@@ -260,6 +260,73 @@ def test_a_fresh_optimizer_is_refused_in_place_with_the_way_out_and_both_ways_wo
     same_adam_state(opt, o3)
 
 
+def _state_shapes(opt):
+    return {k: {n: (t.shape, t.dtype, t.device) for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+], ids=["adamw", "adam-amsgrad", "sgd-momentum"])
+def test_empty_optimizer_state_matches_what_a_step_makes_and_loads_bit_exact(local_dir: Path, make) -> None:
+    from hotstart.torch import empty_optimizer_state
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+        return m, make(m.parameters())
+
+    def step(m, o, seed):
+        o.zero_grad()
+        m(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))).sum().backward()
+        o.step()
+
+    model, opt = build(1)
+    for i in range(2):
+        step(model, opt, i)
+    ck = hotstart.Checkpointer(local_dir=local_dir, job="empty-opt", rank=0, world_size=1)
+    msd, osd = get_state_dict(model, opt)
+    ck.save(2, {"model": msd, "opt": osd}).wait()
+
+    # The tensors torch's first step would make, without the step.
+    m2, o2 = build(2)
+    assert empty_optimizer_state(o2)
+    stepped_m, stepped = build(2)
+    step(stepped_m, stepped, 0)
+    assert _state_shapes(o2) == _state_shapes(stepped)
+    assert all(p.grad is None for p in m2.parameters())
+
+    msd2, osd2 = get_state_dict(m2, o2)
+    ck.load({"model": msd2, "opt": osd2})
+    set_state_dict(m2, o2, model_state_dict=msd2, optim_state_dict=osd2)
+    for p, q in zip(model.parameters(), m2.parameters()):
+        same_bits(p.detach(), q.detach())
+    for k, s in opt.state_dict()["state"].items():
+        for name, t in s.items():
+            same_bits(t, o2.state_dict()["state"][k][name])
+    # Training goes on exactly as the uninterrupted run does.
+    step(model, opt, 7)
+    step(m2, o2, 7)
+    for p, q in zip(model.parameters(), m2.parameters()):
+        same_bits(p.detach(), q.detach())
+
+
+def test_empty_optimizer_state_leaves_other_optimizers_and_existing_state_alone() -> None:
+    from hotstart.torch import empty_optimizer_state
+
+    model = torch.nn.Linear(3, 2)
+    assert not empty_optimizer_state(torch.optim.Adagrad(model.parameters()))
+    assert not empty_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1))
+    _, opt = trained(3)
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+    assert not empty_optimizer_state(opt)
+    for k, s in opt.state_dict()["state"].items():
+        for n, t in s.items():
+            same_bits(before[k][n], t)
+
+
 def test_a_step_saved_by_another_world_size_is_found_and_refused_with_the_way_out(local_dir: Path) -> None:
     saved = {r: {"w": torch.full((3,), float(r))} for r in range(2)}
     for r in range(2):

@@ -205,8 +205,8 @@ def main() -> None:
         floor(model, device)
     ck = None if use_dcp else hotstart.Checkpointer(sidecar=args.sidecar, job=args.job, rank=rank, world_size=world)
 
-    # Resume from the newest checkpoint, if any. get_state_dict gives a fresh optimizer its
-    # state, so the load fits it in place.
+    # Resume from the newest checkpoint, if any, loading in place into the model's and the
+    # optimizer's tensors.
     started = time.monotonic()
     first = 1
     if args.torch_dcp:
@@ -224,6 +224,11 @@ def main() -> None:
     newest = chosen[0]
     tried = newest is not None
     if tried:
+        if not args.torch_dcp:
+            # The optimizer's state tensors for the load to fill, made without the step on zero
+            # gradients that get_state_dict would run to create them (torch DCP's own baseline
+            # keeps torch's way).
+            htorch.empty_optimizer_state(opt)
         model_sd, optim_sd = get_state_dict(model, opt)
         mark("ready")
         if args.torch_dcp:

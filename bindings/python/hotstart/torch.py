@@ -64,7 +64,7 @@ from . import _core, _state
 from ._checkpointer import PathLike, engine_options
 from .errors import ConfigError, CorruptCheckpoint
 
-__all__ = ["StorageWriter", "StorageReader", "StoredItem", "latest_step"]
+__all__ = ["StorageWriter", "StorageReader", "StoredItem", "empty_optimizer_state", "latest_step"]
 
 METADATA_KEY = "hotstart.dcp.metadata"
 """The coordinator's extra holding DCP's pickled Metadata."""
@@ -104,6 +104,61 @@ def latest_step(store: Optional[str] = None, job: Optional[str] = None, *,
     are those of the writer (with the same environment defaults)."""
     found = _core.Engine(**engine_options(store, job, 0, 1, local_dir)).latest_checkpoint()
     return None if found is None else found[0]
+
+
+def empty_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Gives a freshly built optimizer the per-parameter state tensors that a checkpoint load
+    then fills in place, without running a step; True when it did.
+
+    A new optimizer has no per-parameter state until its first step, so its ``state_dict()``
+    has nothing for a checkpoint's optimizer state to load into. torch's
+    ``get_state_dict(model, optimizer)`` creates that state by running one step on zero
+    gradients, which reads and writes every byte of the parameters and the state (seconds for
+    GiBs on a CPU). For :class:`torch.optim.Adam`, :class:`torch.optim.AdamW` and
+    :class:`torch.optim.SGD` (with momentum) this makes the same tensors (``step``,
+    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad; ``momentum_buffer``), with
+    the shapes, dtypes, devices and DTensor placements torch's step would give them, but
+    **uninitialized**: load a checkpoint into them before the next step (``ck.load(state)``
+    after ``get_state_dict``, or ``dcp.load``). For other optimizers, or one that already has
+    state or gradients, it does nothing and returns False (``get_state_dict`` then creates the
+    state its own way).
+
+        model, opt = build()
+        hotstart.torch.empty_optimizer_state(opt)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        ck.load({"model": model_sd, "optim": optim_sd})
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    """
+    kind = type(optimizer)
+    if kind not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) or optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if any(p.grad is not None for g in groups for p in g["params"]):
+        return False
+    for g in groups:
+        for p in g["params"]:
+            if not p.requires_grad:
+                continue
+            if kind is torch.optim.SGD:
+                if g.get("momentum", 0) != 0:
+                    optimizer.state[p] = {"momentum_buffer": torch.empty_like(p, memory_format=torch.preserve_format)}
+                continue
+            # As torch.optim.Adam's lazy initialization makes them.
+            fused, capturable = bool(g.get("fused")), bool(g.get("capturable"))
+            if fused or capturable:
+                step = torch.zeros((), dtype=torch.float32, device=p.device)
+            else:
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                step = torch.tensor(0.0, dtype=scalar, device="cpu")
+            state: Dict[str, Any] = {
+                "step": step,
+                "exp_avg": torch.empty_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.empty_like(p, memory_format=torch.preserve_format),
+            }
+            if g.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.empty_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+    return len(optimizer.state) > 0
 
 
 def _agreed_newest(probe: _core.Engine) -> int:
