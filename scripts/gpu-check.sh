@@ -16,7 +16,9 @@
 #   2. the Python checks and figures (gpu_check.py): torch CUDA tensors through Checkpointer and
 #      torch.distributed.checkpoint bit-exact; save stall against the raw pinned D2H copy and
 #      DCP async_save's blocking part; restore into device tensors against the raw H2D copy;
-#   3. the Rust stall benchmark at 4 and 16 GiB (engine stall against a raw cuMemcpyDtoHAsync).
+#   3. the Rust stall benchmark at 4 and 16 GiB (engine stall against a raw cuMemcpyDtoHAsync);
+#   4. a PyTorch job under torchrun (examples/torchrun/train.py, NCCL): a worker killed after a
+#      save resumes from the sidecar's memory bit-exact; its restart against its floor.
 # It writes results/summary.md (one Markdown table, then each part's output) and
 # results/summary.json, and prints the summary. Without a GPU it says so and exits 0.
 #
@@ -62,7 +64,7 @@ for line in sys.stdin:
     local maturin="maturin"
     [ -x "$root/.venv/bin/maturin" ] && maturin="$root/.venv/bin/maturin"
     (cd bindings && "$maturin" build --release --strip --quiet --out "$out/wheel" >&2)
-    cp scripts/gpu_check.py scripts/gpu-check.sh "$out/"
+    cp scripts/gpu_check.py scripts/gpu-check.sh examples/torchrun/train.py "$out/"
     local size
     size="$(du -sb "$out" | cut -f1)"
     if [ "$size" -ge "$LIMIT_BYTES" ]; then
@@ -110,18 +112,23 @@ run() {
     export PYTHONPATH="$HERE/site${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONUNBUFFERED=1
     export GPU_CHECK_TMP="${GPU_CHECK_TMP:-${TMPDIR:-/tmp}}"
-    # The limits add up to 9 minutes: one device command of at most 10.
+    # The limits add up to 10 minutes, a device command's most; every part but the Python one
+    # takes well under its limit.
     # The Rust figures first: they are short, and the Python part (which also writes to disk)
     # keeps what it measured if it runs out of time.
     part cuda-tests 60 "$HERE/bin/ckpt-cuda-tests" --test-threads 1
     part stall-4gib 45 "$HERE/bin/gpu_stall" --gib 4 --tensors 64 --runs 5
     part stall-16gib 90 "$HERE/bin/gpu_stall" --gib 16 --tensors 64 --runs 3
+    local device_arg=()
+    [ -n "$selftest" ] && device_arg=(--device cpu)
+    part torchrun 120 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --torchrun "$HERE/train.py" \
+        --hotstart "$HERE/bin/hotstart" "${device_arg[@]}"
     if [ -n "$selftest" ]; then
         part python 300 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --device cpu --gib 0.03125 --runs 1 \
             --hotstart "$HERE/bin/hotstart"
     else
         # shellcheck disable=SC2086 # a list of sizes
-        part python 330 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --gib ${GPU_CHECK_GIB:-4 16} \
+        part python 285 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --gib ${GPU_CHECK_GIB:-4 16} \
             --runs 3 --hotstart "$HERE/bin/hotstart"
     fi
     local device
@@ -135,10 +142,12 @@ run() {
             IFS='|' read -r name result _ <<< "$s"
             echo "| $name | $result |"
         done
-        if [ -f "$HERE/results/python.md" ]; then
-            echo
-            cat "$HERE/results/python.md"
-        fi
+        for md in python torchrun; do
+            if [ -f "$HERE/results/$md.md" ]; then
+                echo
+                cat "$HERE/results/$md.md"
+            fi
+        done
         for name in cuda-tests stall-4gib stall-16gib; do
             echo
             echo "## $name"
@@ -152,9 +161,10 @@ run() {
 import json, pathlib, sys
 out, device, parts = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 summary = {"device": device, "parts": {p.split("|")[0]: p.split("|")[1] for p in parts}}
-py = out / "python.json"
-if py.exists():
-    summary["python"] = json.loads(py.read_text())
+for name in ("python", "torchrun"):
+    part = out / f"{name}.json"
+    if part.exists():
+        summary[name] = json.loads(part.read_text())
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 EOF
     echo

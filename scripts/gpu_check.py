@@ -3,6 +3,7 @@ through `hotstart.Checkpointer` and torch.distributed.checkpoint, bit-exact, and
 restore figures against what a user would do instead, in the same process.
 
     python gpu_check.py --out DIR [--gib 4 16] [--runs 3] [--device cuda] [--hotstart BIN]
+    python gpu_check.py --out DIR --torchrun train.py --hotstart BIN [--device cuda]
 
 Writes DIR/python.json and prints one Markdown table. `--device cpu` runs the same code on CPU
 tensors with small sizes: how the script itself is tested on machines without a GPU (the
@@ -24,11 +25,17 @@ Rows (every figure a median of `--runs`):
 - floors (with `--hotstart`): what a restore from the sidecar's memory cannot beat here, since
   those bytes are not pinned in the restoring process: copying them out of shared memory on
   every core (no device copy), and registering them as pinned memory (no copy).
+
+`--torchrun TRAIN_PY --hotstart BIN` runs, instead, a real PyTorch job under torchrun
+(examples/torchrun/train.py): a worker killed after a save and restarted by torchrun resumes
+from the sidecar's memory bit-exact, with its restart against its floor (torchrun.json,
+torchrun.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -41,7 +48,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 
@@ -244,24 +251,23 @@ def read_file(path: Path, cold: bool = False) -> float:
         return time.perf_counter() - t
 
 
-def sidecar_rows(tmp: Path, gib: float, runs: int, device: str, binary: Path) -> Dict[str, float]:
-    """Save and restore through `hotstart serve` (memory tier and a disk tier, no peers)."""
-    src = state(gib, device)
+@contextlib.contextmanager
+def serve(where: Path, binary: Path, budget_gib: float) -> Iterator[Path]:
+    """`hotstart serve` (memory tier and a disk tier, no peers) in `where`, until the block
+    ends; its socket."""
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", 0))
         b.bind(("127.0.0.1", 0))
         peer, http = a.getsockname()[1], b.getsockname()[1]
-    where = tmp / f"sidecar-{gib}"
     where.mkdir()
     sock = where / "sidecar.sock"
     log = open(where / "sidecar.log", "wb")
     proc = subprocess.Popen(
         [str(binary), "serve", "--insecure", "--node-id", "gpu-0", "--listen", f"127.0.0.1:{peer}",
          "--http", f"127.0.0.1:{http}", "--socket", str(sock), "--disk-dir", str(where / "disk"),
-         "--memory-budget", f"{int(3 * gib) + 1}GiB"],
+         "--memory-budget", f"{int(budget_gib) + 1}GiB"],
         stdin=subprocess.DEVNULL, stdout=log, stderr=log,
     )
-    rows: Dict[str, float] = {}
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -274,6 +280,22 @@ def sidecar_rows(tmp: Path, gib: float, runs: int, device: str, binary: Path) ->
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the sidecar did not start:\n{(where / 'sidecar.log').read_text()}")
             time.sleep(0.05)
+        yield sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def sidecar_rows(tmp: Path, gib: float, runs: int, device: str, binary: Path) -> Dict[str, float]:
+    """Save and restore through `hotstart serve` (memory tier and a disk tier, no peers)."""
+    src = state(gib, device)
+    rows: Dict[str, float] = {}
+    with serve(tmp / f"sidecar-{gib}", binary, 3 * gib) as sock:
         with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1) as ck:
             timed = Timed(ck, src, device)
             timed.save()
@@ -284,14 +306,6 @@ def sidecar_rows(tmp: Path, gib: float, runs: int, device: str, binary: Path) ->
         with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1, threads=cores) as ck:
             timed.ck = ck
             rows[f"sidecar: load() into device tensors, {cores} threads (s)"] = median_of(runs, timed.load)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        shutil.rmtree(where, ignore_errors=True)
     return rows
 
 
@@ -365,6 +379,84 @@ def floor_rows(gib: float, runs: int, device: str) -> Dict[str, float]:
     return rows
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timeline(out: str) -> Dict[tuple, float]:
+    """(event, attempt) → unix time, from train.py's `--timeline` lines."""
+    found: Dict[tuple, float] = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) == 7 and f[0] == "at" and f[3] == "rank":
+            found[(f[1], int(f[6]))] = float(f[2])
+    return found
+
+
+COPY = "floor: the state's copy (s)"
+
+
+def torchrun_check(tmp: Path, binary: Path, train: Path, device: str) -> Dict[str, Any]:
+    """examples/torchrun/train.py under torchrun, one process (NCCL on the GPU, gloo on CPU),
+    FSDP2 and AdamW, checkpointing through `hotstart serve`: an uninterrupted run, and a run whose
+    worker kills itself after its step-10 save is staged, which torchrun restarts and which
+    resumes from the sidecar's memory. The resumed run must give the uninterrupted run's losses
+    of steps 11 and 12 and its final state digest (sha256 of every tensor) bit for bit. Then the
+    floor (start, import torch, group, model build, a host-to-device copy of the state from
+    pinned memory) and the restart's phases."""
+    size = ["--width", "4096", "--depth", "5"] if device == "cuda" else ["--width", "64", "--depth", "1"]
+    result: Dict[str, Any] = {"model": " ".join(size)}
+    with serve(tmp / "torchrun", binary, 8) as sock:
+        def run(job: str, restarts: int, *extra: str) -> str:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+                   f"--max-restarts={restarts}", "--monitor-interval=0.1", "--master-addr=127.0.0.1",
+                   f"--master-port={free_port()}", str(train), *size, "--timeline", "--job", job, *extra]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                               env=dict(os.environ, OMP_NUM_THREADS="4"))
+            if r.returncode != 0:
+                raise SystemExit(f"torchrun {' '.join(extra)}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+            return r.stdout
+
+        common = ["--steps", "12", "--save-every", "5", "--sidecar", str(sock)]
+        plain = run("plain", 0, *common)
+        killed = run("killed", 1, *common, "--kill-rank", "0", "--kill-step", "10")
+        floor = run("floor", 0, "--floor", "--steps", "1")
+
+    def tail(out: str) -> List[str]:
+        lines = out.splitlines()
+        return [l for l in lines if l.startswith(("loss 11 ", "loss 12 "))] + [l for l in lines if l.startswith("state ")][-1:]
+
+    result["bit-exact"] = "resumed 10 " in killed and len(tail(plain)) == 3 and tail(plain) == tail(killed)
+    t, f = timeline(killed), timeline(floor)
+    copy = next(float(l.split()[1]) for l in floor.splitlines() if l.startswith("floor-copy "))
+    result["kill → state loaded (s)"] = t[("loaded", 1)] - t[("kill", 0)]
+    result["floor: start → built, plus the state's copy (s)"] = f[("built", 0)] - f[("start", 0)] + copy
+    phases = ["start", "imported", "group", "built", "ready", "read", "loaded"]
+    at = t[("kill", 0)]
+    for p in phases:
+        result[f"phase: {p} (s)"] = t[(p, 1)] - at
+        at = t[(p, 1)]
+    result[COPY] = copy
+    return result
+
+
+def render_torchrun(r: Dict[str, Any]) -> str:
+    restart, floor = r["kill → state loaded (s)"], r["floor: start → built, plus the state's copy (s)"]
+    lines = [f"examples/torchrun/train.py ({r['model']}), a worker killed after its step-10 save and "
+             f"restarted by torchrun: resumed bit-exact: {'yes' if r['bit-exact'] else 'NO'}", "",
+             "| what | seconds | ratio | target |", "|---|---|---|---|",
+             f"| kill → state loaded from the sidecar's memory | {restart:.3f} | {restart / floor:.2f}× the floor | ≤ 1.5× |",
+             f"| floor: start, import torch, group, build, copy of the state | {floor:.3f} | | |"]
+    read, copy = r["phase: read (s)"], r[COPY]
+    lines.append(f"| the state read into the model's and optimizer's tensors | {read:.3f} | "
+                 f"{copy / read:.2f}× the copy's speed | ≥ 0.8× |")
+    lines += ["", "phases after the kill (s): " + ", ".join(
+        f"{k[len('phase: '):-len(' (s)')]} {v:.3f}" for k, v in r.items() if k.startswith("phase: "))]
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -372,11 +464,22 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="runs per figure (at most 2 above 8 GiB)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--hotstart", type=Path, help="the hotstart binary: adds the rows through `hotstart serve`")
+    p.add_argument("--torchrun", type=Path, metavar="TRAIN_PY",
+                   help="instead, the torchrun check of examples/torchrun/train.py (needs --hotstart)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here (torch.cuda.is_available() is False): nothing to check")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.torchrun:
+        if not args.hotstart:
+            p.error("--torchrun needs --hotstart")
+        with tempfile.TemporaryDirectory(dir=os.environ.get("GPU_CHECK_TMP")) as d:
+            r = torchrun_check(Path(d), args.hotstart, args.torchrun, args.device)
+        (args.out / "torchrun.json").write_text(json.dumps(r, indent=2))
+        (args.out / "torchrun.md").write_text(render_torchrun(r) + "\n")
+        print(render_torchrun(r))
+        return 0 if r["bit-exact"] else 1
     result: Dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (self-test)",
         "torch": torch.__version__,

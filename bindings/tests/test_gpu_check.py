@@ -1,7 +1,7 @@
 """scripts/gpu-check.sh: `build` makes the bundle the GPU machine runs (CUDA test binary, stall
 benchmark, abi3 wheel, the Python half), under 64 MiB; `run` without a GPU says so and exits
-cleanly; and its self-test runs every step of `run` here (the Python half on CPU tensors, the
-CUDA tests on their no-driver path), so the script's own logic is checked before a GPU is."""
+cleanly; and its self-test runs every step of `run` here (the Python half on CPU tensors, the torchrun job
+on gloo, the CUDA tests on their no-driver path), so the script's own logic is checked before a GPU is."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "build"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert sorted(p.name for p in out.iterdir()) == ["bin", "gpu-check.sh", "gpu_check.py", "wheel"]
+    assert sorted(p.name for p in out.iterdir()) == ["bin", "gpu-check.sh", "gpu_check.py", "train.py", "wheel"]
     (wheel,) = (out / "wheel").glob("*.whl")
     assert "-abi3-" in wheel.name  # installs on the GPU machine's Python 3.12
     for name in ("ckpt-cuda-tests", "gpu_stall", "hotstart"):
@@ -40,9 +40,12 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     summary = json.loads((out / "results" / "summary.json").read_text())
     parts = summary["parts"]
     assert parts["cuda-tests"] == "passed" and parts["python"] == "passed", parts
+    # A real torchrun job (gloo here): a killed worker resumed from the sidecar's memory bit-exact.
+    assert parts["torchrun"] == "passed" and summary["torchrun"]["bit-exact"] is True, parts
     for name in ("stall-4gib", "stall-16gib"):
         assert parts[name] == "passed" or parts[name].startswith("skipped: CUDA: no CUDA driver"), parts
     assert summary["python"]["checks"] and all(summary["python"]["checks"].values()), summary["python"]
     text = (out / "results" / "summary.md").read_text()
     assert "| cuda-tests | passed |" in text and "hotstart save → wait_staged" in text
     assert "floor: copy the bytes out of shared memory" in text
+    assert "kill → state loaded from the sidecar's memory" in text and "resumed bit-exact: yes" in text

@@ -11,7 +11,8 @@ pub mod wire;
 pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Gives the calling thread (and the threads it starts from now on) a lower CPU priority
-/// (nice 10): for work that prepares the next save. Busy training threads keep about nine
+/// (nice 10): for work nobody waits for yet (preparing the next save's segment, committing
+/// a save whose training process went away). Busy training threads keep about nine
 /// tenths of the cores' time from it, yet it is never starved: the lowest priority (19) gets
 /// so little on a node whose cores training keeps busy that the next save would find its
 /// segment unprepared and wait for it.

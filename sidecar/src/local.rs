@@ -156,6 +156,11 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                         (true, _) => {
                             let asked = s.asked;
                             let _pending = core.adopting.begin(&who.job);
+                            // Nobody waits for this commit until the restarted process asks
+                            // for its step; until then it hashes out of the way of that
+                            // process's start (importing, building its model), and its threads
+                            // (hashing, then persistence) inherit the lower priority.
+                            hotstart_ckpt::proto::background_priority();
                             match commit(&core, &who, s) {
                                 Ok(shard) => {
                                     info!(shard = %shard.key, "the training process went away after staging; the sidecar committed its save");
