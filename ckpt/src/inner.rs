@@ -108,9 +108,17 @@ impl Inner {
         asked.1.insert(step, n);
     }
 
-    /// Retention on every tier in `persisted`, after `step` reached them.
+    /// Retention after the save of `step`: on every tier it reached (`persisted`), and on the
+    /// disk tier whether it reached it or not. A disk that filled up (say, with steps kept while
+    /// their upload to the store waited out an outage) frees space only through retention, and
+    /// if only a successful write led to it, a full disk would stay full. A failed store is
+    /// left alone: it is usually unreachable, and listing it would only retry.
     pub(crate) fn retention(&self, step: u64, persisted: Vec<&dyn Tier>) {
-        for tier in persisted {
+        let reached = |t: &dyn Tier| persisted.iter().any(|p| std::ptr::addr_eq(*p, t));
+        for tier in self.tiers.iter().map(|t| t.as_ref()) {
+            if !reached(tier) && tier.kind() != TierKind::Disk {
+                continue;
+            }
             if let Err(e) = self.gc_tier_after(tier, Some(step)) {
                 warn!(step, tier = %tier.kind(), error = %e, "retention failed");
             }

@@ -83,3 +83,66 @@ fn disk_full_reports_error_and_keeps_earlier_steps() {
         &extras(2),
     );
 }
+
+/// A disk that filled up with more steps than retention keeps (as when steps stay on disk while
+/// their upload waits out a store outage) frees itself: retention runs after a save that failed
+/// on the disk too, so the next save fits. Found by a fault campaign (`hotstart demo --chaos 1000
+/// --seed 7`): a node's disk tier stayed full for good, every later save failing on it.
+#[test]
+fn a_disk_full_of_old_steps_frees_itself_after_a_failed_save() {
+    let dir = tempfile::tempdir().unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
+        .arg(dir.path())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!(
+            "skipping a_disk_full_of_old_steps_frees_itself_after_a_failed_save: cannot mount tmpfs (not root?)"
+        );
+        return;
+    }
+    let _mount = Mount(dir.path().to_path_buf());
+    // Two steps of 3 MiB kept (keep 0: everything) fill 6 of the 8 MiB.
+    let mut cfg = config("wedge").disk(dir.path());
+    cfg.keep = 0;
+    let first = engine(cfg);
+    for step in 1..=2 {
+        let set = sample_tensors(step, 3 << 20);
+        first
+            .save(step, to_tensors(&set), extras(step))
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    first.wait_idle();
+    drop(first);
+    // Now keeping one step: the first save does not fit, and retention after it frees step 1.
+    let mut cfg = config("wedge").disk(dir.path());
+    cfg.keep = 1;
+    let engine = engine(cfg);
+    let set3 = sample_tensors(3, 3 << 20);
+    let h = engine.save(3, to_tensors(&set3), extras(3)).unwrap();
+    assert!(
+        matches!(
+            h.wait_persisted(TierKind::Disk),
+            Err(Error::Persist { step: 3, .. })
+        ),
+        "step 3 should not fit on the full disk"
+    );
+    engine.wait_idle();
+    assert_eq!(engine.complete_steps(TierKind::Disk).unwrap(), vec![2]);
+    let set4 = sample_tensors(4, 3 << 20);
+    engine
+        .save(4, to_tensors(&set4), extras(4))
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.wait_idle();
+    assert_eq!(engine.complete_steps(TierKind::Disk).unwrap(), vec![4]);
+    assert_loaded(
+        &engine.load(StepSel::Latest, Destination::Owned).unwrap(),
+        &set4,
+        &extras(4),
+    );
+}

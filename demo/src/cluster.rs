@@ -147,6 +147,9 @@ impl Cluster {
             .to_hex()
             .to_string();
         let (tx, rx) = channel();
+        if layout.faults.disk_bytes.is_some() {
+            private_mounts()?;
+        }
         let links = if layout.faults.links {
             Some(Links::start(peer_ports)?)
         } else {
@@ -545,10 +548,59 @@ impl Drop for Cluster {
         for n in self.nodes.iter_mut().flatten() {
             let _ = kill(&mut n.child);
         }
+        // What the disks hold outlives their mounts: a failed campaign's disk tiers are there to
+        // read afterwards.
         for m in self.mounts.clone() {
+            let kept = m.with_extension("kept");
+            let copied = copy_tree(&m, &kept).is_ok();
             self.unmount(&m);
+            if copied && std::fs::remove_dir(&m).is_ok() {
+                let _ = std::fs::rename(&kept, &m);
+            }
         }
     }
+}
+
+/// Moves the calling thread (and the processes and threads it starts from now on) into a mount
+/// namespace of its own, so that the disks the cluster mounts are seen by its sidecars alone
+/// and go away with the last of them, however the demo ends.
+fn private_mounts() -> Result<()> {
+    let root = std::ffi::CString::new("/").expect("no NUL");
+    // SAFETY: unshare and mount with valid, NUL-terminated arguments; they change this
+    // thread's mount namespace only.
+    let ok = unsafe {
+        libc::unshare(libc::CLONE_NEWNS) == 0
+            && libc::mount(
+                std::ptr::null(),
+                root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) == 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Resources(format!(
+            "cannot make a mount namespace for the nodes' disks ({}); run as root, or without the full-disk fault",
+            std::io::Error::last_os_error()
+        )))
+    }
+}
+
+/// Copies the files and directories under `from` to `to`.
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), target)?;
+        }
+    }
+    Ok(())
 }
 
 /// A file that keeps a filesystem full while it lives ([`Cluster::fill_disk`]).
