@@ -8,29 +8,41 @@ use std::process::Command;
 use common::*;
 use hotstart_ckpt::{Destination, Error, StepSel, TierKind};
 
-struct Mount(std::path::PathBuf);
+/// An 8 MiB tmpfs in a new temporary directory, unmounted when dropped; `None` (with a
+/// message naming `test`) where it cannot be mounted.
+struct Mount(tempfile::TempDir);
+
+impl Mount {
+    fn tmpfs(test: &str) -> Option<Mount> {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("skipping {test}: cannot mount tmpfs (not root?)");
+            return None;
+        }
+        Some(Mount(dir))
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
 
 impl Drop for Mount {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = Command::new("umount").arg(self.0.path()).status();
     }
 }
 
 #[test]
 fn disk_full_reports_error_and_keeps_earlier_steps() {
-    let dir = tempfile::tempdir().unwrap();
-    let ok = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
-        .arg(dir.path())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!(
-            "skipping disk_full_reports_error_and_keeps_earlier_steps: cannot mount tmpfs (not root?)"
-        );
+    let Some(dir) = Mount::tmpfs("disk_full_reports_error_and_keeps_earlier_steps") else {
         return;
-    }
-    let _mount = Mount(dir.path().to_path_buf());
+    };
     let mut cfg = config("full").disk(dir.path());
     cfg.keep = 0; // keep everything, so the disk fills up
     let engine = engine(cfg);
@@ -90,19 +102,10 @@ fn disk_full_reports_error_and_keeps_earlier_steps() {
 /// --seed 7`): a node's disk tier stayed full for good, every later save failing on it.
 #[test]
 fn a_disk_full_of_old_steps_frees_itself_after_a_failed_save() {
-    let dir = tempfile::tempdir().unwrap();
-    let ok = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
-        .arg(dir.path())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!(
-            "skipping a_disk_full_of_old_steps_frees_itself_after_a_failed_save: cannot mount tmpfs (not root?)"
-        );
+    let Some(dir) = Mount::tmpfs("a_disk_full_of_old_steps_frees_itself_after_a_failed_save")
+    else {
         return;
-    }
-    let _mount = Mount(dir.path().to_path_buf());
+    };
     // Two steps of 3 MiB kept (keep 0: everything) fill 6 of the 8 MiB.
     let mut cfg = config("wedge").disk(dir.path());
     cfg.keep = 0;
