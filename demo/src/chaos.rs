@@ -604,27 +604,24 @@ impl Campaign {
             .ok_or_else(|| Error::Protocol("this fault needs a local store".into()))
     }
 
-    /// Takes the store down: its directory moves aside and a file takes its name, so every
-    /// request fails (ENOTDIR) until [`Campaign::store_up`].
+    /// Takes the store down: a file takes its directory's name, so every request fails
+    /// (ENOTDIR) until [`Campaign::store_up`]. The two swap names in one step: at no moment is
+    /// the name free for a sidecar's write to make a new directory there.
     fn store_down(&mut self) -> Result<()> {
         let dir = self.store()?;
         let away = dir.with_extension("away");
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("create the store", e))?;
-        std::fs::rename(&dir, &away).map_err(|e| Error::io("move the store aside", e))?;
-        std::fs::write(&dir, b"the store is down\n")
-            .map_err(|e| Error::io("put a file in the store's place", e))?;
-        Ok(())
+        std::fs::write(&away, b"the store is down\n")
+            .map_err(|e| Error::io("make the store's stand-in", e))?;
+        exchange(&dir, &away).map_err(|e| Error::io("take the store down", e))
     }
 
     fn store_up(&mut self) -> Result<()> {
         let dir = self.store()?;
         let away = dir.with_extension("away");
         if away.is_dir() {
-            if dir.is_file() {
-                std::fs::remove_file(&dir)
-                    .map_err(|e| Error::io("remove the store's stand-in", e))?;
-            }
-            std::fs::rename(&away, &dir).map_err(|e| Error::io("put the store back", e))?;
+            exchange(&away, &dir).map_err(|e| Error::io("put the store back", e))?;
+            std::fs::remove_file(&away).map_err(|e| Error::io("remove the store's stand-in", e))?;
         }
         Ok(())
     }
@@ -758,6 +755,30 @@ impl Campaign {
             self.checks[4] += 1;
         }
         Ok(())
+    }
+}
+
+/// Swaps the names of `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`).
+fn exchange(a: &std::path::Path, b: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &std::path::Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other)
+    };
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths that outlive the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
