@@ -473,7 +473,21 @@ impl Campaign {
     /// went on through the fault), then counts the fault of `kind` recovered.
     fn new_step_in(&mut self, tier: &str, what: &str, kind: &'static str) -> Step {
         let at = Instant::now();
-        let newest = self.newest_saved();
+        // Steps of a run the job went back from do not count: a rank that went back trains
+        // towards them again, and is not newer than them until much later.
+        let newest: Vec<u64> = self
+            .d
+            .view
+            .ranks
+            .iter()
+            .map(|r| {
+                r.saved
+                    .iter()
+                    .rev()
+                    .find(|(_, s)| !s.abandoned)
+                    .map_or(0, |(&step, _)| step)
+            })
+            .collect();
         self.d.until(what, LONG, |v| {
             v.ranks
                 .iter()
@@ -486,7 +500,7 @@ impl Campaign {
         Ok(())
     }
 
-    /// Per rank, the newest step it has saved.
+    /// Per rank, the newest step it has saved, in any run the job went back from too.
     fn newest_saved(&self) -> Vec<u64> {
         self.d
             .view
