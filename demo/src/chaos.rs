@@ -49,6 +49,7 @@ use crate::scenario::{Demo, JOB, flip_byte};
 use crate::view::{TIERS, View};
 use crate::{DemoConfig, Error, Result};
 use check::Ledger;
+use hotstart_store::tree::rename2;
 
 /// A campaign: the demo's cluster and `faults` faults drawn from `demo.seed`.
 #[derive(Debug, Clone)]
@@ -627,14 +628,14 @@ impl Campaign {
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("create the store", e))?;
         std::fs::write(&away, b"the store is down\n")
             .map_err(|e| Error::io("make the store's stand-in", e))?;
-        exchange(&dir, &away).map_err(|e| Error::io("take the store down", e))
+        rename2(&dir, &away, true).map_err(|e| Error::io("take the store down", e))
     }
 
     fn store_up(&mut self) -> Result<()> {
         let dir = self.store()?;
         let away = dir.with_extension("away");
         if away.is_dir() {
-            exchange(&away, &dir).map_err(|e| Error::io("put the store back", e))?;
+            rename2(&away, &dir, true).map_err(|e| Error::io("put the store back", e))?;
             std::fs::remove_file(&away).map_err(|e| Error::io("remove the store's stand-in", e))?;
         }
         Ok(())
@@ -769,30 +770,6 @@ impl Campaign {
             self.checks[4] += 1;
         }
         Ok(())
-    }
-}
-
-/// Swaps the names of `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`).
-fn exchange(a: &std::path::Path, b: &std::path::Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &std::path::Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other)
-    };
-    let (a, b) = (c(a)?, c(b)?);
-    // SAFETY: two NUL-terminated paths that outlive the call.
-    let rc = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            a.as_ptr(),
-            libc::AT_FDCWD,
-            b.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
 

@@ -732,6 +732,32 @@ pub fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> Result<()> {
     Ok(())
 }
 
+/// Renames `from` to `to`; with `exchange`, atomically swaps the two (both must exist), else
+/// fails if `to` exists.
+pub fn rename2(from: &Path, to: &Path, exchange: bool) -> std::io::Result<()> {
+    let a = CString::new(from.as_os_str().as_bytes())?;
+    let b = CString::new(to.as_os_str().as_bytes())?;
+    let flags = if exchange {
+        libc::RENAME_EXCHANGE
+    } else {
+        libc::RENAME_NOREPLACE
+    };
+    // SAFETY: both paths are valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            flags,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 struct Walked {
     entry: Entry,
     /// For regular files: the absolute path whose content is still to be chunked.
