@@ -50,6 +50,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::IntoRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
@@ -63,7 +64,7 @@ use tempfile::TempDir;
 
 mod mounts;
 
-use mounts::{Mounted, Peer, Server, Target};
+use mounts::{Mounted, Peer, Raw, Server, Target};
 
 use crate::report::{Report, Row, median};
 use crate::store_uring::drop_page_cache;
@@ -74,6 +75,8 @@ const IO: usize = 1 << 20;
 const BLOCK: usize = 64 << 20;
 /// The object every reader reads.
 const READ_KEY: &str = "bench/read.bin";
+/// Raw PUTs in flight at once (the striped writer's starting point).
+pub const RAW_STREAMS: usize = 4;
 /// How long a written object may take to appear.
 const VISIBLE_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -257,6 +260,14 @@ impl Bench<'_> {
         key: &str,
     ) -> anyhow::Result<(Duration, bool)> {
         let len = data.len() as u64;
+        if let Target::Raw(to) = target {
+            self.cold()?;
+            let start = Instant::now();
+            let stored = self.raw_puts(to, data, key)?;
+            let took = start.elapsed();
+            self.check_raw(&stored, data)?;
+            return Ok((took, true));
+        }
         let (took, at_close) = if target == Target::Direct {
             self.cold()?;
             let start = Instant::now();
@@ -295,6 +306,66 @@ impl Bench<'_> {
         Ok((took, at_close))
     }
 
+    /// `data` as plain HTTP PUTs of one stripe each, [`RAW_STREAMS`] at once, each checked for
+    /// its status; returns where each stripe went, in order.
+    fn raw_puts(&self, to: Raw, data: &[u8], key: &str) -> anyhow::Result<Vec<Stored>> {
+        let parts: Vec<&[u8]> = data.chunks(self.stripes.stripe_size).collect();
+        let next = AtomicUsize::new(0);
+        let put = |i: usize| -> anyhow::Result<Stored> {
+            Ok(match to {
+                Raw::Gateway => {
+                    let path = format!("/{}/{key}.{i:05}", self.bucket);
+                    let r = self.weed.request("PUT", &path, &[], parts[i])?;
+                    ensure!(r.status == 200, "PUT {path}: HTTP {}: {}", r.status, r.text());
+                    Stored::Object(path)
+                }
+                Raw::Volume => Stored::Blob(self.weed.put_blob(&self.bucket, parts[i])?),
+            })
+        };
+        let mut stored = std::thread::scope(|s| {
+            let streams: Vec<_> = (0..RAW_STREAMS)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = vec![];
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            if i >= parts.len() {
+                                return anyhow::Ok(mine);
+                            }
+                            mine.push((i, put(i)?));
+                        }
+                    })
+                })
+                .collect();
+            let mut all = vec![];
+            for stream in streams {
+                all.extend(stream.join().expect("raw PUT thread panicked")?);
+            }
+            anyhow::Ok(all)
+        })?;
+        stored.sort_by_key(|(i, _)| *i);
+        Ok(stored.into_iter().map(|(_, at)| at).collect())
+    }
+
+    /// Reads back what [`Bench::raw_puts`] stored, compares it with `data` and removes it.
+    fn check_raw(&self, stored: &[Stored], data: &[u8]) -> anyhow::Result<()> {
+        let parts = data.chunks(self.stripes.stripe_size);
+        ensure!(stored.len() == parts.len(), "raw PUTs: parts missing");
+        for (at, part) in stored.iter().zip(parts) {
+            let back = match at {
+                Stored::Object(path) => {
+                    let r = self.weed.request("GET", path, &[], &[])?;
+                    ensure!(r.status == 200, "GET {path}: HTTP {}", r.status);
+                    self.weed.request("DELETE", path, &[], &[])?;
+                    r.body
+                }
+                Stored::Blob(blob) => self.weed.get_blob(blob)?,
+            };
+            ensure!(back == part, "raw PUTs: the stored bytes differ from the part's");
+        }
+        Ok(())
+    }
+
     fn visible_size(&self, key: &str) -> anyhow::Result<Option<u64>> {
         let path = Store::path(key)?;
         match self.rt.block_on(self.store.object_store().head(&path)) {
@@ -303,6 +374,13 @@ impl Bench<'_> {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// Where one raw PUT's bytes are.
+enum Stored {
+    /// An object's path on the S3 gateway.
+    Object(String),
+    Blob(hotstart_testkit::Blob),
 }
 
 /// Reads `path` to the end, 1 MiB per call; returns the bytes read.
@@ -464,7 +542,12 @@ pub fn run(args: &FuseArgs) -> anyhow::Result<()> {
     } else {
         Bytes::from(hotstart_testkit::pattern(write_size as usize, 77))
     };
-    let mut writers = vec![Target::Direct, Target::Hotstart { tee: true }];
+    let mut writers = vec![
+        Target::Direct,
+        Target::Raw(Raw::Gateway),
+        Target::Raw(Raw::Volume),
+        Target::Hotstart { tee: true },
+    ];
     if args.tee_cost {
         writers.push(Target::Hotstart { tee: false });
     }
@@ -534,7 +617,7 @@ fn add_rows(
                 Target::Direct => ("StripedReader, no FUSE".to_string(), Some(0.8)),
                 Target::Peer(Peer::Weed) => (t.name(), Some(1.0)),
                 Target::Peer(_) => (t.name(), Some(2.0)),
-                Target::Hotstart { .. } => continue,
+                Target::Hotstart { .. } | Target::Raw(_) => continue,
             };
             if let Some(theirs) = of(*t) {
                 report.add(Row::rate(
@@ -559,9 +642,17 @@ fn add_rows(
         for (t, ..) in writes.iter().filter(|(t, ..)| *t != ours) {
             let (peer, target) = match t {
                 Target::Direct => ("StripedWriter, no FUSE".to_string(), Some(0.7)),
-                Target::Peer(Peer::S3fs) => (t.name(), Some(1.5)),
+                Target::Raw(Raw::Gateway) => (
+                    format!("raw PUTs to the S3 gateway, {RAW_STREAMS} at once (its floor)"),
+                    None,
+                ),
+                Target::Raw(Raw::Volume) => (
+                    format!("raw PUTs to the volume server, {RAW_STREAMS} at once (weed mount's path)"),
+                    None,
+                ),
+                Target::Peer(Peer::S3fs) => (t.name(), Some(1.3)),
                 Target::Peer(Peer::Rclone) => ("rclone mount (--vfs-cache-mode off)".into(), None),
-                Target::Peer(Peer::Weed) => (t.name(), None),
+                Target::Peer(Peer::Weed) => (t.name(), Some(1.0)),
                 Target::Hotstart { .. } => (
                     "hotstart mount, no local copy (--max-spill-mib 0)".into(),
                     None,
@@ -580,7 +671,7 @@ fn add_rows(
         }
     }
     for (t, times, at_close) in writes {
-        if !times.is_empty() && *t != Target::Direct {
+        if !times.is_empty() && matches!(t, Target::Hotstart { .. } | Target::Peer(_)) {
             let waited = if *at_close == times.len() {
                 "close() returned only after the upload finished".to_string()
             } else {

@@ -48,5 +48,5 @@ pub use containerd::{Containerd, Registry, cri_pull};
 pub use data::pattern;
 pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};
-pub use seaweedfs::SeaweedFs;
+pub use seaweedfs::{Blob, SeaweedFs};
 pub use spawn::{run_ok, spawn_tied};

@@ -63,6 +63,19 @@ const PORT_ATTEMPTS: u32 = 3;
 const ACCESS_KEY_ID: &str = "hotstart-test";
 const SECRET_ACCESS_KEY: &str = "hotstart-test-secret";
 
+/// A blob stored by [`SeaweedFs::put_blob`]: its volume server and file id.
+#[derive(Debug, Clone)]
+pub struct Blob {
+    volume: SocketAddr,
+    fid: String,
+}
+
+impl Blob {
+    fn path(&self) -> String {
+        format!("/{}", self.fid)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Ports {
     master: u16,
@@ -391,6 +404,65 @@ impl SeaweedFs {
             .into_iter()
             .map(|(k, v)| (k.to_ascii_lowercase(), v))
             .collect()
+    }
+
+    /// Stores `body` as one blob the way weed's own clients (`weed mount`, `weed upload`) write
+    /// data: a file id from the master's `/dir/assign`, then one PUT straight to the volume
+    /// server it names, with neither the S3 gateway nor the filer in between. Returns where the
+    /// blob is, for [`SeaweedFs::get_blob`]. For measuring what that path costs the server.
+    pub fn put_blob(&self, collection: &str, body: &[u8]) -> io::Result<Blob> {
+        let master = SocketAddr::from((self.ip, self.ports.master));
+        let path = format!("/dir/assign?collection={collection}");
+        let started = Instant::now();
+        let (r, assigned) = loop {
+            let r = http::request(master, "GET", &path, &[], &[], REQUEST_TIMEOUT)?;
+            let assigned: serde_json::Value = serde_json::from_slice(&r.body)
+                .map_err(|e| io::Error::other(format!("{path}: {e}: {}", r.text())))?;
+            // A collection's first write waits while the master grows its volumes.
+            let growing = assigned["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("growth in progress"));
+            if !growing || started.elapsed() > READY_TIMEOUT {
+                break (r, assigned);
+            }
+            thread::sleep(Duration::from_millis(50));
+        };
+        let field = |name: &str| {
+            assigned[name]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| io::Error::other(format!("{path}: no {name} in {}", r.text())))
+        };
+        let volume: SocketAddr = field("url")?
+            .parse()
+            .map_err(|e| io::Error::other(format!("{path}: volume address: {e}")))?;
+        let blob = Blob {
+            volume,
+            fid: field("fid")?,
+        };
+        let r = http::request(volume, "PUT", &blob.path(), &[], body, REQUEST_TIMEOUT)?;
+        if r.status != 201 && r.status != 200 {
+            return Err(io::Error::other(format!(
+                "PUT {}: HTTP {}: {}",
+                blob.path(),
+                r.status,
+                r.text()
+            )));
+        }
+        Ok(blob)
+    }
+
+    /// The bytes of a blob [`SeaweedFs::put_blob`] stored, read from its volume server.
+    pub fn get_blob(&self, blob: &Blob) -> io::Result<Vec<u8>> {
+        let r = http::request(blob.volume, "GET", &blob.path(), &[], &[], REQUEST_TIMEOUT)?;
+        if r.status != 200 {
+            return Err(io::Error::other(format!(
+                "GET {}: HTTP {}",
+                blob.path(),
+                r.status
+            )));
+        }
+        Ok(r.body)
     }
 
     /// One unsigned HTTP request to the S3 endpoint, e.g. `request("GET", "/bucket/key", &[],

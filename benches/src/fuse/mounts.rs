@@ -51,6 +51,20 @@ pub enum Target {
         tee: bool,
     },
     Peer(Peer),
+    /// No mount and no client library: the same bytes as plain HTTP PUTs of one stripe each,
+    /// [`RAW_STREAMS`](super::RAW_STREAMS) at once (writes only).
+    Raw(Raw),
+}
+
+/// Where raw PUTs go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Raw {
+    /// The S3 gateway, as every S3 client writes (it hands the bytes to the filer, which hands
+    /// them to the volume server).
+    Gateway,
+    /// The volume server itself, as `weed mount` writes (a file id from the master, then the
+    /// bytes straight to the volume server).
+    Volume,
 }
 
 impl Target {
@@ -60,6 +74,8 @@ impl Target {
             Target::Hotstart { tee: true } => "hotstart mount".into(),
             Target::Hotstart { tee: false } => "hotstart mount, no local copy".into(),
             Target::Peer(p) => p.name().into(),
+            Target::Raw(Raw::Gateway) => "raw PUTs to the S3 gateway".into(),
+            Target::Raw(Raw::Volume) => "raw PUTs to the volume server".into(),
         }
     }
 }
@@ -171,7 +187,7 @@ pub fn mount(target: Target, server: &Server, fs: FsConfig, n: usize) -> anyhow:
     let (ak, sk) = server.keys();
     let endpoint = server.weed.endpoint();
     let mut cmd = match target {
-        Target::Direct => bail!("no mount for direct I/O"),
+        Target::Direct | Target::Raw(_) => bail!("no mount for {}", target.name()),
         Target::Hotstart { .. } => {
             let cfg = MountConfig {
                 fs,
