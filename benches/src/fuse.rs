@@ -545,16 +545,15 @@ pub fn run(args: &FuseArgs) -> anyhow::Result<()> {
 
     // Writes.
     let data = Bytes::from(hotstart_testkit::pattern(write_size as usize, 77));
-    let mut writers = vec![Target::Direct];
-    if !args.remote {
-        // Behind the link, one new connection per PUT measures TCP slow start, not a floor.
-        writers.extend([Target::Raw(Raw::Gateway), Target::Raw(Raw::Volume)]);
-    }
-    writers.push(Target::Hotstart { tee: true });
+    let mut writers = vec![Target::Direct, Target::Hotstart { tee: true }];
     if args.tee_cost {
         writers.push(Target::Hotstart { tee: false });
     }
     writers.extend(peers.iter().copied());
+    if !args.remote {
+        // Behind the link, one new connection per PUT measures TCP slow start, not a floor.
+        writers.extend([Target::Raw(Raw::Gateway), Target::Raw(Raw::Volume)]);
+    }
     let mut writes: Vec<(Target, Vec<Duration>, usize)> =
         writers.iter().map(|&t| (t, vec![], 0)).collect();
     for run in 0..args.runs {
