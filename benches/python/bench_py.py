@@ -18,7 +18,9 @@ Measures, on ``--gib`` GiB of random torch CPU tensors in ``--tensors`` tensors:
   reading it too): hotstart, verifying every byte, into new tensors against ``torch.load`` and
   ``safetensors.torch.load_file``, and in place against ``load_file`` and ``dcp.load`` with
   ``FileSystemReader``; both against the disk's floor, fio reading the same bytes sequentially
-  (the faster of buffered and ``O_DIRECT``, checking nothing; target 0.9x its speed).
+  (the faster of buffered and ``O_DIRECT``, checking nothing; target 0.9x its speed). fio reuses
+  one buffer; a load into new tensors also faults in as much fresh memory, and a note gives
+  what that alone took in the same run.
 
 Each figure is the median of ``--runs`` runs, after one warm-up save that allocates hotstart's
 staging buffer; ratios are hotstart's throughput over the peer's (higher is better).
@@ -27,7 +29,9 @@ staging buffer; ratios are hotstart's throughput over the peer's (higher is bett
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -67,6 +71,29 @@ def fio_read(path: Path, direct: bool) -> float:
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     read = json.loads(out)["jobs"][0]["read"]
     return read["io_bytes"] / read["bw_bytes"]
+
+
+def first_touch(nbytes: int) -> float:
+    """Seconds to fault in ``nbytes`` of never-touched memory (``MADV_POPULATE_WRITE``, one
+    thread): what any load into new tensors pays on top of reading, and fio, which reuses one
+    buffer, does not. The kernel zeroes and maps every page."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap")
+    try:
+        t = time.perf_counter()
+        if libc.madvise(addr, nbytes, 23) != 0:  # MADV_POPULATE_WRITE (Linux 5.14)
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+        return time.perf_counter() - t
+    finally:
+        libc.munmap(addr, nbytes)
 
 
 def fsync_path(path: Path) -> None:
@@ -198,6 +225,7 @@ class Bench:
             self.cold_load("load_file", lambda: load_file(str(p)))
             # The disk's floor for the same bytes: whichever way of reading is faster here.
             self.record("read floor", min(fio_read(p, direct=False), fio_read(p, direct=True)))
+            self.record("first touch", first_touch(self.nbytes))
 
             d = self.fresh("dcp")
             writer = lambda path: dcp.FileSystemWriter(str(path), thread_count=4)  # noqa: E731
@@ -232,8 +260,13 @@ class Bench:
 
     def notes(self) -> List[str]:
         cache = "page cache dropped before each load" if self.cold else "page cache NOT dropped (not root)"
+        touch = self.median("first touch")
         return [f"Medians of {self.args.runs} runs; {cache}; torch {torch.__version__}, "
-                f"hotstart {hotstart.__version__}, files in {self.args.dir}."]
+                f"hotstart {hotstart.__version__}, files in {self.args.dir}.",
+                f"Faulting in {self.nbytes / (1 << 30):.2f} GiB of never-touched memory alone "
+                f"(MADV_POPULATE_WRITE, one thread, no read) took {touch:.3f} s in this run: "
+                f"the part of a load into new tensors that fio's read floor, reusing one buffer, "
+                f"does not pay."]
 
     def table(self) -> str:
         size = f"{self.nbytes / (1 << 30):.2f} GiB in {self.args.tensors} tensors"

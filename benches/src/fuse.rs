@@ -122,6 +122,10 @@ pub struct FuseArgs {
     /// Serve the store from behind an emulated remote link (benches/netem.sh).
     #[arg(long)]
     remote: bool,
+    /// Send hotstart's request bodies unsigned (`aws_unsigned_payload`, the default over
+    /// https), for the direct striped I/O and the hotstart mount alike.
+    #[arg(long)]
+    unsigned_payload: bool,
     /// Write the results as Markdown to this file too.
     #[arg(long)]
     markdown: Option<PathBuf>,
@@ -488,7 +492,11 @@ pub fn run(args: &FuseArgs) -> anyhow::Result<()> {
     };
     let url = weed.fresh_bucket("bench-fuse");
     let bucket = url.trim_start_matches("s3://").to_string();
-    let store = Store::open_with(&url, &weed.client_options())?;
+    let mut options = weed.client_options();
+    if args.unsigned_payload {
+        options.push(("aws_unsigned_payload".into(), "true".into()));
+    }
+    let store = Store::open_with(&url, &options)?;
     let stripes = StripeConfig {
         stripe_size: args.stripe_mib.max(1) << 20,
         max_in_flight: args.in_flight.max(1),
@@ -700,4 +708,10 @@ fn add_rows(
             "dropped"
         }
     ));
+    if args.unsigned_payload {
+        report.note(
+            "hotstart's request bodies unsigned (aws_unsigned_payload=true, its default over \
+             https; this server is plain http)",
+        );
+    }
 }
