@@ -223,6 +223,13 @@ impl Engine {
         py.detach(|| self.engine.latest_checkpoint()).map_err(to_py)
     }
 
+    /// The newest checkpoint as `latest_checkpoint` finds them that is older than `step`, as
+    /// (step, world size), or None.
+    fn latest_checkpoint_below(&self, py: Python<'_>, step: u64) -> PyResult<Option<(u64, u32)>> {
+        py.detach(|| self.engine.latest_checkpoint_below(step))
+            .map_err(to_py)
+    }
+
     /// Every step complete in some tier, ascending.
     fn complete_steps(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         let mut steps = py

@@ -2,9 +2,11 @@
 
     python dcp_worker.py save DIR     # RANK/WORLD_SIZE/MASTER_* set: gloo group, then
                                       #   dcp.save (step 1), dcp.async_save (step 2), and a
-                                      #   load of step 1 back with the same world size
+                                      #   load of step 1 back with the same world size; then
+                                      #   step 3, rank 1's file damaged, and
+                                      #   hotstart.torch.load going back to step 2
     python dcp_worker.py load DIR     # no process group: load steps 1 and 2 on one rank, then
-                                      #   the newest step with no checkpoint_id
+                                      #   the newest step that can be read (2)
 
 The state is a row-sharded DTensor, a replicated plain tensor, a per-rank Python value and
 nested items; expected values are functions of the step, so any rank can check them.
@@ -14,13 +16,15 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import hotstart
-from hotstart.torch import StorageReader, StorageWriter, latest_step
+from hotstart.torch import StorageReader, StorageWriter, latest_step, load
 
 ROWS, COLS = 12, 5
 
@@ -31,6 +35,14 @@ def full(step: int) -> torch.Tensor:
 
 def expected_plain(step: int) -> torch.Tensor:
     return torch.linspace(0, 1, 7, dtype=torch.float64) + step
+
+
+def flip_a_byte(root: str, step: int, rank: int) -> None:
+    """Damages a tensor byte of one rank's file of one step (its only copy)."""
+    data = Path(root) / "dcp" / f"step-{step}" / f"rank-{rank}.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0x40
+    data.write_bytes(bytes(raw))
 
 
 def main() -> None:
@@ -68,6 +80,18 @@ def main() -> None:
         dcp.load(newest, storage_reader=reader())
         assert torch.equal(newest["sharded"].to_local(), full(2)[rank * rows:(rank + 1) * rows])
         assert newest["nested"]["step"] == 2
+        # Step 3, with rank 1's only copy damaged: hotstart.torch.load goes back to step 2 on
+        # every rank, where dcp.load would fail on step 3 at every restart.
+        dcp.save(state(3), storage_writer=writer(), checkpoint_id=3)
+        dist.barrier()
+        if rank == 1:
+            flip_a_byte(root, 3, rank)
+        dist.barrier()
+        back = state(0)
+        assert load(back, local_dir=root, job="dcp") == 2
+        assert torch.equal(back["sharded"].to_local(), full(2)[rank * rows:(rank + 1) * rows])
+        assert torch.equal(back["plain"], expected_plain(2))
+        assert back["nested"]["step"] == 2
         dist.barrier()
         dist.destroy_process_group()
         print(f"rank {rank} ok", flush=True)
@@ -78,10 +102,10 @@ def main() -> None:
         # run in forty on a 2-core machine.
         os._exit(0)
     else:
-        # Saved by 2 ranks, found by 1.
-        assert latest_step(local_dir=root, job="dcp") == 2
+        # Saved by 2 ranks, found by 1; step 3 is complete, but rank 1's part of it is damaged.
+        assert latest_step(local_dir=root, job="dcp") == 3
         ck = hotstart.Checkpointer(local_dir=root, job="dcp", rank=0, world_size=1)
-        assert (ck.latest_step(), ck.saved_world_size(2)) == (2, 2)
+        assert (ck.latest_step(), ck.saved_world_size(2)) == (3, 2)
         for step in (1, 2, None):
             dst = {
                 "sharded": torch.zeros(ROWS, COLS),
@@ -89,9 +113,14 @@ def main() -> None:
                 "nested": {"bf16": torch.zeros(3, dtype=torch.bfloat16), "step": 0},
             }
             if step is None:
-                # No checkpoint_id: the newest complete step, whatever world size saved it.
-                dcp.load(dst, storage_reader=reader())
-                step = 2
+                # The newest complete step that can be read, whatever world size saved it.
+                try:
+                    dcp.load(dst, storage_reader=reader())
+                    raise AssertionError("step 3 loaded with a damaged chunk")
+                except CheckpointException as e:
+                    assert "CorruptCheckpoint" in str(e), e
+                step = load(dst, local_dir=root, job="dcp")
+                assert step == 2, step
                 print("newest ok")
             else:
                 dcp.load(dst, storage_reader=reader(), checkpoint_id=step)

@@ -112,6 +112,38 @@ def test_errors(local_dir: Path) -> None:
     assert "hotstart.errors.CorruptCheckpoint: step 7 rank 0: chunk 0 is corrupt" in load_error(7, zeros_like(state(1)))
 
 
+def test_load_goes_back_past_a_damaged_checkpoint_and_raises_other_failures(local_dir: Path) -> None:
+    """hotstart.torch.load: the newest checkpoint that can be read, or NoCheckpoint saying what
+    failed; a failure that is not damaged data is raised as dcp.load raises it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hotstart.torch import load
+
+    writer = lambda: StorageWriter(local_dir=local_dir, job="g")  # noqa: E731
+    for step in (1, 2):
+        dcp.save(state(step), storage_writer=writer(), checkpoint_id=step)
+    data = local_dir / "g" / "step-2" / "rank-0.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0x40
+    data.write_bytes(bytes(raw))
+    dst = zeros_like(state(0))
+    assert load(dst, local_dir=local_dir, job="g") == 1
+    check(dst, state(1))
+    # A destination that does not fit is the caller's mistake, not a reason to go back.
+    wrong = zeros_like(state(0))
+    wrong["model"]["w"] = torch.zeros(3, 3)
+    with pytest.raises(CheckpointException, match="w"):
+        load(wrong, local_dir=local_dir, job="g")
+    # With step 1 damaged too, nothing is left.
+    data = local_dir / "g" / "step-1" / "rank-0.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with pytest.raises(hotstart.NoCheckpoint, match=r"checkpoint 1 of job 'g' cannot be read \(step 1 rank 0: chunk 0 "
+                       r"is corrupt.*no complete checkpoint is older: start from a freshly built state"):
+        load(zeros_like(state(0)), local_dir=local_dir, job="g")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -471,12 +471,26 @@ impl Engine {
     /// reshards (torch.distributed.checkpoint); [`Engine::load`] refuses it with a
     /// [`Error::Config`] that says so.
     pub fn latest_checkpoint(&self) -> Result<Option<(u64, u32)>> {
-        let own = self.inner.latest_checkpoint_in_own_tiers();
+        self.latest_checkpoint_in(None)
+    }
+
+    /// The newest checkpoint as [`Engine::latest_checkpoint`] finds them, older than `step`:
+    /// where a job that reshards goes back to when one of its ranks cannot read the step it
+    /// chose.
+    pub fn latest_checkpoint_below(&self, step: u64) -> Result<Option<(u64, u32)>> {
+        self.latest_checkpoint_in(Some(step))
+    }
+
+    fn latest_checkpoint_in(&self, below: Option<u64>) -> Result<Option<(u64, u32)>> {
+        let own = self.inner.latest_checkpoint_in_own_tiers(below);
         let Some(sidecar) = &self.inner.sidecar else {
             return Ok(own);
         };
-        let served = sidecar.latest()?.map(|s| (s, self.inner.world_size));
-        Ok(own.max(served))
+        let served = match below {
+            None => sidecar.latest()?,
+            Some(step) => sidecar.latest_below(step)?,
+        };
+        Ok(own.max(served.map(|s| (s, self.inner.world_size))))
     }
 
     /// Applies retention to every tier now; returns the steps whose files of this rank were

@@ -197,9 +197,14 @@ impl Inner {
     }
 
     /// The newest step complete in one of this engine's own tiers, whatever world size saved
-    /// it, and that world size.
-    pub(crate) fn latest_checkpoint_in_own_tiers(&self) -> Option<(u64, u32)> {
-        self.newest_in_own_tiers(|t, step| self.saved_world_size(t, step))
+    /// it, and that world size; with `below`, only steps older than it.
+    pub(crate) fn latest_checkpoint_in_own_tiers(&self, below: Option<u64>) -> Option<(u64, u32)> {
+        self.newest_in_own_tiers(|t, step| {
+            if below.is_some_and(|b| step >= b) {
+                return Ok(None);
+            }
+            self.saved_world_size(t, step)
+        })
     }
 
     /// The error for a step this engine's world size cannot load because another world size

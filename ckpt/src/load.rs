@@ -177,7 +177,7 @@ impl Inner {
             StepSel::Latest => match inner.latest_in_own_tiers_below(None) {
                 Some(step) => step,
                 None => {
-                    return Err(match inner.latest_checkpoint_in_own_tiers() {
+                    return Err(match inner.latest_checkpoint_in_own_tiers(None) {
                         Some((step, saved)) => {
                             another_world(&inner.job, step, saved, inner.rank, inner.world_size)
                         }

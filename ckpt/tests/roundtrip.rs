@@ -287,6 +287,9 @@ fn manifest_of_another_rank_and_world_size() {
         .wait()
         .unwrap();
     assert_eq!(single.latest_checkpoint().unwrap(), Some((5, 2)));
+    // Going back from a step finds only older checkpoints, of any world size.
+    assert_eq!(single.latest_checkpoint_below(6).unwrap(), Some((5, 2)));
+    assert_eq!(single.latest_checkpoint_below(5).unwrap(), None);
     // ...but every saved rank's manifest is readable and names the saved world size.
     for rank in 0..2u32 {
         let m = single.manifest(5, rank).unwrap();

@@ -11,9 +11,9 @@ checkpoints one of two ways:
   --max-restarts` starts every worker again and they load their shards from that memory. Same
   world size only (a rank's shards are its own).
 - `--dcp-dir DIR` (or `--store URL`): torch.distributed.checkpoint through
-  `hotstart.torch.StorageWriter`; `dcp.load` with `hotstart.torch.StorageReader` and no
-  checkpoint id loads the newest complete checkpoint and reshards it, so the job may come back
-  with another number of processes.
+  `hotstart.torch.StorageWriter`; `hotstart.torch.load` (`dcp.load` with its
+  `StorageReader`) loads the newest complete checkpoint that can be read and reshards it, so
+  the job may come back with another number of processes.
 
 At start it resumes from the newest checkpoint there is. Rank 0 prints `loss <step> <hex>`
 after every step (`float.hex`, so runs compare bit for bit) and `state <digest>` (sha256 over
@@ -235,8 +235,13 @@ def main() -> None:
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, storage_reader=dcp.FileSystemReader(f"{args.torch_dcp}/step-{newest}"))
         elif use_dcp:
+            # Every rank loads the newest checkpoint that can be read, going back together.
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, storage_reader=htorch.StorageReader(args.store, args.job, local_dir=args.dcp_dir))
+            try:
+                newest = htorch.load(state, args.store, args.job, local_dir=args.dcp_dir)
+            except hotstart.NoCheckpoint as e:
+                print(f"rank {rank}: no checkpoint can be read: {e}", file=sys.stderr, flush=True)
+                newest = None
         else:
             assert ck is not None
             flag = torch.zeros(1, dtype=torch.int32, device=device)

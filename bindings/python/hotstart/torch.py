@@ -30,7 +30,9 @@ a checkpoint saved by 2 ranks loads on 1 rank, or on 4.
 **Which step.** ``dcp.load`` with a ``checkpoint_id`` loads that step; without one (and no
 ``step=``), the newest complete checkpoint of the job, whatever world size saved it
 (:func:`latest_step`), so a job that comes back with another number of ranks finds the
-checkpoint that DCP reshards for it.
+checkpoint that DCP reshards for it. :func:`load` does the same and goes back a checkpoint,
+every rank together, while the chosen one cannot be read (damaged or gone in every tier for
+some rank): a restart would otherwise choose it again, and fail again, every time.
 
 Use a job name of its own for DCP checkpoints (not one a ``Checkpointer`` also writes to).
 """
@@ -41,10 +43,11 @@ import io
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -57,14 +60,15 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
 from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import _core, _state
 from ._checkpointer import PathLike, engine_options
-from .errors import ConfigError, CorruptCheckpoint
+from .errors import ConfigError, CorruptCheckpoint, NoCheckpoint
 
-__all__ = ["StorageWriter", "StorageReader", "StoredItem", "empty_optimizer_state", "latest_step"]
+__all__ = ["StorageWriter", "StorageReader", "StoredItem", "empty_optimizer_state", "latest_step", "load"]
 
 METADATA_KEY = "hotstart.dcp.metadata"
 """The coordinator's extra holding DCP's pickled Metadata."""
@@ -161,12 +165,12 @@ def empty_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     return len(optimizer.state) > 0
 
 
-def _agreed_newest(probe: _core.Engine) -> int:
-    """The newest complete step, found by rank 0 of the default process group (when there is
-    one) and shared with every rank, so that all of them load the same step."""
+def _agreed(find: Callable[[], Optional[Tuple[int, int]]]) -> Optional[int]:
+    """The step of the checkpoint ``find`` names on rank 0 of the default process group (when
+    there is one), shared with every rank, so that all of them load the same step."""
     found: Any
     try:
-        newest = probe.latest_checkpoint()
+        newest = find()
         found = None if newest is None else newest[0]
     except Exception as e:  # every rank must take part in the broadcast below
         found = e
@@ -176,12 +180,73 @@ def _agreed_newest(probe: _core.Engine) -> int:
         found = box[0]
     if isinstance(found, Exception):
         raise found
+    return None if found is None else int(found)
+
+
+def _agreed_newest(probe: _core.Engine) -> int:
+    """The newest complete step, agreed by every rank (see :func:`_agreed`)."""
+    found = _agreed(probe.latest_checkpoint)
     if found is None:
         raise ConfigError(
             f"no complete checkpoint of job {probe.job!r} to load: save one first, or pass "
             "checkpoint_id=<step> to dcp.load"
         )
-    return int(found)
+    return found
+
+
+def _causes(e: BaseException) -> List[BaseException]:
+    """What failed ``dcp.load`` on each rank (DCP gathers them into one exception)."""
+    if isinstance(e, CheckpointException):
+        return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    return [e]
+
+
+def _unreadable(e: BaseException) -> bool:
+    """Whether a failed ``dcp.load`` failed only because checkpoint data could not be read (a
+    rank's chunks damaged or gone in every tier), on whichever ranks it failed."""
+    causes = _causes(e)
+    return bool(causes) and all(isinstance(c, (CorruptCheckpoint, NoCheckpoint)) for c in causes)
+
+
+def load(
+    state_dict: Dict[str, Any],
+    store: Optional[str] = None,
+    job: Optional[str] = None,
+    *,
+    local_dir: Optional[PathLike] = None,
+    threads: int = 0,
+    planner: Optional[LoadPlanner] = None,
+) -> int:
+    """``dcp.load(state_dict)`` from the newest complete checkpoint of ``job`` (whatever world
+    size saved it), going back while it cannot be read; returns the step loaded.
+
+    When the load fails because some rank's part of the chosen checkpoint is damaged or gone in
+    every tier, rank 0 names the newest complete checkpoint older than it, and every rank loads
+    that one, until one loads. With none left it raises :class:`NoCheckpoint`; ``state_dict``
+    may then hold part of a checkpoint, so build the state afresh. Any other failure is raised as
+    ``dcp.load`` raises it. Collective, as ``dcp.load`` is: every rank of the default process
+    group calls it. ``store``, ``job``, ``local_dir`` and ``threads`` are
+    :class:`StorageReader`'s.
+    """
+    reader = StorageReader(store, job, local_dir=local_dir, threads=threads)
+    step = _agreed_newest(reader._probe)
+    while True:
+        try:
+            _dcp_load(state_dict, storage_reader=StorageReader(
+                store, job, step=step, local_dir=local_dir, threads=threads), planner=planner)
+            return step
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            if not _unreadable(e):
+                raise
+            cause = e
+        older = _agreed(lambda: reader._probe.latest_checkpoint_below(step))
+        if older is None:
+            why = "; ".join(sorted({str(c) for c in _causes(cause)}))
+            raise NoCheckpoint(
+                f"checkpoint {step} of job {reader._probe.job!r} cannot be read ({why}) and no "
+                "complete checkpoint is older: start from a freshly built state"
+            ) from cause
+        step = older
 
 
 def _item_name(item: Any) -> str:
