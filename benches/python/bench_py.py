@@ -193,6 +193,10 @@ class Bench:
         copy()  # warm-up: faults in the preallocated buffers, as the staging buffer was
         for run in range(a.runs):
             print(f"run {run + 1}/{a.runs}", flush=True)
+            # The last run's peers left gigabytes in the page cache to write back; a stall
+            # measured while the kernel flushes them measures the flush (0.10 s alone, up to
+            # 0.28 s with them, here).
+            os.sync()
             # Floor: a copy of every tensor into preallocated buffers.
             self.record("copy_", timed(copy))
 
