@@ -327,7 +327,12 @@ impl Bench<'_> {
                 Raw::Gateway => {
                     let path = format!("/{}/{key}.{i:05}", self.bucket);
                     let r = self.weed.request("PUT", &path, &[], parts[i])?;
-                    ensure!(r.status == 200, "PUT {path}: HTTP {}: {}", r.status, r.text());
+                    ensure!(
+                        r.status == 200,
+                        "PUT {path}: HTTP {}: {}",
+                        r.status,
+                        r.text()
+                    );
                     Stored::Object(path)
                 }
                 Raw::Volume => Stored::Blob(self.weed.put_blob(&self.bucket, parts[i])?),
@@ -372,7 +377,10 @@ impl Bench<'_> {
                 }
                 Stored::Blob(blob) => self.weed.get_blob(blob)?,
             };
-            ensure!(back == part, "raw PUTs: the stored bytes differ from the part's");
+            ensure!(
+                back == part,
+                "raw PUTs: the stored bytes differ from the part's"
+            );
         }
         Ok(())
     }
@@ -654,7 +662,9 @@ fn add_rows(
                     None,
                 ),
                 Target::Raw(Raw::Volume) => (
-                    format!("raw PUTs to the volume server, {RAW_STREAMS} at once (weed mount's path)"),
+                    format!(
+                        "raw PUTs to the volume server, {RAW_STREAMS} at once (weed mount's path)"
+                    ),
                     None,
                 ),
                 Target::Peer(Peer::S3fs) => (t.name(), Some(1.3)),
