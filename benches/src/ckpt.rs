@@ -362,7 +362,8 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         &store_persist,
         "the same save to the disk tier (local_dir), durable",
         &persist,
-        Some(0.9),
+        // At most 1.5x the disk tier's time.
+        Some(1.0 / 1.5),
     ));
     report.add(row(
         "durable save→wait_persisted(store), store = a local directory",

@@ -119,6 +119,8 @@ def test_load_goes_back_past_a_damaged_checkpoint_and_raises_other_failures(loca
 
     from hotstart.torch import load
 
+    with pytest.raises(hotstart.NoCheckpoint, match="no complete checkpoint of job 'g' to load: save one first"):
+        load(zeros_like(state(0)), local_dir=local_dir, job="g")
     writer = lambda: StorageWriter(local_dir=local_dir, job="g")  # noqa: E731
     for step in (1, 2):
         dcp.save(state(step), storage_writer=writer(), checkpoint_id=step)

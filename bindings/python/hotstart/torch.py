@@ -222,14 +222,18 @@ def load(
 
     When the load fails because some rank's part of the chosen checkpoint is damaged or gone in
     every tier, rank 0 names the newest complete checkpoint older than it, and every rank loads
-    that one, until one loads. With none left it raises :class:`NoCheckpoint`; ``state_dict``
-    may then hold part of a checkpoint, so build the state afresh. Any other failure is raised as
+    that one, until one loads. With none left (or none saved) it raises :class:`NoCheckpoint`;
+    ``state_dict`` may then hold part of a checkpoint, so build the state afresh. Any other
+    failure is raised as
     ``dcp.load`` raises it. Collective, as ``dcp.load`` is: every rank of the default process
     group calls it. ``store``, ``job``, ``local_dir`` and ``threads`` are
     :class:`StorageReader`'s.
     """
-    reader = StorageReader(store, job, local_dir=local_dir, threads=threads)
-    step = _agreed_newest(reader._probe)
+    probe = StorageReader(store, job, local_dir=local_dir, threads=threads)._probe
+    newest = _agreed(probe.latest_checkpoint)
+    if newest is None:
+        raise NoCheckpoint(f"no complete checkpoint of job {probe.job!r} to load: save one first")
+    step = newest
     while True:
         try:
             _dcp_load(state_dict, storage_reader=StorageReader(
@@ -239,11 +243,11 @@ def load(
             if not _unreadable(e):
                 raise
             cause = e
-        older = _agreed(lambda: reader._probe.latest_checkpoint_below(step))
+        older = _agreed(lambda: probe.latest_checkpoint_below(step))
         if older is None:
             why = "; ".join(sorted({str(c) for c in _causes(cause)}))
             raise NoCheckpoint(
-                f"checkpoint {step} of job {reader._probe.job!r} cannot be read ({why}) and no "
+                f"checkpoint {step} of job {probe.job!r} cannot be read ({why}) and no "
                 "complete checkpoint is older: start from a freshly built state"
             ) from cause
         step = older
