@@ -114,6 +114,13 @@ impl Snapshotter {
             .arg("--socket")
             .arg(socket)
             .args(args);
+        // Its log, across restarts, beside its state directory.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(root.with_extension("log"))
+            .unwrap();
+        cmd.stdout(log.try_clone().unwrap()).stderr(log);
         let mut child = spawn_tied(cmd, None).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::os::unix::net::UnixStream::connect(socket).is_err() {
@@ -140,6 +147,11 @@ impl Snapshotter {
     fn kill(&mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
+    }
+
+    /// Everything it has logged.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.root.with_extension("log")).unwrap_or_default()
     }
 
     /// Its metadata file's snapshots.
@@ -409,6 +421,41 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
             .count(),
         0
     );
+
+    // The store unreachable during a start (a file where its directory was): containerd
+    // downloads and unpacks every layer, the container runs, the log says why, and no
+    // half-made lazy snapshot is left behind.
+    let away = dir.path().join("store.away");
+    std::fs::rename(&store, &away).unwrap();
+    std::fs::write(&store, b"not a store").unwrap();
+    let logged = sn.log().len();
+    pull();
+    assert!(sn.lazy().is_empty(), "{:?}", sn.lazy());
+    let held = content(&c);
+    for d in &image.layers {
+        assert!(
+            held.contains(d.as_str()),
+            "layer {d} was not downloaded:\n{held}"
+        );
+    }
+    assert_eq!(run_container(&c, &name, "unreachable"), image.expect);
+    let log = sn.log().split_off(logged);
+    assert!(
+        log.contains("layer not served lazily; containerd unpacks it")
+            && log.contains(&format!("cannot be mounted from {}", store.display()))
+            && log.contains("Not a directory"),
+        "{log}"
+    );
+    c.remove_images();
+    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
+    assert_eq!(
+        std::fs::read_dir(sn.root.join("snapshots"))
+            .unwrap()
+            .count(),
+        0
+    );
+    std::fs::remove_file(&store).unwrap();
+    std::fs::rename(&away, &store).unwrap();
 
     // A corrupt chunk in the store (the last MiB of /data/big), and no cached copy: the read
     // that needs it fails with EIO inside the container; no wrong byte is served.
