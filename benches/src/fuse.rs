@@ -363,7 +363,8 @@ impl Bench<'_> {
         Ok(stored.into_iter().map(|(_, at)| at).collect())
     }
 
-    /// Reads back what [`Bench::raw_puts`] stored, compares it with `data` and removes it.
+    /// Reads back what [`Bench::raw_puts`] stored and compares it with `data`; removes the
+    /// gateway's objects (volume blobs go with the server).
     fn check_raw(&self, stored: &[Stored], data: &[u8]) -> anyhow::Result<()> {
         let parts = data.chunks(self.stripes.stripe_size);
         ensure!(stored.len() == parts.len(), "raw PUTs: parts missing");
@@ -399,6 +400,7 @@ impl Bench<'_> {
 enum Stored {
     /// An object's path on the S3 gateway.
     Object(String),
+    /// A blob on the volume server.
     Blob(hotstart_testkit::Blob),
 }
 
