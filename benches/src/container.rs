@@ -1,6 +1,6 @@
-//! Starting a container with containerd and runc: a Python image with numpy (the interpreter,
-//! its standard library and the packages, with every library they load), run as
-//! `python -c "import numpy, ...; print('ready')"`, timed from the pull request to the
+//! Starting a container with containerd and runc: a Python image with numpy and pandas (the
+//! interpreter, its standard library and the packages, with every library they load), run as
+//! `python -c "import numpy, pandas; print('ready')"`, timed from the pull request to the
 //! container's exit after printing `ready`, four ways:
 //!
 //! - **(a) image already unpacked** on the node, containerd's own overlayfs snapshotter (the
@@ -56,9 +56,12 @@ pub struct ContainerArgs {
     /// the workspace's .venv).
     #[arg(long)]
     python: Option<PathBuf>,
-    /// Packages of the virtualenv's site-packages in the image, and imported by the program.
-    #[arg(long, default_value = "numpy")]
+    /// Packages (or one-file modules) of the virtualenv's site-packages in the image.
+    #[arg(long, default_value = "numpy,pandas,dateutil,tzdata")]
     packages: String,
+    /// What the program imports before it prints `ready`.
+    #[arg(long, default_value = "numpy,pandas")]
+    imports: String,
     /// The link in front of the registry and the store.
     #[command(flatten)]
     link: LinkArgs,
@@ -157,7 +160,12 @@ struct PythonImage {
 }
 
 /// The Python image of the installation of `python` with `packages`, built under `scratch`.
-fn python_image(python: &Path, packages: &[&str], scratch: &Path) -> anyhow::Result<PythonImage> {
+fn python_image(
+    python: &Path,
+    packages: &[&str],
+    imports: &[&str],
+    scratch: &Path,
+) -> anyhow::Result<PythonImage> {
     let py = python_info(python)?;
     let full = scratch.join("full/usr/local");
     install_tree(&py, &full, packages)?;
@@ -190,7 +198,7 @@ fn python_image(python: &Path, packages: &[&str], scratch: &Path) -> anyhow::Res
         oci::dir_tar(&scratch.join("full")),
         oci::dir_tar(&pkgs),
     ];
-    let program = format!("import {}; print('ready')", packages.join(", "));
+    let program = format!("import {}; print('ready')", imports.join(", "));
     let env = vec![
         "PATH=/usr/local/bin:/usr/bin:/bin".to_string(),
         "PYTHONHOME=/usr/local".to_string(),
@@ -390,6 +398,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
         .tempdir_in(&args.dir)?;
     let scratch = scratch_dir.path().to_path_buf();
     let packages: Vec<&str> = args.packages.split(',').map(str::trim).collect();
+    let imports: Vec<&str> = args.imports.split(',').map(str::trim).collect();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
@@ -413,7 +422,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     ));
 
     // The image, plain and converted, pushed to the registry straight (not over the link).
-    let image = python_image(&python, &packages, &scratch)?;
+    let image = python_image(&python, &packages, &imports, &scratch)?;
     let cmd: Vec<&str> = image.cmd.iter().map(String::as_str).collect();
     let env: Vec<&str> = image.env.iter().map(String::as_str).collect();
     let (plain, lazy) = ("bench/python:plain", "bench/python:lazy");
@@ -549,7 +558,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     let mut report = Report::new("Container start: containerd + runc, hotstart snapshotter");
     let what = format!(
         "start `python -c \"import {}\"` ({image_mib:.0} MiB image)",
-        packages.join(", ")
+        imports.join(", ")
     );
     report.add(Row::time(
         format!("{what}, hotstart with profile (d)"),

@@ -169,7 +169,8 @@ fn cp(from: &Path, to: &Path) -> anyhow::Result<()> {
 
 /// A self-contained installation at `root`: the interpreter, libpython, the standard library
 /// (without its test suite, static library and the base site-packages) and `packages` from the
-/// virtualenv's site-packages (each with its `.libs` directory and metadata).
+/// virtualenv's site-packages (each a package directory or a one-file module, with its `.libs`
+/// directory and metadata).
 pub(crate) fn install_tree(py: &Python, root: &Path, packages: &[&str]) -> anyhow::Result<()> {
     let ver = format!("python{}", py.version);
     let (bin, lib) = (root.join("bin"), root.join("lib"));
@@ -210,9 +211,10 @@ pub(crate) fn install_tree(py: &Python, root: &Path, packages: &[&str]) -> anyho
                 .strip_suffix(".dist-info")
                 .and_then(|n| n.split_once('-'))
                 .is_some_and(|(n, _)| n.eq_ignore_ascii_case(&pkg.replace('-', "_")));
-            if name == *pkg || name == format!("{pkg}.libs") || dist {
+            let module = name == *pkg || name == format!("{pkg}.py");
+            if module || name == format!("{pkg}.libs") || dist {
                 cp(&e.path(), &site.join(&name))?;
-                found |= name == *pkg;
+                found |= module;
             }
         }
         ensure!(found, "no package {pkg} in {}", py.purelib.display());
