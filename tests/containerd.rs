@@ -305,6 +305,18 @@ fn stats(store: &Path, image: &str) -> serde_json::Value {
 }
 
 /// The layer digests containerd's content store holds.
+/// Removes every image and checks that the snapshotter keeps no snapshot record or directory.
+fn remove_images_leaving_nothing(c: &Containerd, sn: &Snapshotter) {
+    c.remove_images();
+    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
+    assert_eq!(
+        std::fs::read_dir(sn.root.join("snapshots"))
+            .unwrap()
+            .count(),
+        0
+    );
+}
+
 fn content(c: &Containerd) -> String {
     c.ctr_ok(&["content", "ls", "--quiet"])
 }
@@ -413,14 +425,7 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
     assert!(held.contains(&image.layers[1]), "{held}");
     assert!(!held.contains(&image.layers[0]), "{held}");
     assert_eq!(run_container(&c, &name, "mixed"), image.expect);
-    c.remove_images();
-    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
-    assert_eq!(
-        std::fs::read_dir(sn.root.join("snapshots"))
-            .unwrap()
-            .count(),
-        0
-    );
+    remove_images_leaving_nothing(&c, &sn);
 
     // The store unreachable during a start (a file where its directory was): containerd
     // downloads and unpacks every layer, the container runs, the log says why, and no
@@ -446,14 +451,7 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
             && log.contains("Not a directory"),
         "{log}"
     );
-    c.remove_images();
-    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
-    assert_eq!(
-        std::fs::read_dir(sn.root.join("snapshots"))
-            .unwrap()
-            .count(),
-        0
-    );
+    remove_images_leaving_nothing(&c, &sn);
     std::fs::remove_file(&store).unwrap();
     std::fs::rename(&away, &store).unwrap();
 
