@@ -476,19 +476,7 @@ impl Campaign {
         let at = Instant::now();
         // Steps of a run the job went back from do not count: a rank that went back trains
         // towards them again, and is not newer than them until much later.
-        let newest: Vec<u64> = self
-            .d
-            .view
-            .ranks
-            .iter()
-            .map(|r| {
-                r.saved
-                    .iter()
-                    .rev()
-                    .find(|(_, s)| !s.abandoned)
-                    .map_or(0, |(&step, _)| step)
-            })
-            .collect();
+        let newest = self.newest_saved(true);
         self.d.until(what, LONG, |v| {
             v.ranks
                 .iter()
@@ -501,13 +489,20 @@ impl Campaign {
         Ok(())
     }
 
-    /// Per rank, the newest step it has saved, in any run the job went back from too.
-    fn newest_saved(&self) -> Vec<u64> {
+    /// Per rank, the newest step it has saved: in the live run only, or in any run the job
+    /// went back from too.
+    fn newest_saved(&self, live_only: bool) -> Vec<u64> {
         self.d
             .view
             .ranks
             .iter()
-            .map(|r| r.saved.keys().next_back().copied().unwrap_or(0))
+            .map(|r| {
+                r.saved
+                    .iter()
+                    .rev()
+                    .find(|(_, s)| !(live_only && s.abandoned))
+                    .map_or(0, |(&step, _)| step)
+            })
             .collect()
     }
 
@@ -682,7 +677,7 @@ impl Campaign {
         self.stop_trainers()?;
         // Past every step any rank has saved, in any run the job went back from: the check below
         // asks for this step to be the newest with every tier done.
-        let saved = self.newest_saved();
+        let saved = self.newest_saved(false);
         let newest = self.d.steps().into_iter().chain(saved).max().unwrap_or(0);
         let last = (newest / e + 2) * e;
         self.d.view.say(format!(

@@ -167,6 +167,7 @@ impl fmt::Display for StoreUrl {
 fn open_s3(url: &str, bucket: &str, options: &[(String, String)]) -> Result<Arc<dyn ObjectStore>> {
     use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    let mut chosen = std::env::var_os("AWS_UNSIGNED_PAYLOAD").is_some();
     for (key, value) in options {
         let key: AmazonS3ConfigKey =
             key.to_ascii_lowercase()
@@ -175,13 +176,10 @@ fn open_s3(url: &str, bucket: &str, options: &[(String, String)]) -> Result<Arc<
                     url: url.to_string(),
                     reason: format!("option {key:?}: {e}"),
                 })?;
+        chosen |= key == AmazonS3ConfigKey::UnsignedPayload;
         builder = builder.with_config(key, value);
     }
     let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
-    let chosen = options.iter().any(|(k, _)| {
-        k.to_ascii_lowercase().parse::<AmazonS3ConfigKey>().ok()
-            == Some(AmazonS3ConfigKey::UnsignedPayload)
-    }) || std::env::var_os("AWS_UNSIGNED_PAYLOAD").is_some();
     if !chosen && over_tls(endpoint.as_deref()) {
         builder = builder.with_unsigned_payload(true);
     }

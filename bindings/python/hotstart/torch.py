@@ -100,13 +100,19 @@ def _step_of(checkpoint_id: Optional[CheckpointId], default: Optional[int]) -> i
     return int(text)
 
 
+def _probe(store: Optional[str], job: Optional[str], local_dir: Optional[PathLike], threads: int = 0) -> _core.Engine:
+    """An engine over the job's tiers that finds and reads its checkpoints' manifests: any rank
+    will do (a manifest names its own world size)."""
+    return _core.Engine(**engine_options(store, job, 0, 1, local_dir, threads=threads))
+
+
 def latest_step(store: Optional[str] = None, job: Optional[str] = None, *,
                 local_dir: Optional[PathLike] = None) -> Optional[int]:
     """The newest complete checkpoint of ``job`` (every rank of the world size that saved it
     committed it), whatever world size saved it, or None: the step ``dcp.load`` with a
     :class:`StorageReader` and no ``checkpoint_id`` loads. ``store``, ``job`` and ``local_dir``
     are those of the writer (with the same environment defaults)."""
-    found = _core.Engine(**engine_options(store, job, 0, 1, local_dir)).latest_checkpoint()
+    found = _probe(store, job, local_dir).latest_checkpoint()
     return None if found is None else found[0]
 
 
@@ -229,7 +235,7 @@ def load(
     group calls it. ``store``, ``job``, ``local_dir`` and ``threads`` are
     :class:`StorageReader`'s.
     """
-    probe = StorageReader(store, job, local_dir=local_dir, threads=threads)._probe
+    probe = _probe(store, job, local_dir, threads)
     newest = _agreed(probe.latest_checkpoint)
     if newest is None:
         raise NoCheckpoint(f"no complete checkpoint of job {probe.job!r} to load: save one first")
@@ -403,8 +409,7 @@ class StorageReader(_StorageReader):
         threads: int = 0,
     ) -> None:
         super().__init__()
-        # The engine that reads manifests: any rank will do (the manifest names its own).
-        self._probe = _core.Engine(**engine_options(store, job, 0, 1, local_dir, threads=threads))
+        self._probe = _probe(store, job, local_dir, threads)
         self._default_step = step
         self.step: Optional[int] = step
         self._world_size = 0
