@@ -4,10 +4,11 @@
 //! state dicts into tensors and extras, and calls this class. Loads land in memory Python owns:
 //! `restore(step, plan)` finds the step (through the sidecar when there is one) and calls
 //! `plan(manifest)` with its tensor index and extras, Python allocates (or picks the caller's
-//! tensors) and answers with their addresses, and the engine reads and verifies straight into
-//! them; `load(step, destinations)` does the same for destinations known beforehand. `reader(rank, world_size)` opens the same tiers as another rank of another
-//! world size, to read checkpoints written by a job of a different size (torch.distributed
-//! resharding).
+//! tensors) and answers with their addresses, or with one page-aligned buffer for the whole
+//! file (new tensors are then views of it), and the engine reads and verifies straight into
+//! them; `load(step, destinations)` does the same for destinations known beforehand.
+//! `reader(rank, world_size)` opens the same tiers as another rank of another world size, to
+//! read checkpoints written by a job of a different size (torch.distributed resharding).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -21,7 +22,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::errors::{ConfigError, to_py};
 use crate::handle::SaveHandle;
-use crate::memory::{DestSpec, Dests, TensorSpec};
+use crate::memory::{Answer, DestSpec, Dests, TensorSpec};
 
 #[pyclass(frozen, module = "hotstart._core")]
 pub struct Engine {
@@ -184,13 +185,18 @@ impl Engine {
         step: u64,
         destinations: Vec<DestSpec>,
     ) -> PyResult<Vec<String>> {
-        let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_| Ok(destinations))?;
+        let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_| {
+            Ok(Answer::Tensors(destinations))
+        })?;
         Ok(sources)
     }
 
     /// Reads `step` (the newest complete one when None) of this rank in one request, verifying
     /// every chunk: once the step's manifest is known, and before any tensor byte is read,
-    /// `plan(manifest)` (a dict as `manifest` returns) gives the destinations, as for `load`.
+    /// `plan(manifest)` (a dict as `manifest` returns) gives the destinations, as for `load`,
+    /// or `(address, length)` of one host buffer of `manifest["file_len"]` bytes that takes the
+    /// whole file (each tensor at its `manifest["ranges"]`; read with direct I/O when aligned to
+    /// 4096 bytes).
     /// Through a sidecar, this is how a restore finds the step and fetches it into memory once.
     /// Returns the step and the tier each chunk came from.
     fn restore(
@@ -281,7 +287,7 @@ impl Engine {
         &self,
         py: Python<'_>,
         which: StepSel,
-        plan: impl FnOnce(&Manifest) -> PyResult<Vec<DestSpec>> + Send,
+        plan: impl FnOnce(&Manifest) -> PyResult<Answer> + Send,
     ) -> PyResult<(u64, Vec<String>)> {
         let mut dests: Option<Dests> = None;
         let mut refused: Option<PyErr> = None;
@@ -299,7 +305,9 @@ impl Engine {
                 // SAFETY: the Python layer describes only memory of objects its caller holds
                 // for the whole call and does not touch meanwhile; `check` refused overlaps.
                 let b = unsafe { dests_at.insert(checked).borrow() };
-                Ok(if b.device.is_empty() {
+                Ok(if let Some(file) = b.file {
+                    Destination::File(file)
+                } else if b.device.is_empty() {
                     Destination::Buffers(b.host)
                 } else {
                     Destination::Device(b.device)
@@ -371,6 +379,13 @@ fn manifest_dict<'py>(py: Python<'py>, m: &Manifest) -> PyResult<Bound<'py, PyDi
         tensors.append((t.name.as_str(), t.dtype.as_str(), t.shape.clone()))?;
     }
     d.set_item("tensors", tensors)?;
+    let ranges = PyList::empty(py);
+    for t in &m.tensors {
+        let r = m.tensor_range(t);
+        ranges.append((r.start, r.end))?;
+    }
+    d.set_item("ranges", ranges)?;
+    d.set_item("file_len", m.file_len)?;
     let x = PyDict::new(py);
     for (k, v) in extras {
         x.set_item(k, PyBytes::new(py, &v))?;

@@ -64,18 +64,39 @@ impl TensorSpec {
     }
 }
 
-/// Load destinations by name, split into host slices and device buffers.
+/// What a load plan answers: a buffer per tensor, or one host buffer `(address, length)` that
+/// takes the whole file (see [`hotstart_ckpt::Destination::File`]).
+#[derive(Debug, FromPyObject)]
+pub enum Answer {
+    Tensors(Vec<DestSpec>),
+    File(usize, usize),
+}
+
+/// Load destinations by name, split into host slices and device buffers, or the one buffer for
+/// the whole file.
 pub struct Borrowed<'a> {
     pub host: HashMap<String, &'a mut [u8]>,
     pub device: HashMap<String, DeviceBuffer>,
+    pub file: Option<&'a mut [u8]>,
 }
 
 /// Load destinations as Python described them, checked.
-pub struct Dests(Vec<DestSpec>);
+pub struct Dests(Answer);
 
 impl Dests {
     /// Checks names, null addresses and overlaps.
-    pub fn check(dests: Vec<DestSpec>) -> PyResult<Dests> {
+    pub fn check(answer: Answer) -> PyResult<Dests> {
+        let dests = match answer {
+            Answer::File(ptr, len) => {
+                if ptr == 0 && len > 0 {
+                    return Err(state_dict(
+                        "the buffer for the whole file has a null address",
+                    ));
+                }
+                return Ok(Dests(answer));
+            }
+            Answer::Tensors(dests) => dests,
+        };
         let mut names = std::collections::HashSet::new();
         let mut ranges: Vec<(i64, usize, usize, &str)> = Vec::new();
         for DestSpec(name, ptr, len, device) in &dests {
@@ -99,7 +120,7 @@ impl Dests {
                 )));
             }
         }
-        Ok(Dests(dests))
+        Ok(Dests(Answer::Tensors(dests)))
     }
 
     /// The destinations as the engine takes them.
@@ -111,7 +132,24 @@ impl Dests {
     pub unsafe fn borrow(&mut self) -> Borrowed<'_> {
         let mut host = HashMap::new();
         let mut device = HashMap::new();
-        for DestSpec(name, ptr, len, dev) in &self.0 {
+        let dests = match &self.0 {
+            Answer::File(ptr, len) => {
+                let file: &mut [u8] = if *len == 0 {
+                    &mut []
+                } else {
+                    // SAFETY: the caller's contract: valid for writes of `len` bytes and used by
+                    // nobody else.
+                    unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *len) }
+                };
+                return Borrowed {
+                    host,
+                    device,
+                    file: Some(file),
+                };
+            }
+            Answer::Tensors(dests) => dests,
+        };
+        for DestSpec(name, ptr, len, dev) in dests {
             if *dev >= 0 {
                 // SAFETY: the caller's contract; `check` made sure the ordinal is not negative.
                 let b = unsafe { DeviceBuffer::new(*dev as usize, *ptr as u64, *len) };
@@ -125,6 +163,10 @@ impl Dests {
                 host.insert(name.clone(), s);
             }
         }
-        Borrowed { host, device }
+        Borrowed {
+            host,
+            device,
+            file: None,
+        }
     }
 }

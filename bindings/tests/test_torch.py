@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import hotstart
@@ -121,6 +122,41 @@ def test_views_conjugates_and_tied_weights(local_dir: Path) -> None:
     assert torch.equal(dst["conj"], c.conj())
 
 
+def test_new_tensors_are_views_of_one_page_aligned_buffer_unless_misaligned(local_dir: Path) -> None:
+    # Tensors lie back to back in the file: after the 7-byte one, the next two sit at offsets
+    # their element types do not divide, so they come back as copies of their own.
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "w": random_tensor(torch.float32, (64, 33), gen),
+        "x": random_tensor(torch.float64, (3,), gen),
+        "odd": random_tensor(torch.uint8, (7,), gen),
+        "y": random_tensor(torch.float64, (5,), gen),
+        "z": random_tensor(torch.bfloat16, (3,), gen),
+        "n": np.arange(6, dtype=np.int16),
+    }
+    with hotstart.Checkpointer(local_dir=local_dir, job="views") as ck:
+        ck.save(1, state).wait()
+        ranges = dict(zip((t[0] for t in ck.engine.manifest(1)["tensors"]), ck.engine.manifest(1)["ranges"]))
+        out = ck.load()
+    for k in ("w", "x", "odd", "y", "z"):
+        same_bits(out[k], state[k])
+        assert out[k].is_contiguous()
+        assert out[k].data_ptr() % out[k].element_size() == 0, k
+    assert np.array_equal(out["n"], state["n"]) and out["n"].flags.writeable
+    # The buffer is page-aligned: a tensor's address and its file offset agree modulo 4096.
+    assert (out["w"].data_ptr() - ranges["w"][0]) % 4096 == 0
+    shared = out["w"].untyped_storage().data_ptr()
+    assert out["x"].untyped_storage().data_ptr() == shared
+    assert out["odd"].untyped_storage().data_ptr() == shared
+    assert out["y"].untyped_storage().data_ptr() != shared, "misaligned: copied"
+    # Each is writable and independent of its neighbours in the buffer.
+    out["odd"].fill_(0)
+    same_bits(out["x"], state["x"])
+    same_bits(out["y"], state["y"])
+    del out["w"], out["x"]  # the others keep the buffer alive
+    assert torch.equal(out["odd"], torch.zeros(7, dtype=torch.uint8))
+
+
 def test_the_handle_keeps_the_tensors_alive(local_dir: Path) -> None:
     gen = torch.Generator().manual_seed(7)
     t = random_tensor(torch.float32, (1 << 20,), gen)
@@ -143,8 +179,6 @@ def test_dtype_and_shape_mismatch_name_the_key(local_dir: Path) -> None:
 
 
 def test_numpy_and_torch_load_into_each_other(local_dir: Path) -> None:
-    import numpy as np
-
     with hotstart.Checkpointer(local_dir=local_dir, job="cross") as ck:
         ck.save(1, {"a": torch.arange(5, dtype=torch.int64), "b": np.linspace(0, 1, 4)}).wait()
         dst = {"a": np.zeros(5, dtype=np.int64), "b": torch.zeros(4, dtype=torch.float64)}

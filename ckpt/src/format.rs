@@ -488,6 +488,11 @@ impl Manifest {
             .collect()
     }
 
+    /// File byte range of tensor `t`'s data.
+    pub fn tensor_range(&self, t: &TensorEntry) -> std::ops::Range<u64> {
+        self.data_offset + t.data_offsets[0]..self.data_offset + t.data_offsets[1]
+    }
+
     /// File byte range of chunk `i`.
     pub fn chunk_range(&self, i: usize) -> std::ops::Range<u64> {
         let start = (i as u64)

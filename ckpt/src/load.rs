@@ -71,6 +71,12 @@ pub enum Destination<'a> {
     /// load fails with [`Error::Cuda`] before reading anything. Tensors without a buffer are
     /// returned in [`Loaded::tensors`].
     Device(HashMap<String, DeviceBuffer>),
+    /// The whole verified file, header included, read into this caller buffer of the file's
+    /// exact length ([`Manifest::file_len`]); each tensor's bytes are then at its
+    /// [`Manifest::tensor_range`], and [`Loaded::tensors`] is empty. A buffer aligned to 4096
+    /// bytes is read into straight from disk (direct I/O, no bounce copy): the fastest way into
+    /// new memory that the caller owns, such as the new tensors of a Python state dict.
+    File(&'a mut [u8]),
     /// Decided by the caller once the step's manifest is known, before any tensor byte is read:
     /// for loading the newest step into buffers shaped after what it holds (new tensors of the
     /// saved shapes and dtypes, say), in one request, however the step is found (through a
@@ -84,6 +90,7 @@ impl std::fmt::Debug for Destination<'_> {
             Destination::Owned => f.write_str("Owned"),
             Destination::Buffers(b) => f.debug_tuple("Buffers").field(&b.keys()).finish(),
             Destination::Device(d) => f.debug_tuple("Device").field(d).finish(),
+            Destination::File(b) => f.debug_tuple("File").field(&b.len()).finish(),
             Destination::Planned(_) => f.write_str("Planned"),
         }
     }
@@ -236,6 +243,8 @@ pub(crate) struct Targets<'a> {
     pub(crate) direct: Vec<Vec<(usize, Out<'a>)>>,
     /// Tensors not returned owned (they went to caller or device buffers).
     taken: HashSet<String>,
+    /// The caller buffer that takes the whole file ([`Destination::File`]).
+    file: Option<&'a mut [u8]>,
 }
 
 /// Where a piece of a chunk goes: caller memory, or device memory (copied from a pinned
@@ -302,8 +311,8 @@ fn drain(bounces: &mut [Bounce]) -> Result<()> {
 
 /// The file range of a tensor's bytes.
 fn range_of(m: &Manifest, t: &format::TensorEntry) -> Range<usize> {
-    let data_offset = m.data_offset as usize;
-    data_offset + t.data_offsets[0] as usize..data_offset + t.data_offsets[1] as usize
+    let r = m.tensor_range(t);
+    r.start as usize..r.end as usize
 }
 
 /// The file length of `m` as a buffer length.
@@ -328,6 +337,21 @@ pub(crate) fn targets<'a>(
     let (buffers, device) = match dest {
         Destination::Owned => (HashMap::new(), HashMap::new()),
         Destination::Buffers(b) => (b, HashMap::new()),
+        Destination::File(file) => {
+            let want = file_len(reference)?;
+            if file.len() != want {
+                return Err(Error::Destination {
+                    step,
+                    name: "(the whole file)".into(),
+                    reason: format!("buffer of {} bytes for {want} bytes", file.len()),
+                });
+            }
+            return Ok(Targets {
+                direct: (0..reference.chunks.len()).map(|_| Vec::new()).collect(),
+                taken: reference.tensors.iter().map(|t| t.name.clone()).collect(),
+                file: Some(file),
+            });
+        }
         Destination::Device(d) => {
             let devices: BTreeSet<usize> = d.values().map(DeviceBuffer::ordinal).collect();
             if !devices.is_empty() {
@@ -392,7 +416,11 @@ pub(crate) fn targets<'a>(
     for pieces in &mut direct {
         pieces.sort_unstable_by_key(|(at, _)| *at);
     }
-    Ok(Targets { direct, taken })
+    Ok(Targets {
+        direct,
+        taken,
+        file: None,
+    })
 }
 
 impl Inner {
@@ -433,7 +461,15 @@ impl Inner {
         } = restored;
         let (step, len) = (m.step, file_len(&m)?);
         let mut targets = targets(step, &m, dest)?;
-        let direct = std::mem::take(&mut targets.direct);
+        let mut direct = std::mem::take(&mut targets.direct);
+        let mut whole = targets.file.take();
+        if let Some(file) = whole.as_mut() {
+            // The whole file goes to the caller: every chunk is one piece.
+            direct = file
+                .chunks_mut((m.chunk_size as usize).max(1))
+                .map(|c| vec![(0, Out::Host(c))])
+                .collect();
+        }
         let read = |at, dst: &mut [u8]| {
             segment.read_at(at, dst).map_err(|e| Error::Sidecar {
                 socket: self
@@ -451,7 +487,7 @@ impl Inner {
             &self.gpu,
         )?;
         let all = Bytes::from_owner(SealedBytes(segment, len));
-        let loaded = self.finish(step, m, all, targets, chunk_sources)?;
+        let loaded = self.finish(step, m, &all, Some(&all), targets, chunk_sources)?;
         info!(
             step,
             %source,
@@ -503,25 +539,31 @@ impl Inner {
         let (reference, tiers) = self.sources(step)?;
         let len = file_len(&reference)?;
         let mut targets = targets(step, &reference, dest)?;
-        let mut buf = AlignedBuf::zeroed(len);
         let direct = std::mem::take(&mut targets.direct);
+        if let Some(file) = targets.file.take() {
+            let chunk_sources = self.read_chunks(step, &reference, &tiers, file, direct)?;
+            return self.finish(step, reference, file, None, targets, chunk_sources);
+        }
+        let mut buf = AlignedBuf::zeroed(len);
         let chunk_sources = self.read_chunks(step, &reference, &tiers, &mut buf[..len], direct)?;
         let all = Bytes::from_owner(AlignedOwner(buf, len));
-        self.finish(step, reference, all, targets, chunk_sources)
+        self.finish(step, reference, &all, Some(&all), targets, chunk_sources)
     }
 
-    /// Decodes a verified file held in `all`: checks its header against the manifest, and
-    /// hands out the tensors not loaded into caller or device buffers as slices of `all`.
+    /// Decodes a verified `file`: checks its header against the manifest, and hands out the
+    /// tensors not loaded into caller or device buffers as slices of `owned` (the same bytes;
+    /// None when the caller holds them, and then every tensor is theirs).
     pub(crate) fn finish(
         &self,
         step: u64,
         reference: Manifest,
-        all: Bytes,
+        file: &[u8],
+        owned: Option<&Bytes>,
         targets: Targets<'_>,
         chunk_sources: Vec<TierKind>,
     ) -> Result<Loaded> {
         let location = format::data_key(&self.job, step, self.rank);
-        let header = format::parse_header(&all, reference.file_len, &location)?;
+        let header = format::parse_header(file, reference.file_len, &location)?;
         // Same entries; the header parser orders zero-size tensors that share an offset by
         // name, so compare as sets and keep the manifest's (the writer's) order.
         let mut in_header: HashMap<&str, &format::TensorEntry> = header
@@ -548,11 +590,13 @@ impl Inner {
             .tensors
             .iter()
             .filter(|t| !targets.taken.contains(&t.name))
-            .map(|t| LoadedTensor {
-                data: all.slice(range_of(&reference, t)),
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
+            .filter_map(|t| {
+                Some(LoadedTensor {
+                    data: owned?.slice(range_of(&reference, t)),
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                })
             })
             .collect();
         Ok(Loaded {

@@ -100,6 +100,46 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
     assert_eq!(big, set2.last().unwrap().3);
     assert_eq!(scalar, set2.iter().find(|t| t.0 == "scalar").unwrap().3);
 
+    // The whole file into one page-aligned buffer sized after the manifest: every tensor at
+    // its range; a buffer of another length fails before anything is read.
+    let mut file = hotstart_store::uring::AlignedBuf::zeroed(0);
+    let mut ranges = Vec::new();
+    let (slot, at) = (&mut file, &mut ranges);
+    let planned = Destination::Planned(Box::new(move |m| {
+        *at = m
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), m.tensor_range(t)))
+            .collect();
+        *slot = hotstart_store::uring::AlignedBuf::zeroed(m.file_len as usize);
+        Ok(Destination::File(&mut slot[..]))
+    }));
+    let l = engine.load(StepSel::Latest, planned).unwrap();
+    assert!(
+        l.tensors.is_empty(),
+        "every tensor is in the caller's buffer"
+    );
+    assert_eq!(ranges.len(), set2.len());
+    for (name, r) in &ranges {
+        let want = &set2.iter().find(|t| &t.0 == name).unwrap().3;
+        assert!(
+            &file[r.start as usize..r.end as usize] == &want[..],
+            "{name}"
+        );
+    }
+    let mut short = vec![0u8; file.len() - 1];
+    let err = engine
+        .load(StepSel::Step(20), Destination::File(&mut short))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Destination { reason, .. } if reason.contains("bytes for")),
+        "{err}"
+    );
+    assert!(
+        short.iter().all(|b| *b == 0),
+        "nothing read into a refused buffer"
+    );
+
     if let Some(dir) = files_at {
         let path = dir.join("job-a/step-20/rank-0.safetensors");
         let bytes = std::fs::read(&path).unwrap();

@@ -224,18 +224,18 @@ class Checkpointer:
         plan = _state.Plan()
         made: List[Callable[[], Any]] = []
 
-        def place(manifest: "_core._Manifest") -> List[Any]:
+        def place(manifest: "_core._Manifest") -> Any:
             # Called once the step is found, before any of its bytes are read.
             where = f"step {manifest['step']} rank {engine.rank}"
             root = _state.parse_tree(manifest["extras"], where)
             if root is None:
                 root = _state.flat_tree(manifest["tensors"])
             if state_dict is None:
-                made.append(_state.plan_new(root, plan))
+                made.append(_state.plan_file(root, plan, manifest))
             else:
                 made.append(_state.plan_into(root, state_dict, strict, plan))
             _sync_cuda(plan.cuda_devices)
-            return plan.dests
+            return plan.file or plan.dests
 
         engine.restore(step, place)
         for f in plan.after:

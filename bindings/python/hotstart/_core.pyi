@@ -1,7 +1,7 @@
 """Type stubs of the native module `hotstart._core` (the engine binding). Private: use
 `hotstart.Checkpointer` and `hotstart.torch`."""
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypedDict, final
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypedDict, Union, final
 
 __all__ = ["CUDA_BUILT", "Engine", "SaveHandle", "__version__", "env_ensure"]
 
@@ -19,6 +19,9 @@ class _Manifest(TypedDict):
     world_size: int
     # (name, safetensors dtype, shape), in file order
     tensors: List[Tuple[str, str, List[int]]]
+    # each tensor's byte range in the file, in the same order
+    ranges: List[Tuple[int, int]]
+    file_len: int
     extras: Dict[str, bytes]
 
 @final
@@ -73,7 +76,7 @@ class Engine:
     def restore(
         self,
         step: Optional[int],
-        plan: Callable[[_Manifest], Sequence[_DestSpec]],
+        plan: Callable[[_Manifest], Union[Sequence[_DestSpec], Tuple[int, int]]],
     ) -> Tuple[int, List[str]]: ...
     def latest_step(self) -> Optional[int]: ...
     def latest_step_below(self, step: int) -> Optional[int]: ...

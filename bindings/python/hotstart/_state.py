@@ -27,7 +27,7 @@ import base64
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from .errors import StateDictError
 
@@ -269,6 +269,8 @@ class Plan:
     keep: List[Any] = field(default_factory=list)
     after: List[Callable[[], None]] = field(default_factory=list)
     cuda_devices: Set[int] = field(default_factory=set)
+    # (address, length) of one buffer that takes the whole file instead of `dests`.
+    file: Optional[Tuple[int, int]] = None
     # Host ranges already used by a destination: (start, end) -> name.
     _ranges: List[Tuple[int, int]] = field(default_factory=list)
 
@@ -314,18 +316,28 @@ def flat_tree(tensors: List[Tuple[str, str, List[int]]]) -> Dict[str, Any]:
 
 def _alloc(leaf: Dict[str, Any]) -> Any:
     """A new, uninitialised CPU tensor or array for a tensor leaf."""
-    kind = leaf["kind"]
-    if kind == "torch":
+    if leaf["kind"] == "torch":
         import torch
 
-        dtype = getattr(torch, leaf["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise StateDictError(f"unknown torch dtype {leaf['dtype']!r} (saved by a newer torch?)")
-        return torch.empty(leaf["shape"], dtype=dtype)
+        return torch.empty(leaf["shape"], dtype=_torch_dtype(leaf))
     import numpy as np
 
-    dtype = np.lib.format.descr_to_dtype(_descr(json.loads(leaf["dtype"])))
-    return np.empty(leaf["shape"], dtype=dtype)
+    return np.empty(leaf["shape"], dtype=_numpy_dtype(leaf))
+
+
+def _torch_dtype(leaf: Dict[str, Any]) -> Any:
+    import torch
+
+    dtype = getattr(torch, leaf["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise StateDictError(f"unknown torch dtype {leaf['dtype']!r} (saved by a newer torch?)")
+    return dtype
+
+
+def _numpy_dtype(leaf: Dict[str, Any]) -> Any:
+    import numpy as np
+
+    return np.lib.format.descr_to_dtype(_descr(json.loads(leaf["dtype"])))
 
 
 def _descr(d: Any) -> Any:
@@ -414,6 +426,61 @@ def plan_new(root: Dict[str, Any], plan: Plan) -> Callable[[], Any]:
 
     def result() -> Any:
         return build(root, lambda leaf: _finish(leaf, made[leaf["tensor"]]))
+
+    return result
+
+
+# Direct reads need the buffer's address and the file offset to agree modulo this.
+_PAGE = 4096
+
+
+def plan_file(root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any]) -> Callable[[], Any]:
+    """Plans a load of the whole file into one new page-aligned buffer, which the engine reads
+    straight from disk into; the new tensors and arrays are views of it (a tensor whose offset
+    in the file does not suit its element type's alignment is copied out instead). Returns the
+    function that builds the result once the engine has read."""
+    ranges = {name: r for (name, _, _), r in zip(manifest["tensors"], manifest["ranges"])}
+    n = int(manifest["file_len"])
+    kinds: Dict[str, Any] = {}
+    for leaf in leaves(root):
+        if leaf["tensor"] not in ranges:
+            raise StateDictError(f"tensor {leaf['tensor']!r} of the saved tree is not in the file")
+        kinds[leaf["tensor"]] = _torch_dtype(leaf) if leaf["kind"] == "torch" else _numpy_dtype(leaf)
+    # One allocation of the kind the tensors want: torch's when any is a torch tensor (numpy
+    # arrays are then views of its memory too), else numpy's, so a numpy-only state never
+    # imports torch.
+    base: Any
+    if any(leaf["kind"] == "torch" for leaf in leaves(root)):
+        import torch
+
+        base = torch.empty(n + _PAGE, dtype=torch.uint8)
+        at = -base.data_ptr() % _PAGE
+    else:
+        import numpy as np
+
+        base = np.empty(n + _PAGE, dtype=np.uint8)
+        at = -base.ctypes.data % _PAGE
+    buf = base[at : at + n]
+    plan.file = (_dest_mem(base).ptr + at, n)
+    plan.keep.append(base)
+
+    def view(leaf: Dict[str, Any]) -> Any:
+        # `at` makes the buffer page-aligned, so a file offset's alignment is the address's.
+        start, end = ranges[leaf["tensor"]]
+        dtype = kinds[leaf["tensor"]]
+        piece: Any = buf[start:end]
+        if leaf["kind"] == "torch":
+            if start % dtype.itemsize:
+                piece = piece.clone()
+            return piece.view(dtype).view(leaf["shape"])
+        if is_torch_tensor(piece):
+            piece = piece.numpy()
+        if start % dtype.alignment:
+            piece = piece.copy()
+        return piece.view(dtype).reshape(leaf["shape"])
+
+    def result() -> Any:
+        return build(root, lambda leaf: _finish(leaf, view(leaf)))
 
     return result
 
