@@ -122,10 +122,7 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
     assert_eq!(ranges.len(), set2.len());
     for (name, r) in &ranges {
         let want = &set2.iter().find(|t| &t.0 == name).unwrap().3;
-        assert!(
-            &file[r.start as usize..r.end as usize] == &want[..],
-            "{name}"
-        );
+        assert!(file[r.start as usize..r.end as usize] == want[..], "{name}");
     }
     let mut short = vec![0u8; file.len() - 1];
     let err = engine
