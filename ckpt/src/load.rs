@@ -74,9 +74,8 @@ pub enum Destination<'a> {
     /// The whole verified file, header included, read into this caller buffer of the file's
     /// exact length ([`Manifest::file_len`]); each tensor's bytes are then at its
     /// [`Manifest::tensor_range`], and [`Loaded::tensors`] is empty. A buffer aligned to 4096
-    /// bytes is read into straight from disk (direct I/O, no bounce copy), and asked for huge
-    /// pages: the fastest way into new memory that the caller owns, such as the new tensors of
-    /// a Python state dict.
+    /// bytes is read into straight from disk (direct I/O, no bounce copy): the fastest way into
+    /// new memory that the caller owns, such as the new tensors of a Python state dict.
     File(&'a mut [u8]),
     /// Decided by the caller once the step's manifest is known, before any tensor byte is read:
     /// for loading the newest step into buffers shaped after what it holds (new tensors of the
@@ -347,8 +346,6 @@ pub(crate) fn targets<'a>(
                     reason: format!("buffer of {} bytes for {want} bytes", file.len()),
                 });
             }
-            // New memory, as the engine's own buffers are: ask for huge pages.
-            hotstart_store::uring::advise_huge_pages(file);
             return Ok(Targets {
                 direct: (0..reference.chunks.len()).map(|_| Vec::new()).collect(),
                 taken: reference.tensors.iter().map(|t| t.name.clone()).collect(),

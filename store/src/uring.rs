@@ -65,7 +65,7 @@ mod buf;
 mod reader;
 mod writer;
 
-pub use buf::{AlignedBuf, advise_huge_pages};
+pub use buf::AlignedBuf;
 pub use reader::{UringReader, read_all, read_all_aligned};
 pub use writer::{AtomicFileWriter, write_file_atomic};
 

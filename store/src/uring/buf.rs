@@ -185,9 +185,8 @@ impl Pool {
 
 /// Asks for transparent huge pages behind a large, still untouched buffer: filling it then takes
 /// one page fault per 2 MiB instead of one per 4 KiB, which matters when a multi-GiB file is read
-/// into fresh memory (2 GiB: 0.09–0.17 s instead of 0.6 s here, with the page cache empty or
-/// full). Only a hint; failures are ignored.
-pub fn advise_huge_pages(buf: &mut [u8]) {
+/// into fresh memory. Only a hint; failures are ignored.
+pub(super) fn advise_huge_pages(buf: &mut [u8]) {
     if buf.len() < MMAP_THRESHOLD {
         return;
     }
