@@ -194,9 +194,10 @@ impl Engine {
     /// Reads `step` (the newest complete one when None) of this rank in one request, verifying
     /// every chunk: once the step's manifest is known, and before any tensor byte is read,
     /// `plan(manifest)` (a dict as `manifest` returns) gives the destinations, as for `load`,
-    /// or `(address, length)` of one host buffer of `manifest["file_len"]` bytes that takes the
-    /// whole file (each tensor at its `manifest["ranges"]`; read with direct I/O when aligned to
-    /// 4096 bytes).
+    /// or `(address, length, held)` of one host buffer of `manifest["file_len"]` bytes that
+    /// takes the whole file (each tensor at its `manifest["ranges"]`): new memory (read with
+    /// direct I/O when aligned to 4096 bytes), or with `held` a private mapping of
+    /// `local_file(step)` that is verified where it lies.
     /// Through a sidecar, this is how a restore finds the step and fetches it into memory once.
     /// Returns the step and the tier each chunk came from.
     fn restore(
@@ -209,6 +210,13 @@ impl Engine {
         self.load_planned(py, which, move |m| {
             Python::attach(|py| plan.call1(py, (manifest_dict(py, m)?,))?.extract(py))
         })
+    }
+
+    /// The local file that holds this rank's `step` with its manifest's length, to map and
+    /// load with `held` (see `restore`), or None (a sidecar serves loads, or no local tier has
+    /// it).
+    fn local_file(&self, py: Python<'_>, step: u64) -> Option<PathBuf> {
+        py.detach(|| self.engine.local_file(step))
     }
 
     /// The newest step complete in any tier, or None.
@@ -305,8 +313,12 @@ impl Engine {
                 // SAFETY: the Python layer describes only memory of objects its caller holds
                 // for the whole call and does not touch meanwhile; `check` refused overlaps.
                 let b = unsafe { dests_at.insert(checked).borrow() };
-                Ok(if let Some(file) = b.file {
-                    Destination::File(file)
+                Ok(if let Some((file, held)) = b.file {
+                    if held {
+                        Destination::Held(file)
+                    } else {
+                        Destination::File(file)
+                    }
                 } else if b.device.is_empty() {
                     Destination::Buffers(b.host)
                 } else {

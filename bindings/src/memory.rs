@@ -64,20 +64,21 @@ impl TensorSpec {
     }
 }
 
-/// What a load plan answers: a buffer per tensor, or one host buffer `(address, length)` that
-/// takes the whole file (see [`hotstart_ckpt::Destination::File`]).
+/// What a load plan answers: a buffer per tensor, or one host buffer `(address, length, held)`
+/// that takes the whole file (see [`hotstart_ckpt::Destination::File`]; `held`: it is a private
+/// mapping of `Engine.local_file`, [`hotstart_ckpt::Destination::Held`]).
 #[derive(Debug, FromPyObject)]
 pub enum Answer {
     Tensors(Vec<DestSpec>),
-    File(usize, usize),
+    File(usize, usize, bool),
 }
 
 /// Load destinations by name, split into host slices and device buffers, or the one buffer for
-/// the whole file.
+/// the whole file (and whether it holds the file already).
 pub struct Borrowed<'a> {
     pub host: HashMap<String, &'a mut [u8]>,
     pub device: HashMap<String, DeviceBuffer>,
-    pub file: Option<&'a mut [u8]>,
+    pub file: Option<(&'a mut [u8], bool)>,
 }
 
 /// Load destinations as Python described them, checked.
@@ -87,7 +88,7 @@ impl Dests {
     /// Checks names, null addresses and overlaps.
     pub fn check(answer: Answer) -> PyResult<Dests> {
         let dests = match answer {
-            Answer::File(ptr, len) => {
+            Answer::File(ptr, len, _) => {
                 if ptr == 0 && len > 0 {
                     return Err(state_dict(
                         "the buffer for the whole file has a null address",
@@ -133,7 +134,7 @@ impl Dests {
         let mut host = HashMap::new();
         let mut device = HashMap::new();
         let dests = match &self.0 {
-            Answer::File(ptr, len) => {
+            Answer::File(ptr, len, held) => {
                 let file: &mut [u8] = if *len == 0 {
                     &mut []
                 } else {
@@ -144,7 +145,7 @@ impl Dests {
                 return Borrowed {
                     host,
                     device,
-                    file: Some(file),
+                    file: Some((file, *held)),
                 };
             }
             Answer::Tensors(dests) => dests,

@@ -415,6 +415,14 @@ impl Engine {
         self.inner.manifest(step, rank)
     }
 
+    /// The local file (disk tier, or a store that is a local directory) that holds this rank's
+    /// `step` with the length its manifest there gives, when the engine has no sidecar (whose
+    /// memory serves loads first): for a caller that maps it and loads with
+    /// [`Destination::Held`](crate::Destination::Held), as `safetensors` maps its files.
+    pub fn local_file(&self, step: u64) -> Option<std::path::PathBuf> {
+        self.inner.local_file(step)
+    }
+
     /// Reads this rank's `step` from the tiers that hold it into memory that `alloc` gives for
     /// the file's length (told the nearest tier that holds it), verified chunk by chunk as
     /// [`Engine::load`] does; returns the manifest, the memory and the tier each chunk came

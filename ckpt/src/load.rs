@@ -77,6 +77,12 @@ pub enum Destination<'a> {
     /// bytes is read into straight from disk (direct I/O, no bounce copy): the fastest way into
     /// new memory that the caller owns, such as the new tensors of a Python state dict.
     File(&'a mut [u8]),
+    /// Like [`Destination::File`], for a caller buffer that already holds the file as the
+    /// nearest tier keeps it: a private (copy-on-write) mapping of [`Engine::local_file`]
+    /// (crate::Engine::local_file), as `safetensors` loads its files. Each chunk is verified
+    /// where it lies, and one that does not match is read again, from the tiers in order, into
+    /// the buffer; with a sidecar, the whole file is copied in as for `File`.
+    Held(&'a mut [u8]),
     /// Decided by the caller once the step's manifest is known, before any tensor byte is read:
     /// for loading the newest step into buffers shaped after what it holds (new tensors of the
     /// saved shapes and dtypes, say), in one request, however the step is found (through a
@@ -91,6 +97,7 @@ impl std::fmt::Debug for Destination<'_> {
             Destination::Buffers(b) => f.debug_tuple("Buffers").field(&b.keys()).finish(),
             Destination::Device(d) => f.debug_tuple("Device").field(d).finish(),
             Destination::File(b) => f.debug_tuple("File").field(&b.len()).finish(),
+            Destination::Held(b) => f.debug_tuple("Held").field(&b.len()).finish(),
             Destination::Planned(_) => f.write_str("Planned"),
         }
     }
@@ -245,6 +252,8 @@ pub(crate) struct Targets<'a> {
     taken: HashSet<String>,
     /// The caller buffer that takes the whole file ([`Destination::File`]).
     file: Option<&'a mut [u8]>,
+    /// It already holds the nearest tier's bytes ([`Destination::Held`]).
+    held: bool,
 }
 
 /// Where a piece of a chunk goes: caller memory, or device memory (copied from a pinned
@@ -326,6 +335,30 @@ pub(crate) fn file_len(m: &Manifest) -> Result<usize> {
     })
 }
 
+/// The targets of a load of the whole file into `file` ([`Destination::File`], or
+/// [`Destination::Held`] when `held`), which must have the file's length.
+fn whole_file<'a>(
+    step: u64,
+    reference: &Manifest,
+    file: &'a mut [u8],
+    held: bool,
+) -> Result<Targets<'a>> {
+    let want = file_len(reference)?;
+    if file.len() != want {
+        return Err(Error::Destination {
+            step,
+            name: "(the whole file)".into(),
+            reason: format!("buffer of {} bytes for {want} bytes", file.len()),
+        });
+    }
+    Ok(Targets {
+        direct: (0..reference.chunks.len()).map(|_| Vec::new()).collect(),
+        taken: reference.tensors.iter().map(|t| t.name.clone()).collect(),
+        file: Some(file),
+        held,
+    })
+}
+
 /// Checks every destination against `reference` before anything is read: each must name a
 /// tensor of the manifest and have its exact length.
 pub(crate) fn targets<'a>(
@@ -337,21 +370,8 @@ pub(crate) fn targets<'a>(
     let (buffers, device) = match dest {
         Destination::Owned => (HashMap::new(), HashMap::new()),
         Destination::Buffers(b) => (b, HashMap::new()),
-        Destination::File(file) => {
-            let want = file_len(reference)?;
-            if file.len() != want {
-                return Err(Error::Destination {
-                    step,
-                    name: "(the whole file)".into(),
-                    reason: format!("buffer of {} bytes for {want} bytes", file.len()),
-                });
-            }
-            return Ok(Targets {
-                direct: (0..reference.chunks.len()).map(|_| Vec::new()).collect(),
-                taken: reference.tensors.iter().map(|t| t.name.clone()).collect(),
-                file: Some(file),
-            });
-        }
+        Destination::File(file) => return whole_file(step, reference, file, false),
+        Destination::Held(file) => return whole_file(step, reference, file, true),
         Destination::Device(d) => {
             let devices: BTreeSet<usize> = d.values().map(DeviceBuffer::ordinal).collect();
             if !devices.is_empty() {
@@ -420,6 +440,7 @@ pub(crate) fn targets<'a>(
         direct,
         taken,
         file: None,
+        held: false,
     })
 }
 
@@ -435,8 +456,14 @@ impl Inner {
         let len = file_len(&manifest)?;
         let mut buf = alloc(len, tiers[0].kind())?;
         let direct = (0..manifest.chunks.len()).map(|_| Vec::new()).collect();
-        let sources =
-            inner.read_chunks(step, &manifest, &tiers, &mut buf.as_mut()[..len], direct)?;
+        let sources = inner.read_chunks(
+            step,
+            &manifest,
+            &tiers,
+            &mut buf.as_mut()[..len],
+            direct,
+            false,
+        )?;
         Ok((manifest, buf, sources))
     }
 }
@@ -508,6 +535,22 @@ impl AsRef<[u8]> for SealedBytes {
 }
 
 impl Inner {
+    /// `Engine::local_file`: the file of the tier a load would take as its reference (the
+    /// first whose manifest is valid), if that tier keeps local files and the file has the
+    /// manifest's length.
+    pub(crate) fn local_file(&self, step: u64) -> Option<std::path::PathBuf> {
+        if self.sidecar.is_some() {
+            return None;
+        }
+        let (tier, m) = self.tiers.iter().find_map(|t| {
+            let m = self.read_manifest(t.as_ref(), step).ok().flatten()?;
+            Some((t, m))
+        })?;
+        let path = tier.local_path(&format::data_key(&self.job, step, self.rank))?;
+        let len = std::fs::metadata(&path).ok()?.len();
+        (len == m.file_len).then_some(path)
+    }
+
     /// The tiers that hold this rank's `step`, and the reference manifest: every tier whose
     /// manifest parses and matches is a source, the first one is the reference, and another is
     /// kept only when its manifest describes the same bytes.
@@ -541,11 +584,13 @@ impl Inner {
         let mut targets = targets(step, &reference, dest)?;
         let direct = std::mem::take(&mut targets.direct);
         if let Some(file) = targets.file.take() {
-            let chunk_sources = self.read_chunks(step, &reference, &tiers, file, direct)?;
+            let held = targets.held;
+            let chunk_sources = self.read_chunks(step, &reference, &tiers, file, direct, held)?;
             return self.finish(step, reference, file, None, targets, chunk_sources);
         }
         let mut buf = AlignedBuf::zeroed(len);
-        let chunk_sources = self.read_chunks(step, &reference, &tiers, &mut buf[..len], direct)?;
+        let chunk_sources =
+            self.read_chunks(step, &reference, &tiers, &mut buf[..len], direct, false)?;
         let all = Bytes::from_owner(AlignedOwner(buf, len));
         self.finish(step, reference, &all, Some(&all), targets, chunk_sources)
     }
@@ -620,6 +665,7 @@ impl Inner {
         tiers: &[&dyn Tier],
         buf: &mut [u8],
         direct: Vec<Vec<(usize, Out<'_>)>>,
+        held: bool,
     ) -> Result<Vec<TierKind>> {
         let key = format::data_key(&self.job, step, self.rank);
         let hashes = m.chunk_hashes();
@@ -654,7 +700,17 @@ impl Inner {
                         let offset = m.chunk_range(i).start;
                         let mut last = String::from("no tier has a valid manifest");
                         let mut got = None;
-                        for (t, tier) in tiers.iter().enumerate() {
+                        if held && pieces.is_empty() {
+                            // The caller's buffer holds the nearest tier's bytes already.
+                            read_ahead(slice);
+                            if blake3::hash(slice) == hashes[i] {
+                                got = tiers.first().map(|t| t.kind());
+                            } else {
+                                warn!(step, chunk = i, "chunk held in memory unusable (checksum mismatch); reading it again");
+                            }
+                        }
+                        let to_try = if got.is_some() { &tiers[..0] } else { tiers };
+                        for (t, tier) in to_try.iter().enumerate() {
                             let reader = match &mut readers[t] {
                                 Some(r) => Ok(r),
                                 slot @ None => tier.reader(&key, m.file_len).map(|r| slot.insert(r)),
@@ -729,6 +785,18 @@ impl Inner {
                 })
             })
             .collect()
+    }
+}
+
+/// Starts reading in the pages of `buf`, part of a file mapping, ahead of their first touch
+/// (advice only; errors are ignored).
+fn read_ahead(buf: &[u8]) {
+    let addr = buf.as_ptr() as usize;
+    let (start, end) = (addr.next_multiple_of(4096), addr + buf.len());
+    if end > start {
+        // SAFETY: MADV_WILLNEED only schedules reads into the page cache for whole pages inside
+        // `buf`; it changes no contents and no mapping.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_WILLNEED) };
     }
 }
 

@@ -128,4 +128,9 @@ pub trait Tier: Send + Sync {
 
     /// A reader of `key`, which must be `len` bytes long.
     fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>>;
+
+    /// The local file that holds `key`, for a tier kept in local files.
+    fn local_path(&self, _key: &str) -> Option<std::path::PathBuf> {
+        None
+    }
 }

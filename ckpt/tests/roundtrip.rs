@@ -137,6 +137,24 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
         "nothing read into a refused buffer"
     );
 
+    // A buffer that holds the file already (as a mapping of the local file would), with its
+    // last byte flipped: that chunk is read again from the tiers, the others are kept.
+    let mut held = file.to_vec();
+    *held.last_mut().unwrap() ^= 0xFF;
+    let l = engine
+        .load(StepSel::Step(20), Destination::Held(&mut held))
+        .unwrap();
+    assert!(l.tensors.is_empty());
+    assert!(held == file[..], "the flipped chunk was read again");
+    // Only a tier kept in local files has one, with the manifest's length and the same bytes.
+    match engine.local_file(20) {
+        Some(path) => assert!(std::fs::read(&path).unwrap() == file[..], "{path:?}"),
+        None => assert!(
+            files_at.is_none(),
+            "no local file, yet files are at {files_at:?}"
+        ),
+    }
+
     if let Some(dir) = files_at {
         let path = dir.join("job-a/step-20/rank-0.safetensors");
         let bytes = std::fs::read(&path).unwrap();

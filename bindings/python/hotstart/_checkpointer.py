@@ -231,7 +231,8 @@ class Checkpointer:
             if root is None:
                 root = _state.flat_tree(manifest["tensors"])
             if state_dict is None:
-                made.append(_state.plan_file(root, plan, manifest))
+                local = engine.local_file(manifest["step"])
+                made.append(_state.plan_file(root, plan, manifest, local))
             else:
                 made.append(_state.plan_into(root, state_dict, strict, plan))
             _sync_cuda(plan.cuda_devices)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import base64
 import json
+import mmap
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
@@ -269,8 +271,9 @@ class Plan:
     keep: List[Any] = field(default_factory=list)
     after: List[Callable[[], None]] = field(default_factory=list)
     cuda_devices: Set[int] = field(default_factory=set)
-    # (address, length) of one buffer that takes the whole file instead of `dests`.
-    file: Optional[Tuple[int, int]] = None
+    # (address, length, held) of one buffer that takes the whole file instead of `dests`;
+    # held: a mapping of the file itself, verified where it lies.
+    file: Optional[Tuple[int, int, bool]] = None
     # Host ranges already used by a destination: (start, end) -> name.
     _ranges: List[Tuple[int, int]] = field(default_factory=list)
 
@@ -434,11 +437,33 @@ def plan_new(root: Dict[str, Any], plan: Plan) -> Callable[[], Any]:
 _PAGE = 4096
 
 
-def plan_file(root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any]) -> Callable[[], Any]:
-    """Plans a load of the whole file into one new page-aligned buffer, which the engine reads
-    straight from disk into; the new tensors and arrays are views of it (a tensor whose offset
-    in the file does not suit its element type's alignment is copied out instead). Returns the
-    function that builds the result once the engine has read."""
+def _map_private(path: Any, n: int) -> Optional[mmap.mmap]:
+    """A private, writable (copy-on-write) mapping of the `n`-byte file at `path`, or None when
+    it cannot be mapped (gone since, or another length: never map past a file's end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != n:
+            return None
+        return mmap.mmap(fd, n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def plan_file(
+    root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any], local_file: Optional[Any]
+) -> Callable[[], Any]:
+    """Plans a load of the whole file into one buffer, and the new tensors and arrays as views
+    of it (a tensor whose offset in the file does not suit its element type's alignment is
+    copied out instead). The buffer is a private, copy-on-write mapping of `local_file` (the
+    nearest tier's file on this machine) when there is one, as safetensors maps its files: the
+    engine verifies it where it lies, the page cache reads it and nothing is copied; else new
+    page-aligned memory that the engine reads into with direct I/O. Returns the function that
+    builds the result once the engine has read."""
     ranges = {name: r for (name, _, _), r in zip(manifest["tensors"], manifest["ranges"])}
     n = int(manifest["file_len"])
     kinds: Dict[str, Any] = {}
@@ -449,19 +474,24 @@ def plan_file(root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any]) -> 
     # One allocation of the kind the tensors want: torch's when any is a torch tensor (numpy
     # arrays are then views of its memory too), else numpy's, so a numpy-only state never
     # imports torch.
+    use_torch = any(leaf["kind"] == "torch" for leaf in leaves(root))
+    mapped = _map_private(local_file, n) if local_file is not None else None
     base: Any
-    if any(leaf["kind"] == "torch" for leaf in leaves(root)):
+    if use_torch:
         import torch
 
-        base = torch.empty(n + _PAGE, dtype=torch.uint8)
-        at = -base.data_ptr() % _PAGE
+        if mapped is not None:
+            base = torch.frombuffer(mapped, dtype=torch.uint8)
+        else:
+            base = torch.empty(n + _PAGE, dtype=torch.uint8)
     else:
         import numpy as np
 
-        base = np.empty(n + _PAGE, dtype=np.uint8)
-        at = -base.ctypes.data % _PAGE
+        base = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(n + _PAGE, dtype=np.uint8)
+    # A mapping starts on a page; new memory is aligned to one here.
+    at = -_dest_mem(base).ptr % _PAGE
     buf = base[at : at + n]
-    plan.file = (_dest_mem(base).ptr + at, n)
+    plan.file = (_dest_mem(base).ptr + at, n, mapped is not None)
     plan.keep.append(base)
 
     def view(leaf: Dict[str, Any]) -> Any:

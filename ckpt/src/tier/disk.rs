@@ -215,6 +215,10 @@ impl Tier for DiskTier {
         Ok(())
     }
 
+    fn local_path(&self, key: &str) -> Option<PathBuf> {
+        Some(self.path(key))
+    }
+
     fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
         let path = self.path(key);
         let r = UringReader::open(&path, &self.uring).map_err(|e| store_err("open", &path, e))?;
