@@ -18,10 +18,11 @@ Measures, on ``--gib`` GiB of random torch CPU tensors in ``--tensors`` tensors:
   reading it too): hotstart, verifying every byte, into new tensors against ``torch.load`` and
   ``safetensors.torch.load_file``, and in place against ``load_file`` and ``dcp.load`` with
   ``FileSystemReader``; both against the disk's floor, fio reading the same bytes sequentially
-  (the faster of buffered and ``O_DIRECT``, checking nothing; target 0.9x its speed). fio reuses
-  one buffer; a load into new tensors also faults in as much fresh memory, so new tensors are
-  also compared with the floor of doing both at once (the same fio read while a thread faults
-  in as much new memory), and a note gives what the fault-in alone took in the same run.
+  (the faster of buffered and ``O_DIRECT``, checking nothing; target 0.9x its speed). New
+  tensors are views of a private mapping of the file, as ``load_file``'s are, so they are also
+  compared with the floor of that way of reading: the file mapped and read in with
+  ``MADV_POPULATE_READ``, nothing checked. A restart loads once, in a new process: new tensors
+  are also loaded that way, each loader in a Python process of its own (imports untimed).
 
 Each figure is the median of ``--runs`` runs, after one warm-up save that allocates hotstart's
 staging buffer; ratios are hotstart's throughput over the peer's (higher is better).
@@ -37,8 +38,8 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -77,16 +78,21 @@ def fio_read(path: Path, direct: bool, drop: bool = True) -> float:
     return read["io_bytes"] / read["bw_bytes"]
 
 
-def first_touch(nbytes: int) -> float:
-    """Seconds to fault in ``nbytes`` of never-touched memory (``MADV_POPULATE_WRITE``, one
-    thread): what any load into new tensors pays on top of reading, and fio, which reuses one
-    buffer, does not. The kernel zeroes and maps every page."""
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def first_touch(nbytes: int) -> float:
+    """Seconds to fault in ``nbytes`` of never-touched memory (``MADV_POPULATE_WRITE``, one
+    thread): what any load into new tensors pays on top of reading, and fio, which reuses one
+    buffer, does not. The kernel zeroes and maps every page."""
+    libc = _libc()
     addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
@@ -125,23 +131,55 @@ def timed(f: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-# (what, hotstart's timing, the peer's timing, target ratio): the table's rows.
-def read_while_touching(path: Path, nbytes: int, direct: bool) -> float:
-    """The floor of a load into new memory: fio reads `path` (as :func:`fio_read`) while
-    another thread faults in `nbytes` of never-touched memory (as :func:`first_touch`), both at
-    once; the longer of the two, each timed while the other ran."""
+def map_read(path: Path) -> float:
+    """Seconds to read `path` through a private mapping, the page cache dropped first: one
+    ``MADV_POPULATE_READ`` over the whole mapping, which the kernel fills with read-ahead, and
+    nothing checked or copied. The floor of a load that hands out views of the mapped file, as
+    hotstart's new tensors and ``load_file``'s are."""
     drop_caches()
-    first_touch(nbytes)  # as before every load: see `Bench.cold_load`
-    touched: List[float] = []
-    toucher = threading.Thread(target=lambda: touched.append(first_touch(nbytes)))
-    toucher.start()
+    libc = _libc()
+    n = path.stat().st_size
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_PRIVATE, f.fileno(), 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap")
     try:
-        read = fio_read(path, direct, drop=False)
+        t = time.perf_counter()
+        if libc.madvise(addr, n, 22) != 0:  # MADV_POPULATE_READ (Linux 5.14)
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
+        return time.perf_counter() - t
     finally:
-        toucher.join()
-    return max(read, touched[0])
+        libc.munmap(addr, n)
 
 
+# One load in a process of its own, as a restart makes it: the page cache dropped and memory
+# fresh as before every load (`Bench.cold_load`), the imports and the Checkpointer untimed.
+_NEW_PROCESS = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import bench_py
+kind, where, step, nbytes = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+if kind == "hotstart":
+    ck = bench_py.hotstart.Checkpointer(local_dir=where, job="bench")
+    load = lambda: ck.load(step=step)
+else:
+    load = lambda: bench_py.load_file(where)
+bench_py.drop_caches()
+bench_py.first_touch(nbytes)
+print(bench_py.timed(lambda: bench_py.touch(load())))
+"""
+
+
+def load_in_new_process(kind: str, where: Path, step: int, nbytes: int) -> float:
+    """Seconds for one cold load into new tensors in a new Python process: `kind` "hotstart"
+    (step `step` of the Checkpointer at `where`) or "load_file" (the file `where`)."""
+    here = str(Path(__file__).resolve().parent)
+    cmd = [sys.executable, "-c", _NEW_PROCESS, here, kind, str(where), str(step), str(nbytes)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+# (what, hotstart's timing, the peer's timing, target ratio): the table's rows.
 ROWS: List[Tuple[str, str, str, Optional[str]]] = [
     ("stall save→wait_staged", "hotstart stall", "copy_", "≥ 0.77"),  # ≤ 1.3x the time
     ("stall save→wait_staged", "hotstart stall", "torch.save stall", "≥ 3"),
@@ -153,7 +191,8 @@ ROWS: List[Tuple[str, str, str, Optional[str]]] = [
     ("cold load, new tensors", "hotstart load new", "torch.load", "≥ 1"),
     ("cold load, new tensors", "hotstart load new", "load_file", "≥ 1"),
     ("cold load, new tensors", "hotstart load new", "read floor", "≥ 0.9"),
-    ("cold load, new tensors", "hotstart load new", "read and touch floor", "≥ 0.9"),
+    ("cold load, new tensors", "hotstart load new", "map floor", "≥ 0.9"),
+    ("cold load, new tensors, each in a new process", "hotstart new process", "load_file new process", "≥ 1"),
     ("cold load, in place", "hotstart load in place", "load_file", "≥ 1"),
     ("cold load, in place", "hotstart load in place", "dcp.load in place", "≥ 1"),
     ("cold load, in place", "hotstart load in place", "read floor", "≥ 0.9"),
@@ -171,7 +210,8 @@ PEERS = {
     "load_file": "safetensors.torch.load_file",
     "dcp.load in place": "dcp.load (FileSystemReader), in place",
     "read floor": "fio sequential read of the file, the faster of buffered and O_DIRECT (no checks)",
-    "read and touch floor": "the same fio read while one thread faults in as much new memory, at once (no checks)",
+    "map floor": "the file read through a private mapping, MADV_POPULATE_READ (no checks)",
+    "load_file new process": "safetensors.torch.load_file, in a new process",
 }
 
 
@@ -241,6 +281,7 @@ class Bench:
             assert all(torch.equal(new[k], v) for k, v in self.state.items())
             del new
             self.cold_load("hotstart load in place", lambda: ck.load(dst, step=step))
+            self.record("hotstart new process", load_in_new_process("hotstart", ck_dir, step, self.nbytes))
 
             p = self.fresh("torch") / "state.pt"
             self.record("torch.save stall", timed(lambda: torch.save(self.state, p)))
@@ -255,11 +296,10 @@ class Bench:
             p.unlink()
             self.record("save_file durable", timed(lambda: (save_file(self.state, str(p)), fsync_path(p))))
             self.cold_load("load_file", lambda: load_file(str(p)))
+            self.record("load_file new process", load_in_new_process("load_file", p, 0, self.nbytes))
             # The disk's floor for the same bytes: whichever way of reading is faster here.
             self.record("read floor", min(fio_read(p, direct=False), fio_read(p, direct=True)))
-            self.record("first touch", first_touch(self.nbytes))
-            self.record("read and touch floor", min(read_while_touching(p, self.nbytes, direct=d)
-                                                    for d in (False, True)))
+            self.record("map floor", map_read(p))
 
             d = self.fresh("dcp")
             writer = lambda path: dcp.FileSystemWriter(str(path), thread_count=4)  # noqa: E731
@@ -294,15 +334,11 @@ class Bench:
 
     def notes(self) -> List[str]:
         cache = "page cache dropped before each load" if self.cold else "page cache NOT dropped (not root)"
-        touch = self.median("first touch")
         return [f"Medians of {self.args.runs} runs; {cache}; torch {torch.__version__}, "
                 f"hotstart {hotstart.__version__}, files in {self.args.dir}.",
-                f"Faulting in {self.nbytes / (1 << 30):.2f} GiB of never-touched memory alone "
-                f"(MADV_POPULATE_WRITE, one thread, no read) took {touch:.3f} s in this run: "
-                f"the part of a load into new tensors that fio's read floor, reusing one buffer, "
-                f"does not pay. Done at once with the read (the 'read and touch' floor), the two "
-                f"took {self.median('read and touch floor'):.3f} s against "
-                f"{self.median('read floor'):.3f} s for the read alone.",
+                "New tensors from the disk tier are views of a private mapping of the file, "
+                "verified where they lie, as load_file's are views of a mapping (unverified); "
+                "the map floor reads the file that way with nothing checked.",
                 f"Before each load, right after the page cache was dropped, as much new memory was "
                 f"faulted in and freed, untimed, so that every loader starts alike: that took "
                 f"{min(self.times['touch after drop']):.2f}-{max(self.times['touch after drop']):.2f} s "
