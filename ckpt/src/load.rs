@@ -78,10 +78,11 @@ pub enum Destination<'a> {
     /// new memory that the caller owns, such as the new tensors of a Python state dict.
     File(&'a mut [u8]),
     /// Like [`Destination::File`], for a caller buffer that already holds the file as the
-    /// nearest tier keeps it: a private (copy-on-write) mapping of [`Engine::local_file`]
-    /// (crate::Engine::local_file), as `safetensors` loads its files. Each chunk is verified
-    /// where it lies, and one that does not match is read again, from the tiers in order, into
-    /// the buffer; with a sidecar, the whole file is copied in as for `File`.
+    /// nearest tier keeps it: a private (copy-on-write) mapping of
+    /// [`Engine::local_file`](crate::Engine::local_file), as `safetensors` loads its files.
+    /// Each chunk is verified where it lies, and one that does not match is read again, from
+    /// the tiers in order, into the buffer; with a sidecar, the whole file is copied in as for
+    /// `File`.
     Held(&'a mut [u8]),
     /// Decided by the caller once the step's manifest is known, before any tensor byte is read:
     /// for loading the newest step into buffers shaped after what it holds (new tensors of the
@@ -489,8 +490,7 @@ impl Inner {
         let (step, len) = (m.step, file_len(&m)?);
         let mut targets = targets(step, &m, dest)?;
         let mut direct = std::mem::take(&mut targets.direct);
-        let mut whole = targets.file.take();
-        if let Some(file) = whole.as_mut() {
+        if let Some(file) = targets.file.take() {
             // The whole file goes to the caller: every chunk is one piece.
             direct = file
                 .chunks_mut((m.chunk_size as usize).max(1))
