@@ -88,22 +88,28 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def first_touch(nbytes: int) -> float:
-    """Seconds to fault in ``nbytes`` of never-touched memory (``MADV_POPULATE_WRITE``, one
-    thread): what any load into new tensors pays on top of reading, and fio, which reuses one
-    buffer, does not. The kernel zeroes and maps every page."""
+def _populate(n: int, advice: int, prot: int, flags: int, fd: int = -1) -> float:
+    """Seconds for one ``madvise(advice)`` (``MADV_POPULATE_READ`` or ``_WRITE``, Linux 5.14)
+    over a new mapping of `n` bytes (``mmap(prot, flags, fd)``), unmapped after."""
     libc = _libc()
-    addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    addr = libc.mmap(None, n, prot, flags, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap")
     try:
         t = time.perf_counter()
-        if libc.madvise(addr, nbytes, 23) != 0:  # MADV_POPULATE_WRITE (Linux 5.14)
-            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+        if libc.madvise(addr, n, advice) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise({advice})")
         return time.perf_counter() - t
     finally:
-        libc.munmap(addr, nbytes)
+        libc.munmap(addr, n)
+
+
+def first_touch(nbytes: int) -> float:
+    """Seconds to fault in ``nbytes`` of never-touched memory (``MADV_POPULATE_WRITE``, one
+    thread): what any load into new tensors pays on top of reading, and fio, which reuses one
+    buffer, does not. The kernel zeroes and maps every page."""
+    return _populate(nbytes, 23, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def fsync_path(path: Path) -> None:
@@ -137,19 +143,8 @@ def map_read(path: Path) -> float:
     nothing checked or copied. The floor of a load that hands out views of the mapped file, as
     hotstart's new tensors and ``load_file``'s are."""
     drop_caches()
-    libc = _libc()
-    n = path.stat().st_size
     with open(path, "rb") as f:
-        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_PRIVATE, f.fileno(), 0)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), "mmap")
-    try:
-        t = time.perf_counter()
-        if libc.madvise(addr, n, 22) != 0:  # MADV_POPULATE_READ (Linux 5.14)
-            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
-        return time.perf_counter() - t
-    finally:
-        libc.munmap(addr, n)
+        return _populate(path.stat().st_size, 22, mmap.PROT_READ, mmap.MAP_PRIVATE, f.fileno())
 
 
 # One load in a process of its own, as a restart makes it: the page cache dropped and memory
