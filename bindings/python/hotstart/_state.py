@@ -467,14 +467,16 @@ def plan_file(
     ranges = {name: r for (name, _, _), r in zip(manifest["tensors"], manifest["ranges"])}
     n = int(manifest["file_len"])
     kinds: Dict[str, Any] = {}
+    use_torch = False
     for leaf in leaves(root):
         if leaf["tensor"] not in ranges:
             raise StateDictError(f"tensor {leaf['tensor']!r} of the saved tree is not in the file")
-        kinds[leaf["tensor"]] = _torch_dtype(leaf) if leaf["kind"] == "torch" else _numpy_dtype(leaf)
-    # One allocation of the kind the tensors want: torch's when any is a torch tensor (numpy
-    # arrays are then views of its memory too), else numpy's, so a numpy-only state never
-    # imports torch.
-    use_torch = any(leaf["kind"] == "torch" for leaf in leaves(root))
+        is_torch = leaf["kind"] == "torch"
+        kinds[leaf["tensor"]] = _torch_dtype(leaf) if is_torch else _numpy_dtype(leaf)
+        use_torch = use_torch or is_torch
+    # One buffer of the kind the tensors want: torch's when any is a torch tensor (numpy arrays
+    # are then views of its memory too), else numpy's, so a numpy-only state never imports
+    # torch.
     mapped = _map_private(local_file, n) if local_file is not None else None
     base: Any
     if use_torch:
@@ -487,7 +489,10 @@ def plan_file(
     else:
         import numpy as np
 
-        base = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(n + _PAGE, dtype=np.uint8)
+        if mapped is not None:
+            base = np.frombuffer(mapped, dtype=np.uint8)
+        else:
+            base = np.empty(n + _PAGE, dtype=np.uint8)
     # A mapping starts on a page; new memory is aligned to one here.
     at = -_dest_mem(base).ptr % _PAGE
     buf = base[at : at + n]
