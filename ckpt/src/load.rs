@@ -251,10 +251,9 @@ pub(crate) struct Targets<'a> {
     pub(crate) direct: Vec<Vec<(usize, Out<'a>)>>,
     /// Tensors not returned owned (they went to caller or device buffers).
     taken: HashSet<String>,
-    /// The caller buffer that takes the whole file ([`Destination::File`]).
-    file: Option<&'a mut [u8]>,
-    /// It already holds the nearest tier's bytes ([`Destination::Held`]).
-    held: bool,
+    /// The caller buffer that takes the whole file ([`Destination::File`]), and whether it
+    /// already holds the nearest tier's bytes ([`Destination::Held`]).
+    file: Option<(&'a mut [u8], bool)>,
 }
 
 /// Where a piece of a chunk goes: caller memory, or device memory (copied from a pinned
@@ -355,8 +354,7 @@ fn whole_file<'a>(
     Ok(Targets {
         direct: (0..reference.chunks.len()).map(|_| Vec::new()).collect(),
         taken: reference.tensors.iter().map(|t| t.name.clone()).collect(),
-        file: Some(file),
-        held,
+        file: Some((file, held)),
     })
 }
 
@@ -441,7 +439,6 @@ pub(crate) fn targets<'a>(
         direct,
         taken,
         file: None,
-        held: false,
     })
 }
 
@@ -490,7 +487,7 @@ impl Inner {
         let (step, len) = (m.step, file_len(&m)?);
         let mut targets = targets(step, &m, dest)?;
         let mut direct = std::mem::take(&mut targets.direct);
-        if let Some(file) = targets.file.take() {
+        if let Some((file, _)) = targets.file.take() {
             // The whole file goes to the caller: every chunk is one piece.
             direct = file
                 .chunks_mut((m.chunk_size as usize).max(1))
@@ -542,13 +539,17 @@ impl Inner {
         if self.sidecar.is_some() {
             return None;
         }
-        let (tier, m) = self.tiers.iter().find_map(|t| {
-            let m = self.read_manifest(t.as_ref(), step).ok().flatten()?;
-            Some((t, m))
-        })?;
-        let path = tier.local_path(&format::data_key(&self.job, step, self.rank))?;
-        let len = std::fs::metadata(&path).ok()?.len();
-        (len == m.file_len).then_some(path)
+        let key = format::data_key(&self.job, step, self.rank);
+        for tier in &self.tiers {
+            // A tier that is not local ends the search before its manifest is read (a round
+            // trip to a remote store): it would be the reference if it holds the step.
+            let path = tier.local_path(&key)?;
+            if let Ok(Some(m)) = self.read_manifest(tier.as_ref(), step) {
+                let len = std::fs::metadata(&path).ok()?.len();
+                return (len == m.file_len).then_some(path);
+            }
+        }
+        None
     }
 
     /// The tiers that hold this rank's `step`, and the reference manifest: every tier whose
@@ -583,8 +584,7 @@ impl Inner {
         let len = file_len(&reference)?;
         let mut targets = targets(step, &reference, dest)?;
         let direct = std::mem::take(&mut targets.direct);
-        if let Some(file) = targets.file.take() {
-            let held = targets.held;
+        if let Some((file, held)) = targets.file.take() {
             let chunk_sources = self.read_chunks(step, &reference, &tiers, file, direct, held)?;
             return self.finish(step, reference, file, None, targets, chunk_sources);
         }
