@@ -11,6 +11,7 @@ use clap::{Args, Subcommand};
 use hotstart_fuse::MountOptions;
 use hotstart_prefetch::{
     BuildConfig, ImageRecord, ImageRef, Images, LazyConfig, MountReport, PrefetchConfig,
+    artifact_stats, container_image,
 };
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
 
@@ -222,9 +223,15 @@ pub struct PullArgs {
 
 /// Options of `hotstart image stats`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["name", "container"])))]
 pub struct StatsArgs {
     /// The image, NAME[:TAG].
-    name: ImageRef,
+    name: Option<ImageRef>,
+    /// Instead of an image in the store: a container image served by `hotstart snapshotter`,
+    /// as containerd pulled it (e.g. `registry.example:5000/team/train:v3`). Shows its one
+    /// profile and a report per container start.
+    #[arg(long, value_name = "REF")]
+    container: Option<String>,
     #[command(flatten)]
     store: StoreArg,
     /// Print JSON (the profile summary and every run report) instead of text.
@@ -356,17 +363,24 @@ async fn pull(a: PullArgs) -> anyhow::Result<()> {
 
 async fn stats(a: StatsArgs) -> anyhow::Result<()> {
     let images = a.store.images(None, 0)?;
-    let (profile, runs) = images.stats(&a.name).await?;
+    let (name, (profile, runs)) = match (&a.name, &a.container) {
+        (Some(name), _) => (name.to_string(), images.stats(name).await?),
+        (None, Some(r)) => {
+            let dir = container_image(r).artifacts();
+            (r.clone(), artifact_stats(images.store(), &dir).await?)
+        }
+        (None, None) => unreachable!("clap requires one"),
+    };
     if a.prometheus {
         match runs.last() {
             Some(r) => print!("{}", r.prometheus()),
-            None => anyhow::bail!("{} has no recorded mounts", a.name),
+            None => anyhow::bail!("{name} has no recorded mounts or container starts"),
         }
         return Ok(());
     }
     if a.json {
         let out = serde_json::json!({
-            "image": a.name.to_string(),
+            "image": name,
             "profile": {"runs": profile.runs, "chunks": profile.entries.len(), "bytes": profile.bytes()},
             "mounts": runs,
         });

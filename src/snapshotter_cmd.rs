@@ -52,6 +52,12 @@ pub struct SnapshotterArgs {
     /// Memory for verified chunks of each lazy layer, in MiB.
     #[arg(long, default_value_t = 256)]
     memory_mib: u64,
+    /// How long a container start on lazy layers is recorded at most, in seconds: its report
+    /// (`hotstart image stats --container REF`) covers the start until its container is
+    /// removed or this long, and the first start on newly mounted layers adds what it read
+    /// in that time to the image's profile.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    record_for_secs: u64,
 }
 
 pub async fn run(args: SnapshotterArgs) -> anyhow::Result<()> {
@@ -68,7 +74,7 @@ pub async fn run(args: SnapshotterArgs) -> anyhow::Result<()> {
                 args.cache.cache_mib,
             )?;
             let defaults = LazyConfig::default();
-            Some(Lazy::new(
+            let lazy = Lazy::new(
                 images,
                 LazyConfig {
                     memory_cache: args.memory_mib << 20,
@@ -82,7 +88,8 @@ pub async fn run(args: SnapshotterArgs) -> anyhow::Result<()> {
                     },
                     ..defaults
                 },
-            ))
+            );
+            Some(lazy.with_record_for(std::time::Duration::from_secs(args.record_for_secs)))
         }
         None => None,
     };

@@ -293,15 +293,25 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
     assert!(buf.contains("\"snapshots\":{}"), "{buf}");
 }
 
-/// `hotstart image stats --json` of `image` in the store `store`.
-fn stats(store: &Path, image: &str) -> serde_json::Value {
-    let out = hotstart_testkit::run_ok(
-        Command::new(env!("CARGO_BIN_EXE_hotstart"))
-            .args(["image", "stats", "--json", "--store"])
-            .arg(store)
-            .arg(image),
-    );
-    serde_json::from_str(&out).unwrap()
+/// `hotstart image stats --json --container` of the container image `reference`, once it
+/// shows `starts` container starts: a start ends when containerd removes the container's
+/// snapshot, which its garbage collector does shortly after the container is deleted.
+fn container_stats(store: &Path, reference: &str, starts: usize) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = hotstart_testkit::run_ok(
+            Command::new(env!("CARGO_BIN_EXE_hotstart"))
+                .args(["image", "stats", "--json", "--store"])
+                .arg(store)
+                .args(["--container", reference]),
+        );
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let n = v["mounts"].as_array().map_or(0, Vec::len);
+        if n >= starts || Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// The layer digests containerd's content store holds.
@@ -394,26 +404,39 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
     }
     assert_eq!(run_container(&c, &name, "lazy-1"), image.expect);
 
-    // Removing the image unmounts the layers, which writes what the run read into the
-    // layer's profile; the next start replays it.
+    // The container's removal ends its start: one report, and what it read first, across
+    // both layers, is the image's one profile, while the layers stay mounted.
+    let first = container_stats(&store, &name, 1);
+    assert_eq!(first["profile"]["runs"], 1, "{first}");
+    assert!(first["profile"]["chunks"].as_u64().unwrap() > 0, "{first}");
+    let starts = first["mounts"].as_array().unwrap();
+    assert_eq!(starts.len(), 1, "{first}");
+    assert_eq!(starts[0]["tree"], name.as_str(), "{first}");
+    assert!(starts[0]["chunks_read"].as_u64().unwrap() > 0, "{first}");
+    // A second start on the same mounts is reported, and leaves the profile as it was.
+    assert_eq!(run_container(&c, &name, "lazy-1b"), image.expect);
+    let second = container_stats(&store, &name, 2);
+    assert_eq!(second["mounts"].as_array().unwrap().len(), 2, "{second}");
+    assert_eq!(second["profile"], first["profile"], "{second}");
+
+    // Pulled again on new mounts, the image's profile is replayed before the container reads.
     c.remove_images();
     assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
-    let first = stats(&store, &layer_images[0]);
-    assert!(first["profile"]["chunks"].as_u64().unwrap() > 0, "{first}");
     pull();
     assert_eq!(run_container(&c, &name, "lazy-2"), image.expect);
+    let third = container_stats(&store, &name, 3);
+    let starts = third["mounts"].as_array().unwrap();
+    assert_eq!(starts.len(), 3, "{third}");
+    assert!(
+        starts[2]["prefetched_chunks"].as_u64().unwrap() > 0,
+        "the start on new mounts replayed nothing: {third}"
+    );
+    assert_eq!(third["profile"]["runs"], 2, "{third}");
 
     // Killed and restarted: the lazy layers are mounted again, containers run again.
     let sn = sn.restart();
     assert_eq!(run_after_restart(&c, &name, "lazy-3"), image.expect);
     c.remove_images();
-    let runs = stats(&store, &layer_images[0]);
-    let mounts = runs["mounts"].as_array().unwrap();
-    assert!(mounts.len() >= 2, "{runs}");
-    assert!(
-        mounts[1]["prefetched_chunks"].as_u64().unwrap() > 0,
-        "the second mount replayed nothing: {runs}"
-    );
 
     // A layer the store does not have is downloaded and unpacked by containerd; the other one
     // is still served lazily, and the container reads both.

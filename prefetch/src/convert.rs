@@ -28,6 +28,19 @@ pub fn layer_image(digest: &str) -> Result<ImageRef> {
     ImageRef::parse(&format!("hotstart-layers/sha256-{hex}:latest"))
 }
 
+/// Where the starts of the container image `reference` (as containerd pulled it, e.g.
+/// `registry.example:5000/team/train:v3`) keep their one profile and their reports: all the
+/// image's lazily served layers replay that profile, and every container start on them adds a
+/// report (see `snapshotter/lazy.rs`). Named by a hash of the reference, since a reference may
+/// hold what store names may not (a registry's port, capitals).
+pub fn container_image(reference: &str) -> ImageRef {
+    let hex = blake3::hash(reference.as_bytes()).to_hex();
+    ImageRef {
+        name: format!("hotstart-containers/{}", &hex[..32]),
+        tag: crate::layout::DEFAULT_TAG.to_string(),
+    }
+}
+
 /// One converted layer.
 #[derive(Debug, Clone)]
 pub struct ConvertedLayer {

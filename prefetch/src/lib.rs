@@ -35,7 +35,9 @@ pub mod snapshotter;
 pub mod warm;
 
 pub use build::{BuildConfig, Source};
-pub use convert::{Converted, ConvertedLayer, LAYER_ANNOTATION, convert, layer_image};
+pub use convert::{
+    Converted, ConvertedLayer, LAYER_ANNOTATION, container_image, convert, layer_image,
+};
 pub use error::{Error, Result};
 pub use fs::{ImageFs, WarmFile, WarmRun};
 pub use image::{

@@ -142,6 +142,56 @@ pub struct LoaderStats {
     pub warmed_bytes: u64,
 }
 
+impl LoaderStats {
+    /// What was counted since `earlier` (a snapshot of the same loader's counters).
+    pub fn since(&self, earlier: &LoaderStats) -> LoaderStats {
+        LoaderStats {
+            reads: self.reads.saturating_sub(earlier.reads),
+            bytes_read: self.bytes_read.saturating_sub(earlier.bytes_read),
+            chunks_read: self.chunks_read.saturating_sub(earlier.chunks_read),
+            chunk_bytes_read: self
+                .chunk_bytes_read
+                .saturating_sub(earlier.chunk_bytes_read),
+            hits: self.hits.saturating_sub(earlier.hits),
+            stall: self.stall.saturating_sub(earlier.stall),
+            demand_fetches: self.demand_fetches.saturating_sub(earlier.demand_fetches),
+            demand_fetch_bytes: self
+                .demand_fetch_bytes
+                .saturating_sub(earlier.demand_fetch_bytes),
+            prefetched: self.prefetched.saturating_sub(earlier.prefetched),
+            prefetched_bytes: self
+                .prefetched_bytes
+                .saturating_sub(earlier.prefetched_bytes),
+            wasted: self.wasted.saturating_sub(earlier.wasted),
+            wasted_bytes: self.wasted_bytes.saturating_sub(earlier.wasted_bytes),
+            prefetch_errors: self.prefetch_errors.saturating_sub(earlier.prefetch_errors),
+            warmed_files: self.warmed_files.saturating_sub(earlier.warmed_files),
+            warmed_bytes: self.warmed_bytes.saturating_sub(earlier.warmed_bytes),
+        }
+    }
+}
+
+impl std::ops::AddAssign for LoaderStats {
+    /// Adds another loader's counters (the layers of one container start).
+    fn add_assign(&mut self, o: LoaderStats) {
+        self.reads += o.reads;
+        self.bytes_read += o.bytes_read;
+        self.chunks_read += o.chunks_read;
+        self.chunk_bytes_read += o.chunk_bytes_read;
+        self.hits += o.hits;
+        self.stall += o.stall;
+        self.demand_fetches += o.demand_fetches;
+        self.demand_fetch_bytes += o.demand_fetch_bytes;
+        self.prefetched += o.prefetched;
+        self.prefetched_bytes += o.prefetched_bytes;
+        self.wasted += o.wasted;
+        self.wasted_bytes += o.wasted_bytes;
+        self.prefetch_errors += o.prefetch_errors;
+        self.warmed_files += o.warmed_files;
+        self.warmed_bytes += o.warmed_bytes;
+    }
+}
+
 /// Chunks for one lazy mount. Cheap to share (`Arc`).
 pub struct Loader {
     chunks: ChunkStore,

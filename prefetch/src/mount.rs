@@ -110,14 +110,14 @@ impl Default for LazyConfig {
     }
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A run id: sortable by start time, unique across processes and hosts.
-fn new_run_id() -> String {
+pub(crate) fn new_run_id() -> String {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -144,7 +144,7 @@ pub async fn load_profile(store: &Store, dir: &ArtifactDir) -> Result<Profile> {
 /// decoded (damaged, or of another format version) is replaced: it is only a hint, and keeping
 /// it would stop every later run from being recorded. Traces that read nothing are not runs
 /// ([`Profile::merge`]): with only those, the profile is neither read nor written.
-async fn merge_traces(
+pub(crate) async fn merge_traces(
     store: &Store,
     dir: &ArtifactDir,
     traces: &[Trace],
@@ -415,34 +415,7 @@ impl LazyMount {
 
     /// Stops prefetching, unmounts, merges the trace into the profile and stores the report.
     pub async fn unmount(mut self) -> Result<MountReport> {
-        let _ = self.stop.send(true);
-        if let Some(w) = self.warmer.take() {
-            // It stops at the next file or chunk; it may be listing a directory of the mount.
-            let _ = tokio::task::spawn_blocking(move || w.join()).await;
-        }
-        if let Some(h) = self.handle.take() {
-            let mp = self.mountpoint.clone();
-            tokio::task::spawn_blocking(move || h.unmount())
-                .await
-                .map_err(|e| Error::task("unmount", e))?
-                .map_err(|e| Error::io("unmount", mp, e))?;
-        }
-        let replay = match self.replay.take() {
-            Some(t) => t.await.ok(),
-            None => self.replayed,
-        };
-        if let Some(f) = self.flusher.take() {
-            f.abort();
-            let _ = f.await;
-        }
-        let report = MountReport::new(
-            &self.run,
-            &self.label,
-            self.started_ms,
-            self.loader.started().elapsed().as_secs_f64(),
-            &self.loader.stats(),
-            replay.as_ref(),
-        );
+        let report = self.stop_and_unmount().await?;
         tracing::info!(tree = %self.label, run = %self.run, "unmounted: {}", report.summary());
         if let Some(dir) = &self.artifacts {
             let store = self.loader.chunks().store();
@@ -466,17 +439,64 @@ impl LazyMount {
                     }
                 }
             }
-            let json = serde_json::to_vec_pretty(&report).map_err(|e| Error::Format {
-                what: "run report",
-                key: dir.run_key(&self.run),
-                reason: e.to_string(),
-            })?;
-            store
-                .put(&dir.run_key(&self.run), Bytes::from(json))
-                .await?;
+            put_report(store, dir, &report).await?;
         }
         Ok(report)
     }
+
+    /// Stops prefetching and unmounts, saving nothing: for a caller that records the reads
+    /// and reports itself (the snapshotter does, per container start).
+    pub async fn close(mut self) -> Result<()> {
+        self.stop_and_unmount().await.map(drop)
+    }
+
+    /// The report of the whole mount, once it is unmounted.
+    async fn stop_and_unmount(&mut self) -> Result<MountReport> {
+        let _ = self.stop.send(true);
+        if let Some(w) = self.warmer.take() {
+            // It stops at the next file or chunk; it may be listing a directory of the mount.
+            let _ = tokio::task::spawn_blocking(move || w.join()).await;
+        }
+        if let Some(h) = self.handle.take() {
+            let mp = self.mountpoint.clone();
+            tokio::task::spawn_blocking(move || h.unmount())
+                .await
+                .map_err(|e| Error::task("unmount", e))?
+                .map_err(|e| Error::io("unmount", mp, e))?;
+        }
+        let replay = match self.replay.take() {
+            Some(t) => t.await.ok(),
+            None => self.replayed,
+        };
+        if let Some(f) = self.flusher.take() {
+            f.abort();
+            let _ = f.await;
+        }
+        Ok(MountReport::new(
+            &self.run,
+            &self.label,
+            self.started_ms,
+            self.loader.started().elapsed().as_secs_f64(),
+            &self.loader.stats(),
+            replay.as_ref(),
+        ))
+    }
+}
+
+/// Stores `report` as `runs/<run>.json` under `dir`.
+pub(crate) async fn put_report(
+    store: &Store,
+    dir: &ArtifactDir,
+    report: &MountReport,
+) -> Result<()> {
+    let key = dir.run_key(&report.run);
+    let json = serde_json::to_vec_pretty(report).map_err(|e| Error::Format {
+        what: "run report",
+        key: key.clone(),
+        reason: e.to_string(),
+    })?;
+    store.put(&key, Bytes::from(json)).await?;
+    Ok(())
 }
 
 impl Drop for LazyMount {

@@ -1,10 +1,24 @@
 //! Layers served lazily: a layer whose descriptor names an image in the store
 //! ([`crate::LAYER_ANNOTATION`], written by `hotstart image convert`) is not downloaded and
 //! unpacked by containerd; the snapshotter mounts that image read-only at the layer's directory
-//! instead (the lazy loader: chunks fetched at first read and verified, first reads recorded
-//! into the image's profile, the profile replayed and the page cache warmed at the next mount),
-//! records the layer as committed, and tells containerd it exists. Overlayfs stacks it like any
-//! other layer.
+//! instead (the lazy loader: chunks fetched at first read and verified, the profile replayed
+//! and the page cache warmed at mount), records the layer as committed, and tells containerd it
+//! exists. Overlayfs stacks it like any other layer.
+//!
+//! **One profile per container image.** CRI names the image being pulled in each layer's labels
+//! ([`IMAGE_REF_LABEL`]); every layer of that image replays the chunks of the image's one
+//! profile that it holds ([`crate::container_image`] says where it lives), so the hot set of a
+//! start is one list across all its layers. Without that label (a pull outside CRI), a layer
+//! keeps a profile of its own.
+//!
+//! **A run per container start.** A start begins when containerd prepares a container's
+//! writable snapshot on lazy layers ([`Lazy::start`]) and ends when that snapshot is removed or
+//! after `record_for`, whichever is first ([`Lazy::finish`]). Its report (the layers' counters
+//! over the start: reads, hit rate, stall, fetches, and for the first start on new mounts the
+//! mounts' prefetch, warming and waste) is logged and stored under the image's `runs/`. The
+//! first start on newly mounted layers also merges what it read first, in the order it read
+//! it across layers, into the image's profile as one run; a later start on the same mounts
+//! reads from memory and the page cache, so it reports without changing the profile.
 //!
 //! containerd prepares an image's layers one after another. When CRI passes the layers above
 //! the one being prepared (`containerd.io/snapshot/cri.image-layers`), their images are opened
@@ -20,24 +34,35 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hotstart_store::Tree;
 use tokio::sync::Mutex;
 use tonic::Status;
 use tracing::{info, warn};
 
-use super::state::{SnapshotError, Snapshots, Usage};
-use crate::convert::layer_image;
+use super::state::{LazyLayer, SnapshotError, Snapshots, Usage};
+use crate::convert::{container_image, layer_image};
 use crate::image::{ImageRecord, Images};
-use crate::layout::ImageRef;
-use crate::mount::{LazyConfig, LazyMount, ProfileRead, load_profile};
-use crate::profile::Profile;
+use crate::layout::{ArtifactDir, ImageRef};
+use crate::loader::{FirstAccess, Loader, LoaderStats};
+use crate::mount::{
+    LazyConfig, LazyMount, ProfileRead, load_profile, merge_traces, new_run_id, now_ms, put_report,
+};
+use crate::profile::{Profile, Trace};
+use crate::report::MountReport;
 
 /// The snapshot label containerd passes with the chain id of the layer it is about to unpack.
 pub const TARGET_LABEL: &str = "containerd.io/snapshot.ref";
 
 /// The label CRI passes with the digests of the layer being prepared and those above it.
 pub const IMAGE_LAYERS_LABEL: &str = "containerd.io/snapshot/cri.image-layers";
+
+/// The label CRI passes with the reference of the image being pulled.
+pub const IMAGE_REF_LABEL: &str = "containerd.io/snapshot/cri.image-ref";
+
+/// How long a container start is recorded at most, by default (see [`Lazy::with_record_for`]).
+pub const RECORD_FOR: Duration = Duration::from_secs(60);
 
 /// Layers opened ahead at most (the rest are opened when prepared).
 const MAX_AHEAD: usize = 64;
@@ -63,11 +88,53 @@ struct Opened {
 #[derive(Debug)]
 pub struct Lazy {
     images: Images,
+    /// How layers are mounted: never recording themselves (starts are recorded instead).
     cfg: LazyConfig,
+    /// Whether starts record their first reads into the profile.
+    record: bool,
+    record_for: Duration,
     /// Live mounts by snapshot id.
-    mounted: Mutex<HashMap<u64, LazyMount>>,
+    mounted: Mutex<HashMap<u64, Layer>>,
     /// Layer images being opened ahead, by image name.
     ahead: std::sync::Mutex<HashMap<String, Ahead>>,
+    /// Container starts being recorded, by the key of the container's snapshot.
+    starts: std::sync::Mutex<HashMap<String, Start>>,
+}
+
+/// A mounted layer.
+#[derive(Debug)]
+struct Layer {
+    mount: LazyMount,
+    /// Where the profile it replayed lives: its container image's, or its own.
+    dir: ArtifactDir,
+    /// What reports of starts on it are called: the container image, or the layer's image.
+    label: String,
+    /// Whether a start has taken its first reads for the profile.
+    recorded: bool,
+}
+
+/// A container start being recorded (see the module documentation).
+#[derive(Debug)]
+struct Start {
+    run: String,
+    dir: ArtifactDir,
+    label: String,
+    started: Instant,
+    started_ms: u64,
+    /// Each layer's loader and its counters when the start began.
+    layers: Vec<(Arc<Loader>, LoaderStats)>,
+    /// Whether its first reads go into the profile.
+    record: bool,
+    /// Ends the start after `record_for`.
+    timer: tokio::task::AbortHandle,
+}
+
+/// Where the profile and starts of a layer pulled for `pulled_for` live, and their name.
+fn artifacts(image: &ImageRef, pulled_for: Option<&str>) -> (ArtifactDir, String) {
+    match pulled_for {
+        Some(r) => (container_image(r).artifacts(), r.to_string()),
+        None => (image.artifacts(), image.to_string()),
+    }
 }
 
 impl std::fmt::Debug for Opened {
@@ -79,12 +146,29 @@ impl std::fmt::Debug for Opened {
 }
 
 impl Lazy {
+    /// Layers of `images` mounted as `cfg` says; with `cfg.record`, container starts are
+    /// recorded into their image's profile.
     pub fn new(images: Images, cfg: LazyConfig) -> Lazy {
         Lazy {
             images,
-            cfg,
+            record: cfg.record,
+            cfg: LazyConfig {
+                record: false,
+                ..cfg
+            },
+            record_for: RECORD_FOR,
             mounted: Mutex::new(HashMap::new()),
             ahead: std::sync::Mutex::new(HashMap::new()),
+            starts: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Records a container start for at most `d` (its report then covers that long; the
+    /// start ends earlier when its container's snapshot is removed).
+    pub fn with_record_for(self, d: Duration) -> Lazy {
+        Lazy {
+            record_for: d,
+            ..self
         }
     }
 
@@ -95,34 +179,52 @@ impl Lazy {
         ))
     }
 
-    /// Mounts every layer of `layers` (id, image) that is not mounted.
+    /// Mounts every layer of `layers` that is not mounted.
     pub async fn ensure(
         &self,
         snapshots: &Snapshots,
-        layers: Vec<(u64, String)>,
+        layers: Vec<LazyLayer>,
     ) -> Result<(), Status> {
         if layers.is_empty() {
             return Ok(());
         }
         let mut mounted = self.mounted.lock().await;
-        for (id, image) in layers {
-            if mounted.contains_key(&id) {
+        for layer in layers {
+            if mounted.contains_key(&layer.id) {
                 continue;
             }
+            let (id, image) = (layer.id, &layer.image);
             let unavailable = |e: &dyn std::fmt::Display| {
                 self.unavailable(
-                    &image,
+                    image,
                     format!("{e}; containers on this layer start once it can be mounted again"),
                 )
             };
-            let r = ImageRef::parse(&image).map_err(|e| unavailable(&e))?;
-            let m = self
-                .images
-                .mount(&r, &snapshots.fs_dir(id), self.cfg.clone())
-                .await
-                .map_err(|e| unavailable(&e))?;
+            let r = ImageRef::parse(image).map_err(|e| unavailable(&e))?;
+            let (dir, label) = artifacts(&r, layer.pulled_for.as_deref());
+            let profile = crate::read_profile(self.images.store(), Some(&dir), &self.cfg);
+            let (_, tree) = self.images.open(&r).await.map_err(|e| unavailable(&e))?;
+            let m = LazyMount::mount_with(
+                self.images.chunks().clone(),
+                &tree,
+                image,
+                Some(dir.clone()),
+                &snapshots.fs_dir(id),
+                self.cfg.clone(),
+                profile,
+            )
+            .await
+            .map_err(|e| unavailable(&e))?;
             info!(%image, id, "lazy layer mounted");
-            mounted.insert(id, m);
+            mounted.insert(
+                id,
+                Layer {
+                    mount: m,
+                    dir,
+                    label,
+                    recorded: false,
+                },
+            );
         }
         Ok(())
     }
@@ -139,13 +241,14 @@ impl Lazy {
         image: &str,
     ) -> Result<(), Status> {
         let r = ImageRef::parse(image).map_err(|e| self.unavailable(image, e))?;
+        let (dir, label) = artifacts(&r, labels.get(IMAGE_REF_LABEL).map(String::as_str));
         let ahead = self.take_ahead(image);
         let (record, tree, profile) = match ahead {
             Some(handle) => match handle.await {
                 Ok(Ok(o)) => (o.record, o.tree, Some(ProfileRead::ready(o.profile))),
-                _ => self.open(&r).await?,
+                _ => self.open(&r, &dir).await?,
             },
-            None => self.open(&r).await?,
+            None => self.open(&r, &dir).await?,
         };
         let id = blocking(snapshots, {
             let (name, parent) = (name.to_string(), parent.to_string());
@@ -156,7 +259,7 @@ impl Lazy {
             self.images.chunks().clone(),
             &tree,
             image,
-            Some(r.artifacts()),
+            Some(dir.clone()),
             &snapshots.fs_dir(id),
             self.cfg.clone(),
             profile,
@@ -180,21 +283,30 @@ impl Lazy {
         })
         .await;
         if let Err(e) = recorded {
-            let _ = mounted.unmount().await;
+            close(mounted).await;
             discard(snapshots, id).await?;
             return Err(e);
         }
         info!(%image, snapshot = name, id, "layer served lazily");
-        self.mounted.lock().await.insert(id, mounted);
+        self.mounted.lock().await.insert(
+            id,
+            Layer {
+                mount: mounted,
+                dir,
+                label,
+                recorded: false,
+            },
+        );
         Ok(())
     }
 
-    /// The record and tree of `image`, with its profile being read meanwhile.
+    /// The record and tree of `image`, with the profile under `dir` being read meanwhile.
     async fn open(
         &self,
         image: &ImageRef,
+        dir: &ArtifactDir,
     ) -> Result<(ImageRecord, Tree, Option<ProfileRead>), Status> {
-        let profile = crate::read_profile(self.images.store(), Some(&image.artifacts()), &self.cfg);
+        let profile = crate::read_profile(self.images.store(), Some(dir), &self.cfg);
         let (record, tree) = self
             .images
             .open(image)
@@ -212,9 +324,10 @@ impl Lazy {
     }
 
     /// Starts opening the images of the layers above the one being prepared (`layers`: the
-    /// value of [`IMAGE_LAYERS_LABEL`], this layer first). Layers that are not converted fail
-    /// to open and are prepared as usual.
-    pub fn open_ahead(&self, layers: &str) {
+    /// value of [`IMAGE_LAYERS_LABEL`], this layer first), each with the profile of the
+    /// container image `pulled_for`. Layers that are not converted fail to open and are
+    /// prepared as usual.
+    pub fn open_ahead(&self, layers: &str, pulled_for: Option<&str>) {
         let mut ahead = self
             .ahead
             .lock()
@@ -234,41 +347,189 @@ impl Lazy {
             if ahead.len() >= MAX_AHEAD || ahead.contains_key(&key) {
                 continue;
             }
+            let dir = artifacts(&image, pulled_for).0;
             let (images, prefetch) = (self.images.clone(), self.cfg.prefetch);
-            let handle = tokio::spawn(open_ahead(images, image, prefetch));
+            let handle = tokio::spawn(open_ahead(images, image, dir, prefetch));
             ahead.insert(key, (std::time::Instant::now(), handle));
         }
     }
 
-    /// Unmounts the layer of snapshot `id` (its run report and trace are written to the store).
-    pub async fn release(&self, id: u64) {
-        let m = self.mounted.lock().await.remove(&id);
-        if let Some(m) = m
-            && let Err(e) = m.unmount().await
-        {
-            warn!(id, error = %e, "lazy layer unmount");
+    /// Begins recording a container start: containerd prepared the container's snapshot `key`
+    /// over the lazy layers `layers` (top first, all mounted). Ends at [`Lazy::finish`] or
+    /// after `record_for`.
+    pub async fn start(self: &Arc<Self>, key: &str, layers: &[LazyLayer]) {
+        let Some(top) = layers.first() else {
+            return;
+        };
+        let mut mounted = self.mounted.lock().await;
+        let Some((dir, label)) = mounted
+            .get(&top.id)
+            .map(|l| (l.dir.clone(), l.label.clone()))
+        else {
+            return;
+        };
+        // The first start on new mounts: nothing read through them yet.
+        let record = self.record
+            && layers.iter().all(|l| {
+                mounted
+                    .get(&l.id)
+                    .is_some_and(|m| !m.recorded && m.mount.loader().stats().chunks_read == 0)
+            });
+        let mut loaders = Vec::new();
+        for l in layers {
+            if let Some(m) = mounted.get_mut(&l.id) {
+                m.recorded |= record;
+                let loader = m.mount.loader().clone();
+                // The first start takes its mounts' prefetch and warming as its own.
+                let base = if record {
+                    LoaderStats::default()
+                } else {
+                    loader.stats()
+                };
+                loaders.push((loader, base));
+            }
+        }
+        drop(mounted);
+        let this = self.clone();
+        let k = key.to_string();
+        let after = self.record_for;
+        let timer = tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let start = this.take_start(&k);
+            if let Some(s) = start {
+                this.end(s).await;
+            }
+        });
+        let run = new_run_id();
+        info!(container = key, image = %label, %run, record, "container start on lazy layers");
+        let earlier = self
+            .starts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(
+                key.to_string(),
+                Start {
+                    run,
+                    dir,
+                    label,
+                    started: Instant::now(),
+                    started_ms: now_ms(),
+                    layers: loaders,
+                    record,
+                    timer: timer.abort_handle(),
+                },
+            );
+        if let Some(s) = earlier {
+            s.timer.abort();
         }
     }
 
-    /// Unmounts every layer (at shutdown).
-    pub async fn release_all(&self) {
-        let all: Vec<LazyMount> = self.mounted.lock().await.drain().map(|(_, m)| m).collect();
-        for m in all {
-            if let Err(e) = m.unmount().await {
-                warn!(error = %e, "lazy layer unmount");
+    /// Ends the start recorded for the container snapshot `key`, if one is: its report is
+    /// stored, and its trace merged into the profile.
+    pub async fn finish(&self, key: &str) {
+        if let Some(s) = self.take_start(key) {
+            s.timer.abort();
+            self.end(s).await;
+        }
+    }
+
+    fn take_start(&self, key: &str) -> Option<Start> {
+        self.starts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(key)
+    }
+
+    /// Reports `s`, and with its `record`, merges what it read first into its profile as one
+    /// run (accesses timed from the start, across layers). A store that fails costs the
+    /// report or the profile's update, with a warning; never the container.
+    async fn end(&self, s: Start) {
+        let mut stats = LoaderStats::default();
+        let mut accesses: Vec<FirstAccess> = Vec::new();
+        for (loader, base) in &s.layers {
+            stats += loader.stats().since(base);
+            if s.record {
+                let origin = loader.started();
+                accesses.extend(loader.trace().into_iter().map(|a| FirstAccess {
+                    offset: (origin + a.offset).saturating_duration_since(s.started),
+                    ..a
+                }));
             }
+        }
+        let report = MountReport::new(
+            &s.run,
+            &s.label,
+            s.started_ms,
+            s.started.elapsed().as_secs_f64(),
+            &stats,
+            None,
+        );
+        info!(image = %s.label, run = %s.run, "container start: {}", report.summary());
+        let store = self.images.store();
+        if !accesses.is_empty() {
+            accesses.sort_by_key(|a| (a.offset, a.id));
+            let trace = Trace::new(&s.run, &accesses, now_ms(), true);
+            let merged = merge_traces(
+                store,
+                &s.dir,
+                std::slice::from_ref(&trace),
+                self.cfg.decay_runs,
+            )
+            .await;
+            if let Err(e) = merged {
+                warn!(image = %s.label, error = %e, "could not merge the start into the profile");
+            }
+        }
+        if let Err(e) = put_report(store, &s.dir, &report).await {
+            warn!(image = %s.label, error = %e, "could not store the start's report");
+        }
+    }
+
+    /// Unmounts the layer of snapshot `id`.
+    pub async fn release(&self, id: u64) {
+        let m = self.mounted.lock().await.remove(&id);
+        if let Some(l) = m {
+            close(l.mount).await;
+        }
+    }
+
+    /// Ends every start being recorded, then unmounts every layer (at shutdown).
+    pub async fn release_all(&self) {
+        let starts: Vec<Start> = self
+            .starts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        for s in starts {
+            s.timer.abort();
+            self.end(s).await;
+        }
+        let all: Vec<Layer> = self.mounted.lock().await.drain().map(|(_, l)| l).collect();
+        for l in all {
+            close(l.mount).await;
         }
     }
 }
 
-/// Opens `image`: its record and tree, and with `prefetch` its profile.
-async fn open_ahead(images: Images, image: ImageRef, prefetch: bool) -> crate::Result<Opened> {
-    let artifacts = image.artifacts();
+/// Unmounts a layer (what was read is recorded per start, not per mount).
+async fn close(m: LazyMount) {
+    if let Err(e) = m.close().await {
+        warn!(error = %e, "lazy layer unmount");
+    }
+}
+
+/// Opens `image`: its record and tree, and with `prefetch` the profile under `dir`.
+async fn open_ahead(
+    images: Images,
+    image: ImageRef,
+    dir: ArtifactDir,
+    prefetch: bool,
+) -> crate::Result<Opened> {
     let (opened, profile) = tokio::join!(images.open(&image), async {
         if prefetch {
-            load_profile(images.store(), &artifacts)
-                .await
-                .unwrap_or_default()
+            load_profile(images.store(), &dir).await.unwrap_or_default()
         } else {
             Profile::default()
         }

@@ -37,7 +37,7 @@ use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
 pub use lazy::Lazy;
-pub use state::{Kind, Mount, Record, SnapshotError, Snapshots};
+pub use state::{Kind, LazyLayer, Mount, Record, SnapshotError, Snapshots};
 
 impl From<SnapshotError> for Status {
     fn from(e: SnapshotError) -> Status {
@@ -77,17 +77,19 @@ impl Service {
             .map(Response::new)
     }
 
-    /// Mounts the lazily served layers `key` stacks on, if any is not mounted.
-    async fn ensure_lazy(&self, key: &str) -> Result<(), Status> {
+    /// Mounts the lazily served layers `key` stacks on, if any is not mounted; they are
+    /// returned, top first.
+    async fn ensure_lazy(&self, key: &str) -> Result<Vec<LazyLayer>, Status> {
         let Some(lazy) = &self.lazy else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         if key.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let key = key.to_string();
         let layers = lazy::blocking(&self.snapshots, move |s| s.lazy_layers(&key)).await?;
-        lazy.ensure(&self.snapshots, layers).await
+        lazy.ensure(&self.snapshots, layers.clone()).await?;
+        Ok(layers)
     }
 
     /// Serves the layer containerd is about to unpack lazily, when its labels name an image
@@ -97,7 +99,7 @@ impl Service {
         let lazy = self.lazy.as_ref()?;
         let (target, image) = (l.get(lazy::TARGET_LABEL)?, l.get(crate::LAYER_ANNOTATION)?);
         if let Some(layers) = l.get(lazy::IMAGE_LAYERS_LABEL) {
-            lazy.open_ahead(layers);
+            lazy.open_ahead(layers, l.get(lazy::IMAGE_REF_LABEL).map(String::as_str));
         }
         match lazy
             .serve(&self.snapshots, target, parent, l.clone(), image)
@@ -120,7 +122,7 @@ impl Service {
     pub async fn mount_lazy_layers(&self) {
         if let Some(lazy) = &self.lazy {
             for layer in self.snapshots.all_lazy() {
-                let image = layer.1.clone();
+                let image = layer.image.clone();
                 if let Err(e) = lazy.ensure(&self.snapshots, vec![layer]).await {
                     warn!(%image, error = %e.message(), "lazy layer not mounted at start");
                 }
@@ -180,12 +182,19 @@ impl SnapshotsApi for Service {
         if let Some(answer) = self.try_lazy(&r.parent, &l).await {
             return Err(answer);
         }
-        self.ensure_lazy(&r.parent).await?;
-        self.run(move |s| {
-            let mounts = to_api(s.prepare(&r.key, &r.parent, l)?);
-            Ok(pb::PrepareSnapshotResponse { mounts })
-        })
-        .await
+        let layers = self.ensure_lazy(&r.parent).await?;
+        // A snapshot that is not a layer being unpacked is a container's: its start begins.
+        let container = (!l.contains_key(lazy::TARGET_LABEL)).then(|| r.key.clone());
+        let prepared = self
+            .run(move |s| {
+                let mounts = to_api(s.prepare(&r.key, &r.parent, l)?);
+                Ok(pb::PrepareSnapshotResponse { mounts })
+            })
+            .await?;
+        if let (Some(lazy), Some(key)) = (&self.lazy, container) {
+            lazy.start(&key, &layers).await;
+        }
+        Ok(prepared)
     }
 
     async fn view(
@@ -226,6 +235,7 @@ impl SnapshotsApi for Service {
         let key = r.into_inner().key;
         debug!(%key, "remove");
         if let Some(lazy) = &self.lazy {
+            lazy.finish(&key).await;
             // Unmounted only once nothing stacks on it (and so only if it can be removed).
             let k = key.clone();
             let rec = lazy::blocking(&self.snapshots, move |s| s.removable(&k)).await?;

@@ -75,6 +75,27 @@ pub struct Record {
     pub lazy: Option<String>,
 }
 
+/// A lazily served layer, as [`Snapshots::lazy_layers`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LazyLayer {
+    pub id: u64,
+    /// The image in the store that serves it.
+    pub image: String,
+    /// The container image whose pull unpacked it (CRI's label
+    /// [`super::lazy::IMAGE_REF_LABEL`]), when containerd said.
+    pub pulled_for: Option<String>,
+}
+
+impl LazyLayer {
+    fn of(r: &Record) -> Option<LazyLayer> {
+        Some(LazyLayer {
+            id: r.id,
+            image: r.lazy.clone()?,
+            pulled_for: r.labels.get(super::lazy::IMAGE_REF_LABEL).cloned(),
+        })
+    }
+}
+
 /// A snapshot and its key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Info {
@@ -390,27 +411,25 @@ impl Snapshots {
         let _ = fs::remove_dir_all(dir);
     }
 
-    /// The lazily served layers `key` stacks on (itself included): (id, image), top first.
-    pub fn lazy_layers(&self, key: &str) -> Result<Vec<(u64, String)>> {
+    /// The lazily served layers `key` stacks on (itself included), top first.
+    pub fn lazy_layers(&self, key: &str) -> Result<Vec<LazyLayer>> {
         let m = self.lock();
         let mut out = Vec::new();
         let mut k = key;
         while !k.is_empty() {
             let r = m.snapshots.get(k).ok_or_else(|| not_found(k))?;
-            if let Some(image) = &r.lazy {
-                out.push((r.id, image.clone()));
-            }
+            out.extend(LazyLayer::of(r));
             k = r.parent.as_str();
         }
         Ok(out)
     }
 
-    /// Every lazily served layer: (id, image).
-    pub fn all_lazy(&self) -> Vec<(u64, String)> {
+    /// Every lazily served layer.
+    pub fn all_lazy(&self) -> Vec<LazyLayer> {
         self.lock()
             .snapshots
             .values()
-            .filter_map(|r| r.lazy.clone().map(|i| (r.id, i)))
+            .filter_map(LazyLayer::of)
             .collect()
     }
 
