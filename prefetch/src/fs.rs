@@ -70,6 +70,9 @@ pub struct ImageFs {
     /// Files the page-cache warmer has taken on (see `warm.rs`), until the job first uses
     /// each. The warmer itself only lists directories, which is not a use.
     warming: Mutex<HashMap<u64, WarmState>>,
+    /// Whether any node has an xattr: without any, the kernel is told xattrs are not
+    /// supported and stops asking (overlayfs asks for its markers on every lower lookup).
+    xattrs: bool,
 }
 
 #[derive(Debug)]
@@ -198,11 +201,13 @@ impl ImageFs {
                 nodes[parent as usize - 1].nlink += 1;
             }
         }
+        let xattrs = nodes.iter().any(|n| !n.xattrs.is_empty());
         ImageFs {
             nodes,
             loader,
             ttl,
             warming: Mutex::default(),
+            xattrs,
         }
     }
 
@@ -495,7 +500,7 @@ impl Filesystem for ImageFs {
     }
 
     fn has_xattrs(&self) -> bool {
-        true
+        self.xattrs
     }
 
     async fn getxattr(&self, ino: u64, name: &str) -> FsResult<Option<Vec<u8>>> {

@@ -525,7 +525,14 @@ impl Drop for ProfileRead {
 impl ProfileRead {
     /// A profile already read.
     pub fn ready(profile: Profile) -> ProfileRead {
-        ProfileRead(tokio::spawn(async move { Ok(profile) }))
+        ProfileRead::spawn(async move { Ok(profile) })
+    }
+
+    /// A profile being read by `read`, which starts now.
+    pub fn spawn(
+        read: impl std::future::Future<Output = Result<Profile>> + Send + 'static,
+    ) -> ProfileRead {
+        ProfileRead(tokio::spawn(read))
     }
 }
 
@@ -538,11 +545,8 @@ pub fn read_profile(
 ) -> Option<ProfileRead> {
     let dir = artifacts?.clone();
     let store = store.clone();
-    cfg.prefetch.then(|| {
-        ProfileRead(tokio::spawn(
-            async move { load_profile(&store, &dir).await },
-        ))
-    })
+    cfg.prefetch
+        .then(|| ProfileRead::spawn(async move { load_profile(&store, &dir).await }))
 }
 
 /// Replays the profile's plan (when prefetching) while merging traces that dead mounts left

@@ -488,6 +488,40 @@ fn a_mount_that_reads_nothing_leaves_the_profile_alone() {
     assert!(!profile.entries.is_empty());
 }
 
+/// An image without any xattr tells the kernel so (overlayfs then stops asking for its
+/// markers on every lookup in the layer): a getxattr is "not supported", not "no such
+/// attribute", and the files read as usual.
+#[test]
+fn an_image_without_xattrs_says_it_has_none() {
+    let env = Env::local();
+    let src = env.path("job");
+    write_job_tree(&src);
+    let images = env.images("cache-0");
+    env.build(&images, &src, "job:v1", 64 << 10);
+    env.with_mount(&images, "job:v1", LazyConfig::default(), true, |mp| {
+        let path = std::ffi::CString::new(mp.join(HOT[0]).into_os_string().into_encoded_bytes())
+            .unwrap();
+        let mut value = [0u8; 64];
+        for _ in 0..2 {
+            // SAFETY: NUL-terminated strings and a buffer valid for its length.
+            let n = unsafe {
+                libc::lgetxattr(
+                    path.as_ptr(),
+                    c"trusted.overlay.opaque".as_ptr(),
+                    value.as_mut_ptr().cast(),
+                    value.len(),
+                )
+            };
+            assert_eq!(n, -1);
+            assert_eq!(
+                std::io::Error::last_os_error().raw_os_error(),
+                Some(libc::EOPNOTSUPP)
+            );
+        }
+        job(mp);
+    });
+}
+
 /// A chunk of `a` whose stored bytes were replaced: reading `a` is EIO, `b` reads fine.
 fn corrupt_chunk_is_eio(env: &Env) {
     let src = env.path("src");

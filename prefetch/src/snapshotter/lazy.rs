@@ -22,8 +22,8 @@
 //!
 //! containerd prepares an image's layers one after another. When CRI passes the layers above
 //! the one being prepared (`containerd.io/snapshot/cri.image-layers`), their images are opened
-//! ahead (record, tree, profile) while this layer mounts, so each later layer mounts without
-//! those round trips. (Fetching their hot chunks ahead too was slower on two cores: decoding
+//! ahead (record and tree) while this layer mounts, so each later layer mounts without those
+//! round trips; the image's profile is read once for all of them. (Fetching their hot chunks ahead too was slower on two cores: decoding
 //! and caching them competed with the mount in progress.)
 //!
 //! A layer that cannot be mounted (no store configured, the image not in the store, the store
@@ -51,6 +51,8 @@ use crate::mount::{
 };
 use crate::profile::{Profile, Trace};
 use crate::report::MountReport;
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
 
 /// The snapshot label containerd passes with the chain id of the layer it is about to unpack.
 pub const TARGET_LABEL: &str = "containerd.io/snapshot.ref";
@@ -81,8 +83,13 @@ type Ahead = (
 struct Opened {
     record: ImageRecord,
     tree: Tree,
-    profile: Profile,
 }
+
+/// A profile being read for the layers of a pull, shared by them.
+type SharedProfile = Shared<BoxFuture<'static, Result<Profile, String>>>;
+
+/// How long a profile read for one layer serves the next layers of its image.
+const PROFILE_FOR: Duration = Duration::from_secs(10);
 
 /// The lazily served layers of one snapshotter.
 #[derive(Debug)]
@@ -99,6 +106,8 @@ pub struct Lazy {
     ahead: std::sync::Mutex<HashMap<String, Ahead>>,
     /// Container starts being recorded, by the key of the container's snapshot.
     starts: std::sync::Mutex<HashMap<String, Start>>,
+    /// Profiles read lately, by key, since when.
+    profiles: std::sync::Mutex<HashMap<String, (Instant, SharedProfile)>>,
 }
 
 /// A mounted layer.
@@ -160,7 +169,37 @@ impl Lazy {
             mounted: Mutex::new(HashMap::new()),
             ahead: std::sync::Mutex::new(HashMap::new()),
             starts: std::sync::Mutex::new(HashMap::new()),
+            profiles: std::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The profile under `dir` (when prefetching), read once for every layer of a pull: each
+    /// layer of an image replays the part of the image's profile it holds.
+    fn profile(&self, dir: &ArtifactDir) -> Option<ProfileRead> {
+        if !self.cfg.prefetch {
+            return None;
+        }
+        let mut profiles = self
+            .profiles
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        profiles.retain(|_, (since, _)| since.elapsed() < PROFILE_FOR);
+        let read = profiles
+            .entry(dir.profile_key())
+            .or_insert_with(|| {
+                let (store, dir) = (self.images.store().clone(), dir.clone());
+                let read =
+                    async move { load_profile(&store, &dir).await.map_err(|e| e.to_string()) };
+                (Instant::now(), read.boxed().shared())
+            })
+            .1
+            .clone();
+        Some(ProfileRead::spawn(async move {
+            read.await.map_err(|message| crate::Error::Task {
+                what: "read the profile",
+                message,
+            })
+        }))
     }
 
     /// Records a container start for at most `d` (its report then covers that long; the
@@ -202,7 +241,7 @@ impl Lazy {
             };
             let r = ImageRef::parse(image).map_err(|e| unavailable(&e))?;
             let (dir, label) = artifacts(&r, layer.pulled_for.as_deref());
-            let profile = crate::read_profile(self.images.store(), Some(&dir), &self.cfg);
+            let profile = self.profile(&dir);
             let (_, tree) = self.images.open(&r).await.map_err(|e| unavailable(&e))?;
             let m = LazyMount::mount_with(
                 self.images.chunks().clone(),
@@ -243,12 +282,13 @@ impl Lazy {
         let r = ImageRef::parse(image).map_err(|e| self.unavailable(image, e))?;
         let (dir, label) = artifacts(&r, labels.get(IMAGE_REF_LABEL).map(String::as_str));
         let ahead = self.take_ahead(image);
-        let (record, tree, profile) = match ahead {
+        let profile = self.profile(&dir);
+        let (record, tree) = match ahead {
             Some(handle) => match handle.await {
-                Ok(Ok(o)) => (o.record, o.tree, Some(ProfileRead::ready(o.profile))),
-                _ => self.open(&r, &dir).await?,
+                Ok(Ok(o)) => (o.record, o.tree),
+                _ => self.open(&r).await?,
             },
-            None => self.open(&r, &dir).await?,
+            None => self.open(&r).await?,
         };
         let id = blocking(snapshots, {
             let (name, parent) = (name.to_string(), parent.to_string());
@@ -300,19 +340,12 @@ impl Lazy {
         Ok(())
     }
 
-    /// The record and tree of `image`, with the profile under `dir` being read meanwhile.
-    async fn open(
-        &self,
-        image: &ImageRef,
-        dir: &ArtifactDir,
-    ) -> Result<(ImageRecord, Tree, Option<ProfileRead>), Status> {
-        let profile = crate::read_profile(self.images.store(), Some(dir), &self.cfg);
-        let (record, tree) = self
-            .images
+    /// The record and tree of `image`.
+    async fn open(&self, image: &ImageRef) -> Result<(ImageRecord, Tree), Status> {
+        self.images
             .open(image)
             .await
-            .map_err(|e| self.unavailable(&image.to_string(), e))?;
-        Ok((record, tree, profile))
+            .map_err(|e| self.unavailable(&image.to_string(), e))
     }
 
     fn take_ahead(&self, image: &str) -> Option<tokio::task::JoinHandle<crate::Result<Opened>>> {
@@ -324,10 +357,9 @@ impl Lazy {
     }
 
     /// Starts opening the images of the layers above the one being prepared (`layers`: the
-    /// value of [`IMAGE_LAYERS_LABEL`], this layer first), each with the profile of the
-    /// container image `pulled_for`. Layers that are not converted fail to open and are
-    /// prepared as usual.
-    pub fn open_ahead(&self, layers: &str, pulled_for: Option<&str>) {
+    /// value of [`IMAGE_LAYERS_LABEL`], this layer first). Layers that are not converted fail
+    /// to open and are prepared as usual.
+    pub fn open_ahead(&self, layers: &str) {
         let mut ahead = self
             .ahead
             .lock()
@@ -347,9 +379,11 @@ impl Lazy {
             if ahead.len() >= MAX_AHEAD || ahead.contains_key(&key) {
                 continue;
             }
-            let dir = artifacts(&image, pulled_for).0;
-            let (images, prefetch) = (self.images.clone(), self.cfg.prefetch);
-            let handle = tokio::spawn(open_ahead(images, image, dir, prefetch));
+            let images = self.images.clone();
+            let handle = tokio::spawn(async move {
+                let (record, tree) = images.open(&image).await?;
+                Ok(Opened { record, tree })
+            });
             ahead.insert(key, (std::time::Instant::now(), handle));
         }
     }
@@ -479,6 +513,11 @@ impl Lazy {
             if let Err(e) = merged {
                 warn!(image = %s.label, error = %e, "could not merge the start into the profile");
             }
+            // The next pull reads the profile with this start in it.
+            self.profiles
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&s.dir.profile_key());
         }
         if let Err(e) = put_report(store, &s.dir, &report).await {
             warn!(image = %s.label, error = %e, "could not store the start's report");
@@ -518,28 +557,6 @@ async fn close(m: LazyMount) {
     if let Err(e) = m.close().await {
         warn!(error = %e, "lazy layer unmount");
     }
-}
-
-/// Opens `image`: its record and tree, and with `prefetch` the profile under `dir`.
-async fn open_ahead(
-    images: Images,
-    image: ImageRef,
-    dir: ArtifactDir,
-    prefetch: bool,
-) -> crate::Result<Opened> {
-    let (opened, profile) = tokio::join!(images.open(&image), async {
-        if prefetch {
-            load_profile(images.store(), &dir).await.unwrap_or_default()
-        } else {
-            Profile::default()
-        }
-    });
-    let (record, tree) = opened?;
-    Ok(Opened {
-        record,
-        tree,
-        profile,
-    })
 }
 
 /// Deletes the directory of a lazy layer that was not recorded.

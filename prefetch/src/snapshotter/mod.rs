@@ -99,7 +99,7 @@ impl Service {
         let lazy = self.lazy.as_ref()?;
         let (target, image) = (l.get(lazy::TARGET_LABEL)?, l.get(crate::LAYER_ANNOTATION)?);
         if let Some(layers) = l.get(lazy::IMAGE_LAYERS_LABEL) {
-            lazy.open_ahead(layers, l.get(lazy::IMAGE_REF_LABEL).map(String::as_str));
+            lazy.open_ahead(layers);
         }
         match lazy
             .serve(&self.snapshots, target, parent, l.clone(), image)
