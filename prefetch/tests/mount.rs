@@ -499,8 +499,8 @@ fn an_image_without_xattrs_says_it_has_none() {
     let images = env.images("cache-0");
     env.build(&images, &src, "job:v1", 64 << 10);
     env.with_mount(&images, "job:v1", LazyConfig::default(), true, |mp| {
-        let path = std::ffi::CString::new(mp.join(HOT[0]).into_os_string().into_encoded_bytes())
-            .unwrap();
+        let path =
+            std::ffi::CString::new(mp.join(HOT[0]).into_os_string().into_encoded_bytes()).unwrap();
         let mut value = [0u8; 64];
         for _ in 0..2 {
             // SAFETY: NUL-terminated strings and a buffer valid for its length.
