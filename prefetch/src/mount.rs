@@ -523,11 +523,6 @@ impl Drop for ProfileRead {
 }
 
 impl ProfileRead {
-    /// A profile already read.
-    pub fn ready(profile: Profile) -> ProfileRead {
-        ProfileRead::spawn(async move { Ok(profile) })
-    }
-
     /// A profile being read by `read`, which starts now.
     pub fn spawn(
         read: impl std::future::Future<Output = Result<Profile>> + Send + 'static,

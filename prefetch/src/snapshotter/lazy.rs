@@ -23,8 +23,9 @@
 //! containerd prepares an image's layers one after another. When CRI passes the layers above
 //! the one being prepared (`containerd.io/snapshot/cri.image-layers`), their images are opened
 //! ahead (record and tree) while this layer mounts, so each later layer mounts without those
-//! round trips; the image's profile is read once for all of them. (Fetching their hot chunks ahead too was slower on two cores: decoding
-//! and caching them competed with the mount in progress.)
+//! round trips; the image's profile is read once for all of them. (Fetching their hot chunks
+//! ahead too was slower on two cores: decoding and caching them competed with the mount in
+//! progress.)
 //!
 //! A layer that cannot be mounted (no store configured, the image not in the store, the store
 //! unreachable) is left to containerd, which downloads and unpacks it as usual: a pull never
@@ -36,6 +37,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
 use hotstart_store::Tree;
 use tokio::sync::Mutex;
 use tonic::Status;
@@ -51,8 +54,6 @@ use crate::mount::{
 };
 use crate::profile::{Profile, Trace};
 use crate::report::MountReport;
-use futures::FutureExt;
-use futures::future::{BoxFuture, Shared};
 
 /// The snapshot label containerd passes with the chain id of the layer it is about to unpack.
 pub const TARGET_LABEL: &str = "containerd.io/snapshot.ref";
