@@ -62,10 +62,18 @@ pub struct DemoArgs {
     /// Print the summary as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     json: bool,
+    /// The trainers: `rust` (this binary, no Python needed) or `torch` (a PyTorch model under
+    /// torchrun, checkpointed through `hotstart.Checkpointer`; needs --python with torch and
+    /// the hotstart package). The faults and the checks are the same.
+    #[arg(long, value_enum, default_value_t = Trainer::Rust)]
+    trainer: Trainer,
+    /// The Python that runs the torch trainers.
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
 
     /// (internal) Run as one of the demo's trainer processes.
     #[arg(long, hide = true)]
-    trainer: bool,
+    run_trainer: bool,
     #[arg(long, hide = true)]
     socket: Option<PathBuf>,
     #[arg(long, hide = true, default_value = "demo")]
@@ -80,9 +88,35 @@ pub struct DemoArgs {
     resume_agreement: Option<PathBuf>,
 }
 
+/// The demo's trainers, as the command line names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Trainer {
+    Rust,
+    Torch,
+}
+
+/// Checks that `python` can run the torch trainers, so that a missing package is one clear
+/// error before any node starts.
+fn torch_trainer(python: &std::path::Path) -> anyhow::Result<hotstart_demo::TrainerKind> {
+    let out = std::process::Command::new(python)
+        .args(["-c", "import torch, hotstart._demo_trainer"])
+        .output()
+        .with_context(|| format!("--trainer torch: run {}", python.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "--trainer torch needs a Python with torch and the hotstart package; {} has not: {}\n\
+         Install them (`pip install torch` and the hotstart wheel) or name another with --python.",
+        python.display(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(hotstart_demo::TrainerKind::Torch {
+        python: python.to_path_buf(),
+    })
+}
+
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    if args.trainer {
-        let socket = args.socket.context("--trainer needs --socket")?;
+    if args.run_trainer {
+        let socket = args.socket.context("--run-trainer needs --socket")?;
         return Ok(hotstart_demo::trainer::run(
             &hotstart_demo::TrainerConfig {
                 socket,
@@ -98,6 +132,16 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         )?);
     }
     anyhow::ensure!(args.nodes >= 3, "--nodes must be at least 3");
+    let trainer = match args.trainer {
+        Trainer::Rust => hotstart_demo::TrainerKind::Rust,
+        Trainer::Torch => {
+            anyhow::ensure!(
+                args.chaos.is_none(),
+                "--chaos runs the Rust trainers; leave out --trainer torch"
+            );
+            torch_trainer(&args.python)?
+        }
+    };
     let (size, every) = match args.chaos {
         Some(_) => (4 << 20, 10),
         None => (1 << 30, 100),
@@ -125,6 +169,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         every,
         seed: args.seed,
         live: !args.json,
+        trainer,
     };
     if let Some(faults) = args.chaos {
         return chaos(cfg, faults, args.json, args.keep, temp);

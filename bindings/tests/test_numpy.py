@@ -218,8 +218,10 @@ def test_multi_chunk_state(local_dir: Path) -> None:
     state = {f"t{i}": rng.standard_normal(50_000) for i in range(8)}  # 3.2 MB over 256 KiB chunks
     with hotstart.Checkpointer(local_dir=local_dir, job="chunks", chunk_size=256 << 10, threads=2) as ck:
         ck.save(1, state).wait()
+        assert ck.loaded_from == []
         dst = {k: np.empty_like(v) for k, v in state.items()}
         ck.load(dst)
+        assert len(ck.loaded_from) > 1 and set(ck.loaded_from) == {"disk"}, ck.loaded_from
     for k in state:
         same_bits(dst[k], state[k])
 
@@ -237,6 +239,8 @@ def test_new_arrays_map_the_local_file_copy_on_write_and_a_bad_chunk_comes_from_
     data.write_bytes(bytes(raw))
     with hotstart.Checkpointer(str(tmp_path / "store"), **opts) as ck:
         out = ck.load()
+        assert ck.loaded_from.count("store") == 1, ck.loaded_from
+        assert set(ck.loaded_from) == {"disk", "store"}, ck.loaded_from
         for k in state:
             same_bits(out[k], state[k])  # the flipped chunk came from the store
             assert out[k].flags.writeable

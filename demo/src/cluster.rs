@@ -5,7 +5,8 @@
 //! replaced node (its sidecar started again after it was killed) gets a new, empty disk
 //! directory, as a new machine would. Every sidecar shares one cluster token (generated per
 //! run), lists the other nodes as static peers and keeps one replica of each shard on a peer.
-//! Trainers run the same binary (`hotstart demo --trainer ...`); their stdout is a stream of
+//! Trainers run the same binary (`hotstart demo --run-trainer ...`), or a PyTorch trainer under
+//! torchrun ([`TrainerKind`]); their stdout is a stream of
 //! [`Event`]s, read by one thread per trainer into one channel, and their stderr goes to a log
 //! file. Every child dies with the demo (`PR_SET_PDEATHSIG`), so an interrupted demo leaves
 //! nothing running.
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::event::Event;
 use crate::link::Links;
-use crate::{Error, Result};
+use crate::{Error, Result, TrainerKind};
 
 /// What the cluster is made of.
 #[derive(Debug, Clone)]
@@ -44,6 +45,8 @@ pub struct Layout {
     pub grace: Duration,
     /// The faults a campaign may inject into the cluster's links and disks.
     pub faults: FaultSetup,
+    /// What the trainers are.
+    pub trainer: TrainerKind,
 }
 
 /// What a cluster prepares so that faults can be injected into it; nothing by default.
@@ -376,9 +379,21 @@ impl Cluster {
         let l = &self.layout;
         let socket = l.dir.join(format!("{}.sock", Self::node_id(rank)));
         let log = l.dir.join(format!("trainer-{rank}.log"));
-        let mut cmd = Command::new(&l.exe);
-        cmd.args(["demo", "--trainer"])
-            .arg("--socket")
+        let mut cmd = match &l.trainer {
+            TrainerKind::Rust => {
+                let mut c = Command::new(&l.exe);
+                c.args(["demo", "--run-trainer"]);
+                c
+            }
+            TrainerKind::Torch { python } => {
+                let mut c = Command::new(python);
+                c.args(["-m", "torch.distributed.run", "--standalone"])
+                    .args(["--nproc-per-node", "1", "--max-restarts", "0"])
+                    .args(["-m", "hotstart._demo_trainer"]);
+                c
+            }
+        };
+        cmd.arg("--socket")
             .arg(&socket)
             .args(["--job", &l.job])
             .args(["--rank", &rank.to_string()])
@@ -395,6 +410,8 @@ impl Cluster {
         if let Some(u) = until {
             cmd.args(["--until", &u.to_string()]);
         }
+        // A group of its own: a torchrun agent and its worker are killed and signalled together.
+        cmd.process_group(0);
         die_with_parent(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| Error::io("start a trainer", e))?;
         let stdout = child
@@ -433,9 +450,14 @@ impl Cluster {
         self.trainer_generations[rank]
     }
 
-    /// SIGKILLs rank `rank`'s trainer and reaps it.
+    /// SIGKILLs rank `rank`'s trainer (its whole process group) and reaps it.
     pub fn kill_trainer(&mut self, rank: usize) -> Result<()> {
         if let Some(mut t) = self.trainers[rank].take() {
+            if matches!(t.child.try_wait(), Ok(None)) {
+                // SAFETY: killpg(2) of the group our own unreaped child leads (checked just
+                // above, and only this thread reaps it): its id cannot have been recycled.
+                unsafe { libc::killpg(t.child.id() as i32, libc::SIGKILL) };
+            }
             kill(&mut t.child)?;
         }
         Ok(())
@@ -487,7 +509,8 @@ impl Cluster {
         }
     }
 
-    /// Sends `signal` (SIGSTOP, SIGCONT) to rank `rank`'s trainer; false when it is not running.
+    /// Sends `signal` (SIGSTOP, SIGCONT) to rank `rank`'s trainer (its whole process group);
+    /// false when it is not running.
     pub fn signal_trainer(&mut self, rank: usize, signal: i32) -> bool {
         let Some(t) = self.trainers[rank].as_mut() else {
             return false;
@@ -495,9 +518,9 @@ impl Cluster {
         if !matches!(t.child.try_wait(), Ok(None)) {
             return false;
         }
-        // SAFETY: kill(2) with the pid of our own child, not yet reaped (checked just above, and
-        // only this thread reaps it): the pid cannot have been recycled.
-        unsafe { libc::kill(t.child.id() as i32, signal) == 0 }
+        // SAFETY: killpg(2) of the group our own child leads, not yet reaped (checked just above,
+        // and only this thread reaps it): its id cannot have been recycled.
+        unsafe { libc::killpg(t.child.id() as i32, signal) == 0 }
     }
 
     /// The process id of node `i`'s sidecar, when it runs.

@@ -45,6 +45,21 @@ pub struct DemoConfig {
     pub seed: u64,
     /// Live lines on a terminal.
     pub live: bool,
+    /// The trainers' kind.
+    pub trainer: TrainerKind,
+}
+
+/// Which trainers the demo runs, one per node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TrainerKind {
+    /// This binary (`hotstart demo --run-trainer`): the model of [`model`], in Rust.
+    #[default]
+    Rust,
+    /// A PyTorch trainer under torchrun, `python -m torch.distributed.run --standalone
+    /// --nproc-per-node 1 -m hotstart._demo_trainer`, with this Python (which has torch and
+    /// the `hotstart` package): an embedding and an MLP trained with Adam, checkpointed
+    /// through `hotstart.Checkpointer`, telling the demo the same events.
+    Torch { python: PathBuf },
 }
 
 /// Why the demo stopped.
@@ -102,8 +117,9 @@ pub fn table(s: &Summary) -> String {
     line(
         &mut out,
         format!(
-            "hotstart demo: {} nodes, {} of training state per rank, store {}, {:.0} s",
+            "hotstart demo: {} nodes, {} trainers, {} of training state per rank, store {}, {:.0} s",
             s.nodes,
+            s.trainer,
             bytes(s.state_bytes_per_rank),
             s.store,
             s.seconds

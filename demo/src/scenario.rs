@@ -92,6 +92,8 @@ pub struct FaultReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     pub nodes: usize,
+    /// The trainers: "rust" or "torch".
+    pub trainer: String,
     pub state_bytes_per_rank: u64,
     pub store: String,
     pub dir: PathBuf,
@@ -412,6 +414,7 @@ pub(crate) fn layout(cfg: &DemoConfig) -> crate::cluster::Layout {
         every: cfg.every,
         grace: Duration::from_secs(60),
         faults: Default::default(),
+        trainer: cfg.trainer.clone(),
     }
 }
 
@@ -460,6 +463,11 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         .collect();
     Ok(Summary {
         nodes: n,
+        trainer: match cfg.trainer {
+            crate::TrainerKind::Rust => "rust",
+            crate::TrainerKind::Torch { .. } => "torch",
+        }
+        .into(),
         state_bytes_per_rank: bytes,
         store,
         dir: cfg.dir.clone(),

@@ -33,6 +33,7 @@ fn fixed_seed_campaigns_break_no_invariant() {
         let dir = tempfile_dir(seed);
         let summary = hotstart_demo::chaos::run(&hotstart_demo::chaos::ChaosConfig {
             demo: hotstart_demo::DemoConfig {
+                trainer: Default::default(),
                 exe: exe.clone(),
                 dir: dir.clone(),
                 store: None,

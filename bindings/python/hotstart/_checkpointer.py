@@ -135,6 +135,7 @@ class Checkpointer:
         )
         self._engine: Optional[_core.Engine] = _core.Engine(**opts)
         self._pending: List[_core.SaveHandle] = []
+        self._loaded_from: List[str] = []
 
     @property
     def engine(self) -> _core.Engine:
@@ -238,10 +239,16 @@ class Checkpointer:
             _sync_cuda(plan.cuda_devices)
             return plan.file or plan.dests
 
-        engine.restore(step, place)
+        _, self._loaded_from = engine.restore(step, place)
         for f in plan.after:
             f()
         return made[0]()
+
+    @property
+    def loaded_from(self) -> List[str]:
+        """Where each chunk of the last :meth:`load` came from, in file order: ``"memory"``
+        (this node's sidecar), ``"peer"``, ``"disk"`` or ``"store"`` (empty before a load)."""
+        return list(self._loaded_from)
 
     def close(self) -> None:
         """Waits for pending saves (raising the first failure), then releases the engine."""
