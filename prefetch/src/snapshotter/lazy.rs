@@ -244,17 +244,10 @@ impl Lazy {
             let (dir, label) = artifacts(&r, layer.pulled_for.as_deref());
             let profile = self.profile(&dir);
             let (_, tree) = self.images.open(&r).await.map_err(|e| unavailable(&e))?;
-            let m = LazyMount::mount_with(
-                self.images.chunks().clone(),
-                &tree,
-                image,
-                Some(dir.clone()),
-                &snapshots.fs_dir(id),
-                self.cfg.clone(),
-                profile,
-            )
-            .await
-            .map_err(|e| unavailable(&e))?;
+            let m = self
+                .mount(snapshots, id, &tree, image, &dir, profile)
+                .await
+                .map_err(|e| unavailable(&e))?;
             info!(%image, id, "lazy layer mounted");
             mounted.insert(
                 id,
@@ -296,17 +289,7 @@ impl Lazy {
             move |s| s.reserve_lazy(&name, &parent)
         })
         .await?;
-        let mounted = match LazyMount::mount_with(
-            self.images.chunks().clone(),
-            &tree,
-            image,
-            Some(dir.clone()),
-            &snapshots.fs_dir(id),
-            self.cfg.clone(),
-            profile,
-        )
-        .await
-        {
+        let mounted = match self.mount(snapshots, id, &tree, image, &dir, profile).await {
             Ok(m) => m,
             Err(e) => {
                 discard(snapshots, id).await?;
@@ -339,6 +322,29 @@ impl Lazy {
             },
         );
         Ok(())
+    }
+
+    /// Mounts `tree` (of the layer image `image`) at the directory of snapshot `id`, replaying
+    /// `profile` (the one under `dir`, being read).
+    async fn mount(
+        &self,
+        snapshots: &Snapshots,
+        id: u64,
+        tree: &Tree,
+        image: &str,
+        dir: &ArtifactDir,
+        profile: Option<ProfileRead>,
+    ) -> crate::Result<LazyMount> {
+        LazyMount::mount_with(
+            self.images.chunks().clone(),
+            tree,
+            image,
+            Some(dir.clone()),
+            &snapshots.fs_dir(id),
+            self.cfg.clone(),
+            profile,
+        )
+        .await
     }
 
     /// The record and tree of `image`.
