@@ -42,8 +42,6 @@ def test_demo_with_torch_trainers_recovers_every_fault_bit_exact(tmp_path: Path)
     for f in faults:
         assert f["exact"] is True, f
         assert len(f["sources"]) == 3, f
-    # After the first two faults, the steps lost were trained again, every loss equal to the bit.
-    assert faults[0]["replayed_steps"] > 0 and faults[1]["replayed_steps"] > 0, faults
     # A trainer killed: every rank comes back from its sidecar's memory.
     assert all(s == "memory" for s in faults[0]["sources"]), faults[0]
     # Every node killed: no memory survives; rank 0's flipped chunk comes from the store.
