@@ -194,6 +194,15 @@ fn write_job_tree(root: &Path) {
     std::fs::write(root.join("cold.bin"), pattern(1 << 20, 99)).unwrap();
 }
 
+/// The job tree built as `job:v1` (64 KiB chunks), and the images of `env` with an empty cache.
+fn job_image(env: &Env) -> Images {
+    let src = env.path("job");
+    write_job_tree(&src);
+    let images = env.images("cache-0");
+    env.build(&images, &src, "job:v1", 64 << 10);
+    images
+}
+
 /// Record on the first mount, prefetch on the second: demand fetches and stall drop to zero and
 /// every chunk read is a hit; after a rebuild that changes one hot file, only that file's chunks
 /// are fetched on demand.
@@ -400,10 +409,7 @@ fn record_then_prefetch_seaweedfs() {
 #[test]
 fn a_damaged_profile_costs_only_the_prefetch() {
     let env = Env::local();
-    let src = env.path("job");
-    write_job_tree(&src);
-    let images = env.images("cache-0");
-    env.build(&images, &src, "job:v1", 64 << 10);
+    let images = job_image(&env);
     let image = ImageRef::parse("job:v1").unwrap();
     let key = image.artifacts().profile_key();
     env.rt
@@ -429,10 +435,7 @@ fn a_damaged_profile_costs_only_the_prefetch() {
 #[test]
 fn a_first_mount_may_prefetch_the_whole_tree() {
     let env = Env::local();
-    let src = env.path("job");
-    write_job_tree(&src);
-    let images = env.images("cache-0");
-    env.build(&images, &src, "job:v1", 64 << 10);
+    let images = job_image(&env);
     let image = ImageRef::parse("job:v1").unwrap();
     let (_, tree) = env.rt.block_on(images.open(&image)).unwrap();
     let cfg = LazyConfig {
@@ -470,10 +473,7 @@ fn a_first_mount_may_prefetch_the_whole_tree() {
 #[test]
 fn a_mount_that_reads_nothing_leaves_the_profile_alone() {
     let env = Env::local();
-    let src = env.path("job");
-    write_job_tree(&src);
-    let images = env.images("cache-0");
-    env.build(&images, &src, "job:v1", 64 << 10);
+    let images = job_image(&env);
     let image = ImageRef::parse("job:v1").unwrap();
     let key = image.artifacts().profile_key();
     env.with_mount(&images, "job:v1", LazyConfig::default(), true, job);
@@ -494,10 +494,7 @@ fn a_mount_that_reads_nothing_leaves_the_profile_alone() {
 #[test]
 fn an_image_without_xattrs_says_it_has_none() {
     let env = Env::local();
-    let src = env.path("job");
-    write_job_tree(&src);
-    let images = env.images("cache-0");
-    env.build(&images, &src, "job:v1", 64 << 10);
+    let images = job_image(&env);
     env.with_mount(&images, "job:v1", LazyConfig::default(), true, |mp| {
         let path =
             std::ffi::CString::new(mp.join(HOT[0]).into_os_string().into_encoded_bytes()).unwrap();

@@ -220,11 +220,7 @@ impl Lazy {
     }
 
     /// Mounts every layer of `layers` that is not mounted.
-    pub async fn ensure(
-        &self,
-        snapshots: &Snapshots,
-        layers: Vec<LazyLayer>,
-    ) -> Result<(), Status> {
+    pub async fn ensure(&self, snapshots: &Snapshots, layers: &[LazyLayer]) -> Result<(), Status> {
         if layers.is_empty() {
             return Ok(());
         }

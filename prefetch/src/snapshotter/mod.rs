@@ -88,7 +88,7 @@ impl Service {
         }
         let key = key.to_string();
         let layers = lazy::blocking(&self.snapshots, move |s| s.lazy_layers(&key)).await?;
-        lazy.ensure(&self.snapshots, layers.clone()).await?;
+        lazy.ensure(&self.snapshots, &layers).await?;
         Ok(layers)
     }
 
@@ -122,8 +122,11 @@ impl Service {
     pub async fn mount_lazy_layers(&self) {
         if let Some(lazy) = &self.lazy {
             for layer in self.snapshots.all_lazy() {
-                let image = layer.image.clone();
-                if let Err(e) = lazy.ensure(&self.snapshots, vec![layer]).await {
+                let image = &layer.image;
+                if let Err(e) = lazy
+                    .ensure(&self.snapshots, std::slice::from_ref(&layer))
+                    .await
+                {
                     warn!(%image, error = %e.message(), "lazy layer not mounted at start");
                 }
             }
