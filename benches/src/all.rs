@@ -117,7 +117,7 @@ const BENCHES: &[Bench] = &[
     },
     Bench {
         name: "restart",
-        full: Runner::Own(&["restart", "--gib", "2", "--runs", "3"]),
+        full: Runner::Own(&["restart", "--gib", "2", "--runs", "3", "--cold"]),
         quick: Runner::Own(&[
             "restart", "--gib", "0.125", "--width", "1024", "--runs", "1",
         ]),

@@ -21,10 +21,14 @@
 //! **A replacement node that starts cold** (`--cold`): the job saved step 1 on node A (its
 //! sidecar: memory, disk, and a local-directory store) and, the same state, with
 //! torch.distributed.checkpoint's own FileSystemWriter (the path a user has without hotstart).
-//! Then new workers start on a node that holds nothing, each to its first step: through a new
-//! sidecar that fetches the shards from A's memory (a peer), through one that reads the store,
-//! and with DCP's FileSystemReader from the local disk, the page cache dropped before each. The
-//! environment phase (installing or restoring torch) is not in this run: see `env`.
+//! Then a new node, holding nothing (no venv, no caches, the page cache dropped), makes the
+//! job's environment (torch from `benches/env/torch.txt` and the hotstart package built from
+//! this checkout, about 5 GB) and resumes to its first step, three ways: `hotstart env ensure`
+//! restores the venv from the store and a new sidecar fetches the shards from A's memory (a
+//! peer); the same with a sidecar that reads the store; and what a user does without hotstart,
+//! `uv pip install` of the same lock (cold uv cache, the wheels on local disk) and DCP's
+//! FileSystemReader from the local disk. Each row is node start → every rank's first step done,
+//! with its phases.
 //!
 //! Needs the project's venv (`scripts/setup.sh`: torch and the built package), about
 //! `3 × nproc × gib` GiB of memory for each sidecar beside the workers' own, and root for the
@@ -251,10 +255,13 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         "--no-digest".into(),
     ];
     let state_bytes = 12 * depth * args.width * args.width / args.nproc as u64;
-    let label = format!(
-        "{} ranks × {:.2} GiB (FSDP2, AdamW, {depth} layers of {w}×{w})",
+    let size = format!(
+        "{} ranks × {:.2} GiB",
         args.nproc,
-        state_bytes as f64 / (1u64 << 30) as f64,
+        state_bytes as f64 / (1u64 << 30) as f64
+    );
+    let label = format!(
+        "{size} (FSDP2, AdamW, {depth} layers of {w}×{w})",
         w = args.width
     );
     eprintln!("restart: {label}, {} runs", args.runs);
@@ -313,21 +320,21 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
     let fmed = |f: &dyn Fn(&Floor) -> f64| median(floors.iter().map(|p| secs(f(p))).collect());
     let mut report = Report::new(&format!("restart: a PyTorch job under torchrun, {label}"));
     report.add(Row::time(
-        format!("process restart (kill -9 of a worker) → every rank's state loaded from the sidecar's memory, {label}"),
+        format!("process restart (kill -9 of a worker) → every rank's state loaded from the sidecar's memory, {size}"),
         med(&|p| p.until_loaded()),
         "floor: process start + import torch + group + model build + memcpy of the state",
         fmed(&|f| f.total()),
         Some(1.0 / 1.5),
     ));
     report.add(Row::time(
-        format!("process restart → first resumed step done, {label}"),
+        format!("process restart → first resumed step done, {size}"),
         med(&|p| p.until_loaded() + p.step),
         "the floor + one step of the same job, not interrupted",
         fmed(&|f| f.total()) + med(&|p| p.plain_step),
         None,
     ));
     report.add(Row::rate(
-        format!("state load (ck.load into the model's and optimizer's tensors, then set_state_dict), {label}"),
+        format!("state load (ck.load into the model's and optimizer's tensors, then set_state_dict), {size}"),
         state_bytes,
         med(&|p| p.load()),
         "memcpy of the same bytes into faulted memory, each rank at once",
@@ -340,7 +347,7 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
             &python,
             &model,
             state_bytes,
-            &label,
+            &size,
             base.path(),
             &mut report,
         )?;
@@ -374,24 +381,238 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
     report.finish(args.markdown.as_deref())
 }
 
-/// One cold start: process start → first step done, and the load phase alone.
+/// One replacement node, from the moment it starts to its first step: the environment phase
+/// (install or restore into the venv), torchrun starting the workers, the workers' start to
+/// their first step, and the state load alone.
 #[derive(Debug, Clone, Copy)]
 struct Cold {
+    env: f64,
+    launch: f64,
     to_step: f64,
     load: f64,
 }
 
 impl Cold {
-    fn of(t: &Timeline) -> anyhow::Result<Cold> {
+    /// `began` and `env_done`: unix times at which the node began and its environment was ready.
+    fn of(t: &Timeline, began: f64, env_done: f64) -> anyhow::Result<Cold> {
         ensure!(
             t.resumed == Some(1),
             "the cold start did not resume from step 1"
         );
+        let start = t.first("start", 0)?;
         Ok(Cold {
-            to_step: t.last("step", 0)? - t.first("start", 0)?,
+            env: env_done - began,
+            launch: start - env_done,
+            to_step: t.last("step", 0)? - start,
             load: t.last("loaded", 0)? - t.last("ready", 0)?,
         })
     }
+
+    /// From the node's start to every rank's first step done.
+    fn total(&self) -> f64 {
+        self.env + self.launch + self.to_step
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The job's environment on a new node: torch (from `benches/env/torch.txt`, a wheelhouse
+/// downloaded once by `scripts/wheelhouse.sh`) and the hotstart package built from this
+/// checkout, installed with uv or restored by `hotstart env ensure`.
+struct JobEnv {
+    lock: PathBuf,
+    target: PathBuf,
+    uv_cache: PathBuf,
+    install: Vec<String>,
+    runtime: tokio::runtime::Runtime,
+    store: hotstart_store::Store,
+    base: hotstart_snapshot::EnsureConfig,
+}
+
+impl JobEnv {
+    /// Downloads the wheelhouse, builds the package's wheel, and captures the venv that uv makes
+    /// into `store` (an `ensure` miss, not timed).
+    fn prepare(python: &Path, dir: &Path, store: &Path) -> anyhow::Result<JobEnv> {
+        let root = workspace();
+        let status = Command::new("bash")
+            .arg(root.join("scripts/wheelhouse.sh"))
+            .args(["torch", "benches/env/torch.txt"])
+            .current_dir(root)
+            .env("HOTSTART_WHEELHOUSE_PYTHON", python)
+            .status()?;
+        ensure!(status.success(), "scripts/wheelhouse.sh torch failed");
+        let wheels = dir.join("wheels");
+        let maturin = root.join(".venv/bin/maturin");
+        let uv = root.join(".venv/bin/uv");
+        ensure!(
+            maturin.exists() && uv.exists(),
+            "{} or {} is missing: run scripts/setup.sh",
+            maturin.display(),
+            uv.display()
+        );
+        let status = Command::new(&maturin)
+            .args(["build", "--release", "--quiet", "--out"])
+            .arg(&wheels)
+            .current_dir(root.join("bindings"))
+            .status()?;
+        ensure!(
+            status.success(),
+            "maturin build of the hotstart package failed"
+        );
+        let lock = dir.join("requirements.txt");
+        std::fs::write(
+            &lock,
+            format!(
+                "{}hotstart\n",
+                std::fs::read_to_string(root.join("benches/env/torch.txt"))?
+            ),
+        )?;
+        let target = dir.join("venv");
+        let uv_cache = dir.join("uv-cache");
+        let script = format!(
+            "export UV_CACHE_DIR='{cache}' && '{uv}' venv -q --python '{py}' '{t}' && '{uv}' pip \
+             install -q --offline --no-index --find-links '{wh}' --find-links '{wheels}' \
+             --python '{t}/bin/python' -r '{lock}'",
+            cache = uv_cache.display(),
+            uv = uv.display(),
+            py = python.display(),
+            t = target.display(),
+            wh = root.join(".cache/wheelhouse/torch").display(),
+            wheels = wheels.display(),
+            lock = lock.display()
+        );
+        let install = vec!["sh".to_string(), "-c".into(), script];
+        let mut base = hotstart_snapshot::EnsureConfig::new(
+            vec![lock.clone()],
+            target.clone(),
+            install.clone(),
+        );
+        base.python = python.display().to_string();
+        base.cache_dir = dir.join("env-capture");
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let store = hotstart_store::Store::open(&store.display().to_string())?;
+        let env = JobEnv {
+            lock,
+            target,
+            uv_cache,
+            install,
+            runtime,
+            store,
+            base,
+        };
+        let hotstart_snapshot::Action::Installed {
+            install_seconds,
+            capture,
+        } = env.ensure(&env.base.cache_dir)?
+        else {
+            bail!("the first ensure of the job's venv should install it");
+        };
+        let captured = capture
+            .as_ref()
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        eprintln!(
+            "  the job's venv: installed by uv in {install_seconds:.2} s, captured in {:.2} s \
+             ({} files, {:.2} GB)",
+            captured.seconds,
+            captured.record.files,
+            captured.record.bytes as f64 / 1e9
+        );
+        Ok(env)
+    }
+
+    fn ensure(&self, cache: &Path) -> anyhow::Result<hotstart_snapshot::Action> {
+        let mut cfg = self.base.clone();
+        cfg.cache_dir = cache.to_path_buf();
+        Ok(self
+            .runtime
+            .block_on(hotstart_snapshot::ensure(&self.store, &cfg))?
+            .action)
+    }
+
+    /// A node that holds nothing: no venv, no caches, the page cache dropped.
+    fn clear(&self, node: &Path) -> anyhow::Result<()> {
+        for dir in [&self.target, &self.uv_cache, &node.to_path_buf()] {
+            match std::fs::remove_dir_all(dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("remove {}", dir.display()));
+                }
+                _ => {}
+            }
+        }
+        drop_page_cache().context("drop the page cache (needs root)")
+    }
+
+    /// uv installs the lock into the venv, cold cache.
+    fn install(&self) -> anyhow::Result<()> {
+        let out = Command::new(&self.install[0])
+            .args(&self.install[1..])
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "uv install of {}: {}",
+            self.lock.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// `hotstart env ensure` restores the venv, with an empty chunk cache at `cache`.
+    fn restore(&self, cache: &Path) -> anyhow::Result<()> {
+        let action = self.ensure(cache)?;
+        ensure!(
+            matches!(action, hotstart_snapshot::Action::Restored(_)),
+            "expected a restore, got {action:?}"
+        );
+        Ok(())
+    }
+
+    /// `hotstart env ensure --lazy` mounts the venv, with an empty chunk cache at `cache`; the
+    /// mount serves until `unmount`, which also merges this start's reads into the profile.
+    fn mount(&self, cache: &Path) -> anyhow::Result<hotstart_snapshot::MountedEnv> {
+        let mut cfg = self.base.clone();
+        cfg.cache_dir = cache.to_path_buf();
+        let hotstart_snapshot::LazyOutcome::Mounted(mounted) = self.runtime.block_on(
+            hotstart_snapshot::ensure_lazy(&self.store, &cfg, hotstart_snapshot::lazy_config()),
+        )?
+        else {
+            bail!("expected a lazy mount of the job's venv");
+        };
+        Ok(mounted)
+    }
+
+    /// Unmounts a lazy venv; the fraction of its bytes that were fetched.
+    fn unmount(&self, mounted: hotstart_snapshot::MountedEnv) -> anyhow::Result<f64> {
+        let done = self.runtime.block_on(mounted.unmount())?;
+        let r = &done.report;
+        Ok((r.prefetched_bytes + r.demand_fetch_bytes) as f64 / done.bytes.max(1) as f64)
+    }
+
+    fn python(&self) -> PathBuf {
+        self.target.join("bin/python")
+    }
+}
+
+/// `12–14%`: the range of the lazy venv's fetched fractions.
+fn fetched_range(fractions: &[f64]) -> String {
+    let lo = fractions.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = fractions.iter().copied().fold(0.0, f64::max);
+    format!("{:.0}–{:.0}%", lo * 100.0, hi * 100.0)
+}
+
+/// How a new node makes the job's environment.
+#[derive(Clone, Copy)]
+enum MakeEnv {
+    Uv,
+    Restore,
+    Lazy,
 }
 
 /// The replacement-node rows (see the module docs).
@@ -400,7 +621,7 @@ fn cold(
     python: &Path,
     model: &[String],
     state_bytes: u64,
-    label: &str,
+    size: &str,
     base: &Path,
     report: &mut Report,
 ) -> anyhow::Result<()> {
@@ -408,6 +629,8 @@ fn cold(
     std::fs::create_dir_all(&dir)?;
     let budget = (3.0 * args.nproc as f64 * state_bytes as f64) as u64 + (256 << 20);
     let store = dir.join("store");
+    let env = JobEnv::prepare(python, &dir, &store)?;
+    std::fs::remove_dir_all(&env.base.cache_dir)?;
     let mut a_settings = settings("node-a", &dir, budget)?;
     a_settings.store = Some(store.display().to_string());
     a_settings.disk_dir = Some(dir.join("a-disk"));
@@ -435,57 +658,112 @@ fn cold(
         &job(&["--steps", "1", "--save-every", "1", "--torch-dcp", &dcp]),
     )?;
 
-    let resume = |how: &[&str]| -> anyhow::Result<Cold> {
-        drop_page_cache().context("drop the page cache (needs root)")?;
+    // A new node: nothing local, page cache dropped; its environment made by `make_env`, then
+    // the job resumed from the venv.
+    let node = dir.join("node");
+    let fetched = std::cell::RefCell::new(Vec::new());
+    let resume = |make: MakeEnv, how: &[&str]| -> anyhow::Result<Cold> {
+        env.clear(&node)?;
+        let began = unix_now();
+        let mounted = match make {
+            MakeEnv::Uv => env.install().map(|()| None)?,
+            MakeEnv::Restore => env.restore(&node).map(|()| None)?,
+            MakeEnv::Lazy => Some(env.mount(&node)?),
+        };
+        let env_done = unix_now();
         let mut extra = vec!["--steps", "2", "--save-every", "0"];
         extra.extend_from_slice(how);
-        Cold::of(&Timeline::parse(&torchrun(
-            python,
-            args.nproc,
-            0,
-            &job(&extra),
-        )?))
+        let out = torchrun(&env.python(), args.nproc, 0, &job(&extra));
+        if let Some(mounted) = mounted {
+            fetched.borrow_mut().push(env.unmount(mounted)?);
+        }
+        Cold::of(&Timeline::parse(&out?), began, env_done)
     };
-    let (mut peer, mut from_store, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
-    for run in 0..args.runs {
-        // A new node each time: a sidecar with nothing in memory and no disk tier.
-        let b_dir = dir.join(format!("b-{run}"));
+    // Peers' sidecars with nothing in memory and no disk tier: B's only peer is A, C reads the
+    // store.
+    let peer_of_a = |name: &str| -> anyhow::Result<Running> {
+        let b_dir = dir.join(name);
         std::fs::create_dir_all(&b_dir)?;
         let mut b_settings = settings("node-b", &b_dir, budget)?;
         b_settings.peers = Some(vec![format!("node-a={}", a.peer)]);
-        let b = Running::start(b_settings)?;
-        peer.push(resume(&["--sidecar", &b.socket.display().to_string()])?);
+        Running::start(b_settings)
+    };
+    // The lazy venv's profile: one lazy start before any is timed.
+    {
+        let b = peer_of_a("b-record")?;
+        resume(
+            MakeEnv::Lazy,
+            &["--sidecar", &b.socket.display().to_string()],
+        )?;
+        fetched.borrow_mut().clear();
+    }
+    let mut lazy = Vec::new();
+    let (mut peer, mut from_store, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..args.runs {
+        theirs.push(resume(MakeEnv::Uv, &["--torch-dcp", &dcp])?);
+        let b = peer_of_a(&format!("b-{run}"))?;
+        peer.push(resume(
+            MakeEnv::Restore,
+            &["--sidecar", &b.socket.display().to_string()],
+        )?);
+        drop(b);
+        let b = peer_of_a(&format!("b-lazy-{run}"))?;
+        lazy.push(resume(
+            MakeEnv::Lazy,
+            &["--sidecar", &b.socket.display().to_string()],
+        )?);
         drop(b);
         let c_dir = dir.join(format!("c-{run}"));
         std::fs::create_dir_all(&c_dir)?;
         let mut c_settings = settings("node-c", &c_dir, budget)?;
         c_settings.store = Some(store.display().to_string());
         let c = Running::start(c_settings)?;
-        from_store.push(resume(&["--sidecar", &c.socket.display().to_string()])?);
+        from_store.push(resume(
+            MakeEnv::Restore,
+            &["--sidecar", &c.socket.display().to_string()],
+        )?);
         drop(c);
-        theirs.push(resume(&["--torch-dcp", &dcp])?);
         eprintln!(
-            "  cold run {run}: peer {:?}, store {:?}, DCP {:?}",
-            peer[run], from_store[run], theirs[run]
+            "  cold run {run}: peer {:?}, lazy venv + peer {:?} (fetched {:.1}%), store {:?}, uv + DCP {:?}",
+            peer[run],
+            lazy[run],
+            fetched.borrow().last().copied().unwrap_or(0.0) * 100.0,
+            from_store[run],
+            theirs[run]
         );
     }
     drop(a);
+    env.clear(&node)?;
     let secs = Duration::from_secs_f64;
     let med = |v: &[Cold], f: fn(&Cold) -> f64| median(v.iter().map(|c| secs(f(c))).collect());
     let dcp_peer = "DCP FileSystemReader from the local disk, cold page cache";
-    for (name, ours) in [
-        ("a peer's memory", &peer),
-        ("the store (a local directory)", &from_store),
+    let theirs_total = "uv pip install (cold cache, local wheelhouse) + DCP FileSystemReader \
+                        from the local disk";
+    for (venv, name, ours) in [
+        ("restored (env ensure)", "a peer's memory", &peer),
+        (
+            "mounted lazily (env ensure --lazy)",
+            "a peer's memory",
+            &lazy,
+        ),
+        (
+            "restored (env ensure)",
+            "the store (a local directory)",
+            &from_store,
+        ),
     ] {
         report.add(Row::time(
-            format!("new node, cold: process start → first step done, state from {name}, {label}"),
-            med(ours, |c| c.to_step),
-            dcp_peer,
-            med(&theirs, |c| c.to_step),
-            None,
+            format!("new node: start → first step done, venv {venv}, state from {name}, {size}"),
+            med(ours, Cold::total),
+            theirs_total,
+            med(&theirs, Cold::total),
+            Some(5.0),
         ));
+        if std::ptr::eq(ours, &lazy) {
+            continue;
+        }
         report.add(Row::rate(
-            format!("new node, cold: the state load, from {name}, {label}"),
+            format!("new node: the state load from {name}, {size}"),
             state_bytes,
             med(ours, |c| c.load),
             dcp_peer,
@@ -493,12 +771,36 @@ fn cold(
             None,
         ));
     }
+    let ms = |v: &[Cold], f: fn(&Cold) -> f64| format!("{:.0}", med(v, f).as_secs_f64() * 1e3);
+    let phases = |v: &[Cold]| {
+        format!(
+            "environment {} + torchrun starting the workers {} + workers' start → first step {} \
+             (of which the state load {})",
+            ms(v, |c| c.env),
+            ms(v, |c| c.launch),
+            ms(v, |c| c.to_step),
+            ms(v, |c| c.load)
+        )
+    };
+    report.note(format!(
+        "New-node phases, medians in ms: hotstart, state from a peer: {}; the same with the venv \
+         mounted lazily: {}; hotstart, state from the store: {}; uv + DCP: {}. The lazy venv \
+         fetched {} of its bytes, replaying the profile of one earlier lazy start.",
+        phases(&peer),
+        phases(&lazy),
+        phases(&from_store),
+        phases(&theirs),
+        fetched_range(&fetched.borrow())
+    ));
     report.note(
         "New-node rows: step 1 was saved on node A (sidecar with memory, disk and a local-directory \
-         store) and with torch's own DCP FileSystemWriter; each cold start resumes it on a node \
-         holding nothing (a new sidecar whose only peer is A, or whose store is A's store), page \
-         cache dropped first. The environment phase (torch's 4.2 GB venv) is not in this run: see \
-         the env benchmark for restores against pip and uv.",
+         store) and with torch's own DCP FileSystemWriter. Each new node starts with no venv, no \
+         chunk or uv cache and the page cache dropped, makes the job's venv (torch and the \
+         hotstart package, 5 GB; the wheelhouse on local disk, the snapshot in the same \
+         local-directory store) and resumes step 1 from that venv: through a new sidecar whose \
+         only peer is A, through one that reads A's store, or with DCP's FileSystemReader from \
+         the local disk. No emulated link: store, wheelhouse and DCP files are all on this \
+         machine's disk.",
     );
     Ok(())
 }
