@@ -842,4 +842,25 @@ noise
         assert!(close(p.until_loaded(), 6.8));
         assert!(Floor::of(&t).is_err(), "no floor-copy line");
     }
+
+    #[test]
+    fn a_cold_start_counts_from_the_node_start() {
+        let out = "\
+at start 110.5 rank 1 attempt 0
+at start 110.0 rank 0 attempt 0
+at ready 113.0 rank 0 attempt 0
+at ready 113.5 rank 1 attempt 0
+at loaded 115.0 rank 0 attempt 0
+at loaded 116.0 rank 1 attempt 0
+at step 118.0 rank 0 attempt 0
+at step 119.0 rank 1 attempt 0
+resumed 1 in 6.0 s (world 2)
+";
+        let c = Cold::of(&Timeline::parse(out), 100.0, 107.0).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(c.env, 7.0) && close(c.launch, 3.0) && close(c.to_step, 9.0));
+        assert!(close(c.load, 2.5) && close(c.total(), 19.0));
+        let other_step = out.replace("resumed 1", "resumed 0");
+        assert!(Cold::of(&Timeline::parse(&other_step), 100.0, 107.0).is_err());
+    }
 }
