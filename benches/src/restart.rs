@@ -25,7 +25,9 @@
 //! job's environment (torch from `benches/env/torch.txt` and the hotstart package built from
 //! this checkout, about 5 GB) and resumes to its first step, three ways: `hotstart env ensure`
 //! restores the venv from the store and a new sidecar fetches the shards from A's memory (a
-//! peer); the same with a sidecar that reads the store; and what a user does without hotstart,
+//! peer); the same with the venv mounted lazily (`env ensure --lazy`, replaying the profile of
+//! one earlier lazy start); the same with a sidecar whose disk tier is a copy of A's (a node
+//! that came back with its disk) or that reads the store; and what a user does without hotstart,
 //! `uv pip install` of the same lock (cold uv cache, the wheels on local disk) and DCP's
 //! FileSystemReader from the local disk. Each row is node start → every rank's first step done,
 //! with its phases.
@@ -617,6 +619,14 @@ fn fetched_range(fractions: &[f64]) -> String {
     format!("{:.0}–{:.0}%", lo * 100.0, hi * 100.0)
 }
 
+/// Where a new node's sidecar finds the state.
+#[derive(Clone, Copy)]
+enum Source {
+    Peer,
+    Disk,
+    Store,
+}
+
 /// How a new node makes the job's environment.
 #[derive(Clone, Copy)]
 enum MakeEnv {
@@ -689,57 +699,71 @@ fn cold(
         }
         Cold::of(&Timeline::parse(&out?), began, env_done)
     };
-    // Peers' sidecars with nothing in memory and no disk tier: B's only peer is A, C reads the
-    // store.
-    let peer_of_a = |name: &str| -> anyhow::Result<Running> {
-        let b_dir = dir.join(name);
-        std::fs::create_dir_all(&b_dir)?;
-        let mut b_settings = settings("node-b", &b_dir, budget)?;
-        b_settings.peers = Some(vec![format!("node-a={}", a.peer)]);
-        Running::start(b_settings)
+    // A node that comes back with its disk keeps its disk tier: a copy of A's, made once.
+    let kept_disk = dir.join("kept-disk");
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(dir.join("a-disk"))
+        .arg(&kept_disk)
+        .status()?;
+    ensure!(status.success(), "copy A's disk tier");
+    // The new node's sidecar: nothing in memory, and only the one source of the state.
+    let sidecar = |source: Source, name: &str| -> anyhow::Result<Running> {
+        let node_dir = dir.join(name);
+        std::fs::create_dir_all(&node_dir)?;
+        let mut s = settings("node-new", &node_dir, budget)?;
+        match source {
+            Source::Peer => s.peers = Some(vec![format!("node-a={}", a.peer)]),
+            Source::Disk => s.disk_dir = Some(kept_disk.clone()),
+            Source::Store => s.store = Some(store.display().to_string()),
+        }
+        Running::start(s)
     };
-    // The lazy venv's profile: one lazy start before any is timed.
-    {
-        let b = peer_of_a("b-record")?;
-        resume(
+    let from = |make: MakeEnv, source: Source, name: &str| -> anyhow::Result<Cold> {
+        let new_node = sidecar(source, name)?;
+        resume(make, &["--sidecar", &new_node.socket.display().to_string()])
+    };
+    let variants = [
+        (
+            MakeEnv::Restore,
+            Source::Peer,
+            "restored (env ensure)",
+            "a peer's memory",
+        ),
+        (
             MakeEnv::Lazy,
-            &["--sidecar", &b.socket.display().to_string()],
-        )?;
-        fetched.borrow_mut().clear();
-    }
-    let mut lazy = Vec::new();
-    let (mut peer, mut from_store, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
+            Source::Peer,
+            "mounted lazily (env ensure --lazy)",
+            "a peer's memory",
+        ),
+        (
+            MakeEnv::Restore,
+            Source::Disk,
+            "restored (env ensure)",
+            "the node's own disk tier, kept",
+        ),
+        (
+            MakeEnv::Restore,
+            Source::Store,
+            "restored (env ensure)",
+            "the store (a local directory)",
+        ),
+    ];
+    // The lazy venv's profile: one lazy start before any is timed.
+    from(MakeEnv::Lazy, Source::Peer, "record")?;
+    fetched.borrow_mut().clear();
+    let mut ours: Vec<Vec<Cold>> = vec![Vec::new(); variants.len()];
+    let mut theirs = Vec::new();
     for run in 0..args.runs {
         theirs.push(resume(MakeEnv::Uv, &["--torch-dcp", &dcp])?);
-        let b = peer_of_a(&format!("b-{run}"))?;
-        peer.push(resume(
-            MakeEnv::Restore,
-            &["--sidecar", &b.socket.display().to_string()],
-        )?);
-        drop(b);
-        let b = peer_of_a(&format!("b-lazy-{run}"))?;
-        lazy.push(resume(
-            MakeEnv::Lazy,
-            &["--sidecar", &b.socket.display().to_string()],
-        )?);
-        drop(b);
-        let c_dir = dir.join(format!("c-{run}"));
-        std::fs::create_dir_all(&c_dir)?;
-        let mut c_settings = settings("node-c", &c_dir, budget)?;
-        c_settings.store = Some(store.display().to_string());
-        let c = Running::start(c_settings)?;
-        from_store.push(resume(
-            MakeEnv::Restore,
-            &["--sidecar", &c.socket.display().to_string()],
-        )?);
-        drop(c);
+        for (i, (make, source, ..)) in variants.iter().enumerate() {
+            ours[i].push(from(*make, *source, &format!("new-{run}-{i}"))?);
+        }
         eprintln!(
-            "  cold run {run}: peer {:?}, lazy venv + peer {:?} (fetched {:.1}%), store {:?}, uv + DCP {:?}",
-            peer[run],
-            lazy[run],
+            "  cold run {run}: uv + DCP {:?}; {:?} (the lazy venv fetched {:.1}%)",
+            theirs[run],
+            ours.iter().map(|v| v[run]).collect::<Vec<_>>(),
             fetched.borrow().last().copied().unwrap_or(0.0) * 100.0,
-            from_store[run],
-            theirs[run]
         );
     }
     drop(a);
@@ -749,19 +773,7 @@ fn cold(
     let dcp_peer = "DCP FileSystemReader from the local disk, cold page cache";
     let theirs_total = "uv pip install (cold cache, local wheelhouse) + DCP FileSystemReader \
                         from the local disk";
-    for (venv, name, ours) in [
-        ("restored (env ensure)", "a peer's memory", &peer),
-        (
-            "mounted lazily (env ensure --lazy)",
-            "a peer's memory",
-            &lazy,
-        ),
-        (
-            "restored (env ensure)",
-            "the store (a local directory)",
-            &from_store,
-        ),
-    ] {
+    for ((make, _, venv, name), ours) in variants.iter().zip(&ours) {
         report.add(Row::time(
             format!("new node: start → first step done, venv {venv}, state from {name}, {size}"),
             med(ours, Cold::total),
@@ -769,17 +781,16 @@ fn cold(
             med(&theirs, Cold::total),
             Some(5.0),
         ));
-        if std::ptr::eq(ours, &lazy) {
-            continue;
+        if matches!(make, MakeEnv::Restore) {
+            report.add(Row::rate(
+                format!("new node: the state load from {name}, {size}"),
+                state_bytes,
+                med(ours, |c| c.load),
+                dcp_peer,
+                med(&theirs, |c| c.load),
+                None,
+            ));
         }
-        report.add(Row::rate(
-            format!("new node: the state load from {name}, {size}"),
-            state_bytes,
-            med(ours, |c| c.load),
-            dcp_peer,
-            med(&theirs, |c| c.load),
-            None,
-        ));
     }
     let ms = |v: &[Cold], f: fn(&Cold) -> f64| format!("{:.0}", med(v, f).as_secs_f64() * 1e3);
     let phases = |v: &[Cold]| {
@@ -792,13 +803,15 @@ fn cold(
             ms(v, |c| c.load)
         )
     };
+    let ours_phases = variants
+        .iter()
+        .zip(&ours)
+        .map(|((_, _, venv, name), v)| format!("venv {venv}, state from {name}: {}", phases(v)))
+        .collect::<Vec<_>>()
+        .join("; ");
     report.note(format!(
-        "New-node phases, medians in ms: hotstart, state from a peer: {}; the same with the venv \
-         mounted lazily: {}; hotstart, state from the store: {}; uv + DCP: {}. The lazy venv \
-         fetched {} of its bytes, replaying the profile of one earlier lazy start.",
-        phases(&peer),
-        phases(&lazy),
-        phases(&from_store),
+        "New-node phases, medians in ms: {ours_phases}; uv + DCP: {}. The lazy venv fetched {} \
+         of its bytes, replaying the profile of one earlier lazy start.",
         phases(&theirs),
         fetched_range(&fetched.borrow())
     ));
@@ -808,7 +821,8 @@ fn cold(
          chunk or uv cache and the page cache dropped, makes the job's venv (torch and the \
          hotstart package, 5 GB; the wheelhouse on local disk, the snapshot in the same \
          local-directory store) and resumes step 1 from that venv: through a new sidecar whose \
-         only peer is A, through one that reads A's store, or with DCP's FileSystemReader from \
+         only peer is A, through one whose disk tier is a copy of A's (a node that came back \
+         with its disk), through one that reads A's store, or with DCP's FileSystemReader from \
          the local disk. No emulated link: store, wheelhouse and DCP files are all on this \
          machine's disk.",
     );
