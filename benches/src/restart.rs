@@ -203,7 +203,7 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// Runs train.py under torchrun with `args`; its stdout.
+/// Runs train.py under torchrun with `args`; its stdout, then its stderr.
 fn torchrun(python: &Path, nproc: u32, restarts: u32, args: &[String]) -> anyhow::Result<String> {
     let train = workspace().join("examples/torchrun/train.py");
     let out = Command::new(python)
@@ -219,16 +219,18 @@ fn torchrun(python: &Path, nproc: u32, restarts: u32, args: &[String]) -> anyhow
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("run {} -m torch.distributed.run", python.display()))?;
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
-        bail!(
-            "torchrun {}: {}\n{stdout}\n{}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(stdout)
+    let output = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        out.status.success(),
+        "torchrun {}: {}\n{output}",
+        args.join(" "),
+        out.status
+    );
+    Ok(output)
 }
 
 pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
@@ -303,11 +305,12 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
             "--sidecar".into(),
             sidecar.socket.display().to_string(),
         ]);
-        let timeline = Timeline::parse(&torchrun(&python, args.nproc, 1, &job)?);
+        let output = torchrun(&python, args.nproc, 1, &job)?;
+        let timeline = Timeline::parse(&output);
         drop(sidecar);
         ensure!(
             timeline.resumed == Some(1),
-            "the restarted job did not resume from step 1 (it said {:?})",
+            "the restarted job did not resume from step 1 (it said {:?}):\n{output}",
             timeline.resumed
         );
         let phases = Phases::of(&timeline)?;
@@ -540,13 +543,17 @@ impl JobEnv {
         Ok(env)
     }
 
-    fn ensure(&self, cache: &Path) -> anyhow::Result<hotstart_snapshot::Action> {
+    /// The `ensure` of this venv on a node whose chunk cache is `cache`.
+    fn cfg(&self, cache: &Path) -> hotstart_snapshot::EnsureConfig {
         let mut cfg = self.base.clone();
         cfg.cache_dir = cache.to_path_buf();
-        Ok(self
-            .runtime
-            .block_on(hotstart_snapshot::ensure(&self.store, &cfg))?
-            .action)
+        cfg
+    }
+
+    fn ensure(&self, cache: &Path) -> anyhow::Result<hotstart_snapshot::Action> {
+        let cfg = self.cfg(cache);
+        let ensure = hotstart_snapshot::ensure(&self.store, &cfg);
+        Ok(self.runtime.block_on(ensure)?.action)
     }
 
     /// A node that holds nothing: no venv, no caches, the page cache dropped.
@@ -589,12 +596,10 @@ impl JobEnv {
     /// `hotstart env ensure --lazy` mounts the venv, with an empty chunk cache at `cache`; the
     /// mount serves until `unmount`, which also merges this start's reads into the profile.
     fn mount(&self, cache: &Path) -> anyhow::Result<hotstart_snapshot::MountedEnv> {
-        let mut cfg = self.base.clone();
-        cfg.cache_dir = cache.to_path_buf();
-        let hotstart_snapshot::LazyOutcome::Mounted(mounted) = self.runtime.block_on(
-            hotstart_snapshot::ensure_lazy(&self.store, &cfg, hotstart_snapshot::lazy_config()),
-        )?
-        else {
+        let cfg = self.cfg(cache);
+        let lazy =
+            hotstart_snapshot::ensure_lazy(&self.store, &cfg, hotstart_snapshot::lazy_config());
+        let hotstart_snapshot::LazyOutcome::Mounted(mounted) = self.runtime.block_on(lazy)? else {
             bail!("expected a lazy mount of the job's venv");
         };
         Ok(mounted)
@@ -678,7 +683,7 @@ fn cold(
         &job(&["--steps", "1", "--save-every", "1", "--torch-dcp", &dcp]),
     )?;
 
-    // A new node: nothing local, page cache dropped; its environment made by `make_env`, then
+    // A new node: nothing local, page cache dropped; its environment made as `make` says, then
     // the job resumed from the venv.
     let node = dir.join("node");
     let fetched = std::cell::RefCell::new(Vec::new());

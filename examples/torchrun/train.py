@@ -28,7 +28,8 @@ keys get a prefix per attempt (`init_group`); without it they can find the dead 
 addresses there and hang or fail to connect.
 
 `--kill-rank R --kill-step K` makes rank R kill itself with SIGKILL after step K on the first
-attempt (TORCHELASTIC_RESTART_COUNT 0): the fault the tests inject.
+attempt (TORCHELASTIC_RESTART_COUNT 0), once every rank has staged its save of step K: the
+fault the tests inject.
 
 `--torch-dcp DIR` is the baseline a user has without hotstart: torch.distributed.checkpoint's own
 FileSystemWriter and FileSystemReader, one directory per step (DIR/step-N).
@@ -289,10 +290,14 @@ def main() -> None:
                 assert ck is not None
                 # Waits only until the shards are in the sidecar's memory.
                 ck.save(step, {"model": locals_of(model_sd), "optim": locals_of(optim_sd)}).wait_staged()
-        if (rank == args.kill_rank and step == args.kill_step
-                and attempt == "0"):
-            mark("kill")
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.kill_step and attempt == "0" and args.kill_rank >= 0:
+            # Every rank's save of this step is staged before the kill: otherwise torchrun can
+            # stop another rank mid-copy, its torn save is (rightly) dropped, and the job goes
+            # back to the step before, or starts over.
+            dist.barrier()
+            if rank == args.kill_rank:
+                mark("kill")
+                os.kill(os.getpid(), signal.SIGKILL)
 
     if ck is not None:
         ck.wait()
