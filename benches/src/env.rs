@@ -174,11 +174,7 @@ impl Setup {
     }
 
     fn links(&self) -> String {
-        self.find_links
-            .iter()
-            .map(|d| format!("--find-links '{}'", d.display()))
-            .collect::<Vec<_>>()
-            .join(" ")
+        find_links(&self.find_links)
     }
 
     /// The pip install, as the command `ensure` runs on a miss.
@@ -194,9 +190,42 @@ impl Setup {
         vec!["sh".into(), "-c".into(), script]
     }
 
-    /// uv's install with its cache in `cache`, as a shell command; `compile` adds
-    /// `--compile-bytecode`, which makes the `.pyc` files pip makes by default.
+    /// uv's install (see [`Uv::install`]).
     fn uv(&self, target: &Path, lock: &Path, cache: &Path, compile: bool) -> Vec<String> {
+        let uv = Uv {
+            uv: &self.uv,
+            python: &self.python,
+            find_links: &self.find_links,
+        };
+        uv.install(target, lock, cache, compile)
+    }
+}
+
+/// `--find-links 'DIR'` for each wheelhouse.
+fn find_links(dirs: &[PathBuf]) -> String {
+    dirs.iter()
+        .map(|d| format!("--find-links '{}'", d.display()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// uv, making venvs from `python` out of the wheelhouses `find_links` only.
+pub(crate) struct Uv<'a> {
+    pub(crate) uv: &'a Path,
+    pub(crate) python: &'a Path,
+    pub(crate) find_links: &'a [PathBuf],
+}
+
+impl Uv<'_> {
+    /// A new venv at `target` with `lock` installed, uv's cache in `cache`, as a shell command;
+    /// `compile` adds `--compile-bytecode`, which makes the `.pyc` files pip makes by default.
+    pub(crate) fn install(
+        &self,
+        target: &Path,
+        lock: &Path,
+        cache: &Path,
+        compile: bool,
+    ) -> Vec<String> {
         let script = format!(
             "export UV_CACHE_DIR='{cache}' && '{uv}' venv -q --python '{py}' '{t}' && '{uv}' pip \
              install -q --offline --no-index {compile}{links} --python '{t}/bin/python' -r '{lock}'",
@@ -205,7 +234,7 @@ impl Setup {
             py = self.python.display(),
             t = target.display(),
             compile = if compile { "--compile-bytecode " } else { "" },
-            links = self.links(),
+            links = find_links(self.find_links),
             lock = lock.display()
         );
         vec!["sh".into(), "-c".into(), script]

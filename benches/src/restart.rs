@@ -405,6 +405,8 @@ struct Cold {
     launch: f64,
     to_step: f64,
     load: f64,
+    /// The fraction of a lazily mounted venv's bytes that were fetched.
+    fetched: Option<f64>,
 }
 
 impl Cold {
@@ -420,6 +422,7 @@ impl Cold {
             launch: start - env_done,
             to_step: t.last("step", 0)? - start,
             load: t.last("loaded", 0)? - t.last("ready", 0)?,
+            fetched: None,
         })
     }
 
@@ -488,19 +491,13 @@ impl JobEnv {
         )?;
         let target = dir.join("venv");
         let uv_cache = dir.join("uv-cache");
-        let script = format!(
-            "export UV_CACHE_DIR='{cache}' && '{uv}' venv -q --python '{py}' '{t}' && '{uv}' pip \
-             install -q --offline --no-index --find-links '{wh}' --find-links '{wheels}' \
-             --python '{t}/bin/python' -r '{lock}'",
-            cache = uv_cache.display(),
-            uv = uv.display(),
-            py = python.display(),
-            t = target.display(),
-            wh = root.join(".cache/wheelhouse/torch").display(),
-            wheels = wheels.display(),
-            lock = lock.display()
-        );
-        let install = vec!["sh".to_string(), "-c".into(), script];
+        let links = [root.join(".cache/wheelhouse/torch"), wheels];
+        let uv = crate::env::Uv {
+            uv: &uv,
+            python,
+            find_links: &links,
+        };
+        let install = uv.install(&target, &lock, &uv_cache, false);
         let mut base = hotstart_snapshot::EnsureConfig::new(
             vec![lock.clone()],
             target.clone(),
@@ -540,6 +537,7 @@ impl JobEnv {
             captured.record.files,
             captured.record.bytes as f64 / 1e9
         );
+        std::fs::remove_dir_all(&env.base.cache_dir)?;
         Ok(env)
     }
 
@@ -617,10 +615,11 @@ impl JobEnv {
     }
 }
 
-/// `12–14%`: the range of the lazy venv's fetched fractions.
-fn fetched_range(fractions: &[f64]) -> String {
-    let lo = fractions.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = fractions.iter().copied().fold(0.0, f64::max);
+/// `12–14%`: the range of the fractions that lazy venvs fetched.
+fn fetched_range(starts: &[Cold]) -> String {
+    let fractions = starts.iter().filter_map(|c| c.fetched);
+    let lo = fractions.clone().fold(f64::INFINITY, f64::min);
+    let hi = fractions.fold(0.0, f64::max);
     format!("{:.0}–{:.0}%", lo * 100.0, hi * 100.0)
 }
 
@@ -655,7 +654,6 @@ fn cold(
     let budget = (3.0 * args.nproc as f64 * state_bytes as f64) as u64 + (256 << 20);
     let store = dir.join("store");
     let env = JobEnv::prepare(python, &dir, &store)?;
-    std::fs::remove_dir_all(&env.base.cache_dir)?;
     let mut a_settings = settings("node-a", &dir, budget)?;
     a_settings.store = Some(store.display().to_string());
     a_settings.disk_dir = Some(dir.join("a-disk"));
@@ -686,7 +684,6 @@ fn cold(
     // A new node: nothing local, page cache dropped; its environment made as `make` says, then
     // the job resumed from the venv.
     let node = dir.join("node");
-    let fetched = std::cell::RefCell::new(Vec::new());
     let resume = |make: MakeEnv, how: &[&str]| -> anyhow::Result<Cold> {
         env.clear(&node)?;
         let began = unix_now();
@@ -699,10 +696,11 @@ fn cold(
         let mut extra = vec!["--steps", "2", "--save-every", "0"];
         extra.extend_from_slice(how);
         let out = torchrun(&env.python(), args.nproc, 0, &job(&extra));
-        if let Some(mounted) = mounted {
-            fetched.borrow_mut().push(env.unmount(mounted)?);
-        }
-        Cold::of(&Timeline::parse(&out?), began, env_done)
+        let fetched = mounted.map(|m| env.unmount(m)).transpose()?;
+        Ok(Cold {
+            fetched,
+            ..Cold::of(&Timeline::parse(&out?), began, env_done)?
+        })
     };
     // A node that comes back with its disk keeps its disk tier: a copy of A's, made once.
     let kept_disk = dir.join("kept-disk");
@@ -756,7 +754,6 @@ fn cold(
     ];
     // The lazy venv's profile: one lazy start before any is timed.
     from(MakeEnv::Lazy, Source::Peer, "record")?;
-    fetched.borrow_mut().clear();
     let mut ours: Vec<Vec<Cold>> = vec![Vec::new(); variants.len()];
     let mut theirs = Vec::new();
     for run in 0..args.runs {
@@ -765,10 +762,9 @@ fn cold(
             ours[i].push(from(*make, *source, &format!("new-{run}-{i}"))?);
         }
         eprintln!(
-            "  cold run {run}: uv + DCP {:?}; {:?} (the lazy venv fetched {:.1}%)",
+            "  cold run {run}: uv + DCP {:?}; {:?}",
             theirs[run],
             ours.iter().map(|v| v[run]).collect::<Vec<_>>(),
-            fetched.borrow().last().copied().unwrap_or(0.0) * 100.0,
         );
     }
     drop(a);
@@ -818,7 +814,7 @@ fn cold(
         "New-node phases, medians in ms: {ours_phases}; uv + DCP: {}. The lazy venv fetched {} \
          of its bytes, replaying the profile of one earlier lazy start.",
         phases(&theirs),
-        fetched_range(&fetched.borrow())
+        fetched_range(&ours.concat())
     ));
     report.note(
         "New-node rows: step 1 was saved on node A (sidecar with memory, disk and a local-directory \
