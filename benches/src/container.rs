@@ -26,14 +26,26 @@
 //! and (d), a fresh snapshotter with an empty local chunk cache. (c) removes the layers'
 //! profiles first; (d) has the one (c) just recorded. Medians of `--runs` runs.
 //!
-//! stargz-snapshotter and nydus-snapshotter are not measured: neither is packaged for Debian,
-//! and this machine reaches no other download site.
+//! **The lazy-pull system users would pick instead**, stargz-snapshotter, installed by
+//! `scripts/stargz.sh` where it is missing (Debian packages its library and `ctr-remote`;
+//! `benches/peers/stargz` serves the library to containerd as a proxy snapshotter), on the same
+//! image, registry and link, with its defaults (prefetch and background fetch on):
+//!
+//! - **(e) stargz, not optimized**: the image converted to eStargz
+//!   (`ctr-remote images optimize --no-optimize`), CRI pull and run, fresh snapshotter and cache;
+//! - **(f) stargz, optimized**: converted by `ctr-remote images optimize`, which runs the image's
+//!   command once and puts the files it read first, marked for prefetch (stargz's counterpart of
+//!   (d)'s profile, made from the same command).
+//!
+//! nydus-snapshotter is not packaged for Debian and is not measured.
 //!
 //! ```text
 //! cargo run --profile bench -p hotstart-benches -- container --runs 3
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -91,11 +103,14 @@ pub struct ContainerArgs {
 struct Pace {
     bytes_per_sec: f64,
     next: Mutex<Instant>,
+    /// Bytes the servers sent through the link.
+    sent: AtomicU64,
 }
 
 impl Pace {
     /// When `n` more bytes may have arrived.
     fn reserve(&self, n: usize) -> Instant {
+        self.sent.fetch_add(n as u64, Ordering::Relaxed);
         let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
         let start = (*next).max(Instant::now());
         *next = start + Duration::from_secs_f64(n as f64 / self.bytes_per_sec);
@@ -369,6 +384,128 @@ impl Bench {
     }
 }
 
+/// stargz-snapshotter, installed by `scripts/stargz.sh`: `ctr-remote` (Debian's
+/// stargz-snapshotter package) converts images to eStargz, and `stargz-grpc`
+/// (`benches/peers/stargz`, built against Debian's packaging of its library) serves them to
+/// containerd as a proxy snapshotter.
+struct Stargz {
+    daemon: PathBuf,
+}
+
+impl Stargz {
+    /// Installs it where it is missing (`scripts/stargz.sh`, idempotent), or says why it cannot
+    /// be used.
+    fn install() -> Result<Stargz, String> {
+        let root = hotstart_testkit::workspace_root().ok_or("no workspace root")?;
+        let out = Command::new("bash")
+            .arg(root.join("scripts/stargz.sh"))
+            .output()
+            .map_err(|e| format!("cannot run scripts/stargz.sh: {e}"))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let last = err.lines().last().unwrap_or_default();
+            return Err(format!("scripts/stargz.sh failed: {last}"));
+        }
+        Ok(Stargz {
+            daemon: root.join(".cache/bin/stargz-grpc"),
+        })
+    }
+
+    /// Converts `from` (in `c`'s content store) into the eStargz image `to` and pushes it to
+    /// the registry. `optimize` runs the image's command once in a sample container and puts
+    /// the files it read first, marked for prefetch (`ctr-remote images optimize`, stargz's
+    /// counterpart of a profile); without it the layers are only converted.
+    fn convert(&self, c: &Containerd, from: &str, to: &str, optimize: bool) -> anyhow::Result<()> {
+        let mut cmd = Command::new("ctr-remote");
+        cmd.arg("--address").arg(c.socket()).args([
+            "--namespace",
+            c.namespace(),
+            "images",
+            "optimize",
+            "--oci",
+        ]);
+        if !optimize {
+            cmd.arg("--no-optimize");
+        }
+        let out = cmd.args([from, to]).output()?;
+        ensure!(
+            out.status.success(),
+            "ctr-remote images optimize {from} {to}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        c.ctr_ok(&["images", "push", "--plain-http", to]);
+        Ok(())
+    }
+
+    /// The snapshotter serving at `socket` from the empty directory `root` (no cache, no
+    /// state), until dropped.
+    fn serve(&self, socket: &Path, root: &Path) -> anyhow::Result<StargzDaemon> {
+        let _ = std::fs::remove_file(socket);
+        let log = std::fs::File::create(root.with_extension("log"))?;
+        let mut cmd = Command::new(&self.daemon);
+        cmd.arg("--address")
+            .arg(socket)
+            .arg("--root")
+            .arg(root)
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let child = hotstart_testkit::spawn_tied(cmd, None)?;
+        let daemon = StargzDaemon {
+            child,
+            root: root.to_path_buf(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(socket).is_err() {
+            ensure!(
+                Instant::now() < deadline,
+                "stargz-grpc did not listen: {}",
+                std::fs::read_to_string(root.with_extension("log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(daemon)
+    }
+}
+
+/// A running `stargz-grpc`: stopped on drop, and the layers it mounted unmounted.
+struct StargzDaemon {
+    child: Child,
+    root: PathBuf,
+}
+
+impl StargzDaemon {
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.root.with_extension("log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+impl Drop for StargzDaemon {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of our own child's pid.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // Its layers stay mounted after it exits; the deepest first.
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut mounts: Vec<&str> = info
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| Path::new(m).starts_with(&self.root))
+            .collect();
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mounts {
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+    }
+}
+
 /// `ctr run --rm` of `image`; it must print `ready`.
 fn run_container(c: &Containerd, image: &str, snapshotter: &str, id: &str) -> anyhow::Result<()> {
     let out = c.ctr(&["run", "--rm", "--snapshotter", snapshotter, image, id]);
@@ -409,6 +546,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     let pace = Arc::new(Pace {
         bytes_per_sec: args.link.mbps as f64 * 1e6,
         next: Mutex::new(Instant::now()),
+        sent: AtomicU64::new(0),
     });
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let linked = format!("127.0.0.1:{}", listener.local_addr()?.port());
@@ -417,7 +555,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
         listener,
         upstream,
         Duration::from_millis(args.link.latency_ms),
-        pace,
+        pace.clone(),
     ));
 
     // The image, plain and converted, pushed to the registry straight (not over the link).
@@ -425,6 +563,8 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     let cmd: Vec<&str> = image.cmd.iter().map(String::as_str).collect();
     let env: Vec<&str> = image.env.iter().map(String::as_str).collect();
     let (plain, lazy) = ("bench/python:plain", "bench/python:lazy");
+    let (estargz, estargz_opt) = ("bench/python:estargz", "bench/python:estargz-opt");
+    let stargz = Stargz::install();
     let layout = oci::write_layout(
         &scratch.join("plain"),
         &format!("{}/{plain}", registry.host()),
@@ -480,6 +620,22 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
                 &format!("{}/{tag}", registry.host()),
             ]);
         }
+        if let Ok(sz) = &stargz {
+            let from = format!("{}/{plain}", registry.host());
+            for (tag, optimize) in [(estargz, false), (estargz_opt, true)] {
+                let converted = Instant::now();
+                sz.convert(
+                    &pusher,
+                    &from,
+                    &format!("{}/{tag}", registry.host()),
+                    optimize,
+                )?;
+                eprintln!(
+                    "image: {tag} made by ctr-remote in {:.1} s",
+                    converted.elapsed().as_secs_f64()
+                );
+            }
+        }
     }
     let link = args.link.throttle();
     let wire = Arc::new(Counter::default());
@@ -492,6 +648,13 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
         registry_host: linked.clone(),
     };
     let (plain, lazy) = (format!("{linked}/{plain}"), format!("{linked}/{lazy}"));
+    let (estargz, estargz_opt) = (
+        format!("{linked}/{estargz}"),
+        format!("{linked}/{estargz_opt}"),
+    );
+    // (e), (f): stargz-snapshotter, without and with its own optimization, and the bytes each
+    // moved over the link.
+    let (mut e, mut f, mut e_wire, mut f_wire) = (vec![], vec![], 0u64, 0u64);
 
     let (mut a, mut b, mut c, mut d) = (vec![], vec![], vec![], vec![]);
     let mut d_reports: Vec<MountReport> = Vec::new();
@@ -534,13 +697,40 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
             bench.rt.block_on(task)?;
         }
         d_reports.push(bench.last_report(&store, &lazy)?);
+        if let Ok(sz) = &stargz {
+            for (label, image, times, wire) in [
+                ("e", &estargz, &mut e, &mut e_wire),
+                ("f", &estargz_opt, &mut f, &mut f_wire),
+            ] {
+                let sock = bench.scratch.join("stargz.sock");
+                let daemon = sz.serve(&sock, &bench.fresh("stargz")?)?;
+                let ctrd = Containerd::start_cri("stargz", &sock, "stargz", &linked)
+                    .context("containerd is needed")?;
+                let sent = pace.sent.load(Ordering::Relaxed);
+                let id = format!("{label}{i}");
+                let (took, _) = bench
+                    .pull_and_run(&ctrd, image, "stargz", &id, Duration::ZERO)
+                    .with_context(|| format!("stargz-grpc's log:\n{}", daemon.log_tail()))?;
+                times.push(took);
+                *wire += pace.sent.load(Ordering::Relaxed) - sent;
+                ctrd.remove_images();
+                drop(ctrd);
+                drop(daemon);
+            }
+        }
+        let secs = |v: &[Duration]| {
+            v.get(i)
+                .map_or("-".into(), |t| format!("{:.2} s", t.as_secs_f64()))
+        };
         eprintln!(
-            "  run {}: (a) {:.2} s  (b) {:.2} s  (c) {:.2} s  (d) {:.2} s",
+            "  run {}: (a) {}  (b) {}  (c) {}  (d) {}  (e) {}  (f) {}",
             i + 1,
-            a[i].as_secs_f64(),
-            b[i].as_secs_f64(),
-            c[i].as_secs_f64(),
-            d[i].as_secs_f64()
+            secs(&a),
+            secs(&b),
+            secs(&c),
+            secs(&d),
+            secs(&e),
+            secs(&f)
         );
     }
     let fetched: u64 = d_reports
@@ -614,7 +804,51 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
             args.settle_ms
         ));
     }
-    report.note("stargz-snapshotter and nydus-snapshotter: not measured; neither is packaged for Debian and this machine reaches no other download site");
+    match &stargz {
+        Ok(_) => {
+            let (e, f) = (median(e), median(f));
+            report.add(Row::time(
+                format!("{what}, hotstart with profile (d)"),
+                d,
+                "stargz-snapshotter, eStargz optimized with the same command (f)",
+                f,
+                Some(1.0),
+            ));
+            report.add(Row::time(
+                format!("{what}, hotstart without profile (c)"),
+                c,
+                "stargz-snapshotter, eStargz, not optimized (e)",
+                e,
+                Some(1.0),
+            ));
+            report.note(format!(
+                "stargz-snapshotter: (e) {:.2} s and (f) {:.2} s; against (b) that is {:.2}× and \
+                 {:.2}× as fast, against (a) {:.2}× and {:.2}× as long",
+                e.as_secs_f64(),
+                f.as_secs_f64(),
+                b.as_secs_f64() / e.as_secs_f64(),
+                b.as_secs_f64() / f.as_secs_f64(),
+                e.as_secs_f64() / a.as_secs_f64(),
+                f.as_secs_f64() / a.as_secs_f64(),
+            ));
+            report.note(format!(
+                "stargz-snapshotter 0.12 (Debian's library and ctr-remote; defaults: prefetch and \
+                 background fetch on), images converted by `ctr-remote images optimize --oci` \
+                 (with `--no-optimize` for (e)); its registry reads cross the same link; fresh \
+                 containerd and snapshotter, no cache, for each start; by the container's exit \
+                 (background fetch goes on after it) (e) had moved {:.1} MiB over the link and \
+                 (f) {:.1} MiB, {:.0}% and {:.0}% of the plain image's layers; nydus-snapshotter: \
+                 not packaged for Debian, not measured",
+                mib(e_wire / args.runs as u64),
+                mib(f_wire / args.runs as u64),
+                100.0 * (e_wire / args.runs as u64) as f64 / layout.layer_bytes.max(1) as f64,
+                100.0 * (f_wire / args.runs as u64) as f64 / layout.layer_bytes.max(1) as f64,
+            ));
+        }
+        Err(why) => report.note(format!(
+            "stargz-snapshotter: not measured, {why}; nydus-snapshotter: not packaged for Debian, not measured"
+        )),
+    }
     report.finish(args.markdown.as_deref())?;
     drop(registry);
     Ok(())

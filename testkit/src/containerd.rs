@@ -178,6 +178,11 @@ disabled_plugins = [{disabled}"io.containerd.snapshotter.v1.btrfs",
         self.dir.path().join("c.sock")
     }
 
+    /// The namespace [`Containerd::ctr`] works in, for other clients of this containerd.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
     /// Pulls `image` through CRI, as a kubelet does (see [`cri_pull`]); panics with
     /// containerd's log when it fails.
     pub fn cri_pull(&self, image: &str) -> String {
