@@ -1,8 +1,9 @@
 //! A real PyTorch job restarting after a fault, end to end: `examples/torchrun/train.py` (FSDP2,
-//! AdamW, gloo) under `torchrun --max-restarts 1`, checkpointing every step through a sidecar
-//! that this process runs. One worker kills itself with SIGKILL right after its first save is
-//! staged; torchrun stops the others and starts every worker again, and they load their shards
-//! from the sidecar's memory. Every worker prints when each phase ends (`--timeline`), so the
+//! AdamW, gloo) under `torchrun --max-restarts 1`, checkpointing every second step through a
+//! sidecar that this process runs. One worker kills itself with SIGKILL after step 3, a step
+//! after the save of step 2 (a fault during training, once the save's own work is done: the
+//! sidecar's commit hashing no longer shares the cores with the restart); torchrun stops the
+//! others and starts every worker again, and they load step 2 from the sidecar's memory. Every worker prints when each phase ends (`--timeline`), so the
 //! restart is cut into phases: torchrun noticing the fault and starting the workers again,
 //! `import torch`, joining the process group, building the model, giving the fresh optimizer
 //! its state, loading the checkpoint, and the first step.
@@ -10,13 +11,17 @@
 //! The floor, same run, same model and sizes: the same workers under torchrun doing what any
 //! restarted worker must do at least (start, import torch, join the group, build the model)
 //! and then copying as many bytes as their state holds from memory into memory already faulted
-//! in (`--floor`), all ranks at once. Rows (medians of `--runs`):
+//! in (`--floor`), all ranks at once, right after each restart's job has ended (so both fault
+//! in memory freed moments before). Rows (medians of `--runs`):
 //!
 //! * kill → every rank has its state loaded, against the floor (target ≤ 1.5×, a ratio ≥ 0.67);
 //! * kill → every rank has finished its first step, against the floor plus one step of the
 //!   same job not interrupted (no target: the step's length is the model's, not hotstart's);
 //! * the state load itself (`ck.load` into the model's and optimizer's tensors, then
-//!   `set_state_dict`) against the floor's memcpy of the same bytes (target ≥ 0.8).
+//!   `set_state_dict`) against the floor's memcpy of the same bytes (target ≥ 0.8), and against
+//!   the same memcpy made as a restart must make it: AdamW's two moments (two thirds of the
+//!   bytes) go into memory new to the process, a restarted optimizer's fresh state, which the
+//!   copy faults in (no target: it says what the fresh memory costs on the machine).
 //!
 //! **A replacement node that starts cold** (`--cold`): the job saved step 1 on node A (its
 //! sidecar: memory, disk, and a local-directory store) and, the same state, with
@@ -85,6 +90,8 @@ struct Timeline {
     at: BTreeMap<(String, u32), Vec<f64>>,
     /// `floor-copy` seconds, per rank.
     copies: Vec<f64>,
+    /// `floor-fresh-copy` seconds, per rank.
+    fresh_copies: Vec<f64>,
     /// The step the restarted job resumed from, if it said so.
     resumed: Option<u64>,
 }
@@ -103,6 +110,7 @@ impl Timeline {
                     }
                 }
                 ["floor-copy", secs, ..] => t.copies.extend(secs.parse::<f64>().ok()),
+                ["floor-fresh-copy", secs, ..] => t.fresh_copies.extend(secs.parse::<f64>().ok()),
                 ["resumed", step, ..] => t.resumed = step.parse().ok(),
                 _ => {}
             }
@@ -180,17 +188,24 @@ struct Floor {
     group: f64,
     build: f64,
     copy: f64,
+    /// The same copy with the optimizer's share into memory new to the process.
+    fresh_copy: f64,
 }
 
 impl Floor {
     fn of(t: &Timeline) -> anyhow::Result<Floor> {
         let at = |e: &str| t.last(e, 0);
-        ensure!(!t.copies.is_empty(), "the floor printed no copy time");
+        ensure!(
+            !t.copies.is_empty() && !t.fresh_copies.is_empty(),
+            "the floor printed no copy times"
+        );
+        let slowest = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
         Ok(Floor {
             import: at("imported")? - t.first("start", 0)?,
             group: at("group")? - at("imported")?,
             build: at("built")? - at("group")?,
-            copy: t.copies.iter().copied().fold(0.0, f64::max),
+            copy: slowest(&t.copies),
+            fresh_copy: slowest(&t.fresh_copies),
         })
     }
 
@@ -275,6 +290,43 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
     let mut restarts = Vec::new();
     let mut floors = Vec::new();
     for run in 0..args.runs {
+        let dir = base.path().join(format!("run-{run}"));
+        std::fs::create_dir_all(&dir)?;
+        let budget = (3.0 * args.nproc as f64 * state_bytes as f64) as u64 + (256 << 20);
+        let sidecar = Running::start(settings("restart", &dir, budget)?)?;
+        let mut job = model.clone();
+        job.extend([
+            "--job".into(),
+            format!("restart-{run}"),
+            "--steps".into(),
+            "4".into(),
+            "--save-every".into(),
+            "2".into(),
+            "--kill-rank".into(),
+            (args.nproc - 1).to_string(),
+            "--kill-step".into(),
+            "3".into(),
+            "--sidecar".into(),
+            sidecar.socket.display().to_string(),
+        ]);
+        let output = torchrun(&python, args.nproc, 1, &job)?;
+        let timeline = Timeline::parse(&output);
+        drop(sidecar);
+        ensure!(
+            timeline.resumed == Some(2),
+            "the restarted job did not resume from step 2 (it said {:?}):\n{output}",
+            timeline.resumed
+        );
+        let phases = Phases::of(&timeline)?;
+        eprintln!(
+            "  run {run}: kill → loaded {:.2} s {phases:?}",
+            phases.until_loaded()
+        );
+        restarts.push(phases);
+
+        // The floor right after the job: both fault in memory freed moments before. On a VM
+        // that hands memory freed long ago back to its host, faulting that in again is several
+        // times slower, and it would fall on whichever ran first.
         let mut floor_args = model.clone();
         floor_args.extend(["--floor", "--job", "floor", "--steps", "1"].map(String::from));
         let floor = Floor::of(&Timeline::parse(&torchrun(
@@ -285,40 +337,6 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         )?))?;
         eprintln!("  run {run}: floor {:.2} s {floor:?}", floor.total());
         floors.push(floor);
-
-        let dir = base.path().join(format!("run-{run}"));
-        std::fs::create_dir_all(&dir)?;
-        let budget = (3.0 * args.nproc as f64 * state_bytes as f64) as u64 + (256 << 20);
-        let sidecar = Running::start(settings("restart", &dir, budget)?)?;
-        let mut job = model.clone();
-        job.extend([
-            "--job".into(),
-            format!("restart-{run}"),
-            "--steps".into(),
-            "2".into(),
-            "--save-every".into(),
-            "1".into(),
-            "--kill-rank".into(),
-            (args.nproc - 1).to_string(),
-            "--kill-step".into(),
-            "1".into(),
-            "--sidecar".into(),
-            sidecar.socket.display().to_string(),
-        ]);
-        let output = torchrun(&python, args.nproc, 1, &job)?;
-        let timeline = Timeline::parse(&output);
-        drop(sidecar);
-        ensure!(
-            timeline.resumed == Some(1),
-            "the restarted job did not resume from step 1 (it said {:?}):\n{output}",
-            timeline.resumed
-        );
-        let phases = Phases::of(&timeline)?;
-        eprintln!(
-            "  run {run}: kill → loaded {:.2} s {phases:?}",
-            phases.until_loaded()
-        );
-        restarts.push(phases);
     }
     let secs = Duration::from_secs_f64;
     let med = |f: &dyn Fn(&Phases) -> f64| median(restarts.iter().map(|p| secs(f(p))).collect());
@@ -346,6 +364,14 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         fmed(&|f| f.copy),
         Some(0.8),
     ));
+    report.add(Row::rate(
+        format!("state load (ck.load into the model's and optimizer's tensors, then set_state_dict), {size}"),
+        state_bytes,
+        med(&|p| p.load()),
+        "the same memcpy with AdamW's two thirds into memory new to the process, as after a restart",
+        fmed(&|f| f.fresh_copy),
+        None,
+    ));
     if args.cold {
         let theirs = cold(
             args,
@@ -371,8 +397,8 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
     report.note(format!(
         "Phases, medians in ms (restart | floor): torchrun notices the kill and starts the workers {} | –; \
          import torch {} | {}; process group {} | {}; model build {} | {}; fresh optimizer state \
-         (get_state_dict) {} | –; checkpoint load {} (read {}, set_state_dict {}) | memcpy {}; first \
-         step {} (uninterrupted: {}).",
+         (get_state_dict) {} | –; checkpoint load {} (read {}, set_state_dict {}) | memcpy {} (into \
+         new memory: {}); first step {} (uninterrupted: {}).",
         ms(med(&|p| p.respawn)),
         ms(med(&|p| p.import)),
         ms(fmed(&|f| f.import)),
@@ -385,6 +411,7 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         ms(med(&|p| p.read)),
         ms(med(&|p| p.set)),
         ms(fmed(&|f| f.copy)),
+        ms(fmed(&|f| f.fresh_copy)),
         ms(med(&|p| p.step)),
         ms(med(&|p| p.plain_step)),
     ));
@@ -866,6 +893,32 @@ noise
         assert!(close(p.step, 3.0) && close(p.plain_step, 3.0));
         assert!(close(p.until_loaded(), 6.8));
         assert!(Floor::of(&t).is_err(), "no floor-copy line");
+    }
+
+    #[test]
+    fn a_floor_takes_each_copy_from_its_slowest_rank() {
+        let out = "\
+at start 100.0 rank 0 attempt 0
+at imported 102.0 rank 0 attempt 0
+at imported 102.5 rank 1 attempt 0
+at group 102.6 rank 1 attempt 0
+at built 104.6 rank 0 attempt 0
+floor-copy 0.250000 bytes 6 rank 0
+floor-copy 0.300000 bytes 6 rank 1
+floor-fresh-copy 0.900000 bytes 6 rank 1
+floor-fresh-copy 0.700000 bytes 6 rank 0
+";
+        let f = Floor::of(&Timeline::parse(out)).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(f.import, 2.5) && close(f.group, 0.1) && close(f.build, 2.0));
+        assert!(close(f.copy, 0.3) && close(f.fresh_copy, 0.9));
+        assert!(close(f.total(), 4.9));
+        let without_fresh: String = out
+            .lines()
+            .filter(|l| !l.starts_with("floor-fresh-copy"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(Floor::of(&Timeline::parse(&without_fresh)).is_err());
     }
 
     #[test]

@@ -28,8 +28,11 @@ keys get a prefix per attempt (`init_group`); without it they can find the dead 
 addresses there and hang or fail to connect.
 
 `--kill-rank R --kill-step K` makes rank R kill itself with SIGKILL after step K on the first
-attempt (TORCHELASTIC_RESTART_COUNT 0), once every rank has staged its save of step K: the
-fault the tests inject.
+attempt (TORCHELASTIC_RESTART_COUNT 0), once every rank is through step K and has staged its
+save of it, if K saves. A K that saves is the fault the tests inject: right after the save,
+while the sidecar still hashes what it must commit for a process that died. A K that saves
+nothing is a fault later in training, the last save's own work done (what the restart benchmark
+measures).
 
 `--torch-dcp DIR` is the baseline a user has without hotstart: torch.distributed.checkpoint's own
 FileSystemWriter and FileSystemReader, one directory per step (DIR/step-N).
@@ -42,7 +45,8 @@ has read its checkpoint into the state dict, has set it into the model and optim
 (`set_state_dict`), and has finished its first step (and `at kill` just before the
 injected fault). `--floor` does what any restarted worker must do at least and exits: start,
 import torch, join the group, build the model, then copy as many bytes as this rank's state
-holds from memory into memory (printing `floor-copy <seconds>`).
+holds from memory into memory (printing `floor-copy <seconds>`), then again with the optimizer's
+share going into memory new to the process (`floor-fresh-copy <seconds>`).
 """
 
 from __future__ import annotations
@@ -332,6 +336,19 @@ def floor(model: torch.nn.Module, device: torch.device) -> None:
         torch.cuda.synchronize(device)
     took = time.time() - t
     say(f"floor-copy {took:.6f} bytes {n} rank {dist.get_rank()}")
+    # The same copy as a restarted worker's load must make it: the parameters' third into the
+    # built model's memory, AdamW's two moments into memory new to the process (a restarted
+    # optimizer's state), which the copy faults in.
+    k = n // 3
+    fresh = torch.empty(n - k, dtype=torch.uint8, device=device)
+    dist.barrier()
+    t = time.time()
+    dst[:k].copy_(src[:k])
+    fresh.copy_(src[k:])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    took = time.time() - t
+    say(f"floor-fresh-copy {took:.6f} bytes {n} rank {dist.get_rank()}")
     dist.barrier()
     leave()
 
