@@ -662,7 +662,12 @@ fn fetched_range(starts: &[Cold]) -> String {
     let fractions = starts.iter().filter_map(|c| c.fetched);
     let lo = fractions.clone().fold(f64::INFINITY, f64::min);
     let hi = fractions.fold(0.0, f64::max);
-    format!("{:.0}–{:.0}%", lo * 100.0, hi * 100.0)
+    let (lo, hi) = (format!("{:.0}", lo * 100.0), format!("{:.0}", hi * 100.0));
+    if lo == hi {
+        format!("{lo}%")
+    } else {
+        format!("{lo}–{hi}%")
+    }
 }
 
 /// Where a new node's sidecar finds the state.
