@@ -484,14 +484,7 @@ impl StargzDaemon {
 
 impl Drop for StargzDaemon {
     fn drop(&mut self) {
-        // SAFETY: kill(2) of our own child's pid.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        hotstart_testkit::terminate(&mut self.child, Duration::from_secs(10));
         // Its layers stay mounted after it exits; the deepest first.
         let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         let mut mounts: Vec<&str> = info

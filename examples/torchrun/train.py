@@ -62,7 +62,7 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -329,26 +329,24 @@ def floor(model: torch.nn.Module, device: torch.device) -> None:
                 for p in model.parameters())
     src = torch.ones(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.zeros(n, dtype=torch.uint8, device=device)
-    dist.barrier()
-    t = time.time()
-    dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    took = time.time() - t
-    say(f"floor-copy {took:.6f} bytes {n} rank {dist.get_rank()}")
+
+    def copy(what: str, pieces: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Times the copies of `pieces` (destination, source) on every rank at once."""
+        dist.barrier()
+        t = time.time()
+        for to, frm in pieces:
+            to.copy_(frm)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        say(f"{what} {time.time() - t:.6f} bytes {n} rank {dist.get_rank()}")
+
+    copy("floor-copy", [(dst, src)])
     # The same copy as a restarted worker's load must make it: the parameters' third into the
     # built model's memory, AdamW's two moments into memory new to the process (a restarted
     # optimizer's state), which the copy faults in.
     k = n // 3
     fresh = torch.empty(n - k, dtype=torch.uint8, device=device)
-    dist.barrier()
-    t = time.time()
-    dst[:k].copy_(src[:k])
-    fresh.copy_(src[k:])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    took = time.time() - t
-    say(f"floor-fresh-copy {took:.6f} bytes {n} rank {dist.get_rank()}")
+    copy("floor-fresh-copy", [(dst[:k], src[:k]), (fresh, src[k:])])
     dist.barrier()
     leave()
 

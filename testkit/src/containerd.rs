@@ -193,17 +193,7 @@ disabled_plugins = [{disabled}"io.containerd.snapshotter.v1.btrfs",
 
 impl Drop for Containerd {
     fn drop(&mut self) {
-        // SAFETY: plain kill(2) of our own child's pid.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        crate::terminate(&mut self.child, Duration::from_secs(10));
     }
 }
 

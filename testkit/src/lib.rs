@@ -49,4 +49,4 @@ pub use data::pattern;
 pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};
 pub use seaweedfs::{Blob, SeaweedFs};
-pub use spawn::{run_ok, spawn_tied};
+pub use spawn::{run_ok, spawn_tied, terminate};

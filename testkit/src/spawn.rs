@@ -105,6 +105,18 @@ pub fn spawn_tied(mut cmd: Command, netns: Option<&str>) -> io::Result<Child> {
         .map_err(|_| io::Error::other("the spawner thread dropped the request"))?
 }
 
+/// Stops `child`: SIGTERM, up to `grace` for it to exit, then SIGKILL; reaped either way.
+pub fn terminate(child: &mut Child, grace: std::time::Duration) {
+    // SAFETY: kill(2) of a child this caller owns and has not reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let deadline = std::time::Instant::now() + grace;
+    while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+        thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// Runs `cmd` to completion and returns its stdout; panics with both outputs when it fails.
 pub fn run_ok(cmd: &mut Command) -> String {
     let out = cmd.output().expect("run the command");
