@@ -185,24 +185,9 @@ impl<I: Interceptor> ObjectStore for Intercepted<I> {
         if op == Op::Head {
             return Ok(res);
         }
-        let GetResult {
-            payload,
-            meta,
-            range,
-            attributes,
-            extensions,
-        } = res;
-        let body = match payload {
-            GetResultPayload::Stream(s) => s,
-            file @ GetResultPayload::File(..) => GetResult {
-                payload: file,
-                meta: meta.clone(),
-                range: range.clone(),
-                attributes: attributes.clone(),
-                extensions: extensions.clone(),
-            }
-            .into_stream(),
-        };
+        let (meta, range) = (res.meta.clone(), res.range.clone());
+        let (attributes, extensions) = (res.attributes.clone(), res.extensions.clone());
+        let body = crate::url::body_stream(res);
         Ok(GetResult {
             payload: GetResultPayload::Stream(self.hook.clone().get_body(
                 location,
