@@ -77,7 +77,8 @@ pub struct LazyConfig {
 /// ends and holds their frames as they arrive ([`ChunkStore::hold`]); the replay then takes
 /// each planned chunk from memory ([`ChunkStore::fetch_frame`]). When the replay ends, every
 /// frame still held is dropped ([`ChunkStore::release_held`]): what it planned is in the
-/// loader's memory cache by then.
+/// loader's memory cache by then. A hook may also only hold the replay back (the snapshotter's
+/// waits for the layer records its pull needs first).
 #[derive(Clone)]
 pub struct PlanHook(pub Arc<dyn Fn(Vec<ChunkId>) -> BoxFuture<'static, ()> + Send + Sync>);
 

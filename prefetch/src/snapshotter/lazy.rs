@@ -23,9 +23,11 @@
 //! containerd prepares an image's layers one after another. When CRI passes the layers above
 //! the one being prepared (`containerd.io/snapshot/cri.image-layers`), their images are opened
 //! ahead (record and tree) while this layer mounts, so each later layer mounts without those
-//! round trips; the image's profile is read once for all of them. (Fetching their hot chunks
-//! ahead too was slower on two cores: decoding and caching them competed with the mount in
-//! progress.)
+//! round trips; the image's profile is read once for all of them. Replays wait (at most
+//! [`OPENS_FIRST_FOR`]) until those opens are done: a tree that shares the link with a replay's
+//! window of chunk fetches arrives at a fraction of the bandwidth, and the pull, which every
+//! replayed chunk is for, waits on the tree. (Fetching their hot chunks ahead too was slower on
+//! two cores: decoding and caching them competed with the mount in progress.)
 //!
 //! A layer that cannot be mounted (no store configured, the image not in the store, the store
 //! unreachable) is left to containerd, which downloads and unpacks it as usual: a pull never
@@ -50,7 +52,8 @@ use crate::image::{ImageRecord, Images};
 use crate::layout::{ArtifactDir, ImageRef};
 use crate::loader::{FirstAccess, Loader, LoaderStats};
 use crate::mount::{
-    LazyConfig, LazyMount, ProfileRead, load_profile, merge_traces, new_run_id, now_ms, put_report,
+    LazyConfig, LazyMount, PlanHook, ProfileRead, load_profile, merge_traces, new_run_id, now_ms,
+    put_report,
 };
 use crate::profile::{Profile, Trace};
 use crate::report::MountReport;
@@ -74,11 +77,31 @@ const MAX_AHEAD: usize = 64;
 /// layer it already has) before it is dropped.
 const AHEAD_FOR: std::time::Duration = std::time::Duration::from_secs(120);
 
+/// How long a replay waits at most for layers being opened ahead (see the module
+/// documentation).
+const OPENS_FIRST_FOR: Duration = Duration::from_millis(500);
+
 /// A layer image being opened ahead, since when.
 type Ahead = (
     std::time::Instant,
     tokio::task::JoinHandle<crate::Result<Opened>>,
 );
+
+/// Counts one open ahead in progress, until dropped (also when its task is aborted).
+struct Opening(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl Opening {
+    fn new(count: &Arc<tokio::sync::watch::Sender<usize>>) -> Opening {
+        count.send_modify(|n| *n += 1);
+        Opening(count.clone())
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n -= 1);
+    }
+}
 
 /// A layer's image, opened ahead of its prepare.
 struct Opened {
@@ -105,6 +128,8 @@ pub struct Lazy {
     mounted: Mutex<HashMap<u64, Layer>>,
     /// Layer images being opened ahead, by image name.
     ahead: std::sync::Mutex<HashMap<String, Ahead>>,
+    /// How many opens ahead are in progress (replays wait for none).
+    opening: Arc<tokio::sync::watch::Sender<usize>>,
     /// Container starts being recorded, by the key of the container's snapshot.
     starts: std::sync::Mutex<HashMap<String, Start>>,
     /// Profiles read lately, by key, since when.
@@ -159,16 +184,30 @@ impl Lazy {
     /// Layers of `images` mounted as `cfg` says; with `cfg.record`, container starts are
     /// recorded into their image's profile.
     pub fn new(images: Images, cfg: LazyConfig) -> Lazy {
+        let opening = Arc::new(tokio::sync::watch::Sender::new(0usize));
+        let (waits, then) = (opening.clone(), cfg.on_plan.clone());
+        let after_opens = PlanHook(Arc::new(move |plan| {
+            let (mut opens, then) = (waits.subscribe(), then.clone());
+            async move {
+                let _ = tokio::time::timeout(OPENS_FIRST_FOR, opens.wait_for(|n| *n == 0)).await;
+                if let Some(hook) = then {
+                    (hook.0)(plan).await;
+                }
+            }
+            .boxed()
+        }));
         Lazy {
             images,
             record: cfg.record,
             cfg: LazyConfig {
                 record: false,
+                on_plan: Some(after_opens),
                 ..cfg
             },
             record_for: RECORD_FOR,
             mounted: Mutex::new(HashMap::new()),
             ahead: std::sync::Mutex::new(HashMap::new()),
+            opening,
             starts: std::sync::Mutex::new(HashMap::new()),
             profiles: std::sync::Mutex::new(HashMap::new()),
         }
@@ -383,8 +422,10 @@ impl Lazy {
                 continue;
             }
             let images = self.images.clone();
+            let open = Opening::new(&self.opening);
             let handle = tokio::spawn(async move {
                 let (record, tree) = images.open(&image).await?;
+                drop(open);
                 Ok(Opened { record, tree })
             });
             ahead.insert(key, (std::time::Instant::now(), handle));
