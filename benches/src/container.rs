@@ -528,8 +528,8 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     let scratch = scratch_dir.path().to_path_buf();
     let packages: Vec<&str> = args.packages.split(',').map(str::trim).collect();
     let imports: Vec<&str> = args.imports.split(',').map(str::trim).collect();
+    // One worker per core, as `hotstart snapshotter` runs.
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(4)
         .enable_all()
         .build()?;
 
