@@ -15,11 +15,10 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::stream::{self, BoxStream};
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::prefix::PrefixStore;
-use object_store::{GetResult, GetResultPayload, ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
 use crate::error::{Error, Result};
 
@@ -483,45 +482,6 @@ impl Store {
     }
 }
 
-/// How much of a local file one read of a streamed body takes (see [`body_stream`]).
-const FILE_PIECE: u64 = 1 << 20;
-
-/// The body of `res` as a stream of pieces. A local-directory store's body (a file) is read
-/// [`FILE_PIECE`] at a time on the blocking pool: object_store's own stream of it reads 8 KiB
-/// per hand-off to that pool, which on a small node cost more CPU than the bytes themselves.
-pub(crate) fn body_stream(res: GetResult) -> BoxStream<'static, object_store::Result<Bytes>> {
-    let (file, path) = match res.payload {
-        GetResultPayload::Stream(s) => return s,
-        GetResultPayload::File(file, path) => (Arc::new(file), path),
-    };
-    let fail = |source: std::io::Error| object_store::Error::Generic {
-        store: "LocalFileSystem",
-        source: Box::new(source),
-    };
-    stream::try_unfold(res.range, move |at| {
-        let (file, path) = (file.clone(), path.clone());
-        async move {
-            if at.start >= at.end {
-                return Ok(None);
-            }
-            let n = (at.end - at.start).min(FILE_PIECE);
-            let piece = tokio::task::spawn_blocking(move || {
-                use std::os::unix::fs::FileExt;
-                let mut buf = vec![0u8; n as usize];
-                file.read_exact_at(&mut buf, at.start).map_err(|e| {
-                    std::io::Error::new(e.kind(), format!("read {}: {e}", path.display()))
-                })?;
-                Ok::<_, std::io::Error>(buf)
-            })
-            .await
-            .map_err(|e| fail(std::io::Error::other(e)))?
-            .map_err(fail)?;
-            Ok(Some((Bytes::from(piece), at.start + n..at.end)))
-        }
-    })
-    .boxed()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -554,39 +514,6 @@ mod tests {
         assert_eq!(wrapped.local_dir(), None);
         let memory = Store::open("memory://").unwrap();
         assert!(!memory.is_local() && read(&memory, "x").is_none());
-    }
-
-    #[tokio::test]
-    async fn a_wrapped_local_directory_streams_bodies_in_pieces_with_every_byte() {
-        let dir = tempfile::tempdir().unwrap();
-        let counter = Arc::new(crate::wrap::Counter::default());
-        let store = Store::open(dir.path().to_str().unwrap())
-            .unwrap()
-            .wrap(|inner| crate::wrap::Interceptor::wrap(counter.clone(), inner));
-        // Two and a half pieces, and ranges across and inside piece boundaries.
-        let data: Vec<u8> = (0..(FILE_PIECE * 5 / 2 + 7))
-            .map(|i| (i * 31 % 251) as u8)
-            .collect();
-        store.put("o", Bytes::from(data.clone())).await.unwrap();
-        assert_eq!(&store.get("o").await.unwrap()[..], &data[..]);
-        let len = data.len() as u64;
-        for r in [
-            0..1,
-            3..FILE_PIECE + 5,
-            FILE_PIECE..2 * FILE_PIECE,
-            len - 9..len,
-        ] {
-            let path = ObjectPath::from("o");
-            let got = store
-                .object_store()
-                .get_range(&path, r.clone())
-                .await
-                .unwrap();
-            assert_eq!(&got[..], &data[r.start as usize..r.end as usize], "{r:?}");
-        }
-        let gets = counter.get(crate::wrap::Op::Get);
-        assert_eq!(gets.requests, 5);
-        assert_eq!(gets.bytes, len + 1 + (FILE_PIECE + 2) + FILE_PIECE + 9);
     }
 
     #[test]
