@@ -623,3 +623,58 @@ pub(super) async fn blocking<T: Send + 'static>(
         .map_err(|e| Status::internal(format!("snapshotter task failed: {e}")))?
         .map_err(Status::from)
 }
+
+#[cfg(test)]
+mod tests {
+    use hotstart_store::wrap::{Interceptor, Throttle, ThrottleConfig};
+    use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
+
+    use super::*;
+    use crate::BuildConfig;
+
+    #[tokio::test]
+    async fn replays_wait_for_the_layers_being_opened_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("f"), b"bytes").unwrap();
+        let store = Store::open(dir.path().join("store").to_str().unwrap()).unwrap();
+        let chunks = |s: Store| ChunkStore::new(s, ChunkStoreConfig::default()).unwrap();
+        let (this, above) = (
+            format!("sha256:{}", "a".repeat(64)),
+            format!("sha256:{}", "b".repeat(64)),
+        );
+        let image = layer_image(&above).unwrap();
+        Images::new(chunks(store.clone()))
+            .build(&src, &image, &BuildConfig::default())
+            .await
+            .unwrap();
+        // The layer above is a store round trip of 100 ms away (the replay waits 500 ms at most).
+        let link = Arc::new(Throttle::new(ThrottleConfig {
+            latency: Duration::from_millis(100),
+            ..ThrottleConfig::default()
+        }));
+        let slow = store.wrap(|inner| link.clone().wrap(inner));
+        let lazy = Lazy::new(Images::new(chunks(slow)), LazyConfig::default());
+        lazy.open_ahead(&format!("{this},{above}"));
+        assert_eq!(
+            *lazy.opening.borrow(),
+            1,
+            "only the layer above is opened ahead"
+        );
+        let hook = lazy.cfg.on_plan.clone().expect("the replay's hook");
+        (hook.0)(Vec::new()).await;
+        assert_eq!(
+            *lazy.opening.borrow(),
+            0,
+            "the replay went ahead of an open"
+        );
+        let opened = lazy
+            .take_ahead(&image.to_string())
+            .unwrap()
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(opened.record.counts.files, 1);
+    }
+}
