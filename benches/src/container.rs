@@ -462,8 +462,8 @@ impl Stargz {
         while std::os::unix::net::UnixStream::connect(socket).is_err() {
             ensure!(
                 Instant::now() < deadline,
-                "stargz-grpc did not listen: {}",
-                std::fs::read_to_string(root.with_extension("log")).unwrap_or_default()
+                "stargz-grpc did not listen:\n{}",
+                daemon.log_tail()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
