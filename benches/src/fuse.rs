@@ -70,7 +70,7 @@ use hotstart_store::{ByteBudget, Store, StripeConfig, StripedReader, StripedWrit
 use hotstart_testkit::SeaweedFs;
 use tempfile::TempDir;
 
-mod mounts;
+pub(crate) mod mounts;
 
 use mounts::{Mounted, Peer, Raw, Server, Target};
 
@@ -129,28 +129,6 @@ pub struct FuseArgs {
     /// Write the results as Markdown to this file too.
     #[arg(long)]
     markdown: Option<PathBuf>,
-}
-
-/// The emulated remote link, taken down when dropped.
-struct RemoteLink;
-
-impl RemoteLink {
-    fn up() -> anyhow::Result<(RemoteLink, SeaweedFs)> {
-        let link = RemoteLink;
-        crate::store_striped::netem("up")?;
-        let ip = crate::store_striped::netem_ip()?;
-        let weed = SeaweedFs::start_in_netns(crate::store_striped::NETNS, ip)
-            .context("start SeaweedFS behind the remote link")?;
-        Ok((link, weed))
-    }
-}
-
-impl Drop for RemoteLink {
-    fn drop(&mut self) {
-        if let Err(e) = crate::store_striped::netem("down") {
-            eprintln!("fuse: taking the remote link down: {e:#}");
-        }
-    }
 }
 
 /// Everything a measurement needs: the server, the bucket, the source's hash.
@@ -493,7 +471,7 @@ pub fn run(args: &FuseArgs) -> anyhow::Result<()> {
         .build()?;
     // Declared before `bench`, so the link goes down only after the server has stopped.
     let (_link, weed) = if args.remote {
-        let (link, weed) = RemoteLink::up()?;
+        let (link, weed) = crate::store_striped::RemoteLink::up()?;
         (Some(link), weed)
     } else {
         let weed =

@@ -38,6 +38,11 @@
 //! FileSystemReader from the local disk. Each row is node start → every rank's first step done,
 //! with its phases.
 //!
+//! `--remote` keeps the store in a SeaweedFS bucket behind the emulated remote link
+//! (benches/netem.sh), and puts the wheels and the DCP files in the same bucket: the user
+//! without hotstart installs from them and loads DCP through a fresh s3fs mount on each new node.
+//! A peer's memory stays on loopback (the cluster's network is not emulated).
+//!
 //! Needs the project's venv (`scripts/setup.sh`: torch and the built package), about
 //! `3 × nproc × gib` GiB of memory for each sidecar beside the workers' own, and root for the
 //! page-cache drops of `--cold`.
@@ -50,8 +55,13 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 
+use hotstart_fuse::FsConfig;
+use hotstart_testkit::SeaweedFs;
+
+use crate::fuse::mounts::{self, Mounted, Peer, Server, Target};
 use crate::report::{Report, Row, median};
 use crate::sidecar::{Running, settings};
+use crate::store_striped::RemoteLink;
 use crate::store_uring::drop_page_cache;
 
 /// Options of `hotstart-benches restart`.
@@ -73,6 +83,11 @@ pub struct RestartArgs {
     /// store, and DCP from the local disk).
     #[arg(long)]
     cold: bool,
+    /// With --cold: keep the store (the venv's snapshot and the checkpoints) in SeaweedFS behind
+    /// the emulated remote link (benches/netem.sh), and give uv + DCP the same bucket through
+    /// s3fs, so the wheels and the DCP files cross the same link.
+    #[arg(long, requires = "cold")]
+    remote: bool,
     /// The Python with torch and hotstart (default: the project's .venv).
     #[arg(long)]
     python: Option<PathBuf>,
@@ -254,6 +269,9 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         args.gib > 0.0 && args.nproc > 0 && args.runs > 0 && args.width > 0,
         "--gib, --nproc, --width and --runs must be positive"
     );
+    // First, before this process starts any thread: it sets the server's variables in the
+    // environment, where the sidecars' store reads them.
+    let remote = args.remote.then(Remote::up).transpose()?;
     let python = args
         .python
         .clone()
@@ -374,13 +392,17 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         None,
     ));
     if args.cold {
+        let model = Model {
+            args: model,
+            state_bytes,
+            size,
+        };
         let theirs = cold(
             args,
             &python,
             &model,
-            state_bytes,
-            &size,
             base.path(),
+            remote.as_ref(),
             &mut report,
         )?;
         // What no new node can beat on this machine: its workers must still start, import
@@ -480,6 +502,79 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// `--remote`: one bucket of a SeaweedFS server behind the emulated remote link. It holds
+/// hotstart's store and, for uv + DCP, the wheels and the DCP checkpoint (read through s3fs).
+struct Remote {
+    weed: SeaweedFs,
+    bucket: String,
+    /// Declared last: the link goes down once the server has stopped.
+    _link: RemoteLink,
+}
+
+impl Remote {
+    /// Brings the link and the server up and sets the server's variables (`AWS_ENDPOINT_URL`,
+    /// keys) in this process's environment, where stores opened from a URL read them. Call it
+    /// before any other thread of this process starts.
+    fn up() -> anyhow::Result<Remote> {
+        let (link, weed) = RemoteLink::up()?;
+        for (k, v) in weed.env() {
+            // SAFETY: called first in `run`, before this process starts a thread that could
+            // read the environment at the same time.
+            unsafe { std::env::set_var(k, v) };
+        }
+        let url = weed.fresh_bucket("restart");
+        let bucket = url.trim_start_matches("s3://").to_string();
+        Ok(Remote {
+            weed,
+            bucket,
+            _link: link,
+        })
+    }
+
+    /// The URL of `prefix` in the bucket.
+    fn url(&self, prefix: &str) -> String {
+        format!("s3://{}/{prefix}", self.bucket)
+    }
+
+    /// Copies every file under `dir` to `prefix/` in the bucket, keeping their relative paths.
+    fn upload(&self, rt: &tokio::runtime::Runtime, dir: &Path, prefix: &str) -> anyhow::Result<()> {
+        let store = hotstart_store::Store::open(&self.url(""))?;
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for entry in std::fs::read_dir(&d).with_context(|| format!("read {}", d.display()))? {
+                let path = entry?.path();
+                if path.is_dir() {
+                    todo.push(path);
+                    continue;
+                }
+                let key = format!("{prefix}/{}", path.strip_prefix(dir)?.display());
+                let cfg = hotstart_store::StripeConfig::default();
+                rt.block_on(hotstart_store::transfer::upload_file(
+                    &path,
+                    &store,
+                    &key,
+                    cfg,
+                    &|_| {},
+                ))
+                .with_context(|| format!("upload {} to {key}", path.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A fresh s3fs mount of the bucket (default options: no cache of its own), for uv + DCP.
+    fn s3fs(&self, env: &JobEnv, scratch: &Path, n: usize) -> anyhow::Result<Mounted> {
+        let server = Server {
+            weed: &self.weed,
+            bucket: &self.bucket,
+            store: &env.store,
+            rt: env.runtime.handle(),
+            scratch,
+        };
+        mounts::mount(Target::Peer(Peer::S3fs), &server, FsConfig::default(), n)
+    }
+}
+
 /// The job's environment on a new node: torch (from `benches/env/torch.txt`, a wheelhouse
 /// downloaded once by `scripts/wheelhouse.sh`) and the hotstart package built from this
 /// checkout, installed with uv or restored by `hotstart env ensure`.
@@ -487,7 +582,10 @@ struct JobEnv {
     lock: PathBuf,
     target: PathBuf,
     uv_cache: PathBuf,
-    install: Vec<String>,
+    uv: PathBuf,
+    python: PathBuf,
+    /// Where uv finds the wheels on this machine: the wheelhouse and the package's wheel.
+    wheels: Vec<PathBuf>,
     runtime: tokio::runtime::Runtime,
     store: hotstart_store::Store,
     base: hotstart_snapshot::EnsureConfig,
@@ -495,8 +593,8 @@ struct JobEnv {
 
 impl JobEnv {
     /// Downloads the wheelhouse, builds the package's wheel, and captures the venv that uv makes
-    /// into `store` (an `ensure` miss, not timed).
-    fn prepare(python: &Path, dir: &Path, store: &Path) -> anyhow::Result<JobEnv> {
+    /// into the store at `store` (a URL or a directory; an `ensure` miss, not timed).
+    fn prepare(python: &Path, dir: &Path, store: &str) -> anyhow::Result<JobEnv> {
         let root = workspace();
         let status = Command::new("bash")
             .arg(root.join("scripts/wheelhouse.sh"))
@@ -533,32 +631,24 @@ impl JobEnv {
         )?;
         let target = dir.join("venv");
         let uv_cache = dir.join("uv-cache");
-        let links = [root.join(".cache/wheelhouse/torch"), wheels];
-        let uv = crate::env::Uv {
-            uv: &uv,
-            python,
-            find_links: &links,
-        };
-        let install = uv.install(&target, &lock, &uv_cache, false);
-        let mut base = hotstart_snapshot::EnsureConfig::new(
-            vec![lock.clone()],
-            target.clone(),
-            install.clone(),
-        );
+        let wheels = vec![root.join(".cache/wheelhouse/torch"), wheels];
+        let install = install_command(&uv, python, &wheels, &target, &lock, &uv_cache);
+        let mut base =
+            hotstart_snapshot::EnsureConfig::new(vec![lock.clone()], target.clone(), install);
         base.python = python.display().to_string();
         base.cache_dir = dir.join("env-capture");
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?;
-        let store = hotstart_store::Store::open(&store.display().to_string())?;
         let env = JobEnv {
             lock,
             target,
             uv_cache,
-            install,
-            runtime,
-            store,
+            uv,
+            python: python.to_path_buf(),
+            wheels,
+            runtime: tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?,
+            store: hotstart_store::Store::open(store)?,
             base,
         };
         let hotstart_snapshot::Action::Installed {
@@ -609,11 +699,17 @@ impl JobEnv {
         drop_page_cache().context("drop the page cache (needs root)")
     }
 
-    /// uv installs the lock into the venv, cold cache.
-    fn install(&self) -> anyhow::Result<()> {
-        let out = Command::new(&self.install[0])
-            .args(&self.install[1..])
-            .output()?;
+    /// uv installs the lock into the venv, cold cache, the wheels found in `links`.
+    fn install(&self, links: &[PathBuf]) -> anyhow::Result<()> {
+        let install = install_command(
+            &self.uv,
+            &self.python,
+            links,
+            &self.target,
+            &self.lock,
+            &self.uv_cache,
+        );
+        let out = Command::new(&install[0]).args(&install[1..]).output()?;
         ensure!(
             out.status.success(),
             "uv install of {}: {}",
@@ -657,6 +753,24 @@ impl JobEnv {
     }
 }
 
+/// uv's command that installs `lock` into the venv `target` with the cache `cache` (no bytecode,
+/// as uv does by default), the wheels found in `links`.
+fn install_command(
+    uv: &Path,
+    python: &Path,
+    links: &[PathBuf],
+    target: &Path,
+    lock: &Path,
+    cache: &Path,
+) -> Vec<String> {
+    let uv = crate::env::Uv {
+        uv,
+        python,
+        find_links: links,
+    };
+    uv.install(target, lock, cache, false)
+}
+
 /// `12–14%`: the range of the fractions that lazy venvs fetched.
 fn fetched_range(starts: &[Cold]) -> String {
     let fractions = starts.iter().filter_map(|c| c.fetched);
@@ -686,23 +800,41 @@ enum MakeEnv {
     Lazy,
 }
 
+/// The job's model as train.py builds it, and its checkpointed state.
+struct Model {
+    /// train.py's arguments that build it (and print the timeline).
+    args: Vec<String>,
+    /// Checkpointed bytes per rank.
+    state_bytes: u64,
+    /// `2 ranks × 1.97 GiB`, for the rows.
+    size: String,
+}
+
 /// The replacement-node rows (see the module docs); the median of uv + DCP from start to step.
 fn cold(
     args: &RestartArgs,
     python: &Path,
-    model: &[String],
-    state_bytes: u64,
-    size: &str,
+    model: &Model,
     base: &Path,
+    remote: Option<&Remote>,
     report: &mut Report,
 ) -> anyhow::Result<Duration> {
+    let Model {
+        args: model,
+        state_bytes,
+        size,
+    } = model;
+    let state_bytes = *state_bytes;
     let dir = base.join("cold");
     std::fs::create_dir_all(&dir)?;
     let budget = (3.0 * args.nproc as f64 * state_bytes as f64) as u64 + (256 << 20);
-    let store = dir.join("store");
+    let store = match remote {
+        Some(r) => r.url("store"),
+        None => dir.join("store").display().to_string(),
+    };
     let env = JobEnv::prepare(python, &dir, &store)?;
     let mut a_settings = settings("node-a", &dir, budget)?;
-    a_settings.store = Some(store.display().to_string());
+    a_settings.store = Some(store.clone());
     a_settings.disk_dir = Some(dir.join("a-disk"));
     let a = Running::start(a_settings)?;
     let job = |extra: &[&str]| -> Vec<String> {
@@ -720,29 +852,60 @@ fn cold(
         &job(&["--steps", "1", "--save-every", "1", "--sidecar", &a_socket]),
     )?;
     let dcp_dir = dir.join("dcp");
-    let dcp = dcp_dir.display().to_string();
     torchrun(
         python,
         args.nproc,
         0,
-        &job(&["--steps", "1", "--save-every", "1", "--torch-dcp", &dcp]),
+        &job(&[
+            "--steps",
+            "1",
+            "--save-every",
+            "1",
+            "--torch-dcp",
+            &dcp_dir.display().to_string(),
+        ]),
     )?;
+    // Behind the link, uv + DCP read the same bucket: the wheels and the DCP files go there.
+    let scratch = dir.join("s3fs");
+    if let Some(r) = remote {
+        std::fs::create_dir_all(&scratch)?;
+        r.upload(&env.runtime, &dcp_dir, "dcp")?;
+        r.upload(&env.runtime, &env.wheels[0], "wheels/torch")?;
+        r.upload(&env.runtime, &env.wheels[1], "wheels/hotstart")?;
+    }
 
     // A new node: nothing local, page cache dropped; its environment made as `make` says, then
     // the job resumed from the venv.
     let node = dir.join("node");
+    // uv + DCP (`how` empty) read the wheels and the DCP files from this disk, or from the
+    // bucket through a fresh s3fs mount, made as part of the node's environment.
     let resume = |make: MakeEnv, how: &[&str]| -> anyhow::Result<Cold> {
         env.clear(&node)?;
         let began = unix_now();
+        let mut how: Vec<String> = how.iter().map(|s| s.to_string()).collect();
+        let mut s3fs = None;
         let mounted = match make {
-            MakeEnv::Uv => env.install().map(|()| None)?,
+            MakeEnv::Uv => {
+                let (wheels, dcp) = match remote {
+                    None => (env.wheels.clone(), dcp_dir.clone()),
+                    Some(r) => {
+                        let files = s3fs.insert(r.s3fs(&env, &scratch, 0)?).path();
+                        let wheels = ["wheels/torch", "wheels/hotstart"].map(|w| files.join(w));
+                        (wheels.to_vec(), files.join("dcp"))
+                    }
+                };
+                env.install(&wheels)?;
+                how.extend(["--torch-dcp".into(), dcp.display().to_string()]);
+                None
+            }
             MakeEnv::Restore => env.restore(&node).map(|()| None)?,
             MakeEnv::Lazy => Some(env.mount(&node)?),
         };
         let env_done = unix_now();
         let mut extra = vec!["--steps", "2", "--save-every", "0"];
-        extra.extend_from_slice(how);
+        extra.extend(how.iter().map(String::as_str));
         let out = torchrun(&env.python(), args.nproc, 0, &job(&extra));
+        drop(s3fs);
         let fetched = mounted.map(|m| env.unmount(m)).transpose()?;
         Ok(Cold {
             fetched,
@@ -765,7 +928,7 @@ fn cold(
         match source {
             Source::Peer => s.peers = Some(vec![format!("node-a={}", a.peer)]),
             Source::Disk => s.disk_dir = Some(kept_disk.clone()),
-            Source::Store => s.store = Some(store.display().to_string()),
+            Source::Store => s.store = Some(store.clone()),
         }
         Running::start(s)
     };
@@ -796,7 +959,11 @@ fn cold(
             MakeEnv::Restore,
             Source::Store,
             "restored (env ensure)",
-            "the store (a local directory)",
+            if remote.is_some() {
+                "the store (SeaweedFS behind the emulated link)"
+            } else {
+                "the store (a local directory)"
+            },
         ),
     ];
     // The lazy venv's profile: one lazy start before any is timed.
@@ -804,7 +971,7 @@ fn cold(
     let mut ours: Vec<Vec<Cold>> = vec![Vec::new(); variants.len()];
     let mut theirs = Vec::new();
     for run in 0..args.runs {
-        theirs.push(resume(MakeEnv::Uv, &["--torch-dcp", &dcp])?);
+        theirs.push(resume(MakeEnv::Uv, &[])?);
         for (i, (make, source, ..)) in variants.iter().enumerate() {
             ours[i].push(from(*make, *source, &format!("new-{run}-{i}"))?);
         }
@@ -818,9 +985,19 @@ fn cold(
     env.clear(&node)?;
     let secs = Duration::from_secs_f64;
     let med = |v: &[Cold], f: fn(&Cold) -> f64| median(v.iter().map(|c| secs(f(c))).collect());
-    let dcp_peer = "DCP FileSystemReader from the local disk, cold page cache";
-    let theirs_total = "uv pip install (cold cache, local wheelhouse) + DCP FileSystemReader \
-                        from the local disk";
+    let (dcp_peer, theirs_total) = if remote.is_some() {
+        (
+            "DCP FileSystemReader from the bucket through s3fs, cold page cache",
+            "uv pip install (cold cache, the wheels in the bucket through s3fs) + DCP \
+             FileSystemReader from the bucket through s3fs",
+        )
+    } else {
+        (
+            "DCP FileSystemReader from the local disk, cold page cache",
+            "uv pip install (cold cache, local wheelhouse) + DCP FileSystemReader from the local \
+             disk",
+        )
+    };
     for ((make, _, venv, name), ours) in variants.iter().zip(&ours) {
         report.add(Row::time(
             format!("new node: start → first step done, venv {venv}, state from {name}, {size}"),
@@ -863,17 +1040,24 @@ fn cold(
         phases(&theirs),
         fetched_range(&ours.concat())
     ));
-    report.note(
-        "New-node rows: step 1 was saved on node A (sidecar with memory, disk and a local-directory \
-         store) and with torch's own DCP FileSystemWriter. Each new node starts with no venv, no \
-         chunk or uv cache and the page cache dropped, makes the job's venv (torch and the \
-         hotstart package, 5 GB; the wheelhouse on local disk, the snapshot in the same \
-         local-directory store) and resumes step 1 from that venv: through a new sidecar whose \
-         only peer is A, through one whose disk tier is a copy of A's (a node that came back \
-         with its disk), through one that reads A's store, or with DCP's FileSystemReader from \
-         the local disk. No emulated link: store, wheelhouse and DCP files are all on this \
-         machine's disk.",
-    );
+    let where_ = if remote.is_some() {
+        "One SeaweedFS bucket behind the emulated remote link (benches/netem.sh: 10 ms RTT, \
+         100 MB/s per TCP connection; the server shares this machine's two cores) holds the \
+         store (the venv's snapshot, A's checkpoints) and, for uv + DCP, the wheels and the DCP \
+         files, read through a fresh s3fs mount (default options) on each new node. A peer's \
+         memory is reached over loopback: the cluster's own network is not emulated."
+    } else {
+        "No emulated link: store, wheelhouse and DCP files are all on this machine's disk."
+    };
+    report.note(format!(
+        "New-node rows: step 1 was saved on node A (sidecar with memory, disk and the store) and \
+         with torch's own DCP FileSystemWriter. Each new node starts with no venv, no chunk or \
+         uv cache and the page cache dropped, makes the job's venv (torch and the hotstart \
+         package, 5 GB; the snapshot in the store) and resumes step 1 from that venv: through a \
+         new sidecar whose only peer is A, through one whose disk tier is a copy of A's (a node \
+         that came back with its disk), through one that reads A's store, or with uv's install \
+         and DCP's FileSystemReader. {where_}"
+    ));
     Ok(med(&theirs, Cold::total))
 }
 

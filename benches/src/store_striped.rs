@@ -169,6 +169,29 @@ pub(crate) fn netem_ip() -> anyhow::Result<Ipv4Addr> {
     Ok(String::from_utf8(out.stdout)?.trim().parse()?)
 }
 
+/// The emulated remote link (benches/netem.sh), taken down when dropped: drop the server behind
+/// it first.
+pub(crate) struct RemoteLink;
+
+impl RemoteLink {
+    /// Brings the link up and starts a private SeaweedFS server behind it.
+    pub(crate) fn up() -> anyhow::Result<(RemoteLink, SeaweedFs)> {
+        let link = RemoteLink;
+        netem("up")?;
+        let weed = SeaweedFs::start_in_netns(NETNS, netem_ip()?)
+            .context("start SeaweedFS behind the remote link")?;
+        Ok((link, weed))
+    }
+}
+
+impl Drop for RemoteLink {
+    fn drop(&mut self) {
+        if let Err(e) = netem("down") {
+            eprintln!("taking the remote link down: {e:#}");
+        }
+    }
+}
+
 /// SeaweedFS behind an emulated remote link: striping must multiply throughput.
 pub async fn remote(args: &StoreArgs, report: &mut Report) -> anyhow::Result<()> {
     let data = payload(args.object_mib);
