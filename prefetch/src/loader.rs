@@ -297,7 +297,7 @@ impl Loader {
                 Some((origin, f)) => (Some(f.clone()), *origin == Origin::Prefetch),
                 None if self.on_disk(&id) => (None, false),
                 None => {
-                    let f = self.spawn_fetch(id, Origin::Demand);
+                    let f = self.spawn_fetch(id, Origin::Demand, None);
                     inflight.insert(id, (Origin::Demand, f.clone()));
                     self.counters.demand_fetches.fetch_add(1, Ordering::Relaxed);
                     self.counters
@@ -409,18 +409,19 @@ impl Loader {
             self.prefetched.lock().insert(id, len);
             self.ahead.fetch_add(len as u64, Ordering::AcqRel);
             self.prefetch_inflight.fetch_add(1, Ordering::AcqRel);
-            let f = self.spawn_fetch(id, Origin::Prefetch);
+            let (tx, link) = tokio::sync::oneshot::channel();
+            let f = self.spawn_fetch(id, Origin::Prefetch, Some(tx));
             inflight.insert(id, (Origin::Prefetch, f.clone()));
-            f
+            (f, link)
         };
-        let started = Instant::now();
+        let (flight, link) = flight;
         Some(
             async move {
                 let ok = flight.await.is_ok();
                 PrefetchDone {
                     ok,
-                    latency: started.elapsed(),
-                    bytes: len as u64,
+                    // Sent before the flight ends, or never (the frame was in memory).
+                    latency: link.await.ok(),
                 }
             }
             .boxed(),
@@ -497,7 +498,14 @@ impl Loader {
 
     /// The one fetch of `id`: from the store, then into memory (and on to the cache writer),
     /// then out of the in-flight map.
-    fn spawn_fetch(self: &Arc<Self>, id: ChunkId, origin: Origin) -> Flight {
+    /// Starts fetching `id`. `link`, if given, is sent how long the store's request took, and
+    /// nothing when the frame came from memory instead (a snapshot's pack, held or announced).
+    fn spawn_fetch(
+        self: &Arc<Self>,
+        id: ChunkId,
+        origin: Origin,
+        link: Option<tokio::sync::oneshot::Sender<Duration>>,
+    ) -> Flight {
         let this = self.clone();
         let task = tokio::spawn(async move {
             let decoder = (origin == Origin::Prefetch)
@@ -507,7 +515,7 @@ impl Loader {
                 })
                 .and_then(Option::as_ref);
             let res = match decoder {
-                Some(d) => match this.chunks.fetch_frame(&id).await {
+                Some(d) => match this.timed_frame(&id, link).await {
                     Ok(frame) => {
                         d.decode(id, frame, || this.seen.lock().contains_key(&id))
                             .await
@@ -534,6 +542,22 @@ impl Loader {
         }
         .boxed()
         .shared()
+    }
+
+    /// The stored frame of `id` (held, announced, or fetched from the store); how long the
+    /// store's request took goes to `link` when there was one.
+    async fn timed_frame(
+        &self,
+        id: &ChunkId,
+        link: Option<tokio::sync::oneshot::Sender<Duration>>,
+    ) -> hotstart_store::Result<Bytes> {
+        let in_memory = self.chunks.is_held(id);
+        let asked = Instant::now();
+        let frame = self.chunks.fetch_frame(id).await?;
+        if let Some(tx) = link.filter(|_| !in_memory) {
+            let _ = tx.send(asked.elapsed());
+        }
+        Ok(frame)
     }
 
     fn finish_fetch(&self, id: ChunkId, origin: Origin, res: &hotstart_store::Result<Bytes>) {
@@ -574,8 +598,9 @@ impl Loader {
 #[derive(Debug, Clone, Copy)]
 pub struct PrefetchDone {
     pub ok: bool,
-    pub latency: Duration,
-    pub bytes: u64,
+    /// How long its request to the store took, decoding excluded; `None` when the frame came
+    /// from memory (a snapshot's pack), which says nothing about the link.
+    pub latency: Option<Duration>,
 }
 
 /// Starts the thread that writes fetched chunks into `cache` at the lowest CPU priority; it

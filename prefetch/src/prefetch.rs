@@ -10,7 +10,9 @@
 //! **Concurrency.** A fetch is started only while the fetches in flight, **demand reads
 //! included**, are fewer than the window, so reads always have the first slots and prefetch only
 //! uses what they leave. The window adapts to the link on latency, as TCP does: each
-//! completion's latency is compared with the lowest seen (the link's base round trip); while it
+//! completion's latency (its request to the store alone: decoding is not timed, and a frame
+//! served from memory, as from a snapshot's pack, is not counted at all) is compared with the
+//! lowest seen (the link's base round trip); while it
 //! stays within `slack` times that, requests are not queueing and the window grows, by one per
 //! completion at first (**slow start**: it doubles every round trip, so a long-latency link is
 //! filled within a few round trips) and, after the first sign of queueing, by one per window's
@@ -29,7 +31,7 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use hotstart_store::ChunkId;
 
-use crate::loader::Loader;
+use crate::loader::{Loader, PrefetchDone};
 
 /// How the prefetcher replays a profile.
 #[derive(Debug, Clone, Copy)]
@@ -121,6 +123,16 @@ impl Window {
         self.cur = (self.cur / 2.0).max(self.min);
         self.hold = self.cur;
     }
+
+    /// One prefetch ended. A frame served from memory moves nothing: its near-zero latency
+    /// would become the link's base round trip, and every real request would then look queued.
+    fn on_done(&mut self, done: PrefetchDone) {
+        match (done.ok, done.latency) {
+            (false, _) => self.on_error(),
+            (true, Some(latency)) => self.on_complete(latency),
+            (true, None) => {}
+        }
+    }
 }
 
 /// What a replay did.
@@ -157,12 +169,7 @@ pub async fn replay(
         }
         // Fold in finished fetches.
         while let Some(Some(done)) = running.next().now_or_never() {
-            let done: crate::loader::PrefetchDone = done;
-            if done.ok {
-                window.on_complete(done.latency);
-            } else {
-                window.on_error();
-            }
+            window.on_done(done);
         }
         let Some(&(id, len)) = next.peek() else {
             if running.is_empty() {
@@ -171,9 +178,7 @@ pub async fn replay(
             // Only completions are left to wait for.
             tokio::select! {
                 _ = stop.changed() => {}
-                Some(done) = running.next() => {
-                    if done.ok { window.on_complete(done.latency) } else { window.on_error() }
-                }
+                Some(done) = running.next() => window.on_done(done),
             }
             continue;
         };
@@ -196,9 +201,7 @@ pub async fn replay(
         // ending, a read consuming prefetched bytes).
         tokio::select! {
             _ = stop.changed() => {}
-            Some(done) = running.next(), if !running.is_empty() => {
-                if done.ok { window.on_complete(done.latency) } else { window.on_error() }
-            }
+            Some(done) = running.next(), if !running.is_empty() => window.on_done(done),
             _ = loader.wait_change(Duration::from_millis(50)) => {}
         }
     }
@@ -250,5 +253,52 @@ mod tests {
         );
         w.on_error();
         assert!(w.size() <= 7);
+    }
+
+    /// A plan half made of frames already in memory (a snapshot's pack) and half of chunks
+    /// 50 ms away: the frames from memory must not become the link's base round trip, after
+    /// which every real request would look queued and the window would shrink to its minimum.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn frames_from_memory_leave_the_window_to_the_link() {
+        use bytes::Bytes;
+        use hotstart_store::wrap::{Interceptor, Throttle, ThrottleConfig};
+        use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
+
+        let memory = Store::open("memory://").unwrap();
+        let direct = ChunkStore::new(memory.clone(), ChunkStoreConfig::default()).unwrap();
+        let (mut plan, mut frames) = (Vec::new(), Vec::new());
+        for i in 0..64u8 {
+            let data = Bytes::from(vec![i; 64 << 10]);
+            let id = direct.put(data.clone()).await.unwrap();
+            if i % 2 == 0 {
+                frames.push((id, direct.fetch_frame(&id).await.unwrap()));
+            }
+            plan.push((id, data.len() as u32));
+        }
+        let throttle = Arc::new(Throttle::new(ThrottleConfig {
+            latency: Duration::from_millis(50),
+            per_request_bytes_per_sec: None,
+            total_bytes_per_sec: None,
+        }));
+        let remote = memory.wrap(|inner| throttle.wrap(inner));
+        let chunks = ChunkStore::new(remote, ChunkStoreConfig::default()).unwrap();
+        chunks.hold(frames);
+        let loader = Arc::new(Loader::new(chunks, 1 << 30));
+        let cfg = PrefetchConfig {
+            initial_window: 4,
+            min_window: 1,
+            max_window: 64,
+            ..PrefetchConfig::default()
+        };
+        let (_stop, stopped) = tokio::sync::watch::channel(false);
+        let stats = replay(loader.clone(), plan.clone(), cfg, stopped).await;
+        assert_eq!(stats.started, 64);
+        assert!(
+            stats.final_window == stats.peak_window && stats.final_window > 4,
+            "the window shrank on a link whose latency never moved: {stats:?}"
+        );
+        for (id, _) in &plan {
+            assert!(loader.settled(id), "chunk {id} was not prefetched");
+        }
     }
 }
