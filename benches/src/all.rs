@@ -64,6 +64,10 @@ struct Bench {
     quick: Runner,
 }
 
+/// What `import torch` loads from the restart benchmark's venv (`benches/env/torch.txt`): the
+/// site-packages entries of its container image.
+const TORCH_IMAGE: &str = "torch,torchgen,typing_extensions,numpy,nvidia,cuda";
+
 const BENCHES: &[Bench] = &[
     Bench {
         name: "store",
@@ -123,6 +127,13 @@ const BENCHES: &[Bench] = &[
         ]),
     },
     Bench {
+        name: "restart-remote",
+        full: Runner::Own(&["restart", "--gib", "2", "--runs", "3", "--cold", "--remote"]),
+        quick: Runner::Own(&[
+            "restart", "--gib", "0.125", "--width", "1024", "--runs", "1", "--cold", "--remote",
+        ]),
+    },
+    Bench {
         name: "image",
         full: Runner::Own(&["image", "--runs", "7"]),
         quick: Runner::Own(&["image", "--runs", "1", "--record-runs", "1"]),
@@ -131,6 +142,29 @@ const BENCHES: &[Bench] = &[
         name: "container",
         full: Runner::Own(&["container", "--runs", "5"]),
         quick: Runner::Own(&["container", "--runs", "1"]),
+    },
+    // The image phase of the restart benchmark's job: its environment as a container image,
+    // started until `import torch` is done.
+    Bench {
+        name: "container-torch",
+        full: Runner::Own(&[
+            "container",
+            "--packages",
+            TORCH_IMAGE,
+            "--imports",
+            "torch",
+            "--runs",
+            "3",
+        ]),
+        quick: Runner::Own(&[
+            "container",
+            "--packages",
+            TORCH_IMAGE,
+            "--imports",
+            "torch",
+            "--runs",
+            "1",
+        ]),
     },
     Bench {
         name: "env",

@@ -469,8 +469,8 @@ struct Cold {
     launch: f64,
     to_step: f64,
     load: f64,
-    /// The fraction of a lazily mounted venv's bytes that were fetched.
-    fetched: Option<f64>,
+    /// What a lazily mounted venv did.
+    lazy: Option<LazyRun>,
 }
 
 impl Cold {
@@ -486,7 +486,7 @@ impl Cold {
             launch: start - env_done,
             to_step: t.last("step", 0)? - start,
             load: t.last("loaded", 0)? - t.last("ready", 0)?,
-            fetched: None,
+            lazy: None,
         })
     }
 
@@ -741,11 +741,14 @@ impl JobEnv {
         Ok(mounted)
     }
 
-    /// Unmounts a lazy venv; the fraction of its bytes that were fetched.
-    fn unmount(&self, mounted: hotstart_snapshot::MountedEnv) -> anyhow::Result<f64> {
+    /// Unmounts a lazy venv; what it fetched and how long reads waited.
+    fn unmount(&self, mounted: hotstart_snapshot::MountedEnv) -> anyhow::Result<LazyRun> {
         let done = self.runtime.block_on(mounted.unmount())?;
         let r = &done.report;
-        Ok((r.prefetched_bytes + r.demand_fetch_bytes) as f64 / done.bytes.max(1) as f64)
+        Ok(LazyRun {
+            fetched: (r.prefetched_bytes + r.demand_fetch_bytes) as f64 / done.bytes.max(1) as f64,
+            stall: r.stall_seconds,
+        })
     }
 
     fn python(&self) -> PathBuf {
@@ -771,17 +774,21 @@ fn install_command(
     uv.install(target, lock, cache, false)
 }
 
-/// `12–14%`: the range of the fractions that lazy venvs fetched.
-fn fetched_range(starts: &[Cold]) -> String {
-    let fractions = starts.iter().filter_map(|c| c.fetched);
-    let lo = fractions.clone().fold(f64::INFINITY, f64::min);
-    let hi = fractions.fold(0.0, f64::max);
-    let (lo, hi) = (format!("{:.0}", lo * 100.0), format!("{:.0}", hi * 100.0));
-    if lo == hi {
-        format!("{lo}%")
-    } else {
-        format!("{lo}–{hi}%")
-    }
+/// What a lazily mounted venv did in one new node's start.
+#[derive(Debug, Clone, Copy)]
+struct LazyRun {
+    /// The fraction of its bytes that were fetched.
+    fetched: f64,
+    /// Seconds its readers waited for chunks (the mount report's stall).
+    stall: f64,
+}
+
+/// `12–14`: the range of `f` over the lazy starts among `starts`, each value as `show` writes it.
+fn lazy_range(starts: &[Cold], f: fn(&LazyRun) -> f64, show: fn(f64) -> String) -> String {
+    let values = starts.iter().filter_map(|c| c.lazy.as_ref().map(f));
+    let lo = show(values.clone().fold(f64::INFINITY, f64::min));
+    let hi = show(values.fold(0.0, f64::max));
+    if lo == hi { lo } else { format!("{lo}–{hi}") }
 }
 
 /// Where a new node's sidecar finds the state.
@@ -906,9 +913,9 @@ fn cold(
         extra.extend(how.iter().map(String::as_str));
         let out = torchrun(&env.python(), args.nproc, 0, &job(&extra));
         drop(s3fs);
-        let fetched = mounted.map(|m| env.unmount(m)).transpose()?;
+        let lazy = mounted.map(|m| env.unmount(m)).transpose()?;
         Ok(Cold {
-            fetched,
+            lazy,
             ..Cold::of(&Timeline::parse(&out?), began, env_done)?
         })
     };
@@ -1035,10 +1042,16 @@ fn cold(
         .collect::<Vec<_>>()
         .join("; ");
     report.note(format!(
-        "New-node phases, medians in ms: {ours_phases}; uv + DCP: {}. The lazy venv fetched {} \
-         of its bytes, replaying the profile of one earlier lazy start.",
+        "New-node phases, medians in ms: {ours_phases}; uv + DCP: {}. The lazy venv fetched {}% \
+         of its bytes, replaying the profile of one earlier lazy start; its readers waited {} s \
+         for chunks (the mount's stall).",
         phases(&theirs),
-        fetched_range(&ours.concat())
+        lazy_range(
+            &ours.concat(),
+            |l| l.fetched,
+            |v| format!("{:.0}", v * 100.0)
+        ),
+        lazy_range(&ours.concat(), |l| l.stall, |v| format!("{v:.2}")),
     ));
     let where_ = if remote.is_some() {
         "One SeaweedFS bucket behind the emulated remote link (benches/netem.sh: 10 ms RTT, \
