@@ -43,6 +43,11 @@
 //! without hotstart installs from them and loads DCP through a fresh s3fs mount on each new node.
 //! A peer's memory stays on loopback (the cluster's network is not emulated).
 //!
+//! The image phase, the same environment as a container image started through containerd and
+//! `hotstart snapshotter`, is the `container` benchmark with the job's packages (`container
+//! --packages torch,torchgen,typing_extensions,numpy,nvidia,cuda --imports torch`;
+//! `container-torch` in `hotstart-benches all`).
+//!
 //! Needs the project's venv (`scripts/setup.sh`: torch and the built package), about
 //! `3 × nproc × gib` GiB of memory for each sidecar beside the workers' own, and root for the
 //! page-cache drops of `--cold`.
@@ -563,7 +568,7 @@ impl Remote {
     }
 
     /// A fresh s3fs mount of the bucket (default options: no cache of its own), for uv + DCP.
-    fn s3fs(&self, env: &JobEnv, scratch: &Path, n: usize) -> anyhow::Result<Mounted> {
+    fn s3fs(&self, env: &JobEnv, scratch: &Path) -> anyhow::Result<Mounted> {
         let server = Server {
             weed: &self.weed,
             bucket: &self.bucket,
@@ -571,7 +576,7 @@ impl Remote {
             rt: env.runtime.handle(),
             scratch,
         };
-        mounts::mount(Target::Peer(Peer::S3fs), &server, FsConfig::default(), n)
+        mounts::mount(Target::Peer(Peer::S3fs), &server, FsConfig::default(), 0)
     }
 }
 
@@ -896,7 +901,7 @@ fn cold(
                 let (wheels, dcp) = match remote {
                     None => (env.wheels.clone(), dcp_dir.clone()),
                     Some(r) => {
-                        let files = s3fs.insert(r.s3fs(&env, &scratch, 0)?).path();
+                        let files = s3fs.insert(r.s3fs(&env, &scratch)?).path();
                         let wheels = ["wheels/torch", "wheels/hotstart"].map(|w| files.join(w));
                         (wheels.to_vec(), files.join("dcp"))
                     }
