@@ -284,10 +284,13 @@ mod tests {
         let chunks = ChunkStore::new(remote, ChunkStoreConfig::default()).unwrap();
         chunks.hold(frames);
         let loader = Arc::new(Loader::new(chunks, 1 << 30));
+        // Only a request 8× the base (400 ms) would count as queueing: a slow scheduler does
+        // not shrink the window, a base taken from memory (microseconds) does.
         let cfg = PrefetchConfig {
             initial_window: 4,
             min_window: 1,
             max_window: 64,
+            slack: 8.0,
             ..PrefetchConfig::default()
         };
         let (_stop, stopped) = tokio::sync::watch::channel(false);

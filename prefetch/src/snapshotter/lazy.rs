@@ -184,12 +184,17 @@ impl Lazy {
     /// Layers of `images` mounted as `cfg` says; with `cfg.record`, container starts are
     /// recorded into their image's profile.
     pub fn new(images: Images, cfg: LazyConfig) -> Lazy {
+        Lazy::waiting_for_opens(images, cfg, OPENS_FIRST_FOR)
+    }
+
+    /// [`Lazy::new`], with replays waiting at most `opens_first_for` for the opens ahead.
+    fn waiting_for_opens(images: Images, cfg: LazyConfig, opens_first_for: Duration) -> Lazy {
         let opening = Arc::new(tokio::sync::watch::Sender::new(0usize));
         let (waits, then) = (opening.clone(), cfg.on_plan.clone());
         let after_opens = PlanHook(Arc::new(move |plan| {
             let (mut opens, then) = (waits.subscribe(), then.clone());
             async move {
-                let _ = tokio::time::timeout(OPENS_FIRST_FOR, opens.wait_for(|n| *n == 0)).await;
+                let _ = tokio::time::timeout(opens_first_for, opens.wait_for(|n| *n == 0)).await;
                 if let Some(hook) = then {
                     (hook.0)(plan).await;
                 }
@@ -649,13 +654,18 @@ mod tests {
             .build(&src, &image, &BuildConfig::default())
             .await
             .unwrap();
-        // The layer above is a store round trip of 100 ms away (the replay waits 500 ms at most).
+        // The layer above is store round trips of 100 ms away; the replay may wait far longer
+        // than the open takes, so only a replay that does not wait finds it still in progress.
         let link = Arc::new(Throttle::new(ThrottleConfig {
             latency: Duration::from_millis(100),
             ..ThrottleConfig::default()
         }));
         let slow = store.wrap(|inner| link.clone().wrap(inner));
-        let lazy = Lazy::new(Images::new(chunks(slow)), LazyConfig::default());
+        let lazy = Lazy::waiting_for_opens(
+            Images::new(chunks(slow)),
+            LazyConfig::default(),
+            Duration::from_secs(60),
+        );
         lazy.open_ahead(&format!("{this},{above}"));
         assert_eq!(
             *lazy.opening.borrow(),
