@@ -20,7 +20,7 @@ pub mod store;
 
 use std::fmt;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 pub use crate::staging::{Region, Staged, Staging};
 
 /// Which tier, nearest first.
@@ -91,6 +91,46 @@ impl<'de> serde::Deserialize<'de> for TierKind {
 pub trait TierReader: Send {
     /// Fills `buf` with the object's bytes at `offset`.
     fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// Reads `len` bytes from `offset` on, in order, a window at a time: window `i` (as long as
+    /// the first buffer, the last one shorter) goes into `bufs[i % bufs.len()]`, then `f` gets
+    /// its bytes. A reader that can read ahead keeps the next windows in flight while `f` runs
+    /// (the disk's does, see [`UringReader::read_windows`]); this default reads one window at a
+    /// time. Stops at the first error, from the object or from `f`.
+    ///
+    /// [`UringReader::read_windows`]: hotstart_store::uring::UringReader::read_windows
+    fn read_windows(
+        &mut self,
+        offset: u64,
+        len: usize,
+        bufs: &mut [&mut [u8]],
+        f: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let width = bufs.first().map_or(0, |b| b.len());
+        let mut at = 0;
+        for i in 0.. {
+            if at >= len {
+                break;
+            }
+            let n = width.min(len - at);
+            let count = bufs.len();
+            let buf = match bufs.get_mut(i % count.max(1)).and_then(|b| b.get_mut(..n)) {
+                Some(buf) if n > 0 => buf,
+                _ => {
+                    return Err(Error::Task {
+                        what: "read",
+                        message: format!(
+                            "{count} buffers, the first {width} bytes long, cannot hold {len} bytes read in windows"
+                        ),
+                    });
+                }
+            };
+            self.read_at(offset + at as u64, buf)?;
+            f(buf)?;
+            at += n;
+        }
+        Ok(())
+    }
 }
 
 /// One place checkpoints are kept.
@@ -132,5 +172,54 @@ pub trait Tier: Send + Sync {
     /// The local file that holds `key`, for a tier kept in local files.
     fn local_path(&self, _key: &str) -> Option<std::path::PathBuf> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An object held in memory, read with the trait's default windows.
+    struct Memory(Vec<u8>);
+
+    impl TierReader for Memory {
+        fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+            let at = offset as usize;
+            buf.copy_from_slice(&self.0[at..at + buf.len()]);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn default_windows_cover_the_range_in_order_and_stop_at_an_error() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut r = Memory(data.clone());
+        let (mut a, mut b) = (vec![0; 3000], vec![0; 3000]);
+        let mut got = Vec::new();
+        r.read_windows(5, 9_000, &mut [&mut a, &mut b], &mut |w| {
+            got.push(w.to_vec());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(got.iter().map(Vec::len).collect::<Vec<_>>(), [3000; 3]);
+        assert!(got.concat() == data[5..9_005]);
+
+        let mut calls = 0;
+        let err = r
+            .read_windows(0, 9_000, &mut [&mut a], &mut |_| {
+                calls += 1;
+                Err(Error::Task {
+                    what: "test",
+                    message: "stop".into(),
+                })
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::Task { what: "test", .. }) && calls == 1);
+
+        let mut empty: [&mut [u8]; 0] = [];
+        let err = r
+            .read_windows(0, 10, &mut empty, &mut |_| Ok(()))
+            .unwrap_err();
+        assert!(err.to_string().contains("cannot hold"), "{err}");
     }
 }

@@ -46,6 +46,11 @@
 //! `read_at` never returns, not even with an error, while a request that points into the caller's
 //! buffer is in flight.
 //!
+//! [`UringReader::read_windows`] reads a range the same way, a window at a time, into a few
+//! buffers taken in turn, and hands each window to a callback in file order while the windows
+//! after it are read: a caller that hashes or copies what it reads keeps the disk busy meanwhile,
+//! with no thread of its own. `read_at` is one window into one buffer.
+//!
 //! # Falling back to buffered I/O
 //!
 //! `O_DIRECT` is asked for when [`UringConfig::direct`] is set, and dropped (logged at debug level,

@@ -244,4 +244,29 @@ impl TierReader for DiskReader {
             .read_at(offset, buf)
             .map_err(|e| store_err("read", &self.path, e))
     }
+
+    fn read_windows(
+        &mut self,
+        offset: u64,
+        len: usize,
+        bufs: &mut [&mut [u8]],
+        f: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        /// Why the read stopped: the file, or the caller's `f`.
+        enum Stop {
+            Read(hotstart_store::Error),
+            Caller(Error),
+        }
+        impl From<hotstart_store::Error> for Stop {
+            fn from(e: hotstart_store::Error) -> Self {
+                Stop::Read(e)
+            }
+        }
+        self.r
+            .read_windows(offset, len as u64, bufs, |w| f(w).map_err(Stop::Caller))
+            .map_err(|stop| match stop {
+                Stop::Read(e) => store_err("read", &self.path, e),
+                Stop::Caller(e) => e,
+            })
+    }
 }

@@ -2,6 +2,7 @@
 //! the caller's buffer where alignment allows. The algorithm is described in the
 //! [module documentation](super).
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -41,6 +42,8 @@ struct ReadSlot {
     target: Target,
     /// Submitted while the file was in direct mode.
     direct: bool,
+    /// The window of [`UringReader::read_windows`] this request fills.
+    window: usize,
 }
 
 impl Default for ReadSlot {
@@ -52,6 +55,7 @@ impl Default for ReadSlot {
             done: 0,
             target: Target::Caller { at: 0 },
             direct: false,
+            window: 0,
         }
     }
 }
@@ -88,6 +92,11 @@ impl Plan {
         }
     }
 
+    /// Every request of the range has been handed out.
+    fn is_done(&self) -> bool {
+        self.pos >= self.stop
+    }
+
     fn next(&mut self) -> Option<ReadSlot> {
         let align = ALIGN as u64;
         let pos = self.pos;
@@ -103,6 +112,7 @@ impl Plan {
                 at: (pos - self.offset) as usize,
             },
             direct: self.direct,
+            window: 0,
         };
         let (slot, next) = if !self.direct {
             let end = (pos + self.block).min(self.end);
@@ -128,12 +138,23 @@ impl Plan {
                     n: (hi - lo) as usize,
                 },
                 direct: true,
+                window: 0,
             };
             (slot, end)
         };
         self.pos = next;
         Some(slot)
     }
+}
+
+/// One window of [`UringReader::read_windows`] being read.
+struct Window {
+    plan: Plan,
+    /// Start of the window's buffer.
+    base: *mut u8,
+    len: usize,
+    /// Requests submitted and not yet complete.
+    in_flight: usize,
 }
 
 /// Reads one file through io_uring with many requests in flight. See the
@@ -221,49 +242,153 @@ impl UringReader {
     /// from disk straight into `buf`.
     pub fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let n = buf.len() as u64;
-        let end = match offset.checked_add(n) {
+        self.read_windows(offset, n, &mut [buf], |_| Ok::<(), Error>(()))
+    }
+
+    /// Reads `len` bytes from `offset` on, in order, a window at a time: window `i` (as long as
+    /// the first buffer, the last one shorter) goes into `bufs[i % bufs.len()]`, and `f` gets
+    /// each window's bytes as soon as it and every window before it are in. The windows after it
+    /// are read while `f` runs, as many as there are other buffers; a buffer is read into again
+    /// once `f` has returned from the window before. So `f` can hash or copy one window while
+    /// the disk fills the next, with no thread of its own.
+    ///
+    /// Stops at the first error, from the file (as an `E`) or from `f`, and returns it once no
+    /// request is in flight; `f` is not called again after it fails. A range running past the end of the file
+    /// is an `UnexpectedEof` error, and a buffer shorter than its window an `InvalidInput` one,
+    /// both before anything is read.
+    pub fn read_windows<E: From<Error>>(
+        &mut self,
+        offset: u64,
+        len: u64,
+        bufs: &mut [&mut [u8]],
+        mut f: impl FnMut(&[u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let end = match offset.checked_add(len) {
             Some(end) if end <= self.len => end,
-            _ => return Err(self.eof(offset, n)),
+            _ => return Err(self.eof(offset, len).into()),
         };
-        if n == 0 {
+        if len == 0 {
             return Ok(());
         }
-        // From here on `buf` is only reached through `base`, by the kernel and by bounce copies.
-        let base = buf.as_mut_ptr();
-        let mut plan = Plan::new(offset, end, base as usize, self.mode.on, self.block_size);
-        let mut first_err: Option<Error> = None;
+        let width = bufs.first().map_or(0, |b| b.len() as u64);
+        let count = if width == 0 { 0 } else { len.div_ceil(width) };
+        let short = (0..count.min(bufs.len() as u64)).find(|&i| {
+            let want = width.min(len - i * width);
+            (bufs[i as usize].len() as u64) < want
+        });
+        if count == 0 || short.is_some() {
+            return Err(E::from(Error::io(
+                "read",
+                &self.path,
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} buffers, the first {width} bytes long, cannot hold {len} bytes read in windows of the first one's length",
+                        bufs.len()
+                    ),
+                ),
+            )));
+        }
+        // From here on the buffers are only reached through these pointers, by the kernel, by
+        // bounce copies and by `f`.
+        let bases: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        // Windows started and not yet handed to `f`, oldest first: `windows[0]` is window
+        // number `delivered`.
+        let mut windows: VecDeque<Window> = VecDeque::with_capacity(bases.len());
+        let (mut started, mut delivered) = (0u64, 0u64);
+        let mut first_err: Option<E> = None;
         loop {
-            while first_err.is_none() && !self.free_slots.is_empty() {
-                let Some(slot) = plan.next() else { break };
-                let Some(idx) = self.free_slots.pop() else {
-                    break;
-                };
-                self.slots[idx] = slot;
-                // SAFETY: `base` is the start of `buf`, borrowed exclusively for this call and
-                // only touched through `base` from here on, and the plan only yields slots that
-                // lie inside it; this function waits for every request before returning.
-                if let Err(e) = unsafe { self.push_read(idx, base) } {
-                    self.release(idx);
-                    first_err = Some(e);
+            while first_err.is_none() && started < count && windows.len() < bases.len() {
+                let start = offset + started * width;
+                let stop = (start + width).min(end);
+                let base = bases[(started % bases.len() as u64) as usize];
+                windows.push_back(Window {
+                    plan: Plan::new(start, stop, base as usize, self.mode.on, self.block_size),
+                    base,
+                    len: (stop - start) as usize,
+                    in_flight: 0,
+                });
+                started += 1;
+            }
+            for (k, window) in windows.iter_mut().enumerate() {
+                while first_err.is_none() && !self.free_slots.is_empty() {
+                    let Some(mut slot) = window.plan.next() else {
+                        break;
+                    };
+                    let Some(idx) = self.free_slots.pop() else {
+                        break;
+                    };
+                    slot.window = k + (delivered as usize);
+                    self.slots[idx] = slot;
+                    // SAFETY: `window.base` is the start of the window's buffer, borrowed
+                    // exclusively for this call and only touched through `bases` from here on;
+                    // the plan only yields slots inside the window, whose buffer `f` is not
+                    // given until every one of them has completed; this function waits for
+                    // every request before returning.
+                    match unsafe { self.push_read(idx, window.base) } {
+                        Ok(()) => window.in_flight += 1,
+                        Err(e) => {
+                            self.release(idx);
+                            first_err = Some(e.into());
+                        }
+                    }
                 }
             }
+            if let Some(front) = windows.front()
+                && first_err.is_none()
+                && front.plan.is_done()
+                && front.in_flight == 0
+            {
+                // SAFETY: every request into this window has completed and none is queued, so
+                // nothing else touches these `len` bytes (inside its buffer, see above) until the
+                // buffer's next window is started, after `f` returns.
+                let bytes = unsafe { std::slice::from_raw_parts(front.base, front.len) };
+                if let Err(e) = f(bytes) {
+                    first_err = Some(e);
+                }
+                windows.pop_front();
+                delivered += 1;
+                if delivered == count {
+                    break;
+                }
+                continue;
+            }
             if self.ring.in_flight == 0 {
-                break;
+                if first_err.is_none() && self.free_slots.is_empty() {
+                    // Nothing in flight and no slot to submit with: a slot was lost. Fail
+                    // rather than spin.
+                    first_err = Some(E::from(Error::io(
+                        "read",
+                        &self.path,
+                        io::Error::other("no request slot left to read with"),
+                    )));
+                }
+                if first_err.is_some() {
+                    break;
+                }
+                continue;
             }
             // Submits what was queued (here and in `complete_read`) and waits, in one call.
             let done = match self.ring.wait(1) {
                 Ok(done) => done,
                 Err(e) => {
-                    // Requests still point into `buf`, and returning would hand it back to the
-                    // caller while the kernel may write into it.
+                    // Requests still point into the buffers, and returning would hand them back
+                    // to the caller while the kernel may write into them.
                     error!(path = %self.path.display(), error = %e, "cannot wait for io_uring reads; aborting");
                     std::process::abort();
                 }
             };
             for &(idx, res) in &done {
-                // SAFETY: as for `push_read` above.
-                if let Err(e) = unsafe { self.complete_read(idx as usize, res, base) } {
-                    first_err.get_or_insert(e);
+                let window = &mut windows[self.slots[idx as usize].window - delivered as usize];
+                // SAFETY: as for `push_read` above; the slot's window is still started, since a
+                // window is handed to `f` only when none of its requests is in flight.
+                match unsafe { self.complete_read(idx as usize, res, window.base) } {
+                    Ok(false) => {}
+                    Ok(true) => window.in_flight -= 1,
+                    Err(e) => {
+                        window.in_flight -= 1;
+                        first_err.get_or_insert(e.into());
+                    }
                 }
             }
             self.ring.recycle(done);
@@ -308,22 +433,30 @@ impl UringReader {
         unsafe { self.ring.push(&sqe) }.map_err(|e| Error::io("read", &self.path, e))
     }
 
-    /// Handles one completion: resubmits a short or refused read, or copies a finished bounce
-    /// read out and frees the slot.
+    /// Handles one completion: resubmits a short or refused read (`Ok(false)`: still in
+    /// flight), or copies a finished bounce read out and frees the slot (`Ok(true)`). On an error
+    /// the slot is free too.
     ///
     /// # Safety
     /// As for [`push_read`](Self::push_read).
-    unsafe fn complete_read(&mut self, idx: usize, res: i32, base: *mut u8) -> Result<()> {
+    unsafe fn complete_read(&mut self, idx: usize, res: i32, base: *mut u8) -> Result<bool> {
         let slot = &mut self.slots[idx];
-        let completion = self
-            .mode
-            .complete(&self.file, &self.path, "read", res, &mut slot.direct)
-            .map_err(|e| Error::io("turn off O_DIRECT for", &self.path, e))?;
+        let completion =
+            match self
+                .mode
+                .complete(&self.file, &self.path, "read", res, &mut slot.direct)
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    self.release(idx);
+                    return Err(Error::io("turn off O_DIRECT for", &self.path, e));
+                }
+            };
         let n = match completion {
             Completion::Transferred(n) => n,
             Completion::Resubmit => {
                 // SAFETY: forwarded from this function's contract.
-                return unsafe { self.push_read_or_release(idx, base) };
+                return unsafe { self.push_read_or_release(idx, base) }.map(|()| false);
             }
             Completion::Failed(e) => {
                 self.release(idx);
@@ -348,7 +481,7 @@ impl UringReader {
         slot.done += n;
         if slot.done < slot.need {
             // SAFETY: forwarded from this function's contract.
-            return unsafe { self.push_read_or_release(idx, base) };
+            return unsafe { self.push_read_or_release(idx, base) }.map(|()| false);
         }
         if let Target::Bounce { from, at, n } = slot.target {
             // SAFETY: the source, bytes `from..from + n` of this slot's bounce buffer, has been
@@ -362,7 +495,7 @@ impl UringReader {
             }
         }
         self.release(idx);
-        Ok(())
+        Ok(true)
     }
 
     /// # Safety
@@ -488,6 +621,120 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn read_windows_hands_out_every_window_in_order_through_reused_buffers() {
+        let dir = disk_dir();
+        let path = dir.path().join("f");
+        let cfg = small_cfg();
+        let bs = cfg.block_size;
+        let len = 9 * bs + 4321;
+        let data = pattern(len, 5);
+        write_file_atomic(&path, &data, &cfg).unwrap();
+        for direct in [true, false] {
+            let cfg = UringConfig {
+                direct,
+                ..cfg.clone()
+            };
+            let mut reader = UringReader::open(&path, &cfg).unwrap();
+            // Windows wider and narrower than a request, buffers aligned and not, one buffer
+            // (read, hand out, read again) and more than the queue holds requests for.
+            for (offset, n, width, count, shift) in [
+                (0, len, 2 * bs, 2, 0),
+                (4096, len - 4096, bs + 4096, 3, 0),
+                (1, len - 1, 3 * bs, 2, 1),
+                (777, 5 * bs, bs / 2, 1, 0),
+                (0, len, bs, 12, 0),
+                (len - 10, 10, 4096, 2, 3),
+            ] {
+                let mut store: Vec<AlignedBuf> = (0..count)
+                    .map(|_| AlignedBuf::zeroed(width + ALIGN))
+                    .collect();
+                let mut bufs: Vec<&mut [u8]> = store
+                    .iter_mut()
+                    .map(|b| &mut b[shift..shift + width])
+                    .collect();
+                let mut got = Vec::new();
+                let mut sizes = Vec::new();
+                reader
+                    .read_windows(offset as u64, n as u64, &mut bufs, |w| {
+                        got.extend_from_slice(w);
+                        sizes.push(w.len());
+                        Ok::<(), Error>(())
+                    })
+                    .unwrap();
+                let case = format!("direct={direct} offset={offset} n={n} width={width}");
+                assert!(got == data[offset..offset + n], "{case}");
+                let last = sizes.pop().unwrap();
+                assert!(sizes.iter().all(|&s| s == width), "{case}: {sizes:?}");
+                assert!(last > 0 && last <= width, "{case}: last window {last}");
+            }
+        }
+    }
+
+    #[test]
+    fn read_windows_stops_at_the_callers_error_and_refuses_short_buffers() {
+        let dir = disk_dir();
+        let path = dir.path().join("f");
+        let cfg = small_cfg();
+        let data = pattern(8 * cfg.block_size, 9);
+        write_file_atomic(&path, &data, &cfg).unwrap();
+        let mut reader = UringReader::open(&path, &cfg).unwrap();
+        let width = cfg.block_size;
+        let mut a = AlignedBuf::zeroed(width);
+        let mut b = AlignedBuf::zeroed(width);
+        let mut calls = 0;
+        let err = reader
+            .read_windows(0, data.len() as u64, &mut [&mut a, &mut b], |w| {
+                calls += 1;
+                assert!(w == &data[(calls - 1) * width..calls * width]);
+                if calls == 3 {
+                    Err(Stop::Caller("enough"))
+                } else {
+                    Ok(())
+                }
+            })
+            .map_err(|e| match e {
+                Stop::Caller(why) => why,
+                Stop::Read(e) => panic!("read error {e}"),
+            })
+            .unwrap_err();
+        assert_eq!((err, calls), ("enough", 3));
+        // The reader is whole again: every slot came back.
+        let mut all = vec![0; data.len()];
+        reader.read_at(0, &mut all).unwrap();
+        assert!(all == data);
+
+        // A second buffer shorter than its window: refused before anything is read.
+        let mut short = vec![0; width - 1];
+        let err = reader
+            .read_windows(
+                0,
+                2 * width as u64,
+                &mut [&mut a, &mut short],
+                |_| -> Result<(), Stop> { panic!("nothing may be handed out") },
+            )
+            .unwrap_err();
+        match err {
+            Stop::Read(Error::Io { source, .. }) => {
+                assert_eq!(source.kind(), io::ErrorKind::InvalidInput)
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Why a windowed read stopped, in the tests above.
+    #[derive(Debug)]
+    enum Stop {
+        Read(Error),
+        Caller(&'static str),
+    }
+
+    impl From<Error> for Stop {
+        fn from(e: Error) -> Self {
+            Stop::Read(e)
         }
     }
 
