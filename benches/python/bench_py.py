@@ -18,10 +18,12 @@ Measures, on ``--gib`` GiB of random torch CPU tensors in ``--tensors`` tensors:
   reading it too): hotstart, verifying every byte, into new tensors against ``torch.load`` and
   ``safetensors.torch.load_file``, and in place against ``load_file`` and ``dcp.load`` with
   ``FileSystemReader``; both against the disk's floor, fio reading the same bytes sequentially
-  (the faster of buffered and ``O_DIRECT``, checking nothing; target 0.9x its speed). New
+  (the fastest of buffered, ``O_DIRECT``, and ``O_DIRECT`` into huge pages as hotstart's reads
+  are, checking nothing; target 0.9x its speed). New
   tensors are views of a private mapping of the file, as ``load_file``'s are, so they are also
   compared with the floor of that way of reading: the file mapped and read in with
-  ``MADV_POPULATE_READ``, nothing checked. A restart loads once, in a new process: new tensors
+  ``MADV_POPULATE_READ``, 64 MiB at a time on as many threads as hotstart's load workers,
+  nothing checked. A restart loads once, in a new process: new tensors
   are also loaded that way, each loader in a Python process of its own (imports untimed).
 
 Each figure is the median of ``--runs`` runs, after one warm-up save that allocates hotstart's
@@ -31,6 +33,7 @@ staging buffer; ratios are hotstart's throughput over the peer's (higher is bett
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import mmap
@@ -41,8 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -64,18 +68,44 @@ def drop_caches() -> bool:
         return False
 
 
-def fio_read(path: Path, direct: bool, drop: bool = True) -> float:
+# fio's O_DIRECT reads: 16 requests of 8 MiB in flight.
+FIO_DEPTH, FIO_BLOCK = 16, 8 << 20
+
+
+def fio_read(path: Path, direct: bool, huge: bool = False, drop: bool = True) -> float:
     """Seconds for fio to read `path` once, sequentially, in 8 MiB blocks, the page cache
     dropped first (unless `drop` is False): buffered (one thread, as a plain read loop) or
-    O_DIRECT (16 in flight)."""
+    O_DIRECT (16 in flight), into huge pages with `huge` (``--mem=shmhuge``, which needs
+    `huge_pages` reserved)."""
     if drop:
         drop_caches()
     cmd = ["fio", "--name=floor", f"--filename={path}", "--readonly", "--rw=read", "--bs=8M",
            f"--direct={int(direct)}", "--output-format=json"]
-    cmd += ["--ioengine=libaio", "--iodepth=16"] if direct else ["--ioengine=psync"]
+    cmd += ["--ioengine=libaio", f"--iodepth={FIO_DEPTH}"] if direct else ["--ioengine=psync"]
+    if huge:
+        cmd.append("--mem=shmhuge")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     read = json.loads(out)["jobs"][0]["read"]
     return read["io_bytes"] / read["bw_bytes"]
+
+
+@contextlib.contextmanager
+def huge_pages(n: int) -> Iterator[bool]:
+    """Reserves at least `n` 2 MiB huge pages (needs root) and gives the old count back after;
+    yields whether they are there."""
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    try:
+        old = int(knob.read_text())
+        if old < n:
+            knob.write_text(f"{n}\n")
+        ok = int(knob.read_text()) >= n
+    except OSError:
+        yield False
+        return
+    try:
+        yield ok
+    finally:
+        knob.write_text(f"{old}\n")
 
 
 def _libc() -> ctypes.CDLL:
@@ -88,17 +118,24 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _populate(n: int, advice: int, prot: int, flags: int, fd: int = -1) -> float:
-    """Seconds for one ``madvise(advice)`` (``MADV_POPULATE_READ`` or ``_WRITE``, Linux 5.14)
-    over a new mapping of `n` bytes (``mmap(prot, flags, fd)``), unmapped after."""
+def _populate(n: int, advice: int, prot: int, flags: int, fd: int = -1, threads: int = 1) -> float:
+    """Seconds for ``madvise(advice)`` (``MADV_POPULATE_READ`` or ``_WRITE``, Linux 5.14) over a
+    new mapping of `n` bytes (``mmap(prot, flags, fd)``), unmapped after: one call, or with
+    `threads` > 1 one per 64 MiB piece, that many at once."""
     libc = _libc()
     addr = libc.mmap(None, n, prot, flags, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap")
+    piece = n if threads == 1 else 64 << 20
+
+    def advise(at: int) -> None:
+        if libc.madvise(addr + at, min(piece, n - at), advice) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise({advice})")
+
     try:
         t = time.perf_counter()
-        if libc.madvise(addr, n, advice) != 0:
-            raise OSError(ctypes.get_errno(), f"madvise({advice})")
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(advise, range(0, n, piece)))
         return time.perf_counter() - t
     finally:
         libc.munmap(addr, n)
@@ -137,14 +174,20 @@ def timed(f: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+# hotstart's load workers for new tensors mapped from the file: four per thread, one thread
+# per core up to 8.
+LOAD_WORKERS = 4 * min(8, os.cpu_count() or 1)
+
+
 def map_read(path: Path) -> float:
-    """Seconds to read `path` through a private mapping, the page cache dropped first: one
-    ``MADV_POPULATE_READ`` over the whole mapping, which the kernel fills with read-ahead, and
-    nothing checked or copied. The floor of a load that hands out views of the mapped file, as
-    hotstart's new tensors and ``load_file``'s are."""
+    """Seconds to read `path` through a private mapping, the page cache dropped first:
+    ``MADV_POPULATE_READ`` 64 MiB at a time on as many threads as hotstart's load has workers,
+    which the kernel fills with read-ahead, and nothing checked or copied. The floor of a load
+    that hands out views of the mapped file, as hotstart's new tensors and ``load_file``'s are."""
     drop_caches()
     with open(path, "rb") as f:
-        return _populate(path.stat().st_size, 22, mmap.PROT_READ, mmap.MAP_PRIVATE, f.fileno())
+        return _populate(path.stat().st_size, 22, mmap.PROT_READ, mmap.MAP_PRIVATE, f.fileno(),
+                         threads=LOAD_WORKERS)
 
 
 # One load in a process of its own, as a restart makes it: the page cache dropped and memory
@@ -204,8 +247,8 @@ PEERS = {
     "torch.load": "torch.load",
     "load_file": "safetensors.torch.load_file",
     "dcp.load in place": "dcp.load (FileSystemReader), in place",
-    "read floor": "fio sequential read of the file, the faster of buffered and O_DIRECT (no checks)",
-    "map floor": "the file read through a private mapping, MADV_POPULATE_READ (no checks)",
+    "read floor": "fio sequential read of the file, the fastest of buffered, O_DIRECT and O_DIRECT into huge pages (no checks)",
+    "map floor": "the file read through a private mapping, MADV_POPULATE_READ 64 MiB at a time on as many threads as hotstart's load workers (no checks)",
     "load_file new process": "safetensors.torch.load_file, in a new process",
 }
 
@@ -222,10 +265,11 @@ class Bench:
         self.times: Dict[str, List[float]] = {}
         self.cold = drop_caches()
 
-    def record(self, key: str, seconds: float, quiet: bool = False) -> None:
+    def record(self, key: str, seconds: float, quiet: bool = False) -> float:
         self.times.setdefault(key, []).append(seconds)
         if not quiet:
             print(f"  {key}: {seconds:.3f} s ({self.nbytes / MiB / seconds:.0f} MiB/s)", flush=True)
+        return seconds
 
     def fresh(self, name: str) -> Path:
         p = self.work / name
@@ -276,7 +320,6 @@ class Bench:
             assert all(torch.equal(new[k], v) for k, v in self.state.items())
             del new
             self.cold_load("hotstart load in place", lambda: ck.load(dst, step=step))
-            self.record("hotstart new process", load_in_new_process("hotstart", ck_dir, step, self.nbytes))
 
             p = self.fresh("torch") / "state.pt"
             self.record("torch.save stall", timed(lambda: torch.save(self.state, p)))
@@ -291,9 +334,21 @@ class Bench:
             p.unlink()
             self.record("save_file durable", timed(lambda: (save_file(self.state, str(p)), fsync_path(p))))
             self.cold_load("load_file", lambda: load_file(str(p)))
-            self.record("load_file new process", load_in_new_process("load_file", p, 0, self.nbytes))
-            # The disk's floor for the same bytes: whichever way of reading is faster here.
-            self.record("read floor", min(fio_read(p, direct=False), fio_read(p, direct=True)))
+            # One load per new process, as a restart makes it, two each in the order ABBA: on
+            # this VM a load's time swings with what the one before left behind in memory (1.1
+            # to 2.9 s for the same load_file), so neither loader always goes first.
+            pair = [("hotstart", ck_dir, step), ("load_file", p, 0)]
+            for kind, where, at in pair + pair[::-1]:
+                self.record(f"{kind} new process", load_in_new_process(kind, where, at, self.nbytes))
+            # The disk's floor for the same bytes: whichever way of reading is fastest here.
+            # O_DIRECT into 4 KiB pages runs at half the speed of huge pages on some VMs, and
+            # hotstart reads into huge pages, so fio gets them too where they can be reserved.
+            floors = [self.record("fio buffered", fio_read(p, direct=False)),
+                      self.record("fio O_DIRECT", fio_read(p, direct=True))]
+            with huge_pages(FIO_DEPTH * FIO_BLOCK // (2 << 20) + 1) as huge:
+                if huge:
+                    floors.append(self.record("fio O_DIRECT huge", fio_read(p, direct=True, huge=True)))
+            self.record("read floor", min(floors))
             self.record("map floor", map_read(p))
 
             d = self.fresh("dcp")
@@ -334,6 +389,11 @@ class Bench:
                 "New tensors from the disk tier are views of a private mapping of the file, "
                 "verified where they lie, as load_file's are views of a mapping (unverified); "
                 "the map floor reads the file that way with nothing checked.",
+                "The read floor is fio's fastest way of reading the file here: medians " + ", ".join(
+                    f"{k[4:]} {self.nbytes / MiB / self.median(k):.0f} MiB/s"
+                    for k in ("fio buffered", "fio O_DIRECT", "fio O_DIRECT huge") if k in self.times)
+                + (" (no huge pages could be reserved for fio)" if "fio O_DIRECT huge" not in self.times else "")
+                + ".",
                 f"Before each load, right after the page cache was dropped, as much new memory was "
                 f"faulted in and freed, untimed, so that every loader starts alike: that took "
                 f"{min(self.times['touch after drop']):.2f}-{max(self.times['touch after drop']):.2f} s "
