@@ -345,7 +345,8 @@ class Bench:
             # hotstart reads into huge pages, so fio gets them too where they can be reserved.
             floors = [self.record("fio buffered", fio_read(p, direct=False)),
                       self.record("fio O_DIRECT", fio_read(p, direct=True))]
-            with huge_pages(FIO_DEPTH * FIO_BLOCK // (2 << 20) + 1) as huge:
+            # fio's buffers and a page of slack, rounded up to 2 MiB pages, and a margin.
+            with huge_pages((FIO_DEPTH * FIO_BLOCK + 4096 + (2 << 20) - 1) // (2 << 20) + 4) as huge:
                 if huge:
                     floors.append(self.record("fio O_DIRECT huge", fio_read(p, direct=True, huge=True)))
             self.record("read floor", min(floors))
