@@ -186,7 +186,7 @@ const BENCHES: &[Bench] = &[
     },
     Bench {
         name: "python",
-        full: Runner::Python(&["--gib", "2", "--runs", "3"]),
+        full: Runner::Python(&["--gib", "2", "--runs", "5"]),
         quick: Runner::Python(&["--gib", "0.125", "--tensors", "8", "--runs", "1"]),
     },
 ];
