@@ -26,7 +26,7 @@
 //! memory (slower, still correct).
 //!
 //! **Load (host → device).** Device bytes never land in the load's file buffer. Each reader
-//! thread holds two pinned [`Bounce`] buffers (8 MiB, registered once per load): it reads a
+//! thread holds two pinned `Bounce` buffers (8 MiB, registered once per load): it reads a
 //! window of a chunk into one, hashes it, and issues `cuMemcpyHtoDAsync` from it on the
 //! device's stream, then reads the next window into the other while that copy runs; a buffer is
 //! written again only once the event recorded after its copies has completed. Reading, hashing

@@ -107,13 +107,9 @@ pub trait TierReader: Send {
         f: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
         let width = bufs.first().map_or(0, |b| b.len());
-        let mut at = 0;
-        for i in 0.. {
-            if at >= len {
-                break;
-            }
+        let count = bufs.len();
+        for (i, at) in (0..len).step_by(width.max(1)).enumerate() {
             let n = width.min(len - at);
-            let count = bufs.len();
             let buf = match bufs.get_mut(i % count.max(1)).and_then(|b| b.get_mut(..n)) {
                 Some(buf) if n > 0 => buf,
                 _ => {
@@ -127,7 +123,6 @@ pub trait TierReader: Send {
             };
             self.read_at(offset + at as u64, buf)?;
             f(buf)?;
-            at += n;
         }
         Ok(())
     }

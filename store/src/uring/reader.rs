@@ -253,9 +253,9 @@ impl UringReader {
     /// the disk fills the next, with no thread of its own.
     ///
     /// Stops at the first error, from the file (as an `E`) or from `f`, and returns it once no
-    /// request is in flight; `f` is not called again after it fails. A range running past the end of the file
-    /// is an `UnexpectedEof` error, and a buffer shorter than its window an `InvalidInput` one,
-    /// both before anything is read.
+    /// request is in flight; `f` is not called again after it fails. A range running past the
+    /// end of the file is an `UnexpectedEof` error, and a buffer shorter than its window an
+    /// `InvalidInput` one, both before anything is read.
     pub fn read_windows<E: From<Error>>(
         &mut self,
         offset: u64,
