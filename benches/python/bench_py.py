@@ -433,7 +433,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     b = Bench(args)
-    b.run()
+    try:
+        b.run()
+    finally:
+        # Gigabytes of checkpoints: gone even when a peer or fio fails part-way.
+        shutil.rmtree(b.work, ignore_errors=True)
     table = b.table()
     print(table)
     if args.markdown:
