@@ -497,9 +497,8 @@ impl Loader {
     }
 
     /// The one fetch of `id`: from the store, then into memory (and on to the cache writer),
-    /// then out of the in-flight map.
-    /// Starts fetching `id`. `link`, if given, is sent how long the store's request took, and
-    /// nothing when the frame came from memory instead (a snapshot's pack, held or announced).
+    /// then out of the in-flight map. `link`, if given, is sent how long the store's request
+    /// took, and nothing when the frame came from memory (a snapshot's pack, held or announced).
     fn spawn_fetch(
         self: &Arc<Self>,
         id: ChunkId,

@@ -7,17 +7,16 @@
 //! has, is fetching, or that a read already asked for: a read of a chunk still queued fetches it
 //! at once itself (it jumps the queue), and the prefetcher finds it settled when it gets there.
 //!
-//! **Concurrency.** A fetch is started only while the fetches in flight, **demand reads
-//! included**, are fewer than the window, so reads always have the first slots and prefetch only
-//! uses what they leave. The window adapts to the link on latency, as TCP does: each
-//! completion's latency (its request to the store alone: decoding is not timed, and a frame
-//! served from memory, as from a snapshot's pack, is not counted at all) is compared with the
-//! lowest seen (the link's base round trip); while it
-//! stays within `slack` times that, requests are not queueing and the window grows, by one per
-//! completion at first (**slow start**: it doubles every round trip, so a long-latency link is
-//! filled within a few round trips) and, after the first sign of queueing, by one per window's
-//! worth of completions; once latency passes the bound, the link is saturated and the window
-//! shrinks by a quarter (once per window of completions). A failed fetch halves it. It stays
+//! **Concurrency.** A fetch is started only while the fetches in flight, **demand reads included**,
+//! are fewer than the window, so reads always have the first slots and prefetch only uses what they
+//! leave. The window adapts to the link on latency, as TCP does: each completion's latency (its
+//! request to the store alone: decoding is not timed, and a frame served from memory, as from a
+//! snapshot's pack, is not counted at all) is compared with the lowest seen (the link's base round
+//! trip); while it stays within `slack` times that, requests are not queueing and the window grows,
+//! by one per completion at first (**slow start**: it doubles every round trip, so a long-latency
+//! link is filled within a few round trips) and, after the first sign of queueing, by one per
+//! window's worth of completions; once latency passes the bound, the link is saturated and the
+//! window shrinks by a quarter (once per window of completions). A failed fetch halves it. It stays
 //! within `[min_window, max_window]`.
 //!
 //! **Staying ahead, but not too far.** Chunks prefetched but not yet read are held in memory; the
