@@ -18,7 +18,11 @@
 //!
 //! **Restore** ([`Client::restore`]) asks for a step (or the newest complete for every rank)
 //! and receives the sealed segment; it checks the seals and maps it read-only. `crate::load`
-//! hands its tensors out ([`Restored`]).
+//! hands its tensors out ([`Restored`]). A step that is in no memory but on the sidecar's disk
+//! comes as that file instead, opened read-only ([`Handed::File`]): `crate::load` reads it
+//! straight into the caller's buffers and verifies every chunk, as from a disk tier of its
+//! own, so a restore on a node that kept its disk runs at the disk's speed without the
+//! sidecar first copying the step into memory new to it.
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -381,17 +385,24 @@ impl Client {
     }
 
     /// Asks the sidecar on `conn` for `want` (the newest step complete for every rank when
-    /// `None`) and receives it; see the module docs.
-    pub(crate) fn restore(&self, mut conn: Conn<FdStream>, want: Option<u64>) -> Result<Restored> {
-        conn.send(&LocalMsg::Restore { step: want })?;
-        let (step, source, json, chunk_sources, seconds) = match conn.recv()? {
+    /// `None`) and receives it, as a file of its disk tier where it has one and `file`
+    /// allows it; see the module docs.
+    pub(crate) fn restore(
+        &self,
+        mut conn: Conn<FdStream>,
+        want: Option<u64>,
+        file: bool,
+    ) -> Result<Restored> {
+        conn.send(&LocalMsg::Restore { step: want, file })?;
+        let (step, source, json, chunk_sources, seconds, is_file) = match conn.recv()? {
             LocalMsg::Restored {
                 step,
                 source,
                 manifest,
                 chunk_sources,
                 seconds,
-            } => (step, source, manifest, chunk_sources, seconds),
+                file: is_file,
+            } if file || !is_file => (step, source, manifest, chunk_sources, seconds, is_file),
             LocalMsg::NotFound { step } => {
                 return Err(Error::NotFound {
                     job: self.dial.job.clone(),
@@ -433,12 +444,16 @@ impl Client {
         )?;
         let len = usize::try_from(manifest.file_len)
             .map_err(|_| self.error("a restored file larger than the address space"))?;
-        let segment = Arc::new(
-            Sealed::open(fd, len).map_err(|e| self.error(format!("restored segment: {e}")))?,
-        );
+        let handed = if is_file {
+            Handed::File(std::fs::File::from(fd))
+        } else {
+            Handed::Segment(Arc::new(
+                Sealed::open(fd, len).map_err(|e| self.error(format!("restored segment: {e}")))?,
+            ))
+        };
         Ok(Restored {
             manifest,
-            segment,
+            handed,
             chunk_sources,
             source,
             seconds,
@@ -446,12 +461,22 @@ impl Client {
     }
 }
 
+/// What the sidecar handed over with a step.
+pub(crate) enum Handed {
+    /// Its sealed segment, mapped read-only. The sidecar checked the bytes against the
+    /// manifest's hashes when it took them, and they cannot have changed since.
+    Segment(Arc<Sealed>),
+    /// The step's file on the sidecar's disk, open read-only, not verified yet: the fastest
+    /// way to a step that is on this node's disk and in no memory, read straight into the
+    /// process's buffers with no copy in between.
+    File(std::fs::File),
+}
+
 /// A step the sidecar handed over: its manifest (checked against the job, step and rank asked
-/// for) and its sealed segment, mapped read-only. The sidecar checked the bytes against the
-/// manifest's hashes when it took them, and they cannot have changed since.
+/// for) and its bytes.
 pub(crate) struct Restored {
     pub(crate) manifest: Manifest,
-    pub(crate) segment: Arc<Sealed>,
+    pub(crate) handed: Handed,
     /// The tier each chunk came from.
     pub(crate) chunk_sources: Vec<TierKind>,
     /// The tier the sidecar served it from, and the seconds it took.

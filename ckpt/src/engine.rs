@@ -243,6 +243,7 @@ impl Engine {
                 asked: Mutex::new((0, BTreeMap::new())),
                 gc_lock: Mutex::new(()),
                 gpu,
+                uring: cfg.uring,
             }),
             threads: Mutex::new(Vec::new()),
         })
@@ -421,6 +422,18 @@ impl Engine {
     /// [`Destination::Held`](crate::Destination::Held), as `safetensors` maps its files.
     pub fn local_file(&self, step: u64) -> Option<std::path::PathBuf> {
         self.inner.local_file(step)
+    }
+
+    /// This rank's `step` where the tier a load would take it from keeps it in a local file
+    /// (disk tier, or a store that is a local directory): its manifest, the file opened for
+    /// reading (`O_DIRECT` where the file system takes it) and that tier. What the sidecar
+    /// hands a training process to load itself, verifying every chunk; None where the step's
+    /// nearest tier is not local.
+    pub fn open_local_file(
+        &self,
+        step: u64,
+    ) -> Result<Option<(Manifest, std::fs::File, TierKind)>> {
+        self.inner.open_local_file(step)
     }
 
     /// Reads this rank's `step` from the tiers that hold it into memory that `alloc` gives for

@@ -17,6 +17,7 @@ use crate::format::{self, Manifest};
 use crate::retention;
 use crate::staging::Pool;
 use crate::tier::{Tier, TierKind};
+use hotstart_store::uring::UringConfig;
 
 /// The state every part of an engine shares.
 pub(crate) struct Inner {
@@ -47,6 +48,8 @@ pub(crate) struct Inner {
     pub(crate) gc_lock: Mutex<()>,
     /// Per-device contexts and copy streams, made on first use.
     pub(crate) gpu: Arc<Gpu>,
+    /// How files a sidecar hands over are read.
+    pub(crate) uring: UringConfig,
 }
 
 impl Inner {

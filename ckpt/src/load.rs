@@ -28,21 +28,22 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Range;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Instant;
 
 use bytes::Bytes;
 use hotstart_store::uring::AlignedBuf;
 use tracing::{info, warn};
 
-use crate::client::Restored;
+use crate::client::{Client, Handed, Restored};
 use crate::cuda::{self, Bounce, Gpu};
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::inner::{Inner, another_world};
 use crate::proto::shm::Sealed;
 use crate::tensor::{DevicePtr, Extras, LoadedTensor};
-use crate::tier::{Tier, TierKind, TierReader};
+use crate::tier::disk::HandedFile;
+use crate::tier::{Source, Tier, TierKind, TierReader};
 
 /// Which step to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,8 +179,8 @@ impl Inner {
                         StepSel::Step(s) => Some(s),
                     };
                     let started = Instant::now();
-                    let restored = sidecar.restore(conn, want)?;
-                    return inner.load_restored(restored, dest, started);
+                    let restored = sidecar.restore(conn, want, true)?;
+                    return inner.load_restored(sidecar, restored, dest, started);
                 }
                 Err(e) if inner.tiers.is_empty() => return Err(e),
                 Err(e) => {
@@ -451,6 +452,7 @@ impl Inner {
     ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
         let inner = self;
         let (manifest, tiers) = inner.sources(step)?;
+        let tiers = as_sources(&tiers);
         let len = file_len(&manifest)?;
         let mut buf = alloc(len, tiers[0].kind())?;
         let direct = (0..manifest.chunks.len()).map(|_| Vec::new()).collect();
@@ -470,20 +472,47 @@ impl Inner {
     /// Hands out a step the sidecar restored: caller buffers are filled with one parallel copy
     /// straight from the segment's pages (`pread`, so the mapping's pages are never faulted in
     /// for them); tensors returned owned are views of the mapping itself, valid however long
-    /// they are kept. The bytes are not hashed again (see [`Restored`]).
+    /// they are kept. The bytes are not hashed again (see [`Restored`]). A file of the
+    /// sidecar's disk is loaded as from a tier, verified chunk by chunk; a chunk that does not
+    /// match is taken from a segment the sidecar makes of the step after all
+    /// ([`SidecarCopy`]), from its disk and store.
     fn load_restored(
         &self,
+        sidecar: &Client,
         restored: Restored,
         dest: Destination<'_>,
         started: Instant,
     ) -> Result<Loaded> {
         let Restored {
             manifest: m,
-            segment,
+            handed,
             chunk_sources,
             source,
             seconds,
         } = restored;
+        let segment = match handed {
+            Handed::Segment(segment) => segment,
+            Handed::File(file) => {
+                let step = m.step;
+                let key = format::data_key(&self.job, step, self.rank);
+                let label = format!("{key} (the sidecar's {source} tier)");
+                let file = HandedFile::new(file, label.into(), source, self.uring.clone());
+                let copy = SidecarCopy {
+                    sidecar,
+                    step,
+                    got: OnceLock::new(),
+                };
+                let loaded = self.load_from(step, m, &[&file, &copy], dest)?;
+                info!(
+                    step,
+                    %source,
+                    sidecar_seconds = seconds,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "restored from a file the sidecar handed over"
+                );
+                return Ok(loaded);
+            }
+        };
         let (step, len) = (m.step, file_len(&m)?);
         let mut targets = targets(step, &m, dest)?;
         let mut direct = std::mem::take(&mut targets.direct);
@@ -496,10 +525,7 @@ impl Inner {
         }
         let read = |at, dst: &mut [u8]| {
             segment.read_at(at, dst).map_err(|e| Error::Sidecar {
-                socket: self
-                    .sidecar
-                    .as_ref()
-                    .map_or_else(String::new, |s| s.socket().display().to_string()),
+                socket: sidecar.socket().display().to_string(),
                 reason: format!("read the restored segment: {e}"),
             })
         };
@@ -531,6 +557,73 @@ impl AsRef<[u8]> for SealedBytes {
     }
 }
 
+/// The source a load of a file the sidecar handed over falls back to, chunk by chunk: the
+/// step as a segment the sidecar makes when first asked (from its disk and store, verified).
+struct SidecarCopy<'a> {
+    sidecar: &'a Client,
+    step: u64,
+    /// The segment and the tier the sidecar took it from, or why there is none.
+    got: OnceLock<std::result::Result<(Arc<Sealed>, TierKind), String>>,
+}
+
+impl SidecarCopy<'_> {
+    fn error(&self, reason: String) -> Error {
+        Error::Sidecar {
+            socket: self.sidecar.socket().display().to_string(),
+            reason,
+        }
+    }
+
+    fn segment(&self) -> Result<&Sealed> {
+        let fetch = || -> Result<(Arc<Sealed>, TierKind)> {
+            let conn = self.sidecar.connect()?;
+            let restored = self.sidecar.restore(conn, Some(self.step), false)?;
+            match restored.handed {
+                Handed::Segment(s) => Ok((s, restored.source)),
+                Handed::File(_) => Err(self.error("handed a file when asked for a segment".into())),
+            }
+        };
+        match self.got.get_or_init(|| fetch().map_err(|e| e.to_string())) {
+            Ok((segment, _)) => Ok(segment),
+            Err(reason) => Err(self.error(format!("step {} from its memory: {reason}", self.step))),
+        }
+    }
+}
+
+impl Source for SidecarCopy<'_> {
+    fn kind(&self) -> TierKind {
+        match self.got.get() {
+            Some(Ok((_, kind))) => *kind,
+            _ => TierKind::Memory,
+        }
+    }
+
+    fn reader(&self, _key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
+        let segment = self.segment()?;
+        if (segment.bytes().len() as u64) < len {
+            let have = segment.bytes().len();
+            return Err(self.error(format!("a segment of {have} bytes for a {len}-byte step")));
+        }
+        Ok(Box::new(SegmentReader(segment, self)))
+    }
+}
+
+/// Reads the sealed segment of a [`SidecarCopy`].
+struct SegmentReader<'a>(&'a Sealed, &'a SidecarCopy<'a>);
+
+impl TierReader for SegmentReader<'_> {
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.0
+            .read_at(offset, buf)
+            .map_err(|e| self.1.error(format!("read the restored segment: {e}")))
+    }
+}
+
+/// Tiers as the sources a load reads from.
+fn as_sources<'a>(tiers: &[&'a dyn Tier]) -> Vec<&'a dyn Source> {
+    tiers.iter().map(|&t| t as &dyn Source).collect()
+}
+
 impl Inner {
     /// `Engine::local_file`: the file of the tier a load would take as its reference (the
     /// first whose manifest is valid), if that tier keeps local files and the file has the
@@ -539,6 +632,12 @@ impl Inner {
         if self.sidecar.is_some() {
             return None;
         }
+        self.local_step(step).map(|(_, path, _)| path)
+    }
+
+    /// The manifest, file and tier of `step` where the tier a load would take as its reference
+    /// keeps local files and the file has the manifest's length.
+    fn local_step(&self, step: u64) -> Option<(Manifest, std::path::PathBuf, TierKind)> {
         let key = format::data_key(&self.job, step, self.rank);
         for tier in &self.tiers {
             // A tier that is not local ends the search before its manifest is read (a round
@@ -546,10 +645,23 @@ impl Inner {
             let path = tier.local_path(&key)?;
             if let Ok(Some(m)) = self.read_manifest(tier.as_ref(), step) {
                 let len = std::fs::metadata(&path).ok()?.len();
-                return (len == m.file_len).then_some(path);
+                return (len == m.file_len).then_some((m, path, tier.kind()));
             }
         }
         None
+    }
+
+    /// `Engine::open_local_file`.
+    pub(crate) fn open_local_file(
+        &self,
+        step: u64,
+    ) -> Result<Option<(Manifest, std::fs::File, TierKind)>> {
+        let Some((m, path, kind)) = self.local_step(step) else {
+            return Ok(None);
+        };
+        let (file, _) = hotstart_store::uring::open_for_reading(&path, &self.uring)
+            .map_err(|e| Error::store("open", path.display().to_string(), e))?;
+        Ok(Some((m, file, kind)))
     }
 
     /// The tiers that hold this rank's `step`, and the reference manifest: every tier whose
@@ -581,16 +693,27 @@ impl Inner {
 
     fn load_step(&self, step: u64, dest: Destination<'_>) -> Result<Loaded> {
         let (reference, tiers) = self.sources(step)?;
+        self.load_from(step, reference, &as_sources(&tiers), dest)
+    }
+
+    /// Loads `step`, described by `reference`, from `tiers` in order, chunk by chunk.
+    fn load_from(
+        &self,
+        step: u64,
+        reference: Manifest,
+        tiers: &[&dyn Source],
+        dest: Destination<'_>,
+    ) -> Result<Loaded> {
         let len = file_len(&reference)?;
         let mut targets = targets(step, &reference, dest)?;
         let direct = std::mem::take(&mut targets.direct);
         if let Some((file, held)) = targets.file.take() {
-            let chunk_sources = self.read_chunks(step, &reference, &tiers, file, direct, held)?;
+            let chunk_sources = self.read_chunks(step, &reference, tiers, file, direct, held)?;
             return self.finish(step, reference, file, None, targets, chunk_sources);
         }
         let mut buf = AlignedBuf::zeroed(len);
         let chunk_sources =
-            self.read_chunks(step, &reference, &tiers, &mut buf[..len], direct, false)?;
+            self.read_chunks(step, &reference, tiers, &mut buf[..len], direct, false)?;
         let all = Bytes::from_owner(AlignedOwner(buf, len));
         self.finish(step, reference, &all, Some(&all), targets, chunk_sources)
     }
@@ -662,7 +785,7 @@ impl Inner {
         &self,
         step: u64,
         m: &Manifest,
-        tiers: &[&dyn Tier],
+        tiers: &[&dyn Source],
         buf: &mut [u8],
         direct: Vec<Vec<(usize, Out<'_>)>>,
         held: bool,

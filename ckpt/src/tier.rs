@@ -1,6 +1,6 @@
 //! Storage tiers: where a staged checkpoint is persisted and where a load reads it back.
 //!
-//! One trait, [`Tier`], with one implementation per medium: [`disk::DiskTier`] (a local
+//! One trait, [`Tier`] (a [`Source`] a load reads from, and more), with one implementation per medium: [`disk::DiskTier`] (a local
 //! directory written through io_uring, `O_DIRECT` where possible) and [`store::StoreTier`] (any
 //! `hotstart-store` backend: a directory, `memory://`, S3; wrappers such as `Faults` or
 //! `Throttle` compose underneath). The engine only speaks the trait. The two memory tiers of
@@ -128,11 +128,17 @@ pub trait TierReader: Send {
     }
 }
 
-/// One place checkpoints are kept.
-pub trait Tier: Send + Sync {
-    /// Which tier this is.
+/// What a load reads a step's file from: a [`Tier`], or a file a sidecar handed over.
+pub trait Source: Send + Sync {
+    /// Which tier the bytes come from.
     fn kind(&self) -> TierKind;
 
+    /// A reader of `key`, which must be `len` bytes long.
+    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>>;
+}
+
+/// One place checkpoints are kept.
+pub trait Tier: Source {
     /// Writes a safetensors file atomically (all or nothing under `key`). Called as soon as
     /// staging starts: a tier may write the prefix already staged ([`Staging::prefix`]) while
     /// the rest is copied, or wait for the whole file ([`Staging::complete`]). An error from
@@ -160,9 +166,6 @@ pub trait Tier: Send + Sync {
     /// Removes one rank's objects of one step: manifest first, so a torn removal never leaves a
     /// commit without its data; leftovers of interrupted writes too.
     fn remove_rank(&self, job: &str, step: u64, rank: u32) -> Result<()>;
-
-    /// A reader of `key`, which must be `len` bytes long.
-    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>>;
 
     /// The local file that holds `key`, for a tier kept in local files.
     fn local_path(&self, _key: &str) -> Option<std::path::PathBuf> {

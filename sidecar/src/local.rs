@@ -48,6 +48,7 @@ use crate::Core;
 use crate::lifecycle::State;
 use crate::memory::{Recycled, Shard, ShardKey};
 use crate::metrics::Failure;
+use crate::restore::ServedBytes;
 use hotstart_ckpt::proto::PROTOCOL_VERSION;
 use hotstart_ckpt::proto::shm::{Committed, Segment};
 use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg, Side};
@@ -244,21 +245,26 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     }
                 }
             },
-            LocalMsg::Restore { step } => {
+            LocalMsg::Restore { step, file } => {
                 core.adopting.wait(&who.job, core.cfg.stage_timeout);
-                match core.restore(&who.job, who.rank, who.world_size, step) {
+                match core.restore(&who.job, who.rank, who.world_size, step, file) {
                     Ok(served) => {
                         let msg = LocalMsg::Restored {
-                            step: served.shard.key.step,
+                            step: served.step,
                             source: served.source,
-                            manifest: served.shard.manifest_json.clone(),
+                            manifest: served.manifest_json,
                             chunk_sources: served.chunk_sources,
                             seconds: served.took.as_secs_f64(),
+                            file: matches!(served.bytes, ServedBytes::File(_)),
+                        };
+                        let fd = match &served.bytes {
+                            ServedBytes::Shard(shard) => shard.seg.as_fd(),
+                            ServedBytes::File(file) => file.as_fd(),
                         };
                         writer
                             .lock()
                             .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .send_fd(&msg, served.shard.seg.as_fd())
+                            .send_fd(&msg, fd)
                     }
                     Err(e) if e.is_not_found() => send(&LocalMsg::NotFound { step }),
                     Err(e) if let Some((step, chunk, reason)) = e.corrupt() => {

@@ -15,6 +15,15 @@
 //! back from disk to store chunk by chunk). Whatever was not in memory is put there, so the
 //! next restore of the same step is served from memory. The training process receives the
 //! sealed segment and maps it: the restore itself copies nothing more.
+//!
+//! **A file instead of a segment.** A shard in no memory whose nearest tier is a file on this
+//! node (the disk tier, or a store that is a local directory) is handed over as that file,
+//! opened read-only, when the process says it can take one: it reads the file straight into
+//! its own buffers and verifies every chunk, as from a disk tier of its own, and asks again for
+//! a segment (read back as above) only when a chunk does not match. Reading the step into a
+//! segment first would cost every byte a copy into memory new to this process, which the
+//! kernel must zero first: several times the disk's own time on a node that has just
+//! restarted (2 × 2 GiB: 7.3 s against 1.3 s).
 
 use hotstart_ckpt::Error as CkptError;
 use std::collections::{BTreeMap, BTreeSet};
@@ -38,10 +47,22 @@ const STORE_LIST_DEADLINE: Duration = Duration::from_secs(10);
 /// A restore's answer.
 #[derive(Debug)]
 pub(crate) struct Served {
-    pub shard: Arc<Shard>,
+    pub step: u64,
+    pub manifest_json: String,
+    pub bytes: ServedBytes,
     pub source: TierKind,
     pub chunk_sources: Vec<TierKind>,
     pub took: Duration,
+}
+
+/// How a restore hands the step over.
+#[derive(Debug)]
+pub(crate) enum ServedBytes {
+    /// A sealed segment of memory, verified.
+    Shard(Arc<Shard>),
+    /// The step's file on this node's disk, opened read-only, for a process that verifies it
+    /// as it reads (it asks again for a segment if a chunk does not match).
+    File(std::fs::File),
 }
 
 /// `(step, rank)` of a key `<job>/step-<N>/rank-<R>.manifest.json`.
@@ -190,13 +211,15 @@ impl Core {
     }
 
     /// Serves `step` (or the latest) of `job`'s `rank` from the nearest tier; see the module
-    /// docs. [`CkptError::NotFound`] when no tier has it.
+    /// docs. [`CkptError::NotFound`] when no tier has it. `file`: the asking process can take
+    /// a file of this node's disk instead of a segment.
     pub(crate) fn restore(
         &self,
         job: &str,
         rank: u32,
         world_size: u32,
         step: Option<u64>,
+        file: bool,
     ) -> Result<Served> {
         let started = Instant::now();
         let not_found = |step| CkptError::NotFound {
@@ -226,6 +249,11 @@ impl Core {
             (s, TierKind::Peer, vec![TierKind::Peer; n])
         } else if self.tiers.is_empty() {
             return Err(not_found(Some(step)).into());
+        } else if let Some(served) = file
+            .then(|| self.hand_file(&key, world_size, started))
+            .flatten()
+        {
+            return Ok(served);
         } else {
             let (s, sources) = self.read_back(&key, world_size)?;
             self.memory.insert(s.clone());
@@ -250,9 +278,42 @@ impl Core {
         self.metrics.restored(source, took);
         info!(shard = %key, %source, seconds = took.as_secs_f64(), "restore served");
         Ok(Served {
-            shard,
+            step,
+            manifest_json: shard.manifest_json.clone(),
+            bytes: ServedBytes::Shard(shard),
             source,
             chunk_sources,
+            took,
+        })
+    }
+
+    /// `key`'s file where this node keeps it on disk (its disk tier, or a store that is a local
+    /// directory) and that tier would be read first, opened for the asking process to read
+    /// and verify itself: at the disk's speed straight into its own memory, with no copy into
+    /// memory new to this sidecar first. None where the step is not on this node's disk, or
+    /// its file cannot be opened (the restore then goes on as before).
+    fn hand_file(&self, key: &ShardKey, world_size: u32, started: Instant) -> Option<Served> {
+        let opened = self
+            .engine(&key.job, key.rank, world_size)
+            .and_then(|e| e.open_local_file(key.step));
+        let (manifest, file, source) = match opened {
+            // Another world's step: the restore below says so.
+            Ok(Some(found)) if found.0.world_size == world_size => found,
+            Ok(_) => return None,
+            Err(e) => {
+                warn!(shard = %key, error = %e, "cannot hand over the step's file; reading it into memory");
+                return None;
+            }
+        };
+        let took = started.elapsed();
+        self.metrics.restored(source, took);
+        info!(shard = %key, %source, seconds = took.as_secs_f64(), "restore handed over the file");
+        Some(Served {
+            step: key.step,
+            manifest_json: String::from_utf8(manifest.to_json()).unwrap_or_default(),
+            bytes: ServedBytes::File(file),
+            source,
+            chunk_sources: vec![source; manifest.chunks.len()],
             took,
         })
     }

@@ -335,7 +335,11 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     c.send(&LocalMsg::Commit).unwrap();
     assert!(matches!(c.recv::<LocalMsg>().unwrap(), LocalMsg::Committed));
     let mut r = attach();
-    r.send(&LocalMsg::Restore { step: Some(1) }).unwrap();
+    r.send(&LocalMsg::Restore {
+        step: Some(1),
+        file: true,
+    })
+    .unwrap();
     assert!(matches!(
         r.recv::<LocalMsg>().unwrap(),
         LocalMsg::NotFound { step: Some(1) }
@@ -457,6 +461,79 @@ fn without_the_sidecar_loads_come_from_the_engines_own_tiers() {
         Err(Error::Sidecar { reason, .. }) => assert!(reason.contains("connect"), "{reason}"),
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn a_step_only_on_the_sidecars_disk_is_read_from_its_file_and_a_bad_chunk_from_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let disk = dir.path().join("disk");
+    let port = free_port();
+    let start = || {
+        let mut s = settings("solo", "127.0.0.1", port, &socket);
+        s.disk_dir = Some(disk.clone());
+        s.store = Some(format!("{}", dir.path().join("store").display()));
+        Running::start(s.resolve().unwrap())
+    };
+    let sidecar = start();
+    let engine = sidecar_engine(&socket, "handed");
+    let set = sample_tensors(3, 1 << 20);
+    let h = engine.save(3, to_tensors(&set), extras(3)).unwrap();
+    h.wait_persisted(TierKind::Store).unwrap();
+    drop(engine);
+    assert!(sidecar.stop().complete());
+
+    // A new sidecar over the same disk and store: its memory holds nothing, its disk the step.
+    let sidecar = start();
+    let engine = sidecar_engine(&socket, "handed");
+    let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
+    assert_loaded(&l, &set, &extras(3));
+    assert!(
+        l.chunk_sources.iter().all(|s| *s == TierKind::Disk),
+        "{:?}",
+        l.chunk_sources
+    );
+    let l = load_into_buffers(&engine, StepSel::Step(3), &set);
+    assert!(
+        l.chunk_sources.iter().all(|s| *s == TierKind::Disk),
+        "{:?}",
+        l.chunk_sources
+    );
+    // Handed over, not copied into the sidecar's memory: nothing held there yet.
+    assert_eq!(
+        metric(sidecar.http, r#"hotstart_memory_shards{origin="local"}"#),
+        0.0
+    );
+
+    // One flipped byte in the third chunk (256 KiB each) of the file on disk: the process finds
+    // it, and takes that chunk from the segment the sidecar then makes (from disk and store).
+    let file = disk.join("handed/step-3/rank-0.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[2 * (256 << 10) + 17] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let l = load_into_buffers(&engine, StepSel::Step(3), &set);
+    assert_eq!(l.chunk_sources[2], TierKind::Store, "{:?}", l.chunk_sources);
+    assert_eq!(
+        l.chunk_sources
+            .iter()
+            .filter(|k| **k == TierKind::Disk)
+            .count(),
+        l.chunk_sources.len() - 1,
+        "{:?}",
+        l.chunk_sources
+    );
+    // The sidecar now holds the step in memory, and serves it from there.
+    assert_eq!(
+        metric(sidecar.http, r#"hotstart_memory_shards{origin="local"}"#),
+        1.0
+    );
+    let l = engine.load(StepSel::Step(3), Destination::Owned).unwrap();
+    assert_loaded(&l, &set, &extras(3));
+    assert!(
+        l.chunk_sources.iter().all(|s| *s == TierKind::Memory),
+        "{:?}",
+        l.chunk_sources
+    );
 }
 
 /// A metric of the sidecar serving `http`.

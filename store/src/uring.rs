@@ -71,7 +71,7 @@ mod reader;
 mod writer;
 
 pub use buf::AlignedBuf;
-pub use reader::{UringReader, read_all, read_all_aligned};
+pub use reader::{UringReader, open_for_reading, read_all, read_all_aligned};
 pub use writer::{AtomicFileWriter, write_file_atomic};
 
 use std::fs::File;

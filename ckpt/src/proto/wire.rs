@@ -156,16 +156,26 @@ pub enum LocalMsg {
         tier: TierKind,
         error: Option<String>,
     },
-    /// Send me a step (`None`: the newest complete for every rank).
-    Restore { step: Option<u64> },
+    /// Send me a step (`None`: the newest complete for every rank). `file`: the process can
+    /// take a file of the sidecar's disk tier instead of a segment, and verify it itself.
+    Restore {
+        step: Option<u64>,
+        #[serde(default)]
+        file: bool,
+    },
     /// The step, from where it came and how long the sidecar took; the sealed segment's
-    /// descriptor travels with this frame.
+    /// descriptor travels with this frame. With `file`, the descriptor is the step's file on
+    /// the sidecar's disk instead, opened read-only and not yet verified: the process reads it
+    /// and checks every chunk against the manifest, and asks again without `file` for a
+    /// segment when a chunk does not match.
     Restored {
         step: u64,
         source: TierKind,
         manifest: String,
         chunk_sources: Vec<TierKind>,
         seconds: f64,
+        #[serde(default)]
+        file: bool,
     },
     /// Which step is the newest complete for every rank?
     Latest,

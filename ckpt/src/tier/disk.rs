@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use hotstart_store::uring::{AtomicFileWriter, UringConfig, UringReader, write_file_atomic};
 
-use super::{Staging, Tier, TierKind, TierReader};
+use super::{Source, Staging, Tier, TierKind, TierReader};
 use crate::error::{Error, Result};
 use crate::format::{self, MAX_MANIFEST_LEN};
 
@@ -69,11 +69,19 @@ fn store_err(what: &'static str, path: &std::path::Path, e: hotstart_store::Erro
     Error::store(what, path.display().to_string(), e)
 }
 
-impl Tier for DiskTier {
+impl Source for DiskTier {
     fn kind(&self) -> TierKind {
         self.kind
     }
 
+    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
+        let path = self.path(key);
+        let r = UringReader::open(&path, &self.uring).map_err(|e| store_err("open", &path, e))?;
+        DiskReader::boxed(r, path, len)
+    }
+}
+
+impl Tier for DiskTier {
     fn put_file(&self, key: &str, data: &Staging) -> Result<()> {
         let path = self.path(key);
         self.make_parent(&path)?;
@@ -218,10 +226,56 @@ impl Tier for DiskTier {
     fn local_path(&self, key: &str) -> Option<PathBuf> {
         Some(self.path(key))
     }
+}
 
-    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
-        let path = self.path(key);
-        let r = UringReader::open(&path, &self.uring).map_err(|e| store_err("open", &path, e))?;
+/// A step's file of a disk tier that another process (the sidecar) opened and handed over:
+/// read as the tier's own files are, through a duplicate of its descriptor per reader, with
+/// direct I/O when it was opened so.
+pub(crate) struct HandedFile {
+    file: fs::File,
+    /// Names the file in errors.
+    label: PathBuf,
+    /// The tier the file belongs to.
+    kind: TierKind,
+    uring: UringConfig,
+}
+
+impl HandedFile {
+    pub(crate) fn new(file: fs::File, label: PathBuf, kind: TierKind, uring: UringConfig) -> Self {
+        HandedFile {
+            file,
+            label,
+            kind,
+            uring,
+        }
+    }
+}
+
+impl Source for HandedFile {
+    fn kind(&self) -> TierKind {
+        self.kind
+    }
+
+    fn reader(&self, _key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
+        let path = &self.label;
+        let file = self
+            .file
+            .try_clone()
+            .map_err(|e| Error::io("duplicate the descriptor of", path, e))?;
+        let r = UringReader::from_file(file, path, &self.uring)
+            .map_err(|e| store_err("open", path, e))?;
+        DiskReader::boxed(r, path.clone(), len)
+    }
+}
+
+struct DiskReader {
+    r: UringReader,
+    path: PathBuf,
+}
+
+impl DiskReader {
+    /// A reader of a step's file, which must be `len` bytes long.
+    fn boxed<'a>(r: UringReader, path: PathBuf, len: u64) -> Result<Box<dyn TierReader + 'a>> {
         if r.len() != len {
             return Err(Error::format(
                 "safetensors file",
@@ -231,11 +285,6 @@ impl Tier for DiskTier {
         }
         Ok(Box::new(DiskReader { r, path }))
     }
-}
-
-struct DiskReader {
-    r: UringReader,
-    path: PathBuf,
 }
 
 impl TierReader for DiskReader {

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use hotstart_store::{Store, StripeConfig, StripedReader, StripedWriter};
 use tracing::warn;
 
-use super::{Staging, Tier, TierKind, TierReader};
+use super::{Source, Staging, Tier, TierKind, TierReader};
 use crate::error::{Error, Result};
 use crate::format::{self, MAX_MANIFEST_LEN};
 
@@ -105,11 +105,19 @@ impl StoreTier {
     }
 }
 
-impl Tier for StoreTier {
+impl Source for StoreTier {
     fn kind(&self) -> TierKind {
         TierKind::Store
     }
 
+    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
+        let r = StripedReader::with_size(&self.store, key, len, self.stripe.clone())
+            .map_err(|e| Error::store("open", key, e))?;
+        Ok(Box::new(StoreReader { tier: self, r }))
+    }
+}
+
+impl Tier for StoreTier {
     fn put_file(&self, key: &str, data: &Staging) -> Result<()> {
         // The upload goes at network speed, far below staging's: no point streaming the prefix.
         let data = data.complete()?;
@@ -196,12 +204,6 @@ impl Tier for StoreTier {
                 .block_on(self.retry("delete", &key, || self.store.delete(&key)))?;
         }
         Ok(())
-    }
-
-    fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
-        let r = StripedReader::with_size(&self.store, key, len, self.stripe.clone())
-            .map_err(|e| Error::store("open", key, e))?;
-        Ok(Box::new(StoreReader { tier: self, r }))
     }
 }
 

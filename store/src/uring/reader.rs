@@ -191,15 +191,31 @@ impl UringReader {
     pub fn open(path: &Path, cfg: &UringConfig) -> Result<Self> {
         cfg.check(path)?;
         let ring = cfg.ring(path)?;
-        let (file, direct) = open_maybe_direct(path, cfg.direct, |direct| {
-            let mut opts = OpenOptions::new();
-            opts.read(true);
-            if direct {
-                opts.custom_flags(libc::O_DIRECT);
-            }
-            opts.open(path)
-        })
-        .map_err(|e| Error::io("open", path, e))?;
+        let (file, direct) = open_for_reading(path, cfg)?;
+        Self::with_ring(ring, file, direct, path, cfg)
+    }
+
+    /// Reads `file`, opened elsewhere (by [`open_for_reading`] in another process that handed
+    /// the descriptor over, say), with direct I/O when it was opened with `O_DIRECT`. `path`
+    /// names it in errors.
+    pub fn from_file(file: File, path: &Path, cfg: &UringConfig) -> Result<Self> {
+        cfg.check(path)?;
+        let ring = cfg.ring(path)?;
+        // SAFETY: F_GETFL on a descriptor `file` owns.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        if flags < 0 {
+            return Err(Error::io("fcntl", path, io::Error::last_os_error()));
+        }
+        Self::with_ring(ring, file, flags & libc::O_DIRECT != 0, path, cfg)
+    }
+
+    fn with_ring(
+        ring: Ring,
+        file: File,
+        direct: bool,
+        path: &Path,
+        cfg: &UringConfig,
+    ) -> Result<Self> {
         let len = file
             .metadata()
             .map_err(|e| Error::io("stat", path, e))?
@@ -522,6 +538,20 @@ impl UringReader {
             ),
         )
     }
+}
+
+/// Opens `path` for reading as [`UringReader::open`] does: with `O_DIRECT` where `cfg` asks
+/// for it and the file system takes it (the flag says which, as the second value).
+pub fn open_for_reading(path: &Path, cfg: &UringConfig) -> Result<(File, bool)> {
+    open_maybe_direct(path, cfg.direct, |direct| {
+        let mut opts = OpenOptions::new();
+        opts.read(true);
+        if direct {
+            opts.custom_flags(libc::O_DIRECT);
+        }
+        opts.open(path)
+    })
+    .map_err(|e| Error::io("open", path, e))
 }
 
 /// Reads the whole file at `path`.
