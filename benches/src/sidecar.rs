@@ -13,6 +13,11 @@
 //!   against a parallel memcpy of the same bytes into the same buffers over as many threads as
 //!   the engine copies with (target ≥ 0.8); and against the engine's cold load of the same
 //!   checkpoint from the local disk tier (page cache dropped; needs root).
+//! * **Restore on a restarted node**: a new sidecar over the first one's disk directory, its
+//!   memory empty and no peers (a node that came back with its disk), page cache dropped; the
+//!   training process's `load` into its tensors against the engine's own cold load of the same
+//!   file with no sidecar (target ≥ 0.9: the sidecar hands the file over, and the process reads
+//!   and verifies it itself).
 //! * **Restore from a peer over loopback**: a second sidecar that does not hold the step
 //!   fetches it from the first (every chunk verified as it arrives) and serves it; the
 //!   training process's whole `load` against one raw TCP stream of the same bytes into
@@ -41,7 +46,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
 use hotstart_ckpt::proto::shm;
-use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel, Tensor};
+use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel, Tensor, TierKind};
 use hotstart_sidecar::{Settings, Sidecar, Token, metrics};
 use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
@@ -377,6 +382,7 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
         Vec::new(),
     );
     let mut tcp_hashed = Vec::new();
+    let mut sidecar_disk = Vec::new();
     let (mut memory_new, mut memcpy_new) = (Vec::new(), Vec::new());
     let cold = drop_page_cache().is_ok();
     for run in 0..args.runs {
@@ -414,6 +420,30 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
             let mut bufs = slices(&mut dst, per);
             from_disk.load(StepSel::Latest, destination(&mut bufs))?;
             disk_load.push(t.elapsed());
+            drop(from_disk);
+
+            // A node that restarted with its disk: a new sidecar over A's disk directory, its
+            // memory empty, no peers.
+            let mut c_settings = settings(&format!("node-c{run}"), work.path(), budget)?;
+            c_settings.disk_dir = Some(disk.clone());
+            let c = Running::start(c_settings)?;
+            let engine_c = engine(&c.socket, threads)?;
+            dst.fill(0);
+            drop_page_cache()?;
+            let t = Instant::now();
+            let mut bufs = slices(&mut dst, per);
+            let l = engine_c.load(StepSel::Latest, destination(&mut bufs))?;
+            sidecar_disk.push(t.elapsed());
+            ensure!(
+                l.chunk_sources.iter().all(|s| *s == TierKind::Disk),
+                "a restarted node's restore came from {:?}",
+                l.chunk_sources
+            );
+            let last = args.tensors - 1;
+            ensure!(
+                dst[..per] == sources[0][..] && dst[last * per..] == sources[last][..],
+                "restored bytes differ"
+            );
         }
 
         // A fresh node B for every run: it does not hold the step and fetches it from A.
@@ -483,6 +513,13 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
             "cold load (verified) from the local disk tier",
             &disk_load,
             None,
+        ));
+        report.add(row(
+            "restore on a restarted node (sidecar memory empty, disk kept) into the caller's tensors, cold",
+            &sidecar_disk,
+            "cold load (verified) from the local disk tier, no sidecar",
+            &disk_load,
+            Some(0.9),
         ));
     } else {
         report.note("not root: the disk comparison (needs the page cache dropped) was skipped");
