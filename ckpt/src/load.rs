@@ -469,13 +469,10 @@ impl Inner {
 }
 
 impl Inner {
-    /// Hands out a step the sidecar restored: caller buffers are filled with one parallel copy
-    /// straight from the segment's pages (`pread`, so the mapping's pages are never faulted in
-    /// for them); tensors returned owned are views of the mapping itself, valid however long
-    /// they are kept. The bytes are not hashed again (see [`Restored`]). A file of the
-    /// sidecar's disk is loaded as from a tier, verified chunk by chunk; a chunk that does not
-    /// match is taken from a segment the sidecar makes of the step after all
-    /// ([`SidecarCopy`]), from its disk and store.
+    /// Hands out a step the sidecar restored: from its segment ([`Inner::load_segment`]), or
+    /// from a file of its disk, loaded as from a tier and verified chunk by chunk; a chunk of
+    /// the file that does not match is taken from a segment the sidecar makes of the step after
+    /// all ([`SidecarCopy`]), from its disk and store.
     fn load_restored(
         &self,
         sidecar: &Client,
@@ -490,10 +487,13 @@ impl Inner {
             source,
             seconds,
         } = restored;
-        let segment = match handed {
-            Handed::Segment(segment) => segment,
+        let step = m.step;
+        let (loaded, handed) = match handed {
+            Handed::Segment(segment) => (
+                self.load_segment(sidecar, m, segment, dest, chunk_sources)?,
+                "segment",
+            ),
             Handed::File(file) => {
-                let step = m.step;
                 let key = format::data_key(&self.job, step, self.rank);
                 let label = format!("{key} (the sidecar's {source} tier)");
                 let file = HandedFile::new(file, label.into(), source, self.uring.clone());
@@ -502,17 +502,32 @@ impl Inner {
                     step,
                     got: OnceLock::new(),
                 };
-                let loaded = self.load_from(step, m, &[&file, &copy], dest)?;
-                info!(
-                    step,
-                    %source,
-                    sidecar_seconds = seconds,
-                    seconds = started.elapsed().as_secs_f64(),
-                    "restored from a file the sidecar handed over"
-                );
-                return Ok(loaded);
+                (self.load_from(step, m, &[&file, &copy], dest)?, "file")
             }
         };
+        info!(
+            step,
+            %source,
+            handed,
+            sidecar_seconds = seconds,
+            seconds = started.elapsed().as_secs_f64(),
+            "restored through the sidecar"
+        );
+        Ok(loaded)
+    }
+
+    /// Hands out a step from the sidecar's sealed segment: caller buffers are filled with one
+    /// parallel copy straight from the segment's pages (`pread`, so the mapping's pages are
+    /// never faulted in for them); tensors returned owned are views of the mapping itself,
+    /// valid however long they are kept. The bytes are not hashed again (see [`Handed`]).
+    fn load_segment(
+        &self,
+        sidecar: &Client,
+        m: Manifest,
+        segment: Arc<Sealed>,
+        dest: Destination<'_>,
+        chunk_sources: Vec<TierKind>,
+    ) -> Result<Loaded> {
         let (step, len) = (m.step, file_len(&m)?);
         let mut targets = targets(step, &m, dest)?;
         let mut direct = std::mem::take(&mut targets.direct);
@@ -537,15 +552,7 @@ impl Inner {
             &self.gpu,
         )?;
         let all = Bytes::from_owner(SealedBytes(segment, len));
-        let loaded = self.finish(step, m, &all, Some(&all), targets, chunk_sources)?;
-        info!(
-            step,
-            %source,
-            sidecar_seconds = seconds,
-            seconds = started.elapsed().as_secs_f64(),
-            "restored through the sidecar"
-        );
-        Ok(loaded)
+        self.finish(step, m, &all, Some(&all), targets, chunk_sources)
     }
 }
 

@@ -191,18 +191,26 @@ impl Sidecar {
         }
         let mut store_counter = None;
         if let Some(url) = &cfg.store {
-            let counter = Arc::new(Counter::default());
-            let store = Store::open(url)
-                .map_err(|e| Error::store("open", url.clone(), e))?
-                .wrap(|inner| counter.clone().wrap(inner));
-            store_counter = Some(counter);
-            tiers.push(Arc::new(StoreTier::new(
-                store,
-                Arc::new(Runtime::new()?),
-                StripeConfig::default(),
-                4,
-                Duration::from_millis(100),
-            )));
+            let store = Store::open(url).map_err(|e| Error::store("open", url.clone(), e))?;
+            if let Some(dir) = store.local_dir() {
+                // A local directory, as the engine opens it: written and read at the disk's
+                // speed, and its files handed to training processes as the disk tier's are.
+                tiers.push(Arc::new(DiskTier::for_local_store(
+                    dir,
+                    UringConfig::default(),
+                )));
+            } else {
+                let counter = Arc::new(Counter::default());
+                let store = store.wrap(|inner| counter.clone().wrap(inner));
+                store_counter = Some(counter);
+                tiers.push(Arc::new(StoreTier::new(
+                    store,
+                    Arc::new(Runtime::new()?),
+                    StripeConfig::default(),
+                    4,
+                    Duration::from_millis(100),
+                )));
+            }
         }
         let peer_listener = TcpListener::bind(cfg.listen).map_err(|e| CkptError::Config {
             reason: format!("listen {}: {e}", cfg.listen),
