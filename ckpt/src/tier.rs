@@ -1,11 +1,12 @@
 //! Storage tiers: where a staged checkpoint is persisted and where a load reads it back.
 //!
-//! One trait, [`Tier`] (a [`Source`] a load reads from, and more), with one implementation per medium: [`disk::DiskTier`] (a local
-//! directory written through io_uring, `O_DIRECT` where possible) and [`store::StoreTier`] (any
-//! `hotstart-store` backend: a directory, `memory://`, S3; wrappers such as `Faults` or
-//! `Throttle` compose underneath). The engine only speaks the trait. The two memory tiers of
-//! [`TierKind`] (the sidecar's own shared memory and its peers') are not `Tier`s: they hold
-//! whole verified files, not objects under keys, and live in the sidecar (the `hotstart-sidecar` crate).
+//! One trait, [`Tier`] (a [`Source`] that loads read from, and more), with one implementation
+//! per medium: [`disk::DiskTier`] (a local directory written through io_uring, `O_DIRECT` where
+//! possible) and [`store::StoreTier`] (any `hotstart-store` backend: a directory, `memory://`,
+//! S3; wrappers such as `Faults` or `Throttle` compose underneath). The engine only speaks the
+//! trait. The two memory tiers of [`TierKind`] (the sidecar's own shared memory and its peers')
+//! are not `Tier`s: they hold whole verified files, not objects under keys, and live in the
+//! sidecar (the `hotstart-sidecar` crate).
 //!
 //! A tier stores objects under keys of the form `<job>/step-<N>/rank-<R>.<ext>` (see
 //! [`crate::format`]). Every write is atomic on its own (rename on disk, a single PUT or a
