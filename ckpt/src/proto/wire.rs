@@ -632,6 +632,31 @@ mod tests {
     }
 
     #[test]
+    fn restore_frames_without_the_file_field_ask_for_and_carry_a_segment() {
+        // What engines and sidecars that predate handing files over send.
+        let asked: LocalMsg = serde_json::from_str(r#"{"op":"restore","step":3}"#).unwrap();
+        assert!(matches!(
+            asked,
+            LocalMsg::Restore {
+                step: Some(3),
+                file: false
+            }
+        ));
+        let answer = r#"{"op":"restored","step":3,"source":"disk","manifest":"{}","chunk_sources":["disk"],"seconds":0.5}"#;
+        match serde_json::from_str::<LocalMsg>(answer).unwrap() {
+            LocalMsg::Restored { step, file, .. } => assert_eq!((step, file), (3, false)),
+            other => panic!("{other:?}"),
+        }
+        // And the new field, both ways.
+        let json = serde_json::to_string(&LocalMsg::Restore {
+            step: None,
+            file: true,
+        })
+        .unwrap();
+        assert_eq!(json, r#"{"op":"restore","step":null,"file":true}"#);
+    }
+
+    #[test]
     fn messages_and_data_round_trip() {
         let mut c = conn(Vec::new());
         c.send(&PeerMsg::Inventory {
