@@ -666,7 +666,7 @@ impl Inner {
         let Some((m, path, kind)) = self.local_step(step) else {
             return Ok(None);
         };
-        let (file, _) = hotstart_store::uring::open_for_reading(&path, &self.uring)
+        let file = hotstart_store::uring::open_for_reading(&path, &self.uring)
             .map_err(|e| Error::store("open", path.display().to_string(), e))?;
         Ok(Some((m, file, kind)))
     }

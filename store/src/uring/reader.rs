@@ -189,10 +189,7 @@ impl UringReader {
     /// Opens `path` for reading.
     #[instrument(level = "debug", skip_all, fields(path = %path.display()))]
     pub fn open(path: &Path, cfg: &UringConfig) -> Result<Self> {
-        cfg.check(path)?;
-        let ring = cfg.ring(path)?;
-        let (file, direct) = open_for_reading(path, cfg)?;
-        Self::with_ring(ring, file, direct, path, cfg)
+        Self::from_file(open_for_reading(path, cfg)?, path, cfg)
     }
 
     /// Reads `file`, opened elsewhere (by [`open_for_reading`] in another process that handed
@@ -206,16 +203,7 @@ impl UringReader {
         if flags < 0 {
             return Err(Error::io("fcntl", path, io::Error::last_os_error()));
         }
-        Self::with_ring(ring, file, flags & libc::O_DIRECT != 0, path, cfg)
-    }
-
-    fn with_ring(
-        ring: Ring,
-        file: File,
-        direct: bool,
-        path: &Path,
-        cfg: &UringConfig,
-    ) -> Result<Self> {
+        let direct = flags & libc::O_DIRECT != 0;
         let len = file
             .metadata()
             .map_err(|e| Error::io("stat", path, e))?
@@ -541,8 +529,8 @@ impl UringReader {
 }
 
 /// Opens `path` for reading as [`UringReader::open`] does: with `O_DIRECT` where `cfg` asks
-/// for it and the file system takes it (the flag says which, as the second value).
-pub fn open_for_reading(path: &Path, cfg: &UringConfig) -> Result<(File, bool)> {
+/// for it and the file system takes it.
+pub fn open_for_reading(path: &Path, cfg: &UringConfig) -> Result<File> {
     open_maybe_direct(path, cfg.direct, |direct| {
         let mut opts = OpenOptions::new();
         opts.read(true);
@@ -551,6 +539,7 @@ pub fn open_for_reading(path: &Path, cfg: &UringConfig) -> Result<(File, bool)> 
         }
         opts.open(path)
     })
+    .map(|(file, _)| file)
     .map_err(|e| Error::io("open", path, e))
 }
 
