@@ -11,6 +11,8 @@
 //! read checkpoints written by a job of a different size (torch.distributed resharding).
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 
 use hotstart_ckpt::format::Manifest;
@@ -185,7 +187,7 @@ impl Engine {
         step: u64,
         destinations: Vec<DestSpec>,
     ) -> PyResult<Vec<String>> {
-        let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_| {
+        let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_, _| {
             Ok(Answer::Tensors(destinations))
         })?;
         Ok(sources)
@@ -193,12 +195,14 @@ impl Engine {
 
     /// Reads `step` (the newest complete one when None) of this rank in one request, verifying
     /// every chunk: once the step's manifest is known, and before any tensor byte is read,
-    /// `plan(manifest)` (a dict as `manifest` returns) gives the destinations, as for `load`,
+    /// `plan(manifest, fd)` (a dict as `manifest` returns, and a descriptor of the step's file
+    /// on this machine or None, open only for the call) gives the destinations, as for `load`,
     /// or `(address, length, held)` of one host buffer of `manifest["file_len"]` bytes that
     /// takes the whole file (each tensor at its `manifest["ranges"]`): new memory (read with
-    /// direct I/O when aligned to 4096 bytes), or with `held` a private mapping of
-    /// `local_file(step)` that is verified where it lies.
-    /// Through a sidecar, this is how a restore finds the step and fetches it into memory once.
+    /// direct I/O when aligned to 4096 bytes), or with `held` a private mapping of `fd`,
+    /// verified where it lies. The file is the nearest source's: this engine's disk tier or
+    /// local-directory store, or the one a sidecar hands over from its disk.
+    /// Through a sidecar, this is how a restore finds the step and fetches it once.
     /// Returns the step and the tier each chunk came from.
     fn restore(
         &self,
@@ -207,16 +211,10 @@ impl Engine {
         plan: Py<PyAny>,
     ) -> PyResult<(u64, Vec<String>)> {
         let which = step.map_or(StepSel::Latest, StepSel::Step);
-        self.load_planned(py, which, move |m| {
-            Python::attach(|py| plan.call1(py, (manifest_dict(py, m)?,))?.extract(py))
+        self.load_planned(py, which, move |m, file| {
+            let fd = file.map(AsRawFd::as_raw_fd);
+            Python::attach(|py| plan.call1(py, (manifest_dict(py, m)?, fd))?.extract(py))
         })
-    }
-
-    /// The local file that holds this rank's `step` with its manifest's length, to map and
-    /// load with `held` (see `restore`), or None (a sidecar serves loads, or no local tier has
-    /// it).
-    fn local_file(&self, py: Python<'_>, step: u64) -> Option<PathBuf> {
-        py.detach(|| self.engine.local_file(step))
     }
 
     /// The newest step complete in any tier, or None.
@@ -295,14 +293,14 @@ impl Engine {
         &self,
         py: Python<'_>,
         which: StepSel,
-        plan: impl FnOnce(&Manifest) -> PyResult<Answer> + Send,
+        plan: impl FnOnce(&Manifest, Option<&File>) -> PyResult<Answer> + Send,
     ) -> PyResult<(u64, Vec<String>)> {
         let mut dests: Option<Dests> = None;
         let mut refused: Option<PyErr> = None;
         let res = py.detach(|| {
             let (dests_at, refused_at) = (&mut dests, &mut refused);
-            let planned = Destination::Planned(Box::new(move |m| {
-                let checked = plan(m).and_then(Dests::check).map_err(|e| {
+            let planned = Destination::Planned(Box::new(move |m, file| {
+                let checked = plan(m, file).and_then(Dests::check).map_err(|e| {
                     let message = e.to_string();
                     *refused_at = Some(e);
                     hotstart_ckpt::Error::Task {

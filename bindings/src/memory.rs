@@ -66,7 +66,7 @@ impl TensorSpec {
 
 /// What a load plan answers: a buffer per tensor, or one host buffer `(address, length, held)`
 /// that takes the whole file (see [`hotstart_ckpt::Destination::File`]; `held`: it is a private
-/// mapping of `Engine.local_file`, [`hotstart_ckpt::Destination::Held`]).
+/// mapping of the file a plan is handed, [`hotstart_ckpt::Destination::Held`]).
 #[derive(Debug, FromPyObject)]
 pub enum Answer {
     Tensors(Vec<DestSpec>),

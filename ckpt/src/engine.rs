@@ -416,14 +416,6 @@ impl Engine {
         self.inner.manifest(step, rank)
     }
 
-    /// The local file (disk tier, or a store that is a local directory) that holds this rank's
-    /// `step` with the length its manifest there gives, when the engine has no sidecar (whose
-    /// memory serves loads first): for a caller that maps it and loads with
-    /// [`Destination::Held`](crate::Destination::Held), as `safetensors` maps its files.
-    pub fn local_file(&self, step: u64) -> Option<std::path::PathBuf> {
-        self.inner.local_file(step)
-    }
-
     /// This rank's `step` where the tier a load would take it from keeps it in a local file
     /// (disk tier, or a store that is a local directory): its manifest, the file opened for
     /// reading (`O_DIRECT` where the file system takes it) and that tier. What the sidecar

@@ -55,8 +55,12 @@ pub enum StepSel {
 }
 
 /// Decides where a load's tensors go once the step's manifest is known (see
-/// [`Destination::Planned`]).
-pub type Plan<'a> = Box<dyn FnOnce(&Manifest) -> Result<Destination<'a>> + Send + 'a>;
+/// [`Destination::Planned`]). The file is the step's file on this machine, opened for reading,
+/// when the load's nearest source keeps one (its disk tier or a local-directory store, or the
+/// file a sidecar handed over): a private mapping of it is the buffer for
+/// [`Destination::Held`]. It is open only for the call; a mapping keeps the file itself.
+pub type Plan<'a> =
+    Box<dyn FnOnce(&Manifest, Option<&std::fs::File>) -> Result<Destination<'a>> + Send + 'a>;
 
 /// Where loaded tensors go.
 #[derive(Default)]
@@ -79,16 +83,15 @@ pub enum Destination<'a> {
     /// new memory that the caller owns, such as the new tensors of a Python state dict.
     File(&'a mut [u8]),
     /// Like [`Destination::File`], for a caller buffer that already holds the file as the
-    /// nearest tier keeps it: a private (copy-on-write) mapping of
-    /// [`Engine::local_file`](crate::Engine::local_file), as `safetensors` loads its files.
-    /// Each chunk is verified where it lies, and one that does not match is read again, from
-    /// the tiers in order, into the buffer; with a sidecar, the whole file is copied in as for
-    /// `File`.
+    /// nearest tier keeps it: a private (copy-on-write) mapping of the file a [`Plan`] is
+    /// given, as `safetensors` maps its files. Each chunk is verified where it lies, and one
+    /// that does not match is read again, from the sources in order, into the buffer; from a
+    /// sidecar's memory, the whole file is copied in as for `File`.
     Held(&'a mut [u8]),
     /// Decided by the caller once the step's manifest is known, before any tensor byte is read:
     /// for loading the newest step into buffers shaped after what it holds (new tensors of the
     /// saved shapes and dtypes, say), in one request, however the step is found (through a
-    /// sidecar, it is fetched into memory once). The plan may not answer `Planned` again.
+    /// sidecar, it is fetched once). The plan may not answer `Planned` again.
     Planned(Plan<'a>),
 }
 
@@ -365,6 +368,7 @@ pub(crate) fn targets<'a>(
     step: u64,
     reference: &Manifest,
     dest: Destination<'a>,
+    near: &dyn Fn() -> Option<std::fs::File>,
 ) -> Result<Targets<'a>> {
     let chunk_size = reference.chunk_size as usize;
     let (buffers, device) = match dest {
@@ -379,14 +383,14 @@ pub(crate) fn targets<'a>(
             }
             (HashMap::new(), d)
         }
-        Destination::Planned(plan) => match plan(reference)? {
+        Destination::Planned(plan) => match plan(reference, near().as_ref())? {
             Destination::Planned(_) => {
                 return Err(Error::Task {
                     what: "load",
                     message: "a load plan answered with another plan".into(),
                 });
             }
-            dest => return targets(step, reference, dest),
+            dest => return targets(step, reference, dest, &|| None),
         },
     };
     let entry = |name: &String, have: usize, what: &str| {
@@ -529,7 +533,7 @@ impl Inner {
         chunk_sources: Vec<TierKind>,
     ) -> Result<Loaded> {
         let (step, len) = (m.step, file_len(&m)?);
-        let mut targets = targets(step, &m, dest)?;
+        let mut targets = targets(step, &m, dest, &|| None)?;
         let mut direct = std::mem::take(&mut targets.direct);
         if let Some((file, _)) = targets.file.take() {
             // The whole file goes to the caller: every chunk is one piece.
@@ -632,16 +636,6 @@ fn as_sources<'a>(tiers: &[&'a dyn Tier]) -> Vec<&'a dyn Source> {
 }
 
 impl Inner {
-    /// `Engine::local_file`: the file of the tier a load would take as its reference (the
-    /// first whose manifest is valid), if that tier keeps local files and the file has the
-    /// manifest's length.
-    pub(crate) fn local_file(&self, step: u64) -> Option<std::path::PathBuf> {
-        if self.sidecar.is_some() {
-            return None;
-        }
-        self.local_step(step).map(|(_, path, _)| path)
-    }
-
     /// The manifest, file and tier of `step` where the tier a load would take as its reference
     /// keeps local files and the file has the manifest's length.
     fn local_step(&self, step: u64) -> Option<(Manifest, std::path::PathBuf, TierKind)> {
@@ -712,7 +706,9 @@ impl Inner {
         dest: Destination<'_>,
     ) -> Result<Loaded> {
         let len = file_len(&reference)?;
-        let mut targets = targets(step, &reference, dest)?;
+        let key = format::data_key(&self.job, step, self.rank);
+        let near = || tiers.first()?.local_file(&key, reference.file_len);
+        let mut targets = targets(step, &reference, dest, &near)?;
         let direct = std::mem::take(&mut targets.direct);
         if let Some((file, held)) = targets.file.take() {
             let chunk_sources = self.read_chunks(step, &reference, tiers, file, direct, held)?;

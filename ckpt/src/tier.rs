@@ -136,6 +136,13 @@ pub trait Source: Send + Sync {
 
     /// A reader of `key`, which must be `len` bytes long.
     fn reader(&self, key: &str, len: u64) -> Result<Box<dyn TierReader + '_>>;
+
+    /// `key` as a file of this machine, opened for reading, where this source keeps it in one
+    /// that is `len` bytes long: what a load into new memory maps privately instead of reading
+    /// (see [`crate::Plan`]). None for a source without local files.
+    fn local_file(&self, _key: &str, _len: u64) -> Option<std::fs::File> {
+        None
+    }
 }
 
 /// One place checkpoints are kept.

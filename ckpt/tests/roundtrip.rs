@@ -50,10 +50,17 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
     assert!(first.chunk_sources.iter().all(|k| *k == tiers[0]));
 
     // Into buffers shaped after the manifest of the newest step, decided before anything is
-    // read; a plan's error fails the load.
+    // read; a plan's error fails the load. The plan is handed the step's local file, to map,
+    // where a local tier keeps one.
     let mut shaped: Vec<(String, Vec<u8>)> = Vec::new();
-    let slot = &mut shaped;
-    let planned = Destination::Planned(Box::new(move |m| {
+    let mut handed: Option<Vec<u8>> = None;
+    let (slot, near) = (&mut shaped, &mut handed);
+    let planned = Destination::Planned(Box::new(move |m, file| {
+        *near = file.map(|mut f| {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut bytes).unwrap();
+            bytes
+        });
         *slot = m
             .tensors
             .iter()
@@ -79,7 +86,7 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
         let got = &shaped.iter().find(|(n, _)| n == name).unwrap().1;
         assert!(got == bytes, "{name}");
     }
-    let refused = Destination::Planned(Box::new(|_| {
+    let refused = Destination::Planned(Box::new(|_, _| {
         Err(hotstart_ckpt::Error::Config {
             reason: "no room for it".into(),
         })
@@ -105,7 +112,7 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
     let mut file = hotstart_store::uring::AlignedBuf::zeroed(0);
     let mut ranges = Vec::new();
     let (slot, at) = (&mut file, &mut ranges);
-    let planned = Destination::Planned(Box::new(move |m| {
+    let planned = Destination::Planned(Box::new(move |m, _| {
         *at = m
             .tensors
             .iter()
@@ -146,12 +153,12 @@ fn conformance(cfg: EngineConfig, files_at: Option<&Path>) {
         .unwrap();
     assert!(l.tensors.is_empty());
     assert!(held == file[..], "the flipped chunk was read again");
-    // Only a tier kept in local files has one, with the manifest's length and the same bytes.
-    match engine.local_file(20) {
-        Some(path) => assert!(std::fs::read(&path).unwrap() == file[..], "{path:?}"),
+    // Only a tier kept in local files hands the plan one, with the step's bytes.
+    match &handed {
+        Some(bytes) => assert!(bytes[..] == file[..], "the plan's file is the step's"),
         None => assert!(
             files_at.is_none(),
-            "no local file, yet files are at {files_at:?}"
+            "no file for the plan, yet files are at {files_at:?}"
         ),
     }
 

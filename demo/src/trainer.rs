@@ -95,7 +95,7 @@ fn restore(engine: &Engine, rank: u32, which: StepSel) -> Result<Option<(Model, 
     let slot = &mut model;
     // The model is made once the checkpoint's manifest names its shapes, before any byte is
     // read, so its memory is written once, by the load.
-    let plan = Destination::Planned(Box::new(move |m| {
+    let plan = Destination::Planned(Box::new(move |m, _| {
         let rows = m
             .tensors
             .iter()

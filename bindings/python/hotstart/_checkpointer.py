@@ -225,15 +225,15 @@ class Checkpointer:
         plan = _state.Plan()
         made: List[Callable[[], Any]] = []
 
-        def place(manifest: "_core._Manifest") -> Any:
-            # Called once the step is found, before any of its bytes are read.
+        def place(manifest: "_core._Manifest", fd: Optional[int]) -> Any:
+            # Called once the step is found, before any of its bytes are read; `fd`: the step's
+            # file on this machine, open for this call only.
             where = f"step {manifest['step']} rank {engine.rank}"
             root = _state.parse_tree(manifest["extras"], where)
             if root is None:
                 root = _state.flat_tree(manifest["tensors"])
             if state_dict is None:
-                local = engine.local_file(manifest["step"])
-                made.append(_state.plan_file(root, plan, manifest, local))
+                made.append(_state.plan_file(root, plan, manifest, fd))
             else:
                 made.append(_state.plan_into(root, state_dict, strict, plan))
             _sync_cuda(plan.cuda_devices)

@@ -1,7 +1,6 @@
 """Type stubs of the native module `hotstart._core` (the engine binding). Private: use
 `hotstart.Checkpointer` and `hotstart.torch`."""
 
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypedDict, Union, final
 
 __all__ = ["CUDA_BUILT", "Engine", "SaveHandle", "__version__", "env_ensure"]
@@ -77,9 +76,8 @@ class Engine:
     def restore(
         self,
         step: Optional[int],
-        plan: Callable[[_Manifest], Union[Sequence[_DestSpec], Tuple[int, int, bool]]],
+        plan: Callable[[_Manifest, Optional[int]], Union[Sequence[_DestSpec], Tuple[int, int, bool]]],
     ) -> Tuple[int, List[str]]: ...
-    def local_file(self, step: int) -> Optional[Path]: ...
     def latest_step(self) -> Optional[int]: ...
     def latest_step_below(self, step: int) -> Optional[int]: ...
     def latest_checkpoint(self) -> Optional[Tuple[int, int]]: ...

@@ -437,33 +437,29 @@ def plan_new(root: Dict[str, Any], plan: Plan) -> Callable[[], Any]:
 _PAGE = 4096
 
 
-def _map_private(path: Any, n: int) -> Optional[mmap.mmap]:
-    """A private, writable (copy-on-write) mapping of the `n`-byte file at `path`, or None when
-    it cannot be mapped (gone since, or another length: never map past a file's end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
+def _map_private(fd: int, n: int) -> Optional[mmap.mmap]:
+    """A private, writable (copy-on-write) mapping of the `n`-byte file open as `fd`, or None
+    when it cannot be mapped (another length: never map past a file's end). The mapping keeps
+    the file: `fd` may be closed after."""
     try:
         if os.fstat(fd).st_size != n:
             return None
         return mmap.mmap(fd, n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError:
         return None
-    finally:
-        os.close(fd)
 
 
 def plan_file(
-    root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any], local_file: Optional[Any]
+    root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any], local_fd: Optional[int]
 ) -> Callable[[], Any]:
     """Plans a load of the whole file into one buffer, and the new tensors and arrays as views
     of it (a tensor whose offset in the file does not suit its element type's alignment is
-    copied out instead). The buffer is a private, copy-on-write mapping of `local_file` (the
-    nearest tier's file on this machine) when there is one, as safetensors maps its files: the
-    engine verifies it where it lies, the page cache reads it and nothing is copied; else new
-    page-aligned memory that the engine reads into with direct I/O. Returns the function that
-    builds the result once the engine has read."""
+    copied out instead). The buffer is a private, copy-on-write mapping of `local_fd` (the
+    nearest source's file on this machine: a local tier's, or one a sidecar handed over) when
+    there is one, as safetensors maps its files: the engine verifies it where it lies, the page
+    cache reads it and nothing is copied; else new page-aligned memory that the engine reads
+    into with direct I/O. Returns the function that builds the result once the engine has
+    read."""
     ranges = {name: r for (name, _, _), r in zip(manifest["tensors"], manifest["ranges"])}
     n = int(manifest["file_len"])
     kinds: Dict[str, Any] = {}
@@ -477,7 +473,7 @@ def plan_file(
     # One buffer of the kind the tensors want: torch's when any is a torch tensor (numpy arrays
     # are then views of its memory too), else numpy's, so a numpy-only state never imports
     # torch.
-    mapped = _map_private(local_file, n) if local_file is not None else None
+    mapped = _map_private(local_fd, n) if local_fd is not None else None
     base: Any
     if use_torch:
         import torch

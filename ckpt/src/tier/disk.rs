@@ -79,6 +79,15 @@ impl Source for DiskTier {
         let r = UringReader::open(&path, &self.uring).map_err(|e| store_err("open", &path, e))?;
         DiskReader::boxed(r, path, len)
     }
+
+    fn local_file(&self, key: &str, len: u64) -> Option<fs::File> {
+        of_len(fs::File::open(self.path(key)).ok()?, len)
+    }
+}
+
+/// `file` when it is `len` bytes long.
+fn of_len(file: fs::File, len: u64) -> Option<fs::File> {
+    (file.metadata().ok()?.len() == len).then_some(file)
 }
 
 impl Tier for DiskTier {
@@ -265,6 +274,10 @@ impl Source for HandedFile {
         let r = UringReader::from_file(file, path, &self.uring)
             .map_err(|e| store_err("open", path, e))?;
         DiskReader::boxed(r, path.clone(), len)
+    }
+
+    fn local_file(&self, _key: &str, len: u64) -> Option<fs::File> {
+        of_len(self.file.try_clone().ok()?, len)
     }
 }
 
