@@ -171,7 +171,10 @@ fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
     let mut planned: Vec<(String, Vec<u8>)> = Vec::new();
     let slot = &mut planned;
     let plan = Destination::Planned(Box::new(move |m, file| {
-        assert!(file.is_none(), "a step in the sidecar's memory comes with no file");
+        assert!(
+            file.is_none(),
+            "a step in the sidecar's memory comes with no file"
+        );
         *slot = m
             .tensors
             .iter()
