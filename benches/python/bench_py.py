@@ -72,13 +72,10 @@ def drop_caches() -> bool:
 FIO_DEPTH, FIO_BLOCK = 16, 8 << 20
 
 
-def fio_read(path: Path, direct: bool, huge: bool = False, drop: bool = True) -> float:
-    """Seconds for fio to read `path` once, sequentially, in 8 MiB blocks, the page cache
-    dropped first (unless `drop` is False): buffered (one thread, as a plain read loop) or
-    O_DIRECT (16 in flight), into huge pages with `huge` (``--mem=shmhuge``, which needs
-    `huge_pages` reserved)."""
-    if drop:
-        drop_caches()
+def fio_read(path: Path, direct: bool, huge: bool = False) -> float:
+    """Seconds for fio to read `path` once, sequentially, in 8 MiB blocks (the caller drops the
+    page cache first): buffered (one thread, as a plain read loop) or O_DIRECT (16 in flight),
+    into huge pages with `huge` (``--mem=shmhuge``, which needs `huge_pages` reserved)."""
     cmd = ["fio", "--name=floor", f"--filename={path}", "--readonly", "--rw=read", "--bs=8M",
            f"--direct={int(direct)}", "--output-format=json"]
     cmd += ["--ioengine=libaio", f"--iodepth={FIO_DEPTH}"] if direct else ["--ioengine=psync"]
@@ -180,11 +177,10 @@ LOAD_WORKERS = 4 * min(8, os.cpu_count() or 1)
 
 
 def map_read(path: Path) -> float:
-    """Seconds to read `path` through a private mapping, the page cache dropped first:
+    """Seconds to read `path` through a private mapping (the caller drops the page cache first):
     ``MADV_POPULATE_READ`` 64 MiB at a time on as many threads as hotstart's load has workers,
     which the kernel fills with read-ahead, and nothing checked or copied. The floor of a load
     that hands out views of the mapped file, as hotstart's new tensors and ``load_file``'s are."""
-    drop_caches()
     with open(path, "rb") as f:
         return _populate(path.stat().st_size, 22, mmap.PROT_READ, mmap.MAP_PRIVATE, f.fileno(),
                          threads=LOAD_WORKERS)
@@ -277,14 +273,35 @@ class Bench:
         p.mkdir(parents=True)
         return p
 
-    def cold_load(self, key: str, f: Callable[[], object]) -> None:
+    def settle(self) -> None:
+        """Drops the page cache. Right after that, faulting in new memory is several times
+        slower on a VM whose balloon hands freed memory back to the host (2 GiB: 2.5-4.4 s
+        against 0.67 s), and it hits whichever loader runs first. Faulting in as much memory and
+        freeing it again, untimed, gives every loader and floor the same start."""
         drop_caches()
-        # Right after the page cache is dropped, faulting in new memory is several times slower
-        # on a VM whose balloon hands freed memory back to the host (2 GiB: 2.5-4.4 s against
-        # 0.67 s), and it hits whichever loader runs first. Faulting in as much memory and
-        # freeing it again, untimed, gives every loader the same start.
         self.record("touch after drop", first_touch(self.nbytes), quiet=True)
+
+    def cold_load(self, key: str, f: Callable[[], object]) -> None:
+        self.settle()
         self.record(key, timed(lambda: touch(f())))
+
+    def floors(self, path: Path) -> None:
+        """The disk's floors for the bytes of `path`, each from the same start as a load: fio's
+        fastest way of reading it ("read floor"; O_DIRECT into 4 KiB pages runs at half the
+        speed of huge pages on some VMs, and hotstart reads into huge pages, so fio gets them
+        too where they can be reserved) and the private mapping's ("map floor")."""
+        reads = []
+        for key, direct in (("fio buffered", False), ("fio O_DIRECT", True)):
+            self.settle()
+            reads.append(self.record(key, fio_read(path, direct=direct)))
+        # fio's buffers and a page of slack, rounded up to 2 MiB pages, and a margin.
+        with huge_pages((FIO_DEPTH * FIO_BLOCK + 4096 + (2 << 20) - 1) // (2 << 20) + 4) as huge:
+            if huge:
+                self.settle()
+                reads.append(self.record("fio O_DIRECT huge", fio_read(path, direct=True, huge=True)))
+        self.record("read floor", min(reads))
+        self.settle()
+        self.record("map floor", map_read(path))
 
     def run(self) -> None:
         a = self.args
@@ -315,11 +332,20 @@ class Bench:
             h.wait_persisted("disk")
             self.record("hotstart durable", time.perf_counter() - t)
             ck.wait()
-            new: Dict[str, torch.Tensor] = {}
-            self.cold_load("hotstart load new", lambda: new.update(ck.load(step=step)) or new)
-            assert all(torch.equal(new[k], v) for k, v in self.state.items())
-            del new
-            self.cold_load("hotstart load in place", lambda: ck.load(dst, step=step))
+
+            def load_new() -> None:
+                new: Dict[str, torch.Tensor] = {}
+                self.cold_load("hotstart load new", lambda: new.update(ck.load(step=step)) or new)
+                assert all(torch.equal(new[k], v) for k, v in self.state.items())
+
+            # The disk's floors read hotstart's own file, beside its loads, in turn after and
+            # before them (ABBA over the runs): on this VM a read's speed swings with what ran
+            # just before it.
+            in_place = lambda: self.cold_load("hotstart load in place", lambda: ck.load(dst, step=step))  # noqa: E731
+            file = ck_dir / "bench" / f"step-{step}" / "rank-0.safetensors"
+            parts = [load_new, in_place, lambda: self.floors(file)]
+            for part in parts if run % 2 == 0 else parts[::-1]:
+                part()
 
             p = self.fresh("torch") / "state.pt"
             self.record("torch.save stall", timed(lambda: torch.save(self.state, p)))
@@ -340,17 +366,6 @@ class Bench:
             pair = [("hotstart", ck_dir, step), ("load_file", p, 0)]
             for kind, where, at in pair + pair[::-1]:
                 self.record(f"{kind} new process", load_in_new_process(kind, where, at, self.nbytes))
-            # The disk's floor for the same bytes: whichever way of reading is fastest here.
-            # O_DIRECT into 4 KiB pages runs at half the speed of huge pages on some VMs, and
-            # hotstart reads into huge pages, so fio gets them too where they can be reserved.
-            floors = [self.record("fio buffered", fio_read(p, direct=False)),
-                      self.record("fio O_DIRECT", fio_read(p, direct=True))]
-            # fio's buffers and a page of slack, rounded up to 2 MiB pages, and a margin.
-            with huge_pages((FIO_DEPTH * FIO_BLOCK + 4096 + (2 << 20) - 1) // (2 << 20) + 4) as huge:
-                if huge:
-                    floors.append(self.record("fio O_DIRECT huge", fio_read(p, direct=True, huge=True)))
-            self.record("read floor", min(floors))
-            self.record("map floor", map_read(p))
 
             d = self.fresh("dcp")
             writer = lambda path: dcp.FileSystemWriter(str(path), thread_count=4)  # noqa: E731

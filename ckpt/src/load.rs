@@ -363,7 +363,8 @@ fn whole_file<'a>(
 }
 
 /// Checks every destination against `reference` before anything is read: each must name a
-/// tensor of the manifest and have its exact length.
+/// tensor of the manifest and have its exact length. A plan is given `near()`, the step's file
+/// on this machine if any.
 pub(crate) fn targets<'a>(
     step: u64,
     reference: &Manifest,
