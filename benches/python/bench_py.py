@@ -25,6 +25,8 @@ Measures, on ``--gib`` GiB of random torch CPU tensors in ``--tensors`` tensors:
   ``MADV_POPULATE_READ``, 64 MiB at a time on as many threads as hotstart's load workers,
   nothing checked. A restart loads once, in a new process: new tensors
   are also loaded that way, each loader in a Python process of its own (imports untimed).
+  hotstart's checkpoint is a safetensors file, so fio and the mapped read read that same file,
+  right beside hotstart's loads and in turn before and after them.
 
 Each figure is the median of ``--runs`` runs, after one warm-up save that allocates hotstart's
 staging buffer; ratios are hotstart's throughput over the peer's (higher is better).
@@ -155,13 +157,15 @@ def fsync_path(path: Path) -> None:
 
 
 def touch(state: object) -> None:
-    """Reads one byte of every page of every tensor in ``state``. A loader may hand back tensors
-    whose pages are read from the file only when first touched (``safetensors`` maps the file);
-    a load is finished when the bytes are in memory, so every loader's result is touched, at the
-    same small cost for those that already read everything."""
+    """Reads one byte of every page of every tensor in ``state``, in the order of their
+    addresses. A loader may hand back tensors whose pages are read from the file only when first
+    touched (``safetensors`` maps the file, and its tensors are then in file order by address,
+    whatever order its dict has); a load is finished when the bytes are in memory, so every
+    loader's result is touched, at the same small cost for those that already read everything."""
     tensors = state.values() if isinstance(state, dict) else []
+    tensors = sorted((t for t in tensors if isinstance(t, torch.Tensor)), key=lambda t: t.data_ptr())
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel() > 0:
+        if t.numel() > 0:
             int(t.view(-1).view(torch.uint8)[::4096].sum())
 
 
@@ -338,12 +342,15 @@ class Bench:
                 self.cold_load("hotstart load new", lambda: new.update(ck.load(step=step)) or new)
                 assert all(torch.equal(new[k], v) for k, v in self.state.items())
 
-            # The disk's floors read hotstart's own file, beside its loads, in turn after and
-            # before them (ABBA over the runs): on this VM a read's speed swings with what ran
-            # just before it.
-            in_place = lambda: self.cold_load("hotstart load in place", lambda: ck.load(dst, step=step))  # noqa: E731
+            # hotstart's file is a safetensors file: the disk's floors read that same file,
+            # beside hotstart's loads, in turn after and before them (ABBA over the runs), since
+            # on this VM a read's speed swings with what ran just before it.
             file = ck_dir / "bench" / f"step-{step}" / "rank-0.safetensors"
-            parts = [load_new, in_place, lambda: self.floors(file)]
+            parts = [
+                load_new,
+                lambda: self.cold_load("hotstart load in place", lambda: ck.load(dst, step=step)),
+                lambda: self.floors(file),
+            ]
             for part in parts if run % 2 == 0 else parts[::-1]:
                 part()
 
