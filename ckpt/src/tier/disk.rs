@@ -63,6 +63,33 @@ impl DiskTier {
         }
         Ok(())
     }
+
+    /// Makes the directory of `path`, then runs `create`, which makes a file in it; again, up to
+    /// three more times, when the directory was gone by then. Every rank's files of a step
+    /// share its directory, on a node's disk and in a local store that every node writes, and
+    /// the last rank to remove its files from a step removes the directory too
+    /// ([`Tier::remove_rank`]): that can land between another rank's making the directory and
+    /// creating its file there.
+    fn in_parent<T>(
+        &self,
+        path: &std::path::Path,
+        what: &'static str,
+        mut create: impl FnMut() -> std::result::Result<T, hotstart_store::Error>,
+    ) -> Result<T> {
+        let mut tries = 0;
+        loop {
+            self.make_parent(path)?;
+            match create() {
+                Err(e) if tries < 3 && no_such_directory(&e) => tries += 1,
+                res => return res.map_err(|e| store_err(what, path, e)),
+            }
+        }
+    }
+}
+
+/// Whether `e` is a file-system call that found no such file or directory.
+fn no_such_directory(e: &hotstart_store::Error) -> bool {
+    matches!(e.root(), hotstart_store::Error::Io { source, .. } if source.kind() == io::ErrorKind::NotFound)
 }
 
 fn store_err(what: &'static str, path: &std::path::Path, e: hotstart_store::Error) -> Error {
@@ -93,9 +120,9 @@ fn of_len(file: fs::File, len: u64) -> Option<fs::File> {
 impl Tier for DiskTier {
     fn put_file(&self, key: &str, data: &Staging) -> Result<()> {
         let path = self.path(key);
-        self.make_parent(&path)?;
-        let mut w = AtomicFileWriter::create(&path, &self.uring)
-            .map_err(|e| store_err("create", &path, e))?;
+        let mut w = self.in_parent(&path, "create", || {
+            AtomicFileWriter::create(&path, &self.uring)
+        })?;
         w.reserve(data.len() as u64)
             .map_err(|e| store_err("reserve", &path, e))?;
         // Straight from the page-aligned staging buffer (no copy into the writer's pool): as
@@ -115,9 +142,9 @@ impl Tier for DiskTier {
 
     fn put_manifest(&self, key: &str, json: Vec<u8>) -> Result<()> {
         let path = self.path(key);
-        self.make_parent(&path)?;
-        write_file_atomic(&path, &json, &self.uring)
-            .map_err(|e| store_err("write manifest", &path, e))?;
+        self.in_parent(&path, "write manifest", || {
+            write_file_atomic(&path, &json, &self.uring)
+        })?;
         Ok(())
     }
 
@@ -330,5 +357,36 @@ impl TierReader for DiskReader {
                 Stop::Read(e) => store_err("read", &self.path, e),
                 Stop::Caller(e) => e,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Another rank removing its files of a step removes the step's directory once it is empty:
+    /// a write that made the directory just before finds it gone and makes it again.
+    #[test]
+    fn a_step_directory_removed_under_a_write_is_made_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = DiskTier::for_local_store(dir.path(), UringConfig::default());
+        let key = format::manifest_key("job", 7, 0);
+        let mut removed = 0;
+        tier.in_parent(&tier.path(&key), "write manifest", || {
+            if removed < 2 {
+                removed += 1;
+                tier.remove_rank("job", 7, 1).unwrap();
+            }
+            write_file_atomic(&tier.path(&key), b"{}", &tier.uring)
+        })
+        .unwrap();
+        assert_eq!(removed, 2);
+        assert_eq!(tier.get_manifest(&key).unwrap().unwrap(), b"{}");
+
+        // A directory that cannot be made is an error at once, not a loop.
+        let blocked = DiskTier::new(dir.path().join("file"), UringConfig::default());
+        fs::write(dir.path().join("file"), b"").unwrap();
+        let err = blocked.put_manifest(&key, b"{}".to_vec()).unwrap_err();
+        assert!(err.to_string().contains("create directory"), "{err}");
     }
 }
