@@ -538,6 +538,79 @@ fn a_step_only_on_the_sidecars_disk_is_read_from_its_file_and_a_bad_chunk_from_t
         "{:?}",
         l.chunk_sources
     );
+
+    // Through a new sidecar again, into new memory that privately maps the file it hands over
+    // (as the Python package's new tensors are): the flipped chunk is found where it lies and
+    // taken from the store into the mapping, the rest stays the file's; the file is unchanged.
+    drop(engine);
+    assert!(sidecar.stop().complete());
+    let _sidecar = start();
+    let engine = sidecar_engine(&socket, "handed");
+    let corrupt = std::fs::read(&file).unwrap();
+    let mut mapped: Option<PrivateMap> = None;
+    let slot = &mut mapped;
+    let plan = Destination::Planned(Box::new(move |m, file| {
+        let file = file.expect("a restarted sidecar hands its disk's file over");
+        let map = slot.insert(PrivateMap::of(file, m.file_len as usize));
+        Ok(Destination::Held(map.bytes()))
+    }));
+    let l = engine.load(StepSel::Step(3), plan).unwrap();
+    assert_eq!(l.chunk_sources[2], TierKind::Store, "{:?}", l.chunk_sources);
+    assert!(
+        l.chunk_sources
+            .iter()
+            .enumerate()
+            .all(|(i, k)| i == 2 || *k == TierKind::Disk),
+        "{:?}",
+        l.chunk_sources
+    );
+    let mut want = corrupt.clone();
+    want[2 * (256 << 10) + 17] ^= 0x40;
+    assert!(
+        mapped.unwrap().bytes() == &want[..],
+        "the mapping holds the step"
+    );
+    assert!(
+        std::fs::read(&file).unwrap() == corrupt,
+        "the file is left as it was"
+    );
+}
+
+/// A private, writable (copy-on-write) mapping of a whole file, unmapped when dropped.
+struct PrivateMap(*mut u8, usize);
+
+// SAFETY: the mapping is plain memory that this value alone reaches.
+unsafe impl Send for PrivateMap {}
+
+impl PrivateMap {
+    fn of(file: &std::fs::File, len: usize) -> PrivateMap {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a new private mapping of the file at an address of the kernel's choosing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert!(p != libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+        PrivateMap(p.cast(), len)
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `self.1` bytes long and lives as long as `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.0, self.1) }
+    }
+}
+
+impl Drop for PrivateMap {
+    fn drop(&mut self) {
+        // SAFETY: unmaps this value's own mapping, which nothing borrows any more.
+        unsafe { libc::munmap(self.0.cast(), self.1) };
+    }
 }
 
 /// A metric of the sidecar serving `http`.
