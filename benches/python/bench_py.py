@@ -253,13 +253,24 @@ PEERS = {
 }
 
 
+def state_arguments(ap: argparse.ArgumentParser) -> None:
+    """The state's size and the disk its files go to, as the Python benches take them."""
+    ap.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
+    ap.add_argument("--tensors", type=int, default=32, help="number of tensors (default 32)")
+    ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure")
+
+
+def make_state(args: argparse.Namespace) -> Dict[str, torch.Tensor]:
+    """``--gib`` GiB of random fp32 CPU tensors in ``--tensors`` tensors, the same every time."""
+    per = int(args.gib * (1 << 30)) // args.tensors // 4
+    gen = torch.Generator().manual_seed(0)
+    return {f"layer.{i}.weight": torch.randn(per, generator=gen) for i in range(args.tensors)}
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        n = args.tensors
-        per = int(args.gib * (1 << 30)) // n // 4
-        gen = torch.Generator().manual_seed(0)
-        self.state = {f"layer.{i}.weight": torch.randn(per, generator=gen) for i in range(n)}
+        self.state = make_state(args)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.state.values())
         self.work = Path(tempfile.mkdtemp(prefix="hotstart-bench-py-", dir=args.dir))
         self.times: Dict[str, List[float]] = {}
@@ -446,10 +457,8 @@ class Bench:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
-    ap.add_argument("--tensors", type=int, default=32, help="number of tensors (default 32)")
+    state_arguments(ap)
     ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
-    ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure")
     ap.add_argument("--markdown", help="also write the table to this file, and its rows as JSON "
                     "beside it (same name, .json)")
     args = ap.parse_args()

@@ -32,7 +32,6 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Dict, List
 
-import torch
 
 import hotstart
 from hotstart import _state
@@ -105,15 +104,11 @@ STATES: Dict[str, Callable[[int], object]] = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2)")
-    ap.add_argument("--tensors", type=int, default=32, help="number of tensors (default 32)")
+    bench_py.state_arguments(ap)
     ap.add_argument("--runs", type=int, default=4, help="loads of each way in each state")
-    ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure")
     args = ap.parse_args()
-    per = int(args.gib * (1 << 30)) // args.tensors // 4
-    gen = torch.Generator().manual_seed(0)
-    state = {f"layer.{i}.weight": torch.randn(per, generator=gen) for i in range(args.tensors)}
-    nbytes = per * 4 * args.tensors
+    state = bench_py.make_state(args)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
     work = Path(tempfile.mkdtemp(prefix="hotstart-bench-restarted-", dir=args.dir))
     mapping = _state._map_private
     times: Dict[str, List[float]] = {}
