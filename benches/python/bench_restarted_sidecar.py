@@ -23,6 +23,7 @@ import argparse
 import mmap
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,6 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Callable, Dict, List
-
 
 import hotstart
 from hotstart import _state
@@ -43,8 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_ports(n: int) -> List[int]:
-    import socket
-
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
