@@ -26,12 +26,12 @@
 //! memory (slower, still correct).
 //!
 //! **Load (host → device).** Device bytes never land in the load's file buffer. Each reader
-//! thread holds two pinned `Bounce` buffers (8 MiB, registered once per load): it reads a
-//! window of a chunk into one, hashes it, and issues `cuMemcpyHtoDAsync` from it on the
-//! device's stream, then reads the next window into the other while that copy runs; a buffer is
-//! written again only once the event recorded after its copies has completed. Reading, hashing
-//! and copying to the device so overlap across threads and within each one, and the load waits
-//! for the last copies before it returns.
+//! thread holds two pinned `Bounce` buffers (2 MiB, one huge page each, registered once per
+//! load): it reads a window of a chunk into one, hashes it, and issues `cuMemcpyHtoDAsync` from
+//! it on the device's stream, then reads the next window into the other while that copy runs;
+//! a buffer is written again only once the event recorded after its copies has completed.
+//! Reading, hashing and copying to the device so overlap across threads and within each one,
+//! and the load waits for the last copies before it returns.
 //!
 //! **The caller's current context** is left alone: the driver calls need a current context,
 //! and the calling thread may have its own (PyTorch's), so each batch of calls runs with the
