@@ -22,9 +22,10 @@
 //!    and must list exactly the manifest's tensors; the tensors not loaded into caller or device
 //!    buffers are handed out as slices of the one buffer.
 //! 6. **Device destinations** (feature `cuda`). For [`Destination::Device`] the driver and the
-//!    devices are checked before anything is read; once the file is verified, the buffer is
-//!    registered as pinned memory and each tensor is copied host-to-device on the device's copy
-//!    stream, then the load waits for the copies (see `crate::cuda`).
+//!    devices are checked before anything is read; each worker reads the device tensors' bytes
+//!    into its two pinned bounce buffers ([`DEVICE_BOUNCE`]) and copies them host-to-device on
+//!    the device's copy stream while it reads the next window, and the load waits for the last
+//!    copies (see `crate::cuda`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Range;
