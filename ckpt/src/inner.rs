@@ -272,10 +272,13 @@ impl Inner {
         };
         let mut steps = Vec::new();
         let mut removed = Vec::new();
+        // Steps newer than the one saved, left by a run that went back to an older step: this
+        // rank's files there, if it has any, are removed.
+        let mut abandoned = Vec::new();
         for s in tier.list_steps(&self.job)? {
             if stale(s) {
                 tier.remove_rank(&self.job, s, self.rank)?;
-                removed.push(s);
+                abandoned.push(s);
                 continue;
             }
             let done = if per_rank {
@@ -292,9 +295,10 @@ impl Inner {
                 removed.push(s);
             }
         }
-        if !removed.is_empty() {
-            info!(tier = %tier.kind(), ?removed, "retention removed steps");
+        if !removed.is_empty() || !abandoned.is_empty() {
+            info!(tier = %tier.kind(), ?removed, ?abandoned, "retention removed old steps, and this rank's files of abandoned ones");
         }
+        removed.extend(abandoned);
         Ok(removed)
     }
 }
