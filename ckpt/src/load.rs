@@ -806,8 +806,8 @@ impl Inner {
         // More workers than threads: each one hashes a window while its next one is read, and
         // with many of them the disk always has reads queued while the others hash. Eight per
         // thread for reads into host memory (a cold 4 GiB load into caller tensors on two cores
-        // went from 0.90× to 0.94× fio's read with four); four where each worker pins two
-        // larger buffers (device loads), or where the kernel's read-ahead does the reading (a
+        // went from 0.90× to 0.94× fio's read with four); four where each worker pins its two
+        // buffers afresh (device loads), or where the kernel's read-ahead does the reading (a
         // held file: eight ran slower there).
         let per_thread = if device.is_some() || held { 4 } else { 8 };
         let workers = (per_thread * self.threads).clamp(1, 32).min(n.max(1));
