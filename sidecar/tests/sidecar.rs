@@ -48,7 +48,12 @@ impl Running {
                 .await
             })
         });
-        let (http, peer) = addrs_rx.recv().expect("sidecar bound");
+        let Ok((http, peer)) = addrs_rx.recv() else {
+            match done.join().expect("sidecar thread") {
+                Err(e) => panic!("sidecar did not bind: {e}"),
+                Ok(_) => panic!("sidecar stopped before it bound"),
+            }
+        };
         let r = Running {
             http,
             peer,
@@ -101,6 +106,8 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// A sidecar's settings; port 0 lets the kernel pick its peer port when it binds, so a sidecar
+/// restarted in a test never races another socket for a port chosen in advance.
 fn settings(node: &str, ip: &str, port: u16, socket: &Path) -> Settings {
     Settings {
         node_id: Some(node.into()),
@@ -125,7 +132,7 @@ fn sidecar_engine(socket: &Path, job: &str) -> Engine {
 fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("s.sock");
-    let mut s = settings("solo", "127.0.0.1", free_port(), &socket);
+    let mut s = settings("solo", "127.0.0.1", 0, &socket);
     s.disk_dir = Some(dir.path().join("disk"));
     s.store = Some(format!("{}", dir.path().join("store").display()));
     let sidecar = Running::start(s.resolve().unwrap());
@@ -264,11 +271,7 @@ fn file_of(layout: &Layout, set: &[(String, Dtype, Vec<u64>, Vec<u8>)]) -> Vec<u
 fn a_training_process_that_lies_about_its_segment_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("s.sock");
-    let sidecar = Running::start(
-        settings("solo", "127.0.0.1", free_port(), &socket)
-            .resolve()
-            .unwrap(),
-    );
+    let sidecar = Running::start(settings("solo", "127.0.0.1", 0, &socket).resolve().unwrap());
     let set = sample_tensors(1, 600 << 10);
     let tensors: Vec<Tensor> = to_tensors(&set);
     let layout = Layout::new("liar", 1, 0, 1, &tensors).unwrap();
@@ -443,7 +446,7 @@ fn without_the_sidecar_loads_come_from_the_engines_own_tiers() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("s.sock");
     let disk = dir.path().join("disk");
-    let mut s = settings("solo", "127.0.0.1", free_port(), &socket);
+    let mut s = settings("solo", "127.0.0.1", 0, &socket);
     s.disk_dir = Some(disk.clone());
     let sidecar = Running::start(s.resolve().unwrap());
     let mut cfg = EngineConfig::new("gone", 0, 1).sidecar(&socket).disk(&disk);
@@ -472,9 +475,8 @@ fn a_step_only_on_the_sidecars_disk_is_read_from_its_file_and_a_bad_chunk_from_t
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("s.sock");
     let disk = dir.path().join("disk");
-    let port = free_port();
     let start = || {
-        let mut s = settings("solo", "127.0.0.1", port, &socket);
+        let mut s = settings("solo", "127.0.0.1", 0, &socket);
         s.disk_dir = Some(disk.clone());
         s.store = Some(format!("{}", dir.path().join("store").display()));
         Running::start(s.resolve().unwrap())
@@ -631,10 +633,10 @@ fn saves_recycle_segments_and_readers_only_ever_see_whole_steps() {
     const BIG: usize = 3 << 20;
     let dir = tempfile::tempdir().unwrap();
     let (sa, sb) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
-    let mut b = settings("node-b", "127.0.0.1", free_port(), &sb);
+    let mut b = settings("node-b", "127.0.0.1", 0, &sb);
     b.memory_budget = Some("64MiB".parse().unwrap());
     let b = Running::start(b.resolve().unwrap());
-    let mut a = settings("node-a", "127.0.0.1", free_port(), &sa);
+    let mut a = settings("node-a", "127.0.0.1", 0, &sa);
     a.memory_budget = Some("24MiB".parse().unwrap());
     a.disk_dir = Some(dir.path().join("disk"));
     a.replicas = Some(1);
