@@ -59,7 +59,7 @@ use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hotstart_store::uring::UringConfig;
 use hotstart_store::wrap::{Counter, Interceptor};
@@ -292,17 +292,21 @@ impl Sidecar {
             ..
         } = self;
         let http = tokio::spawn(http::serve(http_listener, core.clone()));
-        spawn_accept("hotstart-peer-accept", core.clone(), move |core| {
-            let (sock, addr) = peer_listener.accept()?;
-            if core.stopped.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            let c = core.clone();
-            std::thread::Builder::new()
-                .name("hotstart-peer".into())
-                .spawn(move || peer::serve(c, sock, addr))?;
-            Ok(())
-        })?;
+        let mut accepting = vec![spawn_accept(
+            "hotstart-peer-accept",
+            core.clone(),
+            move |core| {
+                let (sock, addr) = peer_listener.accept()?;
+                if core.stopped.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                let c = core.clone();
+                std::thread::Builder::new()
+                    .name("hotstart-peer".into())
+                    .spawn(move || peer::serve(c, sock, addr))?;
+                Ok(())
+            },
+        )?];
         tokio::pin!(shutdown);
         core.life.advance(State::Recovering);
         let recovery = {
@@ -322,17 +326,21 @@ impl Sidecar {
         if !shut_early {
             core.life.advance(State::Ready);
             let socket = core.cfg.socket.clone();
-            spawn_accept("hotstart-local-accept", core.clone(), move |core| {
-                let (sock, _) = local_listener.accept()?;
-                if core.stopped.load(Ordering::Acquire) {
-                    return Ok(());
-                }
-                let c = core.clone();
-                std::thread::Builder::new()
-                    .name("hotstart-local".into())
-                    .spawn(move || local::serve(c, sock))?;
-                Ok(())
-            })?;
+            accepting.push(spawn_accept(
+                "hotstart-local-accept",
+                core.clone(),
+                move |core| {
+                    let (sock, _) = local_listener.accept()?;
+                    if core.stopped.load(Ordering::Acquire) {
+                        return Ok(());
+                    }
+                    let c = core.clone();
+                    std::thread::Builder::new()
+                        .name("hotstart-local".into())
+                        .spawn(move || local::serve(c, sock))?;
+                    Ok(())
+                },
+            )?);
             let prober = core.clone();
             // Parked between probes and unparked at shutdown, so that it lets go of the core
             // (and the memory it holds) as soon as the sidecar stops.
@@ -366,12 +374,23 @@ impl Sidecar {
                 })?
         };
         // Stop accepting: no new training process or peer is served from here on. The accept
-        // threads are woken by a connection of their own, which they drop.
+        // threads are woken by a connection of their own, which they drop. They and the HTTP
+        // task are waited for, so that every listener is closed when this returns: a sidecar
+        // started again in this process can bind the same addresses.
         core.stopped.store(true, Ordering::Release);
         let _ = std::net::TcpStream::connect(peer_addr);
         let _ = std::os::unix::net::UnixStream::connect(&core.cfg.socket);
         let _ = std::fs::remove_file(&core.cfg.socket);
         http.abort();
+        let _ = http.await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !accepting.iter().all(|t| t.is_finished()) {
+            if Instant::now() > deadline {
+                warn!("an accept thread did not stop; its listener closes when it does");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         if let Some(t) = prober_thread {
             t.thread().unpark();
         }
@@ -384,7 +403,7 @@ fn spawn_accept(
     name: &str,
     core: Arc<Core>,
     accept: impl Fn(&Arc<Core>) -> std::io::Result<()> + Send + 'static,
-) -> Result<()> {
+) -> Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name(name.into())
         .spawn(move || {
@@ -395,6 +414,5 @@ fn spawn_accept(
                 }
             }
         })
-        .map(|_| ())
         .map_err(|e| Error::io("spawn accept thread", "", e))
 }

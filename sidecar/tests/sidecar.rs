@@ -458,7 +458,12 @@ fn without_the_sidecar_loads_come_from_the_engines_own_tiers() {
         .unwrap()
         .wait()
         .unwrap();
+    let (peer, http) = (sidecar.peer, sidecar.http);
     assert!(sidecar.stop().complete());
+    // A stopped sidecar has closed its listeners: its addresses bind again at once.
+    for addr in [peer, http] {
+        TcpListener::bind(addr).unwrap_or_else(|e| panic!("{addr} still bound after stop: {e}"));
+    }
     let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
     assert_loaded(&l, &set, &extras(5));
     assert!(l.chunk_sources.iter().all(|s| *s == TierKind::Disk));
