@@ -12,6 +12,7 @@
 //! nothing running.
 
 use std::fs::File;
+use std::hash::{BuildHasher, RandomState};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
@@ -109,19 +110,37 @@ pub struct Cluster {
     pub rx: Receiver<Msg>,
 }
 
-/// Free TCP ports on 127.0.0.1 (bound at once, then released for the children to take).
+/// TCP ports on 127.0.0.1, free now, for the sidecars. A restarted node binds its ports again,
+/// so they are taken below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`): the
+/// kernel never hands one of those to another socket (a bind to port 0, a `connect`) while the
+/// node is down. Where that range leaves no room below it, the kernel picks them.
 fn free_ports(n: usize) -> Result<Vec<u16>> {
-    let listeners = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()
-        .map_err(|e| Error::io("pick free ports", e))?;
+    const LOWEST: u16 = 10_000;
+    let err = |e| Error::io("pick free ports", e);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let mut listeners = Vec::with_capacity(n);
+    if let Some(span) = ephemeral.checked_sub(LOWEST).filter(|s| *s > 0) {
+        // From a random place, so that two runs at once rarely try the same ports.
+        let start = RandomState::new().hash_one(std::process::id()) % u64::from(span);
+        for k in 0..u64::from(span) {
+            if listeners.len() == n {
+                break;
+            }
+            let port = LOWEST + ((start + k) % u64::from(span)) as u16;
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port)) {
+                listeners.push(l);
+            }
+        }
+    }
+    while listeners.len() < n {
+        listeners.push(TcpListener::bind("127.0.0.1:0").map_err(err)?);
+    }
     listeners
         .iter()
-        .map(|l| {
-            Ok(l.local_addr()
-                .map_err(|e| Error::io("pick free ports", e))?
-                .port())
-        })
+        .map(|l| Ok(l.local_addr().map_err(err)?.port()))
         .collect()
 }
 
@@ -725,5 +744,30 @@ impl Metrics {
     /// The value of `series` (`name` or `name{label="value"}`), 0 when absent.
     pub fn get(&self, series: &str) -> f64 {
         self.0.get(series).copied().unwrap_or(0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_free_distinct_and_outside_the_ephemeral_range() {
+        let ports = free_ports(8).unwrap();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 8, "{ports:?}");
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let first: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
+        if first > 10_000 {
+            assert!(
+                ports.iter().all(|p| (10_000..first).contains(p)),
+                "{ports:?} (ephemeral from {first})"
+            );
+        }
+        for p in ports {
+            TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
     }
 }
