@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import shutil
 import signal
@@ -49,9 +50,33 @@ def _die_with_parent() -> None:
 
 
 def _free_ports(n: int) -> List[int]:
-    socks = [socket.socket() for _ in range(n)]
+    """Loopback TCP ports free now, for servers started on them a moment later. They come from
+    below the kernel's ephemeral range (where it leaves room), which the kernel never hands to
+    another socket: not to weed's own connections while its servers start one by one, not to
+    a bind to port 0."""
     try:
-        for s in socks:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    lowest = 10000
+    socks: List[socket.socket] = []
+    try:
+        span = ephemeral - lowest
+        start = random.randrange(span) if span > 0 else 0
+        for k in range(max(span, 0)):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", lowest + (start + k) % span))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:
+            s = socket.socket()
+            socks.append(s)
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -15,7 +14,7 @@ import pytest
 
 import hotstart
 
-from conftest import SeaweedFs, torch_or_fail
+from conftest import SeaweedFs, _free_ports, torch_or_fail
 
 torch = torch_or_fail()
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -146,14 +145,8 @@ def test_load_goes_back_past_a_damaged_checkpoint_and_raises_other_failures(loca
         load(zeros_like(state(0)), local_dir=local_dir, job="g")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_ranks_save_one_rank_loads(tmp_path: Path) -> None:
-    port = free_port()
+    (port,) = _free_ports(1)
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
