@@ -28,15 +28,16 @@ fn programs() -> Vec<(String, u32, Vec<u8>)> {
 }
 
 /// The image every test runs: two layers, the first with `sh`, `cat`, a greeting, a file the
-/// second removes and a few MiB of text; its command prints what the layers hold.
+/// second removes and a few MiB of text; its command writes what the layers hold to
+/// `/out/stdout` (see [`run`]).
 struct TestImage {
     /// The OCI layout.
     layout: PathBuf,
     /// The layers' digests, bottom first.
     layers: Vec<String>,
-    /// What the command prints.
+    /// What the command writes to `/out/stdout`.
     expect: String,
-    /// The contents of `/data/big` (in the first layer), which the command copies and prints.
+    /// The contents of `/data/big` (in the first layer), which the command copies and writes out.
     big: Vec<u8>,
 }
 
@@ -71,7 +72,8 @@ fn image_layout(dir: &Path, name: &str) -> TestImage {
             b"opt from layer two\n".to_vec(),
         ),
     ];
-    let script = "cat /etc/greeting /data/hello.txt; \
+    let script = "exec > /out/stdout 2> /out/stderr; \
+                  cat /etc/greeting /data/hello.txt; \
                   if [ -e /etc/gone ]; then echo gone-still-there; else echo gone-is-gone; fi; \
                   if [ -e /opt/old.txt ]; then echo opaque-broken; else cat /opt/new.txt; fi; \
                   cat /data/big > /data/copy && cat /data/copy";
@@ -192,8 +194,53 @@ impl Drop for Snapshotter {
     }
 }
 
+/// One container run: whether ctr succeeded, ctr's stderr, and what the container wrote. The
+/// container writes its output to files in a directory bind-mounted at `/out`, not to ctr's
+/// pipes: under load ctr can lose the tail of a short-lived container's output (its copy from
+/// the pipes races the task's exit).
+struct Ran {
+    ok: bool,
+    ctr: String,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(c: &Containerd, image: &str, id: &str) -> Ran {
+    let out = tempfile::tempdir().unwrap();
+    let mount = format!(
+        "type=bind,src={},dst=/out,options=rbind:rw",
+        out.path().display()
+    );
+    let o = c.ctr(&[
+        "run",
+        "--rm",
+        "--snapshotter",
+        "hotstart",
+        "--mount",
+        &mount,
+        image,
+        id,
+    ]);
+    let read = |f: &str| std::fs::read_to_string(out.path().join(f)).unwrap_or_default();
+    Ran {
+        ok: o.status.success(),
+        ctr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        stdout: read("stdout"),
+        stderr: read("stderr"),
+    }
+}
+
+/// Runs a container, which must succeed; returns what it wrote to its stdout.
 fn run_container(c: &Containerd, image: &str, id: &str) -> String {
-    c.ctr_ok(&["run", "--rm", "--snapshotter", "hotstart", image, id])
+    let r = run(c, image, id);
+    assert!(
+        r.ok,
+        "container {id} failed: {}{}\ncontainerd's log:\n{}",
+        r.ctr,
+        r.stderr,
+        c.log()
+    );
+    r.stdout
 }
 
 /// Runs a container, retrying while containerd redials a restarted snapshotter (a backoff of
@@ -201,42 +248,16 @@ fn run_container(c: &Containerd, image: &str, id: &str) -> String {
 fn run_after_restart(c: &Containerd, image: &str, id: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let out = c.ctr(&["run", "--rm", "--snapshotter", "hotstart", image, id]);
-        if out.status.success() {
-            return String::from_utf8_lossy(&out.stdout).into_owned();
+        let r = run(c, image, id);
+        if r.ok {
+            return r.stdout;
         }
-        let err = String::from_utf8_lossy(&out.stderr);
         assert!(
-            err.contains("unavailable") && Instant::now() < deadline,
-            "{err}"
+            r.ctr.contains("unavailable") && Instant::now() < deadline,
+            "{}",
+            r.ctr
         );
         std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
-/// Runs a container with `run` (given its id) until it prints `expect`. Under load ctr can lose
-/// the tail of a short-lived container's output (its copy from the container's pipes races the
-/// task's exit), so a run whose output is a strict prefix of `expect` runs again, twice at most;
-/// any other output fails at once.
-fn run_expecting(id: &str, expect: &str, run: impl Fn(&str) -> String) {
-    for attempt in 1..=3 {
-        let id = format!("{id}-{attempt}");
-        let out = run(&id);
-        if out == expect {
-            return;
-        }
-        assert!(
-            expect.starts_with(out.as_str()) && attempt < 3,
-            "container {id} printed {} bytes that are not the {} expected:\n{}",
-            out.len(),
-            expect.len(),
-            out.chars().take(400).collect::<String>()
-        );
-        eprintln!(
-            "container {id}: ctr kept {} of its {} bytes of output; running it again",
-            out.len(),
-            expect.len()
-        );
     }
 }
 
@@ -249,7 +270,6 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
         return;
     };
     let image = image_layout(dir.path(), IMAGE);
-    let expect = image.expect.clone();
     let tarball = oci::archive(&image.layout);
     c.ctr_ok(&[
         "images",
@@ -275,14 +295,14 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
         "{listed}"
     );
 
-    run_expecting("first", &expect, |id| run_container(&c, IMAGE, id));
+    assert_eq!(run_container(&c, IMAGE, "first"), image.expect);
 
     // Killed and restarted: every snapshot containerd knows of is still served.
     sn.kill();
     let failed = c.ctr(&["run", "--rm", "--snapshotter", "hotstart", IMAGE, "down"]);
     assert!(!failed.status.success(), "ran with the snapshotter down");
     let sn = Snapshotter::start(&sn.root.clone(), &sn.socket.clone());
-    run_expecting("second", &expect, |id| run_after_restart(&c, IMAGE, id));
+    assert_eq!(run_after_restart(&c, IMAGE, "second"), image.expect);
     let usage = c.ctr_ok(&["snapshots", "--snapshotter", "hotstart", "usage"]);
     assert!(usage.lines().count() >= 3, "{usage}");
 
@@ -515,18 +535,16 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
     bytes[mid] ^= 0x40;
     std::fs::write(&chunk, bytes).unwrap();
     pull();
-    let out = c.ctr(&["run", "--rm", "--snapshotter", "hotstart", &name, "corrupt"]);
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(!out.status.success(), "ran to the end over a corrupt chunk");
+    let r = run(&c, &name, "corrupt");
+    assert!(!r.ok, "ran to the end over a corrupt chunk");
     assert!(
-        format!("{stdout}{stderr}").contains("Input/output error"),
-        "{stdout}\n{stderr}"
+        r.stderr.contains("Input/output error"),
+        "{}\n{}",
+        r.stderr,
+        r.ctr
     );
     assert!(
-        image.expect.starts_with(stdout.as_ref()),
+        image.expect.starts_with(&r.stdout),
         "served bytes that are not the file's"
     );
     c.remove_images();
