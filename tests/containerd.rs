@@ -172,6 +172,16 @@ impl Snapshotter {
             .collect()
     }
 
+    /// Waits until its metadata file names no snapshot: containerd's garbage collection
+    /// removes them after the images that held them (20 s at most).
+    fn wait_unrecorded(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.recorded().is_empty() {
+            assert!(Instant::now() < deadline, "left: {:?}", self.recorded());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// The snapshots its metadata file names: (key, kind, parent).
     fn recorded(&self) -> Vec<(String, String, String)> {
         self.snapshots()
@@ -320,11 +330,7 @@ fn containerd_unpacks_and_runs_images_through_the_snapshotter_across_its_restart
 
     // The image removed and garbage collected: the snapshots and their directories go.
     c.ctr_ok(&["images", "rm", "--sync", IMAGE]);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !sn.recorded().is_empty() {
-        assert!(Instant::now() < deadline, "left: {:?}", sn.recorded());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    sn.wait_unrecorded();
     assert_eq!(
         std::fs::read_dir(sn.root.join("snapshots"))
             .unwrap()
@@ -364,7 +370,7 @@ fn container_stats(store: &Path, reference: &str, starts: usize) -> serde_json::
 /// Removes every image and checks that the snapshotter keeps no snapshot record or directory.
 fn remove_images_leaving_nothing(c: &Containerd, sn: &Snapshotter) {
     c.remove_images();
-    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
+    sn.wait_unrecorded();
     assert_eq!(
         std::fs::read_dir(sn.root.join("snapshots"))
             .unwrap()
@@ -467,7 +473,7 @@ fn converted_layers_are_served_lazily_and_what_cannot_be_is_unpacked() {
 
     // Pulled again on new mounts, the image's profile is replayed before the container reads.
     c.remove_images();
-    assert!(sn.recorded().is_empty(), "{:?}", sn.recorded());
+    sn.wait_unrecorded();
     pull();
     assert_eq!(run_container(&c, &name, "lazy-2"), image.expect);
     let third = container_stats(&store, &name, 3);
