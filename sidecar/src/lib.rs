@@ -293,19 +293,10 @@ impl Sidecar {
         } = self;
         let http = tokio::spawn(http::serve(http_listener, core.clone()));
         let mut accepting = vec![spawn_accept(
-            "hotstart-peer-accept",
+            "hotstart-peer",
             core.clone(),
-            move |core| {
-                let (sock, addr) = peer_listener.accept()?;
-                if core.stopped.load(Ordering::Acquire) {
-                    return Ok(());
-                }
-                let c = core.clone();
-                std::thread::Builder::new()
-                    .name("hotstart-peer".into())
-                    .spawn(move || peer::serve(c, sock, addr))?;
-                Ok(())
-            },
+            move || peer_listener.accept(),
+            |c, (sock, addr)| peer::serve(c, sock, addr),
         )?];
         tokio::pin!(shutdown);
         core.life.advance(State::Recovering);
@@ -327,19 +318,10 @@ impl Sidecar {
             core.life.advance(State::Ready);
             let socket = core.cfg.socket.clone();
             accepting.push(spawn_accept(
-                "hotstart-local-accept",
+                "hotstart-local",
                 core.clone(),
-                move |core| {
-                    let (sock, _) = local_listener.accept()?;
-                    if core.stopped.load(Ordering::Acquire) {
-                        return Ok(());
-                    }
-                    let c = core.clone();
-                    std::thread::Builder::new()
-                        .name("hotstart-local".into())
-                        .spawn(move || local::serve(c, sock))?;
-                    Ok(())
-                },
+                move || local_listener.accept(),
+                |c, (sock, _)| local::serve(c, sock),
             )?);
             let prober = core.clone();
             // Parked between probes and unparked at shutdown, so that it lets go of the core
@@ -398,17 +380,29 @@ impl Sidecar {
     }
 }
 
-/// Runs `accept` in a loop on a thread of its own until the sidecar stops.
-fn spawn_accept(
-    name: &str,
+/// Accepts connections with `accept` on a thread of its own (`{name}-accept`) until the
+/// sidecar stops, and serves each with `serve` on a thread of its own (`name`).
+fn spawn_accept<C: Send + 'static>(
+    name: &'static str,
     core: Arc<Core>,
-    accept: impl Fn(&Arc<Core>) -> std::io::Result<()> + Send + 'static,
+    accept: impl Fn() -> std::io::Result<C> + Send + 'static,
+    serve: impl Fn(Arc<Core>, C) + Clone + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
-        .name(name.into())
+        .name(format!("{name}-accept"))
         .spawn(move || {
             while !core.stopped.load(Ordering::Acquire) {
-                if let Err(e) = accept(&core) {
+                let served = accept().and_then(|conn| {
+                    if core.stopped.load(Ordering::Acquire) {
+                        return Ok(());
+                    }
+                    let (c, serve) = (core.clone(), serve.clone());
+                    std::thread::Builder::new()
+                        .name(name.into())
+                        .spawn(move || serve(c, conn))
+                        .map(|_| ())
+                });
+                if let Err(e) = served {
                     warn!(error = %e, "accept failed");
                     std::thread::sleep(Duration::from_millis(50));
                 }
