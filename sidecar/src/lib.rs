@@ -281,7 +281,8 @@ impl Sidecar {
     }
 
     /// Serves: recovers, becomes ready, serves until `shutdown` completes, then drains.
-    /// Returns what the drain found.
+    /// Returns what the drain found, once its listeners are closed (a sidecar bound next in
+    /// this process can take the same addresses).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<DrainReport> {
         let Sidecar {
             core,
