@@ -163,10 +163,12 @@ class SeaweedFs:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
-        for what, port in (("master", self.ports[1]), ("volume", self.ports[3]),
-                           ("filer", self.ports[5]), ("s3", self.ports[7])):
-            for sock in Path("/tmp").glob(f"seaweedfs-{what}-{port}.sock"):
-                sock.unlink(missing_ok=True)
+        # The sockets weed makes in /tmp, whatever -localSocket says (as the Rust helper names
+        # them).
+        p = self.ports
+        for what, port in (("master-grpc", p[1]), ("volume-grpc", p[3]), ("filer-grpc", p[5]),
+                           ("s3-grpc", p[7]), ("filer", p[4]), ("s3", p[6])):
+            Path(f"/tmp/seaweedfs-{what}-{port}.sock").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
