@@ -255,7 +255,9 @@ impl Registry {
         let mut child = spawn_logged(cmd, &dir.path().join("registry.log"), "docker-registry");
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        while crate::get(addr, "/v2/", Duration::from_secs(2)).is_err() {
+        // Ready when it answers the registry API's base check (200): whatever else might
+        // answer on the port is not it.
+        while !crate::get(addr, "/v2/", Duration::from_secs(2)).is_ok_and(|r| r.status == 200) {
             if let Ok(Some(status)) = child.try_wait() {
                 panic!(
                     "docker-registry exited ({status}): {}",
