@@ -4,6 +4,8 @@
 //! prints what the library returns. The library is blocking, so the commands run on a blocking
 //! thread of the CLI's runtime.
 
+use std::io::Write;
+
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use hotstart_ckpt::Checkpoints;
@@ -51,7 +53,7 @@ pub enum CkptCommand {
         at: Location,
         #[arg(long)]
         job: String,
-        /// Complete steps to keep (at least 1).
+        /// Complete steps to keep (0 keeps them all, as everywhere else).
         #[arg(long)]
         keep: usize,
     },
@@ -69,10 +71,27 @@ impl Location {
     }
 }
 
+/// `println!` that returns the write's error instead of panicking on it.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout().lock(), $($arg)*)?
+    };
+}
+
 pub async fn run(cmd: CkptCommand) -> anyhow::Result<()> {
-    tokio::task::spawn_blocking(move || run_blocking(cmd))
+    let res = tokio::task::spawn_blocking(move || run_blocking(cmd))
         .await
-        .context("ckpt command thread")?
+        .context("ckpt command thread")?;
+    match res {
+        // The reader of the output went away (`hotstart ckpt ls | head`): done, as any filter.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            Ok(())
+        }
+        res => res,
+    }
 }
 
 fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
@@ -83,13 +102,16 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                 Some(j) => vec![j],
                 None => ck.jobs()?,
             };
-            println!(
+            out!(
                 "{:<24} {:>12} {:>7} {:>14}  STATE",
-                "JOB", "STEP", "RANKS", "BYTES"
+                "JOB",
+                "STEP",
+                "RANKS",
+                "BYTES"
             );
             for job in jobs {
                 for s in ck.steps(&job)? {
-                    print_step(&s);
+                    print_step(&s)?;
                 }
             }
             Ok(())
@@ -108,7 +130,7 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                     .with_context(|| format!("job {job:?} has no complete step"))?,
             };
             let m = ck.manifest(&job, step, rank)?;
-            println!(
+            out!(
                 "job {} step {} rank {} of {}: {} tensors, {} bytes, {} chunks of {} bytes",
                 m.job,
                 m.step,
@@ -121,14 +143,17 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
             );
             let extras = m.decode_extras().unwrap_or_default();
             for (name, bytes) in &extras {
-                println!("extra {name}: {} bytes", bytes.len());
+                out!("extra {name}: {} bytes", bytes.len());
             }
-            println!(
+            out!(
                 "{:<40} {:<8} {:<24} {:>14}",
-                "NAME", "DTYPE", "SHAPE", "BYTES"
+                "NAME",
+                "DTYPE",
+                "SHAPE",
+                "BYTES"
             );
             for t in &m.tensors {
-                println!(
+                out!(
                     "{:<40} {:<8} {:<24} {:>14}",
                     t.name,
                     t.dtype.as_str(),
@@ -142,10 +167,10 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
             let ck = at.open()?;
             let report = ck.verify(&job, step)?;
             for &(step, rank, chunks, bytes) in &report.checked {
-                println!("checked step {step} rank {rank}: {chunks} chunks, {bytes} bytes");
+                out!("checked step {step} rank {rank}: {chunks} chunks, {bytes} bytes");
             }
             for s in &report.skipped_incomplete {
-                println!("skipped step {s}: incomplete");
+                out!("skipped step {s}: incomplete");
             }
             if report.checked.is_empty() && report.problems.is_empty() {
                 bail!("job {job:?} has no complete step to verify");
@@ -156,16 +181,16 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                 }
                 bail!("verify failed: {} problem(s)", report.problems.len());
             }
-            println!("ok: {} rank file(s) verified", report.checked.len());
+            out!("ok: {} rank file(s) verified", report.checked.len());
             Ok(())
         }
         CkptCommand::Gc { at, job, keep } => {
             let ck = at.open()?;
             let report = ck.gc(&job, keep)?;
             for s in &report.removed {
-                println!("removed step {s}");
+                out!("removed step {s}");
             }
-            println!(
+            out!(
                 "kept {} complete step(s): {:?}",
                 report.kept.len(),
                 report.kept
@@ -175,7 +200,7 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
     }
 }
 
-fn print_step(s: &StepInfo) {
+fn print_step(s: &StepInfo) -> anyhow::Result<()> {
     let ranks = match s.world_size {
         Some(ws) => format!("{}/{ws}", s.committed_ranks()),
         None => format!("{}/?", s.committed_ranks()),
@@ -184,14 +209,18 @@ fn print_step(s: &StepInfo) {
         None => "complete".to_string(),
         Some(why) => format!("incomplete ({why})"),
     };
-    println!(
+    out!(
         "{:<24} {:>12} {:>7} {:>14}  {state}",
-        s.job, s.step, ranks, s.bytes
+        s.job,
+        s.step,
+        ranks,
+        s.bytes
     );
     // With no valid manifest the state line cannot say why each rank is unusable.
     for r in s.ranks.iter().filter(|_| s.world_size.is_none()) {
         if let ManifestState::Invalid(why) = &r.manifest {
-            println!("    rank {}: invalid manifest: {why}", r.rank);
+            out!("    rank {}: invalid manifest: {why}", r.rank);
         }
     }
+    Ok(())
 }

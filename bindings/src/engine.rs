@@ -242,20 +242,10 @@ impl Engine {
             .map_err(to_py)
     }
 
-    /// Every step complete in some tier, ascending.
-    fn complete_steps(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
-        let mut steps = py
-            .detach(|| {
-                let mut all = Vec::new();
-                for tier in self.engine.tiers() {
-                    all.extend(self.engine.complete_steps(tier)?);
-                }
-                Ok::<_, hotstart_ckpt::Error>(all)
-            })
-            .map_err(to_py)?;
-        steps.sort_unstable();
-        steps.dedup();
-        Ok(steps)
+    /// Every step complete for this world size in some tier, ascending (through the sidecar
+    /// when there is one).
+    fn steps(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        py.detach(|| self.engine.steps()).map_err(to_py)
     }
 
     /// Waits until every save started so far has finished persisting.

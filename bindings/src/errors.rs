@@ -16,6 +16,10 @@ pyo3::import_exception!(hotstart.errors, NoCheckpoint);
 pyo3::import_exception!(hotstart.errors, StoreError);
 pyo3::import_exception!(hotstart.errors, SaveSkipped);
 pyo3::import_exception!(hotstart.errors, CudaError);
+pyo3::import_exception!(hotstart.errors, TierUnavailable);
+pyo3::import_exception!(hotstart.errors, SidecarError);
+pyo3::import_exception!(hotstart.errors, StepInFlight);
+pyo3::import_exception!(hotstart.errors, SecondWriter);
 
 /// The Python exception for an engine error.
 pub fn to_py(e: Error) -> PyErr {
@@ -30,6 +34,10 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Io { .. } | Error::Store { .. } => StoreError::new_err(message),
         Error::Skipped { .. } => SaveSkipped::new_err(message),
         Error::Cuda { .. } => CudaError::new_err(message),
+        Error::Unavailable { .. } => TierUnavailable::new_err(message),
+        Error::Sidecar { .. } => SidecarError::new_err(message),
+        Error::InFlight { .. } => StepInFlight::new_err(message),
+        Error::SecondWriter { .. } => SecondWriter::new_err(message),
         _ => HotstartError::new_err(message),
     }
 }

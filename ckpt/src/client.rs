@@ -28,7 +28,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
 
@@ -142,9 +142,41 @@ impl Dial {
         }
     }
 
+    /// Connects: at once, or, with `wait`, retrying while the socket is missing or refuses
+    /// (a sidecar restarting) until `wait` has passed.
+    fn connect(&self, wait: Duration) -> Result<UnixStream> {
+        let deadline = Instant::now() + wait;
+        let mut told = false;
+        loop {
+            match UnixStream::connect(&self.socket) {
+                Ok(sock) => return Ok(sock),
+                Err(e) if Instant::now() < deadline && restarting(&e) => {
+                    if !told {
+                        warn!(socket = %self.socket.display(), error = %e, "sidecar unreachable; waiting for it to come back");
+                        told = true;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => {
+                    let hint = if restarting(&e) {
+                        ". Is `hotstart serve` running on this node with --socket at this path? \
+                         Start it (or fix HOTSTART_SOCKET / sidecar=)"
+                    } else {
+                        ""
+                    };
+                    return Err(self.error(format!("connect: {e}{hint}")));
+                }
+            }
+        }
+    }
+
     fn open(&self) -> Result<(Conn<FdStream>, Vec<TierKind>)> {
-        let sock =
-            UnixStream::connect(&self.socket).map_err(|e| self.error(format!("connect: {e}")))?;
+        self.open_within(Duration::ZERO)
+    }
+
+    /// A new attached connection, waiting up to `wait` for a sidecar that is restarting.
+    fn open_within(&self, wait: Duration) -> Result<(Conn<FdStream>, Vec<TierKind>)> {
+        let sock = self.connect(wait)?;
         let mut conn = Conn::new(
             FdStream::new(sock),
             self.socket.display().to_string(),
@@ -166,8 +198,14 @@ impl Dial {
     }
 
     /// A segment of at least `len` bytes from the sidecar on a new connection, mapped here.
+    /// A save waits up to [`RECONNECT_WAIT`] for a sidecar that is restarting.
     fn stage(&self, step: u64, len: usize, wait: bool, ahead: bool) -> Result<Slot> {
-        let (mut conn, _) = self.open()?;
+        let patience = if ahead {
+            Duration::ZERO
+        } else {
+            RECONNECT_WAIT
+        };
+        let (mut conn, _) = self.open_within(patience)?;
         conn.send(&LocalMsg::Stage {
             step,
             len: shm::slot_len(len) as u64,
@@ -298,6 +336,23 @@ impl Client {
         self.dial.error(reason)
     }
 
+    /// The sidecar could not read `tier`.
+    fn unavailable(&self, tier: TierKind, reason: String) -> Error {
+        Error::unavailable(tier, &self.dial.job, self.error(reason))
+    }
+
+    /// Every step complete for every rank as the sidecar finds them, ascending.
+    pub(crate) fn steps(&self) -> Result<Vec<u64>> {
+        let mut steps = Vec::new();
+        let mut next = self.latest()?;
+        while let Some(step) = next {
+            steps.push(step);
+            next = self.latest_below(step)?;
+        }
+        steps.reverse();
+        Ok(steps)
+    }
+
     /// A new attached connection.
     pub(crate) fn connect(&self) -> Result<Conn<FdStream>> {
         self.dial.open().map(|(c, _)| c)
@@ -328,6 +383,7 @@ impl Client {
         conn.send(&ask)?;
         match conn.recv()? {
             LocalMsg::LatestIs { step } => Ok(step),
+            LocalMsg::Unavailable { tier, reason } => Err(self.unavailable(tier, reason)),
             LocalMsg::Failed { reason } => Err(self.error(reason)),
             other => Err(conn
                 .violation(format!("expected latest, got {other:?}"))
@@ -375,6 +431,8 @@ impl Client {
         };
         Ok(Lease {
             slot,
+            told: None,
+            retired: None,
             promise,
             dial: self.dial.clone(),
             gpu: self.gpu.clone(),
@@ -422,6 +480,7 @@ impl Client {
                     reason,
                 });
             }
+            LocalMsg::Unavailable { tier, reason } => return Err(self.unavailable(tier, reason)),
             LocalMsg::Failed { reason } => return Err(self.error(reason)),
             other => {
                 return Err(conn
@@ -484,10 +543,36 @@ pub(crate) struct Restored {
     pub(crate) seconds: f64,
 }
 
+/// How long a save waits for a sidecar that went away (restarted, say) before it fails.
+pub(crate) const RECONNECT_WAIT: Duration = Duration::from_secs(60);
+
+/// Whether a failed connect looks like a sidecar between two lives: its socket gone or not
+/// accepting yet.
+fn restarting(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+    )
+}
+
 /// A segment of the sidecar's memory lent to one save until it is committed; see
 /// `crate::save`.
+///
+/// **A sidecar that restarts under a save.** If the connection breaks before the sidecar was
+/// told the segment is filled (the sidecar was stopped or crashed, and its new life knows
+/// nothing of this segment), the lease asks the sidecar for a new segment (waiting for it to
+/// come back, up to [`RECONNECT_WAIT`]), copies the file over from the old segment, which this
+/// process still maps, and tells the new one instead: training sees no error. A segment
+/// prepared ahead by a sidecar that has since gone is found out the same way, on its first
+/// message. A sidecar lost after `Filled` and before it acknowledged the commit takes the step
+/// with it (this process no longer maps it): the save fails on its handle, and the next save
+/// goes to the sidecar's new life.
 pub(crate) struct Lease {
     slot: Slot,
+    /// The manifest sent with `Filled`, to send again after a reconnection.
+    told: Option<String>,
+    /// The slot of a sidecar that went away, kept mapped (and registered) until the lease ends.
+    retired: Option<Slot>,
     /// Kept once the save is committed: the next save's segment is then prepared.
     promise: Promise,
     dial: Arc<Dial>,
@@ -504,24 +589,57 @@ impl Lease {
         self.slot.map.clone()
     }
 
-    /// What staging into the segment needs: its address and length, its pinned-memory
+    /// What staging into the segment needs: its address and length, and its pinned-memory
     /// registration (made while the next segment was prepared, or by the save on first use),
-    /// and how to tell the sidecar that every byte is in place (`Filled`, with the manifest
-    /// whose hashes are still to be computed): from then on the step survives this process.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn staging(
-        &mut self,
-    ) -> (
-        Option<(*const u8, usize)>,
-        &mut Option<Pinned>,
-        impl FnMut(Vec<u8>) -> Result<()>,
-    ) {
-        let Slot { pin, map, conn } = &mut self.slot;
-        let filled = |manifest: Vec<u8>| {
-            let manifest = String::from_utf8(manifest).unwrap_or_default();
-            Ok(conn.send(&LocalMsg::Filled { manifest })?)
-        };
-        (Some((map.ptr().cast_const(), map.len())), pin, filled)
+    /// lent out until [`Lease::set_pin`].
+    pub(crate) fn staging(&mut self) -> (Option<(*const u8, usize)>, Option<Pinned>) {
+        let Slot { pin, map, .. } = &mut self.slot;
+        (Some((map.ptr().cast_const(), map.len())), pin.take())
+    }
+
+    /// Gives back the registration `staging` lent out (`None` if it was never made), to the
+    /// mapping it registered.
+    pub(crate) fn set_pin(&mut self, pin: Option<Pinned>) {
+        if pin.is_some() {
+            self.retired.as_mut().unwrap_or(&mut self.slot).pin = pin;
+        }
+    }
+
+    /// Tells the sidecar that every byte is in place (`Filled`, with the manifest whose hashes
+    /// are still to be computed): from then on the step survives this process. A connection
+    /// that broke is made again (see the type's docs).
+    pub(crate) fn filled(&mut self, manifest: Vec<u8>) -> Result<()> {
+        let manifest = String::from_utf8(manifest).unwrap_or_default();
+        self.told = Some(manifest.clone());
+        match self.slot.conn.send(&LocalMsg::Filled { manifest }) {
+            Ok(()) => Ok(()),
+            Err(e) if !self.slot.conn.violated() => self.rehome(&e.into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The sidecar's connection broke (`why`) before it took the segment: stages the same
+    /// bytes into a segment of the sidecar that answers now, and tells it they are filled.
+    fn rehome(&mut self, why: &Error) -> Result<()> {
+        warn!(step = self.step, error = %why, "sidecar connection lost before the commit; handing the step to the sidecar again");
+        let fresh = self.dial.stage(self.step, self.len, true, false)?;
+        // SAFETY: both mappings are at least `len` bytes (`stage` checked the new one, the
+        // lease's was checked when it was made); the old one is this lease's, written by no
+        // one any more, and the new one was just made, so nothing else touches either.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.slot.map.ptr().cast_const(),
+                fresh.map.ptr(),
+                self.len,
+            );
+        }
+        // The old mapping stays until the lease ends: its registration, if staging made one,
+        // is given back to it (`set_pin`) and must go first.
+        self.retired = Some(std::mem::replace(&mut self.slot, fresh));
+        if let Some(manifest) = self.told.clone() {
+            self.slot.conn.send(&LocalMsg::Filled { manifest })?;
+        }
+        Ok(())
     }
 
     /// Unmaps the filled segment and commits it: the sidecar hashes it (the manifest went with
@@ -537,9 +655,11 @@ impl Lease {
             step,
             len,
             ordinal,
+            ..
         } = self;
         // The pinned registration goes first, then the mapping: this process has no way left
-        // to write the segment.
+        // to write the segment (the sidecar seals it against writes, which a writable mapping
+        // anywhere would prevent). So a sidecar lost from here on loses the step with it.
         let Slot { pin, map, mut conn } = slot;
         drop(pin);
         drop(map);

@@ -167,11 +167,13 @@ impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Engine> {
         let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
         if let Some(dir) = &cfg.disk_dir {
+            usable_dir("local_dir (the disk tier)", dir)?;
             tiers.push(Arc::new(DiskTier::new(dir.clone(), cfg.uring.clone())));
         }
         match cfg.store.as_ref().map(|s| (s, s.local_dir())) {
             // The embedded default: a local directory, written at the disk's speed.
             Some((_, Some(dir))) => {
+                usable_dir("the store (a local directory)", &dir)?;
                 tiers.push(Arc::new(DiskTier::for_local_store(dir, cfg.uring.clone())))
             }
             Some((store, None)) => tiers.push(Arc::new(StoreTier::new(
@@ -219,6 +221,15 @@ impl Engine {
             )?),
             None => None,
         };
+        // Where the owner lock lives: the first local place this rank's saves go through.
+        let owner_dir = cfg
+            .disk_dir
+            .clone()
+            .or_else(|| cfg.store.as_ref()?.local_dir().map(Into::into))
+            .or_else(|| {
+                let socket = cfg.sidecar.as_ref()?;
+                Some(socket.parent()?.to_path_buf())
+            });
         let threads = if cfg.threads == 0 {
             staging::default_threads()
         } else {
@@ -244,6 +255,8 @@ impl Engine {
                 gc_lock: Mutex::new(()),
                 gpu,
                 uring: cfg.uring,
+                owner_dir,
+                owner: Mutex::new(None),
             }),
             threads: Mutex::new(Vec::new()),
         })
@@ -278,9 +291,6 @@ impl Engine {
         let inner = &self.inner;
         let layout = Layout::new(&inner.job, step, inner.rank, inner.world_size, &tensors)?;
         let devices: BTreeSet<usize> = tensors.iter().filter_map(Tensor::device).collect();
-        if !devices.is_empty() {
-            cuda::check_devices(&devices)?;
-        }
         let len = usize::try_from(layout.file_len).map_err(|_| Error::Input {
             step,
             reason: "checkpoint larger than the address space".into(),
@@ -291,8 +301,21 @@ impl Engine {
             rank: inner.rank,
             inflight: inner.admission.max(),
         };
+        inner.claim(step)?;
+        let owned = inner.own_rank().and_then(|()| {
+            if devices.is_empty() {
+                Ok(())
+            } else {
+                cuda::check_devices(&devices)
+            }
+        });
+        if let Err(e) = owned {
+            inner.done_persisting(step);
+            return Err(e);
+        }
         let block = inner.block;
         let Some(ticket) = inner.admission.take(block) else {
+            inner.done_persisting(step);
             inner.skipped.fetch_add(1, Ordering::Relaxed);
             warn!(
                 step,
@@ -304,7 +327,9 @@ impl Engine {
         let (target, tiers) = match &inner.sidecar {
             Some(sidecar) => {
                 let ordinal = tensors.iter().find_map(Tensor::device);
-                let lease = sidecar.lease(step, len, block, ordinal)?;
+                let lease = sidecar
+                    .lease(step, len, block, ordinal)
+                    .inspect_err(|_| inner.done_persisting(step))?;
                 (Target::Sidecar(lease), sidecar.tiers())
             }
             None => (Target::Pool(inner.pool.take(len)), inner.own_tiers()),
@@ -458,13 +483,35 @@ impl Engine {
         self.inner.complete_steps_in(t)
     }
 
+    /// Every step complete for this rank's world size in some tier, ascending: with a sidecar,
+    /// as the sidecar finds them (its memory, its peers', their disks, the store), else in this
+    /// engine's own tiers. A tier that cannot be read is an error ([`Error::Unavailable`]): a
+    /// list without it would be wrong.
+    pub fn steps(&self) -> Result<Vec<u64>> {
+        if let Some(sidecar) = &self.inner.sidecar {
+            return sidecar.steps();
+        }
+        let mut all = BTreeSet::new();
+        for t in &self.inner.tiers {
+            let steps = self.inner.complete_steps_in(t.as_ref()).map_err(|e| {
+                if e.is_unreadable() {
+                    Error::unavailable(t.kind(), &self.inner.job, e)
+                } else {
+                    e
+                }
+            })?;
+            all.extend(steps);
+        }
+        Ok(all.into_iter().collect())
+    }
+
     /// The newest step complete in any tier; with a sidecar, the newest step complete for
     /// every rank that the sidecar finds in its memory, its peers', their disks and the store.
     pub fn latest_complete_step(&self) -> Result<Option<u64>> {
         if let Some(sidecar) = &self.inner.sidecar {
             return sidecar.latest();
         }
-        Ok(self.inner.latest_in_own_tiers_below(None))
+        self.inner.latest_in_own_tiers_below(None)
     }
 
     /// The newest step complete as [`Engine::latest_complete_step`] finds them, older than
@@ -474,7 +521,7 @@ impl Engine {
         if let Some(sidecar) = &self.inner.sidecar {
             return sidecar.latest_below(step);
         }
-        Ok(self.inner.latest_in_own_tiers_below(Some(step)))
+        self.inner.latest_in_own_tiers_below(Some(step))
     }
 
     /// The newest checkpoint of this job whatever world size saved it, and that world size: the
@@ -495,7 +542,7 @@ impl Engine {
     }
 
     fn latest_checkpoint_in(&self, below: Option<u64>) -> Result<Option<(u64, u32)>> {
-        let own = self.inner.latest_checkpoint_in_own_tiers(below);
+        let own = self.inner.latest_checkpoint_in_own_tiers(below)?;
         let Some(sidecar) = &self.inner.sidecar else {
             return Ok(own);
         };
@@ -515,6 +562,32 @@ impl Engine {
             .map(|t| Ok((t.kind(), self.inner.gc_tier(t.as_ref())?)))
             .collect()
     }
+}
+
+/// Checks at construction that `dir` is (or can be made) a directory this process can write:
+/// a tier that is misconfigured fails here, not at every save.
+fn usable_dir(what: &str, dir: &std::path::Path) -> Result<()> {
+    let bad = |reason: String| Error::Config {
+        reason: format!("{what} {}: {reason}", dir.display()),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| {
+        bad(format!(
+            "cannot be made a directory ({e}); pass a directory path"
+        ))
+    })?;
+    let probe = dir.join(format!(".hotstart-probe-{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&probe)
+        .map_err(|e| {
+            bad(format!(
+                "cannot be written ({e}); check its permissions and space"
+            ))
+        })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
 }
 
 impl Drop for Engine {

@@ -102,6 +102,43 @@ pub enum Error {
     #[error("sidecar at {socket}: {reason}")]
     Sidecar { socket: String, reason: String },
 
+    /// A tier that cannot be read (a store that is down, a directory that cannot be listed),
+    /// where its answer matters: without it, the newest checkpoint (or the step asked for)
+    /// cannot be known. Never reported as "no checkpoint".
+    #[error(
+        "the {tier} tier cannot be read, so job {job:?}'s checkpoints there are unknown: {source}. \
+         Nothing was loaded; fix the {tier} tier (is the store up, the directory readable?) and \
+         retry, or leave it out of the configuration to load from the other tiers"
+    )]
+    Unavailable {
+        tier: TierKind,
+        job: String,
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// A save of a step that this engine is still saving.
+    #[error(
+        "step {step} is already being saved by this process: a step is written by one save at \
+         a time. Wait for the first save's handle (wait()) before saving the step again, or \
+         save another step"
+    )]
+    InFlight { step: u64 },
+
+    /// Another live process saves the same job and rank.
+    #[error(
+        "job {job:?} rank {rank} is already saved by another process ({holder}, lock {path}): two \
+         writers of one rank overwrite each other's steps. Stop the other process, or give this \
+         one another job name or rank",
+        path = path.display()
+    )]
+    SecondWriter {
+        job: String,
+        rank: u32,
+        holder: String,
+        path: PathBuf,
+    },
+
     /// A background thread that panicked or could not be started.
     #[error("{what} failed: {message}")]
     Task { what: &'static str, message: String },
@@ -141,6 +178,28 @@ impl Error {
             location: location.into(),
             reason: reason.into(),
         }
+    }
+
+    /// `source`, met on `tier` while looking for job `job`'s checkpoints: the tier cannot be
+    /// read.
+    pub fn unavailable(tier: TierKind, job: &str, source: Error) -> Self {
+        Error::Unavailable {
+            tier,
+            job: job.to_string(),
+            source: Box::new(source),
+        }
+    }
+
+    /// True for an error that says the place could not be read (I/O, store, sidecar link), as
+    /// opposed to bytes that were read and found invalid.
+    pub fn is_unreadable(&self) -> bool {
+        matches!(
+            self.root(),
+            Error::Io { .. }
+                | Error::Store { .. }
+                | Error::Sidecar { .. }
+                | Error::Unavailable { .. }
+        ) && !self.is_not_found()
     }
 
     /// The error behind any [`Error::Persist`] wrapping.

@@ -4,6 +4,7 @@
 //! itself: which steps are complete, and retention after each save.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -14,6 +15,7 @@ use crate::client::Client;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
+use crate::owner::{self, OwnerLock};
 use crate::retention;
 use crate::staging::Pool;
 use crate::tier::{Tier, TierKind};
@@ -50,34 +52,56 @@ pub(crate) struct Inner {
     pub(crate) gpu: Arc<Gpu>,
     /// How files a sidecar hands over are read.
     pub(crate) uring: UringConfig,
+    /// Where this rank's owner lock is taken (`crate::owner`), and the lock once the first save
+    /// took it.
+    pub(crate) owner_dir: Option<PathBuf>,
+    pub(crate) owner: Mutex<Option<Arc<OwnerLock>>>,
 }
 
 impl Inner {
+    /// Makes sure this engine is the one writer of its job and rank on this node: takes the
+    /// owner lock on the first save (see `crate::owner`).
+    pub(crate) fn own_rank(&self) -> Result<()> {
+        let Some(dir) = &self.owner_dir else {
+            return Ok(());
+        };
+        let mut owner = self.owner.lock().unwrap_or_else(PoisonError::into_inner);
+        if owner.is_none() {
+            *owner = Some(owner::acquire(dir, &self.job, self.rank)?);
+        }
+        Ok(())
+    }
+
     /// The disk and store tiers of this engine itself, in load order.
     pub(crate) fn own_tiers(&self) -> Vec<TierKind> {
         self.tiers.iter().map(|t| t.kind()).collect()
     }
 
     /// The newest step complete in any of this engine's own tiers (older than `below`, if
-    /// given).
-    pub(crate) fn latest_in_own_tiers_below(&self, below: Option<u64>) -> Option<u64> {
+    /// given); see [`Inner::newest_in_own_tiers`] for a tier that cannot be read.
+    pub(crate) fn latest_in_own_tiers_below(&self, below: Option<u64>) -> Result<Option<u64>> {
         let complete = |t: &dyn Tier, step| {
             if below.is_some_and(|b| step >= b) {
                 return Ok(None);
             }
             Ok(self.is_complete(t, step)?.then_some(()))
         };
-        self.newest_in_own_tiers(complete).map(|(step, ())| step)
+        Ok(self.newest_in_own_tiers(complete)?.map(|(step, ())| step))
     }
 
     /// The newest step of this job in any of this engine's own tiers for which `found` says
     /// something, and what it said. Each tier's steps are tried newest first, stopping at the
-    /// first found (or at one no newer than what another tier found already); a tier that
-    /// cannot be read is skipped with a warning.
+    /// first found (or at one no newer than what another tier found already).
+    ///
+    /// A tier that cannot be read (a store that is down, a directory that cannot be listed) is
+    /// an error ([`Error::Unavailable`]) unless a *nearer* tier found a step: every save reaches
+    /// the nearer tiers first, so a farther tier cannot hold a newer step than they do unless
+    /// they were emptied, and an emptied tier holds no step at all. Never "no checkpoint" while
+    /// a tier that might hold one cannot be read.
     fn newest_in_own_tiers<T>(
         &self,
         found: impl Fn(&dyn Tier, u64) -> Result<Option<T>>,
-    ) -> Option<(u64, T)> {
+    ) -> Result<Option<(u64, T)>> {
         let mut best: Option<(u64, T)> = None;
         for t in &self.tiers {
             let newest = t.list_steps(&self.job).and_then(|steps| {
@@ -94,12 +118,32 @@ impl Inner {
             match newest {
                 Ok(Some(n)) => best = Some(n),
                 Ok(None) => {}
-                Err(e) => warn!(tier = %t.kind(), error = %e, "cannot list steps"),
+                Err(e) if best.is_some() => {
+                    warn!(tier = %t.kind(), error = %e, "cannot list steps; a nearer tier holds a newer one")
+                }
+                Err(e) => return Err(Error::unavailable(t.kind(), &self.job, e)),
             }
         }
-        best
+        Ok(best)
     }
 
+    /// Claims `step` for one save of this engine: refused while another save of the same step
+    /// is in flight, whose files it would race with (a step is written by one save at a time;
+    /// once that save is over, a new one replaces it, see `crate::save`). Released by
+    /// [`Inner::done_persisting`].
+    pub(crate) fn claim(&self, step: u64) -> Result<()> {
+        let fresh = self
+            .persisting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(step);
+        if fresh {
+            return Ok(());
+        }
+        Err(Error::InFlight { step })
+    }
+
+    /// Records that `step` was asked to be saved now (after [`Inner::claim`]).
     pub(crate) fn start_persisting(&self, step: u64) {
         self.persisting
             .lock()
@@ -201,7 +245,10 @@ impl Inner {
 
     /// The newest step complete in one of this engine's own tiers, whatever world size saved
     /// it, and that world size; with `below`, only steps older than it.
-    pub(crate) fn latest_checkpoint_in_own_tiers(&self, below: Option<u64>) -> Option<(u64, u32)> {
+    pub(crate) fn latest_checkpoint_in_own_tiers(
+        &self,
+        below: Option<u64>,
+    ) -> Result<Option<(u64, u32)>> {
         self.newest_in_own_tiers(|t, step| {
             if below.is_some_and(|b| step >= b) {
                 return Ok(None);

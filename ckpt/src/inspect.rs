@@ -502,12 +502,16 @@ impl Checkpoints {
 
     /// Applies retention to `job` on every rank; see the module docs. `keep` must be at least 1.
     pub fn gc(&self, job: &str, keep: usize) -> Result<GcReport> {
-        if keep == 0 {
+        let steps = self.steps(job)?;
+        if steps.is_empty() {
+            // A misspelt job name would otherwise read as a job with nothing to collect.
             return Err(Error::Config {
-                reason: "gc needs --keep of at least 1".into(),
+                reason: format!(
+                    "job {job:?} has no steps at {}; `hotstart ckpt ls {}` lists the jobs there",
+                    self.location, self.location
+                ),
             });
         }
-        let steps = self.steps(job)?;
         let present: Vec<(u64, bool)> = steps.iter().map(|s| (s.step, s.complete)).collect();
         let plan = retention::plan(&present, keep);
         for info in steps.iter().filter(|s| plan.removed.contains(&s.step)) {

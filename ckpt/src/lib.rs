@@ -28,7 +28,7 @@
 //! saves in flight), `save` (the one save pipeline: stage, hash, then the tiers or the
 //! sidecar), `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path),
 //! [`tier`] (disk and store), [`retention`] (which steps a tier keeps), `load` (verified
-//! reads), `inner` (the state an engine's parts share), [`handle`] (save progress),
+//! reads), `inner` (the state an engine's parts share), `owner` (one writer per job and rank), [`handle`] (save progress),
 //! [`inspect`] (offline listing, verification and retention: the `hotstart ckpt` commands),
 //! [`proto`] (the frames, messages and shared memory that the engine and the sidecar both
 //! speak), `client` (the engine's client of the sidecar).
@@ -49,6 +49,7 @@ mod engine;
 mod inner;
 mod load;
 mod memcopy;
+mod owner;
 mod save;
 mod staging;
 

@@ -194,10 +194,10 @@ impl Inner {
         }
         let step = match which {
             StepSel::Step(s) => s,
-            StepSel::Latest => match inner.latest_in_own_tiers_below(None) {
+            StepSel::Latest => match inner.latest_in_own_tiers_below(None)? {
                 Some(step) => step,
                 None => {
-                    return Err(match inner.latest_checkpoint_in_own_tiers(None) {
+                    return Err(match inner.latest_checkpoint_in_own_tiers(None)? {
                         Some((step, saved)) => {
                             another_world(&inner.job, step, saved, inner.rank, inner.world_size)
                         }
@@ -222,12 +222,14 @@ impl Inner {
     pub(crate) fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
         let inner = self;
         let key = format::manifest_key(&inner.job, step, rank);
+        let mut unreadable = None;
         for tier in &inner.tiers {
             let bytes = match tier.get_manifest(&key) {
                 Ok(Some(bytes)) => bytes,
                 Ok(None) => continue,
                 Err(e) => {
                     warn!(step, rank, tier = %tier.kind(), error = %e, "cannot read manifest");
+                    unreadable.get_or_insert((tier.kind(), e));
                     continue;
                 }
             };
@@ -240,6 +242,9 @@ impl Inner {
                 ),
                 Err(e) => warn!(step, rank, tier = %tier.kind(), error = %e, "unusable manifest"),
             }
+        }
+        if let Some((tier, e)) = unreadable {
+            return Err(Error::unavailable(tier, &inner.job, e));
         }
         Err(Error::NotFound {
             job: inner.job.clone(),
@@ -672,14 +677,23 @@ impl Inner {
     /// kept only when its manifest describes the same bytes.
     pub(crate) fn sources(&self, step: u64) -> Result<(Manifest, Vec<&dyn Tier>)> {
         let mut sources: Vec<(&dyn Tier, Manifest)> = Vec::new();
+        let mut unreadable = None;
         for tier in &self.tiers {
             match self.read_manifest(tier.as_ref(), step) {
                 Ok(Some(m)) => sources.push((tier.as_ref(), m)),
                 Ok(None) => {}
+                Err(e) if e.is_unreadable() => {
+                    warn!(step, tier = %tier.kind(), error = %e, "cannot read manifest");
+                    unreadable.get_or_insert((tier.kind(), e));
+                }
                 Err(e) => warn!(step, tier = %tier.kind(), error = %e, "unusable manifest"),
             }
         }
         let Some(reference) = sources.first().map(|(_, m)| m.clone()) else {
+            // Not found where it could be looked for is not "not found".
+            if let Some((tier, e)) = unreadable {
+                return Err(Error::unavailable(tier, &self.job, e));
+            }
             return Err(Error::NotFound {
                 job: self.job.clone(),
                 step: Some(step),

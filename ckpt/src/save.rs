@@ -25,6 +25,11 @@
 //! Each save runs on one thread of its own under one guard: a panic anywhere in it is caught and
 //! reported on the handle. A failed tier never has a manifest for the step, so the step never
 //! looks complete there.
+//!
+//! A step is written by one save at a time: a second save of a step still in flight in the
+//! same engine is refused (`Inner::claim`), a second process saving the same job and rank is
+//! refused (`crate::owner`), and a step saved again later replaces the old copy manifest first
+//! (`Keys::clear_old`), so no manifest ever describes bytes of another save.
 
 use std::sync::{Arc, mpsc};
 
@@ -117,17 +122,19 @@ impl Save {
             Target::Sidecar(mut lease) => {
                 let filled = {
                     let image = Staging::new(lease.region(), len);
-                    let (at, pin, mut filled) = lease.staging();
-                    stage_and_hash(
+                    let (at, mut pin) = lease.staging();
+                    let manifest = stage_and_hash(
                         &inner,
                         &shared,
                         step,
                         &image,
                         at,
-                        pin,
+                        &mut pin,
                         input,
-                        Some(&mut filled),
-                    )
+                        Some(&mut |m| lease.filled(m)),
+                    );
+                    lease.set_pin(pin);
+                    manifest
                 };
                 // The image is gone: nothing of this process refers to the segment's bytes
                 // but the lease, which unmaps it before it commits.
@@ -284,19 +291,34 @@ fn manifest_with(
 }
 
 /// The keys of one rank's step.
-struct Keys {
+struct Keys<'a> {
+    job: &'a str,
+    rank: u32,
     step: u64,
     data: String,
     manifest: String,
 }
 
-impl Keys {
-    fn new(inner: &Inner, step: u64) -> Keys {
+impl<'a> Keys<'a> {
+    fn new(inner: &'a Inner, step: u64) -> Keys<'a> {
         Keys {
+            job: &inner.job,
+            rank: inner.rank,
             step,
             data: format::data_key(&inner.job, step, inner.rank),
             manifest: format::manifest_key(&inner.job, step, inner.rank),
         }
+    }
+
+    /// A step saved again (a job that went back and trains the step anew) replaces the old
+    /// copy: its manifest, the commit, goes first, so no reader ever pairs the old manifest
+    /// with the new bytes, then its data.
+    fn clear_old(&self, tier: &dyn Tier) -> Result<()> {
+        if tier.exists(&self.manifest)? {
+            warn!(step = self.step, tier = %tier.kind(), "step saved again; its old copy is replaced");
+            tier.remove_rank(self.job, self.step, self.rank)?;
+        }
+        Ok(())
     }
 }
 
@@ -314,7 +336,7 @@ fn start_writers<'scope, 'env>(
     inner: &'env Inner,
     shared: &'env Shared,
     image: &'env Staging,
-    keys: &'env Keys,
+    keys: &'env Keys<'env>,
 ) -> Vec<Writer<'scope>> {
     let step = keys.step;
     inner
@@ -324,14 +346,17 @@ fn start_writers<'scope, 'env>(
             let (tx, rx) = mpsc::channel::<Vec<u8>>();
             let persist = scope.spawn(move || {
                 let kind = tier.kind();
-                let res = tier.put_file(&keys.data, image).and_then(|()| {
-                    // Sent once every chunk is hashed; never sent if the save failed.
-                    let manifest = rx.recv().map_err(|_| Error::Task {
-                        what: "checksums",
-                        message: "no manifest for the staged file".into(),
-                    })?;
-                    tier.put_manifest(&keys.manifest, manifest)
-                });
+                let res = keys
+                    .clear_old(tier.as_ref())
+                    .and_then(|()| tier.put_file(&keys.data, image))
+                    .and_then(|()| {
+                        // Sent once every chunk is hashed; never sent if the save failed.
+                        let manifest = rx.recv().map_err(|_| Error::Task {
+                            what: "checksums",
+                            message: "no manifest for the staged file".into(),
+                        })?;
+                        tier.put_manifest(&keys.manifest, manifest)
+                    });
                 match res {
                     Ok(()) => {
                         info!(step, tier = %kind, bytes = image.len(), "checkpoint persisted");

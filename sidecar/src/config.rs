@@ -410,13 +410,21 @@ impl SidecarConfig {
                 .map_err(|e| config(format!("peer {} ({}): {e}", p.id, p.addr)))?;
             addrs.extend(resolved.map(|a| ("peers", a)));
         }
-        match addrs.iter().find(|(_, a)| !a.ip().is_loopback()) {
-            Some((what, a)) => Err(config(format!(
-                "--insecure (no cluster token) is only allowed on loopback addresses; {what} \
-                 has {a}"
-            ))),
-            None => Ok(()),
+        // Every address at once, so one correction fixes them all.
+        let outside: Vec<String> = addrs
+            .iter()
+            .filter(|(_, a)| !a.ip().is_loopback())
+            .map(|(what, a)| format!("{what} {a}"))
+            .collect();
+        if outside.is_empty() {
+            return Ok(());
         }
+        Err(config(format!(
+            "--insecure (no cluster token) is only allowed on loopback addresses, and these are \
+             not: {}. Use 127.0.0.1 addresses for a single-node test, or set {TOKEN_ENV} (or \
+             token_file) on every node",
+            outside.join(", ")
+        )))
     }
 }
 

@@ -246,7 +246,7 @@ impl Sidecar {
         });
         info!(
             node = %core.me.node,
-            peers = %peer_addr,
+            listen = %peer_addr,
             http = %http_addr,
             socket = %core.cfg.socket.display(),
             budget = core.cfg.memory_budget,

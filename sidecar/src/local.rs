@@ -279,9 +279,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     Err(e) => {
                         core.metrics.failed(Failure::Restore);
                         warn!(job = %who.job, rank = who.rank, error = %e, "restore failed");
-                        send(&LocalMsg::Failed {
-                            reason: e.to_string(),
-                        })
+                        send(&refusal(&e))
                     }
                 }
             }
@@ -306,7 +304,18 @@ fn latest(core: &Core, who: &Rank, below: Option<u64>) -> LocalMsg {
     core.adopting.wait(&who.job, core.cfg.stage_timeout);
     match core.latest(&who.job, who.rank, who.world_size, below) {
         Ok(step) => LocalMsg::LatestIs { step },
-        Err(e) => LocalMsg::Failed {
+        Err(e) => refusal(&e),
+    }
+}
+
+/// The answer to a request that failed with `e`: a tier that cannot be read says which.
+fn refusal(e: &Error) -> LocalMsg {
+    match e {
+        Error::Ckpt(CkptError::Unavailable { tier, source, .. }) => LocalMsg::Unavailable {
+            tier: *tier,
+            reason: source.to_string(),
+        },
+        e => LocalMsg::Failed {
             reason: e.to_string(),
         },
     }

@@ -171,8 +171,8 @@ impl Core {
             .map(|(s, _)| *s)
     }
 
-    /// The newest step complete in the store, or `None` (also when the store does not answer
-    /// in time).
+    /// The newest step complete in the store, or `None`; [`CkptError::Unavailable`] when the
+    /// store cannot be listed or does not answer in time.
     fn latest_in_store(
         &self,
         job: &str,
@@ -199,13 +199,19 @@ impl Core {
                 .rev()
                 .find(|s| below.is_none_or(|b| **s < b))
                 .copied()),
+            // Nothing nearer holds a step (see `latest`): an empty answer would send the job
+            // back to step 0 while the store may hold its checkpoints.
             Ok(Err(e)) => {
                 warn!(job, error = %e, "cannot list the store");
-                Ok(None)
+                Err(CkptError::unavailable(TierKind::Store, job, e).into())
             }
             Err(_) => {
                 warn!(job, deadline = ?STORE_LIST_DEADLINE, "the store did not list the job in time");
-                Ok(None)
+                let late = CkptError::Task {
+                    what: "listing the store",
+                    message: format!("no answer within {STORE_LIST_DEADLINE:?}"),
+                };
+                Err(CkptError::unavailable(TierKind::Store, job, late).into())
             }
         }
     }

@@ -25,9 +25,13 @@ from .errors import (
     InstallFailed,
     NoCheckpoint,
     SaveSkipped,
+    SecondWriter,
+    SidecarError,
     StateDictError,
+    StepInFlight,
     StoreError,
     TargetInUse,
+    TierUnavailable,
 )
 
 __all__ = [
@@ -44,6 +48,10 @@ __all__ = [
     "CorruptCheckpoint",
     "NoCheckpoint",
     "StoreError",
+    "TierUnavailable",
+    "SidecarError",
+    "StepInFlight",
+    "SecondWriter",
     "SaveSkipped",
     "CudaError",
     "InstallFailed",

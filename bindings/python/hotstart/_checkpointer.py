@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _core
 from . import _state
-from .errors import ConfigError, HotstartError, NoCheckpoint
+from .errors import ConfigError, HotstartError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -98,7 +99,8 @@ class Checkpointer:
     torch.distributed, then ``RANK``/``WORLD_SIZE``, then 0 of 1. Environment defaults:
     ``HOTSTART_SOCKET``, ``HOTSTART_STORE``, ``HOTSTART_LOCAL_DIR``, ``HOTSTART_JOB``.
 
-    ``keep`` complete steps are kept per tier (0 keeps all). ``max_inflight`` saves may be
+    ``keep`` complete steps are kept per tier (0 keeps all; default 3); with a sidecar, the
+    sidecar's ``--keep`` decides instead (a ``keep`` given then warns). ``max_inflight`` saves may be
     staging or persisting at once, each holding a staging buffer as large as the state; when
     they are all busy, ``save`` blocks (``when_full="block"``) or drops the save
     (``"skip"``). ``chunk_size`` is the unit of checksums (bytes, default 64 MiB); ``threads``
@@ -112,7 +114,7 @@ class Checkpointer:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         *,
-        keep: int = 3,
+        keep: Optional[int] = None,
         local_dir: Optional[PathLike] = None,
         sidecar: Optional[PathLike] = None,
         max_inflight: int = 2,
@@ -120,6 +122,14 @@ class Checkpointer:
         chunk_size: Optional[int] = None,
         threads: int = 0,
     ) -> None:
+        if keep is None:
+            keep = 3
+        elif sidecar is not None or os.environ.get("HOTSTART_SOCKET"):
+            warnings.warn(
+                f"keep={keep} applies to this process's own local_dir/store tiers only; with a "
+                "sidecar, retention is the sidecar's (`hotstart serve --keep`)",
+                stacklevel=2,
+            )
         opts = engine_options(
             store,
             job,
@@ -163,8 +173,17 @@ class Checkpointer:
         until :meth:`SaveHandle.wait_staged` returns (call it before ``optimizer.step()``).
         Non-contiguous tensors and tensors on devices other than CPU and CUDA are copied to
         contiguous CPU memory inside this call. Persistence continues in the background; its
-        failures are reported by the handle, never raised here.
+        failures are reported by the handle (``wait()``, ``exception()``) and by :meth:`close`,
+        never raised here.
+
+        Raises :class:`StepInFlight` when a save of the same step by this process is not over
+        yet, :class:`SecondWriter` when another process on this node saves the same job and
+        rank, :class:`StateDictError` for a state dict that cannot be saved. A step saved again
+        once its first save is over replaces it. With a sidecar that is restarting, the save
+        waits for it (up to 60 s) and hands it the step.
         """
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 64:
+            raise ConfigError(f"step {step!r}: a step is an integer from 0 to 2**64-1")
         flat = _state.flatten(state_dict)
         _sync_cuda(flat.cuda_devices)
         extras = {_state.STATE_KEY: flat.tree}
@@ -196,7 +215,11 @@ class Checkpointer:
 
         With ``below``, the newest step complete for this world size that is older than
         ``below``: where a job goes back to, every rank together, when one of its ranks cannot
-        load the step it chose (``CorruptCheckpoint``: its copies are damaged in every tier)."""
+        load the step it chose (``CorruptCheckpoint``: its copies are damaged in every tier).
+
+        Raises :class:`TierUnavailable` when a tier cannot be read and no nearer tier holds a
+        step (every save reaches the nearer tiers first, so a farther one cannot hold a newer
+        step than they do): a store outage never reads as "no checkpoint"."""
         if below is not None:
             return self.engine.latest_step_below(below)
         found = self.engine.latest_checkpoint()
@@ -207,8 +230,9 @@ class Checkpointer:
         return int(self.engine.manifest(step, 0)["world_size"])
 
     def steps(self) -> List[int]:
-        """Every step complete in some tier, ascending."""
-        return self.engine.complete_steps()
+        """Every step complete for this world size in some tier, ascending (through the sidecar
+        when there is one). Raises :class:`TierUnavailable` when a tier cannot be read."""
+        return self.engine.steps()
 
     def load(self, state_dict: Any = None, step: Optional[int] = None, *, strict: bool = True) -> Any:
         """Loads ``step`` (default: the newest complete one), verifying every byte.
@@ -218,26 +242,31 @@ class Checkpointer:
         same object is returned. ``strict`` requires the same keys on both sides. Without it, a
         new state dict of CPU tensors and numpy arrays is returned.
 
-        Raises :class:`NoCheckpoint` when there is none, :class:`CorruptCheckpoint` when no tier
-        holds good bytes, :class:`StateDictError` on a mismatch (before anything is read).
+        New tensors and arrays own their memory (contiguous, at offset 0 of their storage).
+
+        Raises :class:`NoCheckpoint` when there is none, :class:`TierUnavailable` when a tier
+        that may hold it cannot be read (never "none" then), :class:`CorruptCheckpoint` when no
+        tier holds good bytes, :class:`StateDictError` on a mismatch (before anything is read).
         """
         engine = self.engine
         plan = _state.Plan()
         made: List[Callable[[], Any]] = []
 
         def place(manifest: "_core._Manifest", fd: Optional[int]) -> Any:
-            # Called once the step is found, before any of its bytes are read; `fd`: the step's
-            # file on this machine, open for this call only.
+            # Called once the step is found, before any of its bytes are read.
             where = f"step {manifest['step']} rank {engine.rank}"
             root = _state.parse_tree(manifest["extras"], where)
             if root is None:
                 root = _state.flat_tree(manifest["tensors"])
             if state_dict is None:
-                made.append(_state.plan_file(root, plan, manifest, fd))
+                # Each new tensor owns its memory: no view keeps the checkpoint's file (which
+                # retention may delete) or the sidecar's segment alive, and every tensor starts
+                # at offset 0 of its storage, as torch.set_rng_state and friends assume.
+                made.append(_state.plan_new(root, plan))
             else:
                 made.append(_state.plan_into(root, state_dict, strict, plan))
             _sync_cuda(plan.cuda_devices)
-            return plan.file or plan.dests
+            return plan.dests
 
         _, self._loaded_from = engine.restore(step, place)
         for f in plan.after:

@@ -17,19 +17,19 @@ strings, big-endian, structured) is stored as its raw bytes (``U8``, one dimensi
 exact dtype recorded in the tree, so it comes back bit-exact.
 
 **Loading** reads the tree first (from the manifest, without touching the data), then either
-allocates new tensors and arrays, or checks the caller's (same dtype and shape, key by key), and
-has the engine read and verify the data straight into that memory.
+allocates new tensors and arrays (each owning its memory: never a view of a file or of the
+sidecar's memory, which would keep them alive, and always at offset 0 of its storage), or checks
+the caller's (same dtype and shape, key by key), and has the engine read and verify the data
+straight into that memory.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import mmap
-import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from .errors import StateDictError
 
@@ -271,9 +271,6 @@ class Plan:
     keep: List[Any] = field(default_factory=list)
     after: List[Callable[[], None]] = field(default_factory=list)
     cuda_devices: Set[int] = field(default_factory=set)
-    # (address, length, held) of one buffer that takes the whole file instead of `dests`;
-    # held: a mapping of the file itself, verified where it lies.
-    file: Optional[Tuple[int, int, bool]] = None
     # Host ranges already used by a destination: (start, end) -> name.
     _ranges: List[Tuple[int, int]] = field(default_factory=list)
 
@@ -429,89 +426,6 @@ def plan_new(root: Dict[str, Any], plan: Plan) -> Callable[[], Any]:
 
     def result() -> Any:
         return build(root, lambda leaf: _finish(leaf, made[leaf["tensor"]]))
-
-    return result
-
-
-# Direct reads need the buffer's address and the file offset to agree modulo this.
-_PAGE = 4096
-
-
-def _map_private(fd: int, n: int) -> Optional[mmap.mmap]:
-    """A private, writable (copy-on-write) mapping of the `n`-byte file open as `fd`, or None
-    when it cannot be mapped (another length: never map past a file's end). The mapping keeps
-    the file: `fd` may be closed after."""
-    try:
-        if os.fstat(fd).st_size != n:
-            return None
-        return mmap.mmap(fd, n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError:
-        return None
-
-
-def plan_file(
-    root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any], local_fd: Optional[int]
-) -> Callable[[], Any]:
-    """Plans a load of the whole file into one buffer, and the new tensors and arrays as views
-    of it (a tensor whose offset in the file does not suit its element type's alignment is
-    copied out instead). The buffer is a private, copy-on-write mapping of `local_fd` (the
-    nearest source's file on this machine: a local tier's, or one a sidecar handed over) when
-    there is one, as safetensors maps its files: the engine verifies it where it lies, the page
-    cache reads it and nothing is copied; else new page-aligned memory that the engine reads
-    into with direct I/O. Returns the function that builds the result once the engine has
-    read."""
-    ranges = {name: r for (name, _, _), r in zip(manifest["tensors"], manifest["ranges"])}
-    n = int(manifest["file_len"])
-    kinds: Dict[str, Any] = {}
-    use_torch = False
-    for leaf in leaves(root):
-        if leaf["tensor"] not in ranges:
-            raise StateDictError(f"tensor {leaf['tensor']!r} of the saved tree is not in the file")
-        is_torch = leaf["kind"] == "torch"
-        kinds[leaf["tensor"]] = _torch_dtype(leaf) if is_torch else _numpy_dtype(leaf)
-        use_torch = use_torch or is_torch
-    # One buffer of the kind the tensors want: torch's when any is a torch tensor (numpy arrays
-    # are then views of its memory too), else numpy's, so a numpy-only state never imports
-    # torch.
-    mapped = _map_private(local_fd, n) if local_fd is not None else None
-    base: Any
-    if use_torch:
-        import torch
-
-        if mapped is not None:
-            base = torch.frombuffer(mapped, dtype=torch.uint8)
-        else:
-            base = torch.empty(n + _PAGE, dtype=torch.uint8)
-    else:
-        import numpy as np
-
-        if mapped is not None:
-            base = np.frombuffer(mapped, dtype=np.uint8)
-        else:
-            base = np.empty(n + _PAGE, dtype=np.uint8)
-    # A mapping starts on a page; new memory is aligned to one here.
-    at = -_dest_mem(base).ptr % _PAGE
-    buf = base[at : at + n]
-    plan.file = (_dest_mem(base).ptr + at, n, mapped is not None)
-    plan.keep.append(base)
-
-    def view(leaf: Dict[str, Any]) -> Any:
-        # `at` makes the buffer page-aligned, so a file offset's alignment is the address's.
-        start, end = ranges[leaf["tensor"]]
-        dtype = kinds[leaf["tensor"]]
-        piece: Any = buf[start:end]
-        if leaf["kind"] == "torch":
-            if start % dtype.itemsize:
-                piece = piece.clone()
-            return piece.view(dtype).view(leaf["shape"])
-        if is_torch_tensor(piece):
-            piece = piece.numpy()
-        if start % dtype.alignment:
-            piece = piece.copy()
-        return piece.view(dtype).reshape(leaf["shape"])
-
-    def result() -> Any:
-        return build(root, lambda leaf: _finish(leaf, view(leaf)))
 
     return result
 

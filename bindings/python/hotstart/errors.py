@@ -13,6 +13,10 @@ __all__ = [
     "CorruptCheckpoint",
     "NoCheckpoint",
     "StoreError",
+    "TierUnavailable",
+    "SidecarError",
+    "StepInFlight",
+    "SecondWriter",
     "SaveSkipped",
     "CudaError",
     "InstallFailed",
@@ -45,6 +49,29 @@ class NoCheckpoint(HotstartError, LookupError):
 
 class StoreError(HotstartError, OSError):
     """The object store or the local disk failed (after the engine's retries)."""
+
+
+class TierUnavailable(StoreError):
+    """A tier that may hold the checkpoint cannot be read (the store is down, a directory cannot
+    be listed), so which steps exist is unknown: ``latest_step()``, ``steps()`` and ``load()``
+    raise this instead of answering "none". Nothing was loaded; retry once the tier is back (or
+    leave it out of the configuration). The message names the tier and the cause."""
+
+
+class SidecarError(HotstartError, ConnectionError):
+    """The node's sidecar (``hotstart serve``) could not be reached, refused a request, or went
+    away with a step it had not committed yet. A save waits up to 60 s for a sidecar that is
+    restarting before it raises this; start the sidecar (or fix ``HOTSTART_SOCKET``)."""
+
+
+class StepInFlight(HotstartError):
+    """``save()`` of a step whose earlier save by this process is not over: a step is written
+    by one save at a time. Wait for the first handle (``wait()``), or save another step."""
+
+
+class SecondWriter(HotstartError):
+    """Another live process on this node saves the same job and rank; the message names it
+    (process id, host). Stop it, or give this process another job name or rank."""
 
 
 class SaveSkipped(HotstartError):

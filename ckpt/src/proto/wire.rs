@@ -194,6 +194,9 @@ pub enum LocalMsg {
     },
     /// The request failed.
     Failed { reason: String },
+    /// A tier the answer depends on cannot be read (the store is down, say), so the sidecar
+    /// cannot tell which steps exist: never answered as "none".
+    Unavailable { tier: TierKind, reason: String },
 }
 
 /// Which side of which protocol a connection is, for its errors.

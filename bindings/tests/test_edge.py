@@ -1,0 +1,202 @@
+"""The promise at the user's edge, through the public API as the README writes a loop: a tier
+that cannot be read is an error, never "no checkpoint"; a step is written by one save at a
+time and by one process; a sidecar that restarts under a job does not end it; loads hand out
+tensors that own their memory."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hotstart
+from conftest import Sidecar, _die_with_parent, torch_or_fail
+
+
+def state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((64, 256), dtype=np.float32), "step": seed}
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# --- a tier that cannot be read -----------------------------------------------------------
+
+
+def test_an_unreachable_store_is_an_error_not_no_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    ck = hotstart.Checkpointer(store="s3://nowhere/runs", job="outage")
+    for call in (ck.latest_step, ck.steps, ck.load):
+        with pytest.raises(hotstart.TierUnavailable) as e:
+            call()
+        assert "store tier cannot be read" in str(e.value), e.value
+        assert isinstance(e.value, hotstart.StoreError)
+
+
+def test_a_local_dir_under_a_file_fails_at_construction(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(hotstart.ConfigError, match="local_dir"):
+        hotstart.Checkpointer(local_dir=f / "ckpt", job="j")
+    with pytest.raises(hotstart.ConfigError, match="store"):
+        hotstart.Checkpointer(store=str(f / "store"), job="j")
+
+
+def test_a_nearer_tier_answers_while_the_store_is_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = tmp_path / "disk"
+    with hotstart.Checkpointer(local_dir=disk, job="near") as ck:
+        ck.save(5, state(5)).wait()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    ck = hotstart.Checkpointer(local_dir=disk, store="s3://nowhere/runs", job="near")
+    # Every save reaches the disk before the store: the store cannot hold a newer step.
+    assert ck.latest_step() == 5
+    assert np.array_equal(ck.load()["w"], state(5)["w"])
+    # A list of every step cannot leave the store out.
+    with pytest.raises(hotstart.TierUnavailable):
+        ck.steps()
+
+
+# --- a step is written once ---------------------------------------------------------------
+
+
+def test_a_step_saved_twice_at_once_is_refused_and_saved_again_replaces(tmp_path: Path) -> None:
+    ck = hotstart.Checkpointer(local_dir=tmp_path / "d", store=str(tmp_path / "s"), job="twice")
+    a, b = state(1), state(2)
+    for _ in range(20):
+        h1 = ck.save(6, a)
+        with pytest.raises(hotstart.StepInFlight, match="step 6 is already being saved"):
+            ck.save(6, b)
+        h1.wait()
+        got = ck.load(step=6)
+        assert np.array_equal(got["w"], a["w"])
+        ck.save(6, b).wait()
+        got = ck.load(step=6)
+        assert np.array_equal(got["w"], b["w"]) and got["step"] == 2
+        a, b = b, a
+    ck.close()
+
+
+HOLDER = """
+import sys, numpy as np, hotstart
+ck = hotstart.Checkpointer(local_dir=sys.argv[1], job="owned")
+ck.save(1, {"w": np.ones(4)}).wait()
+print("saved", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_writer_of_the_same_rank_is_refused_with_the_first_ones_name(tmp_path: Path) -> None:
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    first = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "saved"
+        second = hotstart.Checkpointer(local_dir=tmp_path, job="owned")
+        with pytest.raises(hotstart.SecondWriter, match=f"pid {first.pid} "):
+            second.save(2, state(2))
+        # Readers are welcome; another rank is another writer; this process's other engines
+        # share its lock.
+        assert second.latest_step() == 1
+        other = hotstart.Checkpointer(local_dir=tmp_path, job="owned", rank=1, world_size=2)
+        other.save(1, state(1)).wait()
+        other.close()
+    finally:
+        first.kill()
+        first.wait()
+    # The holder is gone (killed): its lock went with it.
+    second.save(2, state(2)).wait()
+    again = hotstart.Checkpointer(local_dir=tmp_path, job="owned")
+    again.save(3, state(3)).wait()
+    again.close()
+    second.close()
+
+
+# --- the sidecar ------------------------------------------------------------------------------
+
+
+def test_a_sidecar_restart_under_the_loop_is_not_an_error(tmp_path: Path) -> None:
+    side = Sidecar(tmp_path)
+    try:
+        ck = hotstart.Checkpointer(sidecar=side.socket, job="restarts")
+        h = None
+        for step in range(1, 9):
+            if step in (3, 6):
+                # Stopped and started again between two saves: the segment prepared ahead
+                # belongs to the old sidecar.
+                side.stop()
+                side = Sidecar(tmp_path)
+            if h is not None:
+                h.wait_staged()
+            h = ck.save(step, state(step))
+        h.wait_staged()
+        h.wait()
+        assert ck.latest_step() == 8
+        # The sidecar's answer covers every tier it reads, as latest_step() does.
+        steps = ck.steps()
+        assert steps[-1] == 8 and steps == sorted(steps) and len(steps) >= 2, steps
+        assert np.array_equal(ck.load()["w"], state(8)["w"])
+        ck.close()
+    finally:
+        side.stop()
+
+
+def test_a_missing_sidecar_says_to_start_one(tmp_path: Path) -> None:
+    with pytest.raises(hotstart.SidecarError, match="hotstart serve"):
+        hotstart.Checkpointer(sidecar=tmp_path / "none.sock", job="j")
+
+
+def test_keep_with_a_sidecar_warns(sidecar: Sidecar) -> None:
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        hotstart.Checkpointer(sidecar=sidecar.socket, job="k", keep=5).close()
+    assert any("hotstart serve --keep" in str(x.message) for x in w)
+
+
+# --- loads ------------------------------------------------------------------------------------
+
+
+def test_a_negative_step_is_a_config_error(tmp_path: Path) -> None:
+    ck = hotstart.Checkpointer(local_dir=tmp_path, job="neg")
+    with pytest.raises(hotstart.ConfigError, match="step -1"):
+        ck.save(-1, state(1))
+    ck.close()
+
+
+def test_loaded_tensors_own_their_memory_and_pin_no_file(tmp_path: Path) -> None:
+    torch = torch_or_fail()
+    ck = hotstart.Checkpointer(store=str(tmp_path), job="own", keep=1)
+    torch.manual_seed(1)
+    rng_state = torch.get_rng_state()
+    ck.save(1, {"rng": rng_state, "m": torch.randn(300, 301), "n": np.arange(7)}).wait()
+    got = ck.load()
+    for t in (got["rng"], got["m"]):
+        assert t.storage_offset() == 0 and t.is_contiguous()
+    torch.set_rng_state(got["rng"])
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    # Retention removes step 1 while its tensors live on: no mapping keeps the file.
+    ck.save(2, {"rng": rng_state, "m": torch.zeros(3), "n": np.arange(3)}).wait()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(tmp_path) not in maps, [line for line in maps.splitlines() if str(tmp_path) in line]
+    torch.manual_seed(1)
+    assert torch.equal(got["m"], torch.randn(300, 301))
+    ck.close()
