@@ -174,6 +174,36 @@ fn ls_show_verify_gc_on_a_disk_tier() {
 
     // gc --keep 2: the newest two complete steps stay, older ones and the older torn step go,
     // the newer torn step (maybe still persisting) stays.
+    // --keep 0 keeps everything, as it does everywhere else; a job that is not there (a typo)
+    // is an error, not "kept 0".
+    let all = ok(&["ckpt", "gc", at, "--job", "run-1", "--keep", "0"]);
+    assert!(!all.contains("removed"), "{all}");
+    let typo = hotstart(&["ckpt", "gc", at, "--job", "run-11", "--keep", "2"]);
+    let stderr = String::from_utf8_lossy(&typo.stderr);
+    assert!(
+        !typo.status.success() && stderr.contains("has no steps") && stderr.contains("ckpt ls"),
+        "{stderr}"
+    );
+    // A reader that went away (`| head -1`) ends the listing quietly: stdout is a pipe whose
+    // read end is closed before the command starts, so its first write fails.
+    for args in [
+        vec!["ckpt", "ls", at],
+        vec!["ckpt", "show", at, "--job", "run-1"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_hotstart"))
+            .args(&args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stderr.is_empty(),
+            "{args:?}: {stderr}"
+        );
+    }
+
     let gc = ok(&["ckpt", "gc", at, "--job", "run-1", "--keep", "2"]);
     assert!(
         gc.contains("removed step 10") && gc.contains("removed step 15"),

@@ -572,7 +572,7 @@ pub(crate) struct Lease {
     /// The manifest sent with `Filled`, to send again after a reconnection.
     told: Option<String>,
     /// The slot of a sidecar that went away, kept mapped (and registered) until the lease ends.
-    retired: Option<Slot>,
+    retired: Option<Box<Slot>>,
     /// Kept once the save is committed: the next save's segment is then prepared.
     promise: Promise,
     dial: Arc<Dial>,
@@ -601,7 +601,10 @@ impl Lease {
     /// mapping it registered.
     pub(crate) fn set_pin(&mut self, pin: Option<Pinned>) {
         if pin.is_some() {
-            self.retired.as_mut().unwrap_or(&mut self.slot).pin = pin;
+            match self.retired.as_deref_mut() {
+                Some(old) => old.pin = pin,
+                None => self.slot.pin = pin,
+            }
         }
     }
 
@@ -635,7 +638,7 @@ impl Lease {
         }
         // The old mapping stays until the lease ends: its registration, if staging made one,
         // is given back to it (`set_pin`) and must go first.
-        self.retired = Some(std::mem::replace(&mut self.slot, fresh));
+        self.retired = Some(Box::new(std::mem::replace(&mut self.slot, fresh)));
         if let Some(manifest) = self.told.clone() {
             self.slot.conn.send(&LocalMsg::Filled { manifest })?;
         }

@@ -173,7 +173,7 @@ impl Engine {
         match cfg.store.as_ref().map(|s| (s, s.local_dir())) {
             // The embedded default: a local directory, written at the disk's speed.
             Some((_, Some(dir))) => {
-                usable_dir("the store (a local directory)", &dir)?;
+                usable_dir("the store (a local directory)", dir)?;
                 tiers.push(Arc::new(DiskTier::for_local_store(dir, cfg.uring.clone())))
             }
             Some((store, None)) => tiers.push(Arc::new(StoreTier::new(
@@ -330,7 +330,7 @@ impl Engine {
                 let lease = sidecar
                     .lease(step, len, block, ordinal)
                     .inspect_err(|_| inner.done_persisting(step))?;
-                (Target::Sidecar(lease), sidecar.tiers())
+                (Target::Sidecar(Box::new(lease)), sidecar.tiers())
             }
             None => (Target::Pool(inner.pool.take(len)), inner.own_tiers()),
         };

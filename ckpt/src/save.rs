@@ -75,7 +75,7 @@ pub(crate) enum Target {
     /// Memory that already holds the file, written to the engine's tiers.
     Filled(Arc<dyn Region>),
     /// A segment of the sidecar's shared memory, committed to the sidecar.
-    Sidecar(Lease),
+    Sidecar(Box<Lease>),
 }
 
 /// One save: everything its thread needs.
@@ -119,7 +119,8 @@ impl Save {
         } = self;
         let len = input.len();
         let (region, pool_slot) = match target {
-            Target::Sidecar(mut lease) => {
+            Target::Sidecar(lease) => {
+                let mut lease = *lease;
                 let filled = {
                     let image = Staging::new(lease.region(), len);
                     let (at, mut pin) = lease.staging();
