@@ -251,6 +251,7 @@ impl Engine {
                 sidecar,
                 skipped: AtomicU64::new(0),
                 persisting: Mutex::new(BTreeSet::new()),
+                saving: Mutex::new(BTreeMap::new()),
                 asked: Mutex::new((0, BTreeMap::new())),
                 gc_lock: Mutex::new(()),
                 gpu,
@@ -301,7 +302,12 @@ impl Engine {
             rank: inner.rank,
             inflight: inner.admission.max(),
         };
-        inner.claim(step)?;
+        let tiers = match &inner.sidecar {
+            Some(sidecar) => sidecar.tiers(),
+            None => inner.own_tiers(),
+        };
+        let shared = Shared::new(step, &tiers);
+        inner.claim(step, &shared)?;
         let owned = inner.own_rank().and_then(|()| {
             if devices.is_empty() {
                 Ok(())
@@ -310,12 +316,12 @@ impl Engine {
             }
         });
         if let Err(e) = owned {
-            inner.done_persisting(step);
+            inner.unclaim(step);
             return Err(e);
         }
         let block = inner.block;
         let Some(ticket) = inner.admission.take(block) else {
-            inner.done_persisting(step);
+            inner.unclaim(step);
             inner.skipped.fetch_add(1, Ordering::Relaxed);
             warn!(
                 step,
@@ -324,17 +330,16 @@ impl Engine {
             );
             return Ok(handle(Shared::skipped(step)));
         };
-        let (target, tiers) = match &inner.sidecar {
+        let target = match &inner.sidecar {
             Some(sidecar) => {
                 let ordinal = tensors.iter().find_map(Tensor::device);
                 let lease = sidecar
                     .lease(step, len, block, ordinal)
-                    .inspect_err(|_| inner.done_persisting(step))?;
-                (Target::Sidecar(Box::new(lease)), sidecar.tiers())
+                    .inspect_err(|_| inner.unclaim(step))?;
+                Target::Sidecar(Box::new(lease))
             }
-            None => (Target::Pool(inner.pool.take(len)), inner.own_tiers()),
+            None => Target::Pool(inner.pool.take(len)),
         };
-        let shared = Shared::new(step, &tiers);
         inner.start_persisting(step);
         let save = Save {
             inner: inner.clone(),

@@ -15,6 +15,7 @@ use crate::client::Client;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
+use crate::handle::Shared;
 use crate::owner::{self, OwnerLock};
 use crate::retention;
 use crate::staging::Pool;
@@ -43,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) sidecar: Option<Client>,
     pub(crate) skipped: AtomicU64,
     pub(crate) persisting: Mutex<BTreeSet<u64>>,
+    /// The handle of each step's save while it is unfinished (see [`Inner::claim`]).
+    pub(crate) saving: Mutex<BTreeMap<u64, Arc<Shared>>>,
     /// When each step was last asked to be saved through this engine, in order (a counter and
     /// the step's number from it): a save of step S asked after one of T > S means the job
     /// went back to an older step (it restored one) and trains again.
@@ -127,23 +130,29 @@ impl Inner {
         Ok(best)
     }
 
-    /// Claims `step` for one save of this engine: refused while another save of the same step
-    /// is in flight, whose files it would race with (a step is written by one save at a time;
-    /// once that save is over, a new one replaces it, see `crate::save`). Released by
-    /// [`Inner::done_persisting`].
-    pub(crate) fn claim(&self, step: u64) -> Result<()> {
-        let fresh = self
-            .persisting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(step);
-        if fresh {
-            return Ok(());
+    /// Claims `step` for the save whose handle is `shared`: refused while the handle of an
+    /// earlier save of the same step is not finished (a step is written by one save at a time;
+    /// once that save is over, a new one replaces it, see `crate::save`). The claim lasts as
+    /// long as its handle is unfinished, so whoever waited for that handle may save again.
+    pub(crate) fn claim(&self, step: u64, shared: &Arc<Shared>) -> Result<()> {
+        let mut saving = self.saving.lock().unwrap_or_else(PoisonError::into_inner);
+        saving.retain(|_, s| !s.status().all_finished());
+        if saving.contains_key(&step) {
+            return Err(Error::InFlight { step });
         }
-        Err(Error::InFlight { step })
+        saving.insert(step, shared.clone());
+        Ok(())
     }
 
-    /// Records that `step` was asked to be saved now (after [`Inner::claim`]).
+    /// Gives up the claim of a save that did not start.
+    pub(crate) fn unclaim(&self, step: u64) {
+        self.saving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&step);
+    }
+
+    /// Records that `step` was asked to be saved now.
     pub(crate) fn start_persisting(&self, step: u64) {
         self.persisting
             .lock()

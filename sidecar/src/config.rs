@@ -615,10 +615,21 @@ mod tests {
         assert!(err.contains("loopback") && err.contains("listen"), "{err}");
         let remote_peer = Settings {
             peers: Some(vec!["b=10.1.2.3:7070".into()]),
-            ..insecure
+            ..insecure.clone()
         };
         let err = remote_peer.resolve().unwrap_err().to_string();
-        assert!(err.contains("peers has 10.1.2.3:7070"), "{err}");
+        assert!(err.contains("not: peers 10.1.2.3:7070."), "{err}");
+        // Every address that is not loopback is named at once.
+        let both = Settings {
+            listen: Some("0.0.0.0:7070".into()),
+            peers: Some(vec!["b=10.1.2.3:7070".into(), "c=10.1.2.4:7070".into()]),
+            ..insecure
+        };
+        let err = both.resolve().unwrap_err().to_string();
+        assert!(
+            err.contains("listen 0.0.0.0:7070, peers 10.1.2.3:7070, peers 10.1.2.4:7070"),
+            "{err}"
+        );
         let with_token = Settings {
             listen: Some("0.0.0.0:7070".into()),
             token: Some(Token::new("s3cret\n").unwrap()),
