@@ -101,11 +101,28 @@ fn main() -> std::process::ExitCode {
     exit(result)
 }
 
+/// An error and its causes, joined by ": ", each cause once: many errors already end with their
+/// source's message, which `{:#}` would print twice ("entity not found: entity not found").
+fn chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
 fn exit(result: anyhow::Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("hotstart: {e:#}");
+            eprintln!("hotstart: {}", chain(&e));
             match env_cmd::exit_code(&e) {
                 Some(code) => std::process::ExitCode::from(code),
                 None => std::process::ExitCode::FAILURE,

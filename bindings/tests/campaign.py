@@ -38,6 +38,7 @@ whether the state it loaded is bit-exact for that step, which it recomputes):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import queue
@@ -135,18 +136,35 @@ class CampaignError(AssertionError):
     pass
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swaps two paths atomically (renameat2 with RENAME_EXCHANGE)."""
+    if _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"exchange {a} and {b}: {os.strerror(e)}")
+
+
 @dataclass
 class Report:
     faults: Counter = field(default_factory=Counter)
     restarts: int = 0
     resumed_from: Counter = field(default_factory=Counter)
     waited_for_store: int = 0
+    flipped: int = 0
+    went_back: int = 0
+    twice: Counter = field(default_factory=Counter)
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
         return (f"{sum(self.faults.values())} faults ({kinds}); {self.restarts} restarts, every one "
-                f"bit-exact and from the newest reachable step; {self.waited_for_store} waited out "
-                "a store outage instead of starting from scratch")
+                f"bit-exact and from the newest reachable step ({self.went_back} went back a step "
+                f"from a corrupt one); {self.flipped} bytes flipped; {self.waited_for_store} "
+                "waited out a store outage instead of starting from scratch; second saves of a "
+                f"step in flight: {dict(self.twice)}")
 
 
 class Trainer:
@@ -323,15 +341,16 @@ class Campaign:
 
     def break_store(self) -> Path:
         """The job's folder in the store becomes a regular file: every list, read and write of
-        the job there fails at once (the store itself still opens)."""
+        the job there fails at once (the store itself still opens). Swapped in one step, so
+        that no writer recreates the folder in between."""
         away = self.work / "store-job.away"
-        (self.store / JOB).rename(away)
-        (self.store / JOB).write_bytes(b"not a directory")
+        away.write_bytes(b"not a directory")
+        exchange(away, self.store / JOB)
         return away
 
     def mend_store(self, away: Path) -> None:
-        (self.store / JOB).unlink()
-        away.rename(self.store / JOB)
+        exchange(away, self.store / JOB)
+        away.unlink()
 
     def kill(self) -> None:
         assert self.trainer is not None
@@ -389,6 +408,7 @@ class Campaign:
         return f if f.exists() else None
 
     def flip(self, f: Path, chunk: int) -> None:
+        self.report.flipped += 1
         data = bytearray(f.read_bytes())
         data[min(chunk * CHUNK + 4099, len(data) - 1)] ^= 0x10
         f.write_bytes(bytes(data))
@@ -408,6 +428,7 @@ class Campaign:
             good = self.store / JOB / f"step-{newest}" / "rank-0.manifest.json"
             if not good.exists():
                 expect = self.newest_below(newest)
+                self.report.went_back += 1
         self.restart(expect)
 
     def f_corrupt_all(self) -> None:
@@ -423,6 +444,7 @@ class Campaign:
         for c in copies:
             self.flip(c, chunk)
         below = self.newest_below(newest) if copies else newest
+        self.report.went_back += below != newest
         self.restart(below)
 
     def newest_below(self, step: Optional[int]) -> Optional[int]:
@@ -437,6 +459,7 @@ class Campaign:
         e = self.trainer.next("double")
         if e["twice"] not in ("refused", "accepted"):
             raise CampaignError(f"double save: {e}")
+        self.report.twice[e["twice"]] += 1
         self.trainer.progress(2)
 
     def f_second_writer(self) -> None:

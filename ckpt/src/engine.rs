@@ -250,7 +250,7 @@ impl Engine {
                 pool: Pool::new(),
                 sidecar,
                 skipped: AtomicU64::new(0),
-                persisting: Mutex::new(BTreeSet::new()),
+                persisting: Mutex::new(BTreeMap::new()),
                 saving: Mutex::new(BTreeMap::new()),
                 asked: Mutex::new((0, BTreeMap::new())),
                 gc_lock: Mutex::new(()),

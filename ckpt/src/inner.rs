@@ -43,7 +43,9 @@ pub(crate) struct Inner {
     /// The sidecar that stages, persists and serves this rank's checkpoints, if any.
     pub(crate) sidecar: Option<Client>,
     pub(crate) skipped: AtomicU64,
-    pub(crate) persisting: Mutex<BTreeSet<u64>>,
+    /// Steps with saves running, and how many (a step saved again while its first save's
+    /// thread still runs retention counts twice).
+    pub(crate) persisting: Mutex<BTreeMap<u64, usize>>,
     /// The handle of each step's save while it is unfinished (see [`Inner::claim`]).
     pub(crate) saving: Mutex<BTreeMap<u64, Arc<Shared>>>,
     /// When each step was last asked to be saved through this engine, in order (a counter and
@@ -154,10 +156,12 @@ impl Inner {
 
     /// Records that `step` was asked to be saved now.
     pub(crate) fn start_persisting(&self, step: u64) {
-        self.persisting
+        *self
+            .persisting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(step);
+            .entry(step)
+            .or_default() += 1;
         let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
         asked.0 += 1;
         let n = asked.0;
@@ -189,10 +193,16 @@ impl Inner {
     }
 
     pub(crate) fn done_persisting(&self, step: u64) {
-        self.persisting
+        let mut persisting = self
+            .persisting
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&step);
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = persisting.get_mut(&step) {
+            *n -= 1;
+            if *n == 0 {
+                persisting.remove(&step);
+            }
+        }
     }
 
     /// Whether `step` is complete in `tier`.
@@ -313,11 +323,13 @@ impl Inner {
             return Ok(Vec::new());
         }
         let per_rank = self.disk_per_rank && tier.kind() == TierKind::Disk;
-        let busy = self
+        let busy: BTreeSet<u64> = self
             .persisting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone();
+            .keys()
+            .copied()
+            .collect();
         let stale = |s: u64| {
             let Some(saved) = saved.filter(|&saved| s > saved) else {
                 return false;

@@ -191,11 +191,13 @@ impl Checkpoints {
         } else {
             let root = PathBuf::from(location);
             if !root.is_dir() {
-                return Err(Error::io(
-                    "open checkpoint directory",
-                    root,
-                    std::io::Error::from(std::io::ErrorKind::NotFound),
-                ));
+                return Err(Error::Config {
+                    reason: format!(
+                        "{} is not a directory: pass a checkpoint directory (a disk tier or a \
+                         local store) or a store URL (s3://bucket/prefix, file:///path)",
+                        root.display()
+                    ),
+                });
             }
             Box::new(DiskTier::new(root, UringConfig::default()))
         };
