@@ -184,6 +184,16 @@ fn ls_show_verify_gc_on_a_disk_tier() {
         !typo.status.success() && stderr.contains("has no steps") && stderr.contains("ckpt ls"),
         "{stderr}"
     );
+    // A location that is not there says what to pass instead, each cause once.
+    let missing = hotstart(&["ckpt", "ls", "/nonexistent/checkpoints"]);
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        !missing.status.success()
+            && stderr.contains("is not a directory")
+            && stderr.contains("store URL")
+            && !stderr.contains("entity not found: entity not found"),
+        "{stderr}"
+    );
     // A reader that went away (`| head -1`) ends the listing quietly: stdout is a pipe whose
     // read end is closed before the command starts, so its first write fails.
     for args in [

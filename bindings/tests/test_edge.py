@@ -175,6 +175,24 @@ def test_keep_with_a_sidecar_warns(sidecar: Sidecar) -> None:
 # --- loads ------------------------------------------------------------------------------------
 
 
+PLAIN_LOG = """
+import sys, numpy as np, hotstart
+ck = hotstart.Checkpointer(local_dir=sys.argv[1], job="log")
+for _ in range(2):
+    ck.save(1, {"w": np.ones(4)}).wait()  # the second logs a warning: the step is replaced
+ck.close()
+"""
+
+
+def test_logs_written_to_a_file_carry_no_colour_codes(tmp_path: Path) -> None:
+    script = tmp_path / "log.py"
+    script.write_text(PLAIN_LOG)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "d")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "step saved again" in r.stderr and "\x1b[" not in r.stderr, r.stderr
+
+
 def test_a_negative_step_is_a_config_error(tmp_path: Path) -> None:
     ck = hotstart.Checkpointer(local_dir=tmp_path, job="neg")
     with pytest.raises(hotstart.ConfigError, match="step -1"):
