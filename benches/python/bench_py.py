@@ -20,7 +20,8 @@ Measures, on ``--gib`` GiB of random torch CPU tensors in ``--tensors`` tensors:
   ``FileSystemReader``; both against the disk's floor, fio reading the same bytes sequentially
   (the fastest of buffered, ``O_DIRECT``, and ``O_DIRECT`` into huge pages as hotstart's reads
   are, checking nothing; target 0.9x its speed). New
-  tensors are views of a private mapping of the file, as ``load_file``'s are, so they are also
+  tensors (of 1 MiB and more; smaller ones are copied out) are views of a private mapping of
+  the file, as ``load_file``'s are, so they are also
   compared with the floor of that way of reading: the file mapped and read in with
   ``MADV_POPULATE_READ``, 64 MiB at a time on as many threads as hotstart's load workers,
   nothing checked. A restart loads once, in a new process: new tensors
@@ -420,9 +421,10 @@ class Bench:
         cache = "page cache dropped before each load" if self.cold else "page cache NOT dropped (not root)"
         return [f"Medians of {self.args.runs} runs; {cache}; torch {torch.__version__}, "
                 f"hotstart {hotstart.__version__}, files in {self.args.dir}.",
-                "New tensors from the disk tier are views of a private mapping of the file, "
-                "verified where they lie, as load_file's are views of a mapping (unverified); "
-                "the map floor reads the file that way with nothing checked.",
+                "New tensors of 1 MiB and more from the disk tier are views of a private mapping "
+                "of the file, verified where they lie (smaller ones are copied out), as load_file's "
+                "are views of a mapping (unverified); the map floor reads the file that way with "
+                "nothing checked.",
                 "The read floor is fio's fastest way of reading the file here: medians " + ", ".join(
                     f"{k[4:]} {self.nbytes / MiB / self.median(k):.0f} MiB/s"
                     for k in ("fio buffered", "fio O_DIRECT", "fio O_DIRECT huge") if k in self.times)

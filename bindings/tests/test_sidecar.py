@@ -123,12 +123,12 @@ def test_the_socket_comes_from_the_environment(sidecar: Sidecar, monkeypatch: py
         assert np.array_equal(ck.load()["x"], np.arange(10))
 
 
-def test_new_arrays_after_a_sidecar_restart_come_from_the_file_it_hands_over(sidecar: Sidecar, tmp_path: Path) -> None:
-    """A restarted sidecar (memory empty, disk kept) hands the step's file over: it is read
-    into new arrays that own their memory, verified chunk by chunk, as without a sidecar, and
-    neither the file nor the sidecar's memory stays tied to them."""
+def test_new_arrays_after_a_sidecar_restart_map_the_file_it_hands_over(sidecar: Sidecar, tmp_path: Path) -> None:
+    """A restarted sidecar (memory empty, disk kept) hands the step's file over: new arrays are
+    a private mapping of it, verified where they lie, as without a sidecar, and writing one
+    changes neither the file nor the sidecar's memory."""
     rng = np.random.default_rng(9)
-    state = {f"t{i}": rng.standard_normal(50_000) for i in range(4)}
+    state = {f"t{i}": rng.standard_normal(140_000) for i in range(4)}  # views: 1 MiB and more
     with hotstart.Checkpointer(sidecar=sidecar.socket, job="py-handed") as ck:
         ck.save(1, state).wait()
     sidecar.stop()
@@ -141,8 +141,8 @@ def test_new_arrays_after_a_sidecar_restart_come_from_the_file_it_hands_over(sid
             assert ck.loaded_from and set(ck.loaded_from) == {"disk"}, ck.loaded_from
             for k, v in state.items():
                 assert out[k].dtype == v.dtype and out[k].tobytes() == v.tobytes(), k
-                assert out[k].flags.writeable and out[k].flags.owndata, k
-            assert str(data) not in Path("/proc/self/maps").read_text(), "the handed file stays mapped"
+                assert out[k].flags.writeable
+            assert str(data) in Path("/proc/self/maps").read_text(), "new arrays map the handed file"
             out["t0"][:] = 0
             assert data.read_bytes() == raw
             assert again.metric("hotstart_memory_shards", 'origin="local"') == 0

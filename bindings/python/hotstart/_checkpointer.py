@@ -8,7 +8,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _core
-from . import _state
+from . import _mapped, _state
 from .errors import ConfigError, HotstartError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -184,6 +184,8 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 64:
             raise ConfigError(f"step {step!r}: a step is an integer from 0 to 2**64-1")
+        # Files that retention deleted since are no longer kept by loaded tensors.
+        _mapped.release_deleted()
         flat = _state.flatten(state_dict)
         _sync_cuda(flat.cuda_devices)
         extras = {_state.STATE_KEY: flat.tree}
@@ -242,7 +244,12 @@ class Checkpointer:
         same object is returned. ``strict`` requires the same keys on both sides. Without it, a
         new state dict of CPU tensors and numpy arrays is returned.
 
-        New tensors and arrays own their memory (contiguous, at offset 0 of their storage).
+        New tensors and arrays are contiguous. Those of 1 MiB and more are views of one buffer
+        that holds the whole file: a private, copy-on-write mapping of the file where it is on
+        this machine (writing a tensor never changes the file; once retention deletes the file,
+        the next :meth:`save` moves the mapping into memory of this process's own, so the file's
+        space is freed). Smaller ones (RNG states, scalars, biases) own their memory, at offset 0
+        of their storage, as ``torch.set_rng_state`` needs.
 
         Raises :class:`NoCheckpoint` when there is none, :class:`TierUnavailable` when a tier
         that may hold it cannot be read (never "none" then), :class:`CorruptCheckpoint` when no
@@ -253,20 +260,18 @@ class Checkpointer:
         made: List[Callable[[], Any]] = []
 
         def place(manifest: "_core._Manifest", fd: Optional[int]) -> Any:
-            # Called once the step is found, before any of its bytes are read.
+            # Called once the step is found, before any of its bytes are read; `fd`: the step's
+            # file on this machine, open for this call only.
             where = f"step {manifest['step']} rank {engine.rank}"
             root = _state.parse_tree(manifest["extras"], where)
             if root is None:
                 root = _state.flat_tree(manifest["tensors"])
             if state_dict is None:
-                # Each new tensor owns its memory: no view keeps the checkpoint's file (which
-                # retention may delete) or the sidecar's segment alive, and every tensor starts
-                # at offset 0 of its storage, as torch.set_rng_state and friends assume.
-                made.append(_state.plan_new(root, plan))
+                made.append(_state.plan_file(root, plan, manifest, fd))
             else:
                 made.append(_state.plan_into(root, state_dict, strict, plan))
             _sync_cuda(plan.cuda_devices)
-            return plan.dests
+            return plan.file or plan.dests
 
         _, self._loaded_from = engine.restore(step, place)
         for f in plan.after:

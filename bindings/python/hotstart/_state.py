@@ -17,10 +17,10 @@ strings, big-endian, structured) is stored as its raw bytes (``U8``, one dimensi
 exact dtype recorded in the tree, so it comes back bit-exact.
 
 **Loading** reads the tree first (from the manifest, without touching the data), then either
-allocates new tensors and arrays (each owning its memory: never a view of a file or of the
-sidecar's memory, which would keep them alive, and always at offset 0 of its storage), or checks
-the caller's (same dtype and shape, key by key), and has the engine read and verify the data
-straight into that memory.
+lays out new tensors and arrays over one buffer that takes the whole file (a private mapping of
+it where it is on this machine; tensors under ``OWN_BELOW`` bytes are copied out into memory of
+their own), or checks the caller's (same dtype and shape, key by key), and has the engine read
+and verify the data straight into that memory.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import base64
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
+from . import _mapped
 from .errors import StateDictError
 
 STATE_KEY = "hotstart.state"
@@ -272,6 +273,9 @@ class Plan:
     after: List[Callable[[], None]] = field(default_factory=list)
     cuda_devices: Set[int] = field(default_factory=set)
     # Host ranges already used by a destination: (start, end) -> name.
+    # (address, length, held) of one buffer that takes the whole file instead of `dests`;
+    # held: a mapping of the file itself, verified where it lies.
+    file: Optional[Tuple[int, int, bool]] = None
     _ranges: List[Tuple[int, int]] = field(default_factory=list)
 
     def _overlaps(self, ptr: int, n: int) -> bool:
@@ -426,6 +430,84 @@ def plan_new(root: Dict[str, Any], plan: Plan) -> Callable[[], Any]:
 
     def result() -> Any:
         return build(root, lambda leaf: _finish(leaf, made[leaf["tensor"]]))
+
+    return result
+
+
+# Direct reads need the buffer's address and the file offset to agree modulo this.
+_PAGE = 4096
+
+
+# Tensors smaller than this are copied out of the file's buffer into memory of their own: they
+# cost nothing to copy, and calls such as torch.set_rng_state ignore a storage offset.
+OWN_BELOW = 1 << 20
+
+
+def plan_file(
+    root: Dict[str, Any], plan: Plan, manifest: Mapping[str, Any], local_fd: Optional[int]
+) -> Callable[[], Any]:
+    """Plans a load of the whole file into one buffer, and the new tensors and arrays as views
+    of it: those of at least ``OWN_BELOW`` bytes whose offset in the file suits their element
+    type's alignment; the others are copied out into memory of their own. The buffer is a
+    private, copy-on-write mapping of `local_fd` (the nearest source's file on this machine: a
+    local tier's, or one a sidecar handed over) when there is one, as safetensors maps its
+    files: the engine verifies it where it lies, the page cache reads it and nothing is copied
+    (and once retention deletes the file, ``_mapped.release_deleted`` moves the mapping into
+    memory of the process's own); else new page-aligned memory that the engine reads into with
+    direct I/O. Returns the function that builds the result once the engine has read."""
+    ranges = {name: r for (name, _, _), r in zip(manifest["tensors"], manifest["ranges"])}
+    n = int(manifest["file_len"])
+    kinds: Dict[str, Any] = {}
+    use_torch = False
+    for leaf in leaves(root):
+        if leaf["tensor"] not in ranges:
+            raise StateDictError(f"tensor {leaf['tensor']!r} of the saved tree is not in the file")
+        is_torch = leaf["kind"] == "torch"
+        kinds[leaf["tensor"]] = _torch_dtype(leaf) if is_torch else _numpy_dtype(leaf)
+        use_torch = use_torch or is_torch
+    # One buffer of the kind the tensors want: torch's when any is a torch tensor (numpy arrays
+    # are then views of its memory too), else numpy's, so a numpy-only state never imports
+    # torch.
+    mapped = _mapped.map_private(local_fd, n) if local_fd is not None else None
+    base: Any
+    if use_torch:
+        import torch
+
+        if mapped is not None:
+            base = torch.frombuffer(mapped, dtype=torch.uint8)
+        else:
+            base = torch.empty(n + _PAGE, dtype=torch.uint8)
+    else:
+        import numpy as np
+
+        if mapped is not None:
+            base = np.frombuffer(mapped, dtype=np.uint8)
+        else:
+            base = np.empty(n + _PAGE, dtype=np.uint8)
+    # A mapping starts on a page; new memory is aligned to one here.
+    at = -_dest_mem(base).ptr % _PAGE
+    buf = base[at : at + n]
+    plan.file = (_dest_mem(base).ptr + at, n, mapped is not None)
+    plan.keep.append(base)
+
+    def view(leaf: Dict[str, Any]) -> Any:
+        # `at` makes the buffer page-aligned, so a file offset's alignment is the address's.
+        start, end = ranges[leaf["tensor"]]
+        dtype = kinds[leaf["tensor"]]
+        piece: Any = buf[start:end]
+        small = end - start < OWN_BELOW
+        if leaf["kind"] == "torch":
+            if small or start % dtype.itemsize:
+                piece = piece.clone()
+            return piece.view(dtype).view(leaf["shape"])
+        if is_torch_tensor(piece):
+            piece = piece.numpy()
+        if small or start % dtype.alignment:
+            piece = piece.copy()
+        return piece.view(dtype).reshape(leaf["shape"])
+
+    def result() -> Any:
+        return build(root, lambda leaf: _finish(leaf, view(leaf)))
 
     return result
 
