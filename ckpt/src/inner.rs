@@ -60,19 +60,28 @@ pub(crate) struct Inner {
     /// Where this rank's owner lock is taken (`crate::owner`), and the lock once the first save
     /// took it.
     pub(crate) owner_dir: Option<PathBuf>,
-    pub(crate) owner: Mutex<Option<Arc<OwnerLock>>>,
+    /// `Some(None)`: the lock could not be made, and saves go on without it.
+    pub(crate) owner: Mutex<Option<Option<Arc<OwnerLock>>>>,
 }
 
 impl Inner {
     /// Makes sure this engine is the one writer of its job and rank on this node: takes the
-    /// owner lock on the first save (see `crate::owner`).
+    /// owner lock on the first save (see `crate::owner`). A lock that cannot be made at all (a
+    /// directory this process cannot write) is warned about once, and saves go on without it.
     pub(crate) fn own_rank(&self) -> Result<()> {
         let Some(dir) = &self.owner_dir else {
             return Ok(());
         };
         let mut owner = self.owner.lock().unwrap_or_else(PoisonError::into_inner);
         if owner.is_none() {
-            *owner = Some(owner::acquire(dir, &self.job, self.rank)?);
+            *owner = match owner::acquire(dir, &self.job, self.rank) {
+                Ok(lock) => Some(Some(lock)),
+                Err(e @ Error::SecondWriter { .. }) => return Err(e),
+                Err(e) => {
+                    warn!(error = %e, "no owner lock: a second writer of this rank will not be detected");
+                    Some(None)
+                }
+            };
         }
         Ok(())
     }

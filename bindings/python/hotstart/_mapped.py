@@ -52,7 +52,9 @@ def map_private(fd: int, n: int) -> Optional[Any]:
     addr = _libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
     if addr in (None, _MAP_FAILED):
         return None
-    buf = type("Mapped", (ctypes.c_ubyte * n,), {}).from_address(addr)
+    # A subclass of the array type, whose instances (unlike ctypes arrays) take weak references.
+    mapped: Any = type("Mapped", (ctypes.c_ubyte * n,), {})
+    buf = mapped.from_address(addr)
     weakref.finalize(buf, _libc.munmap, addr, n)
     _MAPPINGS.append((addr, n, weakref.ref(buf)))
     return buf
