@@ -284,9 +284,11 @@ impl Engine {
 
     /// Starts saving `step`: returns once the staging copy is under way. See the module docs.
     ///
-    /// Errors only on input that cannot be saved (duplicate or reserved names), on device
-    /// tensors that cannot be read ([`Error::Cuda`]: no `cuda` feature, no driver, no such
-    /// device), or when no thread can be started; everything later is reported on the handle.
+    /// Errors only on input that cannot be saved (duplicate or reserved names), on a step whose
+    /// earlier save is not finished ([`Error::InFlight`]), on another process of this node
+    /// saving the same job and rank ([`Error::SecondWriter`]), on device tensors that cannot be
+    /// read ([`Error::Cuda`]: no `cuda` feature, no driver, no such device), or when no thread
+    /// can be started; everything later is reported on the handle.
     #[instrument(skip_all, fields(step, rank = self.inner.rank))]
     pub fn save(&self, step: u64, tensors: Vec<Tensor>, extras: Extras) -> Result<SaveHandle> {
         let inner = &self.inner;
