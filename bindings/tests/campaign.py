@@ -64,9 +64,11 @@ JOB = "campaign"
 
 TRAINER = textwrap.dedent(
     '''
-    import json, os, sys, time
+    import faulthandler, json, os, signal, sys, time
     import numpy as np
     import hotstart
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when it hangs
 
     cfg = json.loads(sys.argv[1])
 
@@ -192,6 +194,8 @@ class Trainer:
             try:
                 e = self.events.get(timeout=max(left, 0.01))
             except queue.Empty:
+                self.proc.send_signal(signal.SIGUSR1)  # its Python stacks, into its log
+                time.sleep(1)
                 raise CampaignError(f"no {kind!r} from the trainer within {timeout} s") from None
             if e["event"] == "saved":
                 self.saved = e["step"]
@@ -268,6 +272,7 @@ class Campaign:
         self.sidecar: Optional[Sidecar] = None
         self.trainer: Optional[Trainer] = None
         self.mode = "own"
+        self.history: List[str] = []
 
     # --- set-ups ----------------------------------------------------------------------------
 
@@ -312,12 +317,18 @@ class Campaign:
 
     # --- what the controller checks ---------------------------------------------------------
 
-    def newest(self, **where: Any) -> Optional[int]:
-        if not where:
-            where = ({"local_dir": str(self.disk), "store": str(self.store)}
-                     if self.mode == "own" else {"sidecar": str(self.sidecar.socket)})  # type: ignore[union-attr]
-        with hotstart.Checkpointer(job=JOB, **where) as ck:
-            return ck.latest_step()
+    def where(self) -> Dict[str, Any]:
+        """The tiers the controller reads, as the trainer's set-up has them."""
+        if self.mode == "own":
+            return {"local_dir": str(self.disk), "store": str(self.store)}
+        assert self.sidecar is not None
+        return {"sidecar": str(self.sidecar.socket)}
+
+    def newest(self, below: Optional[int] = None, **where: Any) -> Optional[int]:
+        """The newest complete step (older than `below`), read through `where` (default: the
+        set-up's tiers)."""
+        with hotstart.Checkpointer(job=JOB, **(where or self.where())) as ck:
+            return ck.latest_step(below=below)
 
     def restart(self, expect: Optional[int], *, before: Any = None) -> Dict[str, Any]:
         """Starts the trainer again (after `before`, while it waits) and checks its resume."""
@@ -413,12 +424,17 @@ class Campaign:
         data[min(chunk * CHUNK + 4099, len(data) - 1)] ^= 0x10
         f.write_bytes(bytes(data))
 
-    def f_corrupt_one(self) -> None:
+    def kill_all(self) -> None:
+        """Kills the trainer, and the sidecar with it (started again with empty memory, so
+        that its memory does not hide what is on the disk and in the store)."""
         self.kill()
         if self.mode == "sidecar":
             assert self.sidecar is not None
-            self.sidecar.stop(signal.SIGKILL)  # so that its memory does not hide the disk
+            self.sidecar.stop(signal.SIGKILL)
             self.sidecar.start()
+
+    def f_corrupt_one(self) -> None:
+        self.kill_all()
         newest = self.newest()
         f = self.newest_file()
         expect = newest
@@ -427,31 +443,21 @@ class Campaign:
             # The store's copy mends the chunk, where the store got the step.
             good = self.store / JOB / f"step-{newest}" / "rank-0.manifest.json"
             if not good.exists():
-                expect = self.newest_below(newest)
+                expect = self.newest(below=newest)
                 self.report.went_back += 1
         self.restart(expect)
 
     def f_corrupt_all(self) -> None:
-        self.kill()
-        if self.mode == "sidecar":
-            assert self.sidecar is not None
-            self.sidecar.stop(signal.SIGKILL)
-            self.sidecar.start()
+        self.kill_all()
         newest = self.newest()
         chunk = self.rng.randrange(N * 8 // CHUNK)
         copies = [d / JOB / f"step-{newest}" / "rank-0.safetensors" for d in (self.disk, self.store)]
         copies = [c for c in copies if c.exists()]
         for c in copies:
             self.flip(c, chunk)
-        below = self.newest_below(newest) if copies else newest
+        below = self.newest(below=newest) if copies else newest
         self.report.went_back += below != newest
         self.restart(below)
-
-    def newest_below(self, step: Optional[int]) -> Optional[int]:
-        where = ({"local_dir": str(self.disk), "store": str(self.store)} if self.mode == "own"
-                 else {"sidecar": str(self.sidecar.socket)})  # type: ignore[union-attr]
-        with hotstart.Checkpointer(job=JOB, **where) as ck:
-            return ck.latest_step(below=step) if step is not None else None
 
     def f_double_save(self) -> None:
         assert self.trainer is not None
@@ -505,8 +511,12 @@ class Campaign:
                 self.begin(mode)
                 for _ in range(min(per_mode, faults - sum(self.report.faults.values()))):
                     kind = self.rng.choice(self.FAULTS[mode])
+                    self.history.append(f"{mode}:{kind}")
                     getattr(self, "f_" + kind.replace("-", "_"))()
                     self.report.faults[kind] += 1
+        except CampaignError as e:
+            raise CampaignError(f"{e} (faults so far, the last one failed: "
+                                f"{' '.join(self.history[-8:])}; {len(self.history)} in all)") from None
         finally:
             self.end()
         return self.report

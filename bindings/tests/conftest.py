@@ -43,6 +43,21 @@ def local_dir(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.fixture
+def unreachable_s3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 settings whose endpoint refuses connections (a loopback port nothing listens on):
+    a store that is down."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+
+
 def _die_with_parent() -> None:
     # The kernel kills weed if pytest dies (PR_SET_PDEATHSIG = 1, SIGKILL).
     libc = ctypes.CDLL(None, use_errno=True)

@@ -5,7 +5,6 @@ never keep a deleted file, and small ones own their memory."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import warnings
@@ -23,23 +22,10 @@ def state(seed: int) -> dict:
     return {"w": rng.standard_normal((64, 256), dtype=np.float32), "step": seed}
 
 
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 # --- a tier that cannot be read -----------------------------------------------------------
 
 
-def test_an_unreachable_store_is_an_error_not_no_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+def test_an_unreachable_store_is_an_error_not_no_checkpoint(unreachable_s3: None) -> None:
     ck = hotstart.Checkpointer(store="s3://nowhere/runs", job="outage")
     # (Each call waits out the store client's retries, about 20 s, before it raises.)
     for call in (ck.latest_step, ck.load):
@@ -58,15 +44,10 @@ def test_a_local_dir_under_a_file_fails_at_construction(tmp_path: Path) -> None:
         hotstart.Checkpointer(store=str(f / "store"), job="j")
 
 
-def test_a_nearer_tier_answers_while_the_store_is_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_nearer_tier_answers_while_the_store_is_down(tmp_path: Path, unreachable_s3: None) -> None:
     disk = tmp_path / "disk"
     with hotstart.Checkpointer(local_dir=disk, job="near") as ck:
         ck.save(5, state(5)).wait()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     ck = hotstart.Checkpointer(local_dir=disk, store="s3://nowhere/runs", job="near")
     # Every save reaches the disk before the store: the store cannot hold a newer step.
     assert ck.latest_step() == 5

@@ -4,7 +4,6 @@ message; a failing store never breaks the training loop."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -99,20 +98,7 @@ def test_corrupt_bytes_and_manifests(local_dir: Path) -> None:
             ck.load(step=2)
 
 
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def test_store_failure_is_reported_on_the_handle(local_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+def test_store_failure_is_reported_on_the_handle(local_dir: Path, unreachable_s3: None) -> None:
     ck = hotstart.Checkpointer(store="s3://nowhere", local_dir=local_dir, job="down")
     h = ck.save(1, {"x": np.ones(4)})
     h.wait_staged()  # training goes on

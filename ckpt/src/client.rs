@@ -24,7 +24,6 @@
 //! own, so a restore on a node that kept its disk runs at the disk's speed without the
 //! sidecar first copying the step into memory new to it.
 
-use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -198,27 +197,42 @@ impl Dial {
     }
 
     /// A segment of at least `len` bytes from the sidecar on a new connection, mapped here.
-    /// A save waits up to [`RECONNECT_WAIT`] for a sidecar that is restarting.
+    /// A save waits up to [`RECONNECT_WAIT`] for a sidecar that is restarting: one whose
+    /// socket is gone or refuses, or one that is draining before it stops.
     fn stage(&self, step: u64, len: usize, wait: bool, ahead: bool) -> Result<Slot> {
         let patience = if ahead {
             Duration::ZERO
         } else {
             RECONNECT_WAIT
         };
-        let (mut conn, _) = self.open_within(patience)?;
-        conn.send(&LocalMsg::Stage {
-            step,
-            len: shm::slot_len(len) as u64,
-            wait,
-            ahead,
-        })?;
-        let fd: OwnedFd = match conn.recv()? {
-            LocalMsg::Segment { .. } => conn.take_fd()?,
-            LocalMsg::Failed { reason } => return Err(self.error(reason)),
-            other => {
-                return Err(conn
-                    .violation(format!("expected a segment, got {other:?}"))
-                    .into());
+        let deadline = Instant::now() + patience;
+        let (fd, conn) = loop {
+            let (mut conn, _) =
+                self.open_within(deadline.saturating_duration_since(Instant::now()))?;
+            conn.send(&LocalMsg::Stage {
+                step,
+                len: shm::slot_len(len) as u64,
+                wait,
+                ahead,
+            })?;
+            match conn.recv()? {
+                LocalMsg::Segment { .. } => break (conn.take_fd()?, conn),
+                LocalMsg::Draining if Instant::now() < deadline => {
+                    debug!(step, "the sidecar is draining; waiting for its next life");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                LocalMsg::Draining => {
+                    return Err(self.error(
+                        "the sidecar is shutting down and takes no new saves; none came back \
+                         in time",
+                    ));
+                }
+                LocalMsg::Failed { reason } => return Err(self.error(reason)),
+                other => {
+                    return Err(conn
+                        .violation(format!("expected a segment, got {other:?}"))
+                        .into());
+                }
             }
         };
         let seg = Segment::from_fd(fd).map_err(|e| self.error(format!("shared memory: {e}")))?;

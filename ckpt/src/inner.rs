@@ -108,10 +108,11 @@ impl Inner {
     /// first found (or at one no newer than what another tier found already).
     ///
     /// A tier that cannot be read (a store that is down, a directory that cannot be listed) is
-    /// an error ([`Error::Unavailable`]) unless a *nearer* tier found a step: every save reaches
-    /// the nearer tiers first, so a farther tier cannot hold a newer step than they do unless
-    /// they were emptied, and an emptied tier holds no step at all. Never "no checkpoint" while
-    /// a tier that might hold one cannot be read.
+    /// an error ([`Error::Unavailable`]) unless a *nearer* tier found a step: every save
+    /// commits to the nearer tiers first (`crate::save`), so a farther tier cannot hold a newer
+    /// step than they do unless they were emptied (and then they hold none) or failed to
+    /// persist it (a full disk: its error was on that save's handle). Never "no checkpoint"
+    /// while a tier that might hold one cannot be read.
     fn newest_in_own_tiers<T>(
         &self,
         found: impl Fn(&dyn Tier, u64) -> Result<Option<T>>,

@@ -229,7 +229,9 @@ impl Inner {
                 Ok(None) => continue,
                 Err(e) => {
                     warn!(step, rank, tier = %tier.kind(), error = %e, "cannot read manifest");
-                    unreadable.get_or_insert((tier.kind(), e));
+                    if e.is_unreadable() {
+                        unreadable.get_or_insert((tier.kind(), e));
+                    }
                     continue;
                 }
             };

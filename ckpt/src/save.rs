@@ -379,24 +379,26 @@ fn start_writers<'scope, 'env>(
 }
 
 /// Hands `manifest` to every writer (none: the save failed, so they give up) and waits for
-/// them; the tiers that persisted the step.
+/// them; the tiers that persisted the step. The commits go in tier order: a tier gets the
+/// manifest once the nearer one has written it (or failed), while the data of every tier was
+/// written at once. So a farther tier never holds a step newer than a nearer one that persists
+/// (the rule `Inner::newest_in_own_tiers` answers by when a tier cannot be read); a manifest is
+/// a few kilobytes, and waiting for one costs a save next to nothing.
 fn join_writers<'a>(
     inner: &'a Inner,
     writers: Vec<Writer<'_>>,
     manifest: Option<&[u8]>,
 ) -> Vec<&'a dyn Tier> {
-    let (senders, running): (Vec<_>, Vec<_>) = writers.into_iter().unzip();
-    if let Some(m) = manifest {
-        for tx in &senders {
+    let mut persisted = Vec::new();
+    for (tier, (tx, running)) in inner.tiers.iter().zip(writers) {
+        if let Some(m) = manifest {
             // A tier that failed already has hung up.
             let _ = tx.send(m.to_vec());
         }
+        drop(tx);
+        if running.join().unwrap_or(false) {
+            persisted.push(tier.as_ref());
+        }
     }
-    drop(senders);
-    inner
-        .tiers
-        .iter()
-        .zip(running)
-        .filter_map(|(tier, t)| t.join().unwrap_or(false).then_some(tier.as_ref()))
-        .collect()
+    persisted
 }

@@ -204,6 +204,8 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     });
                     sent
                 }
+                // Draining: the engine waits for this sidecar's next life instead of failing.
+                Err(_) if core.life.get() == State::Draining => send(&LocalMsg::Draining),
                 Err(e) => send(&LocalMsg::Failed {
                     reason: e.to_string(),
                 }),

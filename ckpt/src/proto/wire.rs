@@ -194,6 +194,9 @@ pub enum LocalMsg {
     },
     /// The request failed.
     Failed { reason: String },
+    /// The sidecar is shutting down and takes no new saves: a save waits for its next life
+    /// (a sidecar restarting) rather than failing.
+    Draining,
     /// A tier the answer depends on cannot be read (the store is down, say), so the sidecar
     /// cannot tell which steps exist: never answered as "none".
     Unavailable { tier: TierKind, reason: String },
