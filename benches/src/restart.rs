@@ -53,7 +53,6 @@
 //! page-cache drops of `--cold`.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -235,10 +234,6 @@ impl Floor {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// Runs train.py under torchrun with `args`; its stdout, then its stderr.
 fn torchrun(python: &Path, nproc: u32, restarts: u32, args: &[String]) -> anyhow::Result<String> {
     let train = workspace().join("examples/torchrun/train.py");
@@ -247,7 +242,7 @@ fn torchrun(python: &Path, nproc: u32, restarts: u32, args: &[String]) -> anyhow
         .arg(format!("--nproc-per-node={nproc}"))
         .arg(format!("--max-restarts={restarts}"))
         .args(["--monitor-interval=0.1", "--master-addr=127.0.0.1"])
-        .arg(format!("--master-port={}", free_port()?))
+        .arg(format!("--master-port={}", hotstart_testkit::free_port()?))
         .arg(&train)
         .args(args)
         .env("OMP_NUM_THREADS", "1")

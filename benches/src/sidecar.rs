@@ -172,15 +172,11 @@ impl Drop for Running {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// A sidecar on loopback with a token, memory only, its socket in `dir`.
 pub(crate) fn settings(node: &str, dir: &Path, budget: u64) -> anyhow::Result<Settings> {
     Ok(Settings {
         node_id: Some(node.into()),
-        listen: Some(format!("127.0.0.1:{}", free_port()?)),
+        listen: Some(format!("127.0.0.1:{}", hotstart_testkit::free_port()?)),
         http: Some("127.0.0.1:0".into()),
         socket: Some(dir.join(format!("{node}.sock"))),
         memory_budget: Some(hotstart_sidecar::config::Size(budget)),

@@ -63,6 +63,69 @@ pub fn parse_step_dir(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
+/// What a file in a step directory is, by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepFile {
+    /// `rank-<R>.safetensors`: a rank's committed data file.
+    Data(u32),
+    /// `rank-<R>.manifest.json`: a rank's manifest, the last file a save writes.
+    Manifest(u32),
+    /// `.rank-<R>.safetensors.tmp-*` or `.rank-<R>.manifest.json.tmp-*`: a write that has not
+    /// been renamed into place (in progress, or left by a process killed mid-write).
+    Partial(u32),
+    /// Anything else.
+    Other,
+}
+
+/// A key `<job>/step-<N>/<file>`, parsed: the inverse of [`data_key`] and [`manifest_key`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepKey<'a> {
+    pub job: &'a str,
+    pub step: u64,
+    pub file: StepFile,
+}
+
+/// Parses a key of a step directory; `None` for a key that is not in one.
+pub fn parse_key(key: &str) -> Option<StepKey<'_>> {
+    let (dir, name) = key.rsplit_once('/')?;
+    let (job, step_dir) = dir.rsplit_once('/')?;
+    Some(StepKey {
+        job,
+        step: parse_step_dir(step_dir)?,
+        file: parse_step_file(name),
+    })
+}
+
+/// What the file `name` of a step directory is.
+pub fn parse_step_file(name: &str) -> StepFile {
+    let (partial, name) = match name.strip_prefix('.') {
+        Some(rest) => match rest.split_once(".tmp-") {
+            Some((inner, _)) => (true, inner),
+            None => return StepFile::Other,
+        },
+        None => (false, name),
+    };
+    let Some(rest) = name.strip_prefix("rank-") else {
+        return StepFile::Other;
+    };
+    let (digits, kind) = match (
+        rest.strip_suffix(".safetensors"),
+        rest.strip_suffix(".manifest.json"),
+    ) {
+        (Some(d), _) => (d, StepFile::Data as fn(u32) -> StepFile),
+        (_, Some(d)) => (d, StepFile::Manifest as fn(u32) -> StepFile),
+        _ => return StepFile::Other,
+    };
+    if digits.is_empty() || digits.len() > 10 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return StepFile::Other;
+    }
+    match digits.parse() {
+        Ok(rank) if partial => StepFile::Partial(rank),
+        Ok(rank) => kind(rank),
+        Err(_) => StepFile::Other,
+    }
+}
+
 /// Checks a job name: `/`-separated components of `[A-Za-z0-9._-]`, none empty, `.` or `..`.
 pub fn check_job(job: &str) -> Result<()> {
     let bad = |reason: &str| Error::Config {
@@ -512,5 +575,48 @@ impl Manifest {
                     .map_err(|e| format!("extra {k:?}: {e}"))
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_keys_parse_strictly_and_invert_the_builders() {
+        fn parsed(k: &str) -> Option<(&str, u64, StepFile)> {
+            parse_key(k).map(|k| (k.job, k.step, k.file))
+        }
+        assert_eq!(
+            parsed(&data_key("a/b", 12, 3)),
+            Some(("a/b", 12, StepFile::Data(3)))
+        );
+        assert_eq!(
+            parsed(&manifest_key("j", 1, 0)),
+            Some(("j", 1, StepFile::Manifest(0)))
+        );
+        assert_eq!(
+            parsed("j/step-1/.rank-7.safetensors.tmp-12-0"),
+            Some(("j", 1, StepFile::Partial(7)))
+        );
+        assert_eq!(
+            parsed("j/step-1/.rank-7.manifest.json.tmp-1-2"),
+            Some(("j", 1, StepFile::Partial(7)))
+        );
+        for other in [
+            "j/step-1/rank-.safetensors",
+            "j/step-1/rank--1.manifest.json",
+            "j/step-1/rank-3.json",
+            "j/step-1/rank-99999999999.safetensors",
+            "j/step-1/.rank-0.manifest.json",
+            "j/step-1/notes.txt",
+        ] {
+            assert_eq!(parsed(other).map(|k| k.2), Some(StepFile::Other), "{other}");
+        }
+        for outside in ["step-1/rank-0.safetensors", "j/step-x/rank-0.safetensors", "j"] {
+            assert_eq!(parsed(outside), None, "{outside}");
+        }
+        // A file in a folder under a step directory is not one of the step's.
+        assert_eq!(parsed("j/step-1/sub/rank-0.manifest.json"), None);
     }
 }

@@ -16,6 +16,7 @@ use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::handle::Shared;
+use crate::index::{self, StepIndex};
 use crate::owner::{self, OwnerLock};
 use crate::retention;
 use crate::staging::Pool;
@@ -215,17 +216,17 @@ impl Inner {
         }
     }
 
-    /// Whether `step` is complete in `tier`.
+    /// Whether `step` is complete in `tier` for this engine's world size (`crate::index`'s
+    /// rule, with this rank's manifest the one read).
     pub(crate) fn is_complete(&self, tier: &dyn Tier, step: u64) -> Result<bool> {
-        for r in 0..self.world_size {
-            if r == self.rank {
-                continue;
-            }
-            if !tier.exists(&format::manifest_key(&self.job, step, r))? {
-                return Ok(false);
-            }
-        }
-        Ok(self.read_manifest(tier, step).is_ok_and(|m| m.is_some()))
+        let index = StepIndex::list(tier, &self.job, Some(step))?;
+        let Some(entry) = index.get(step).filter(|e| e.committed(self.world_size)) else {
+            return Ok(false);
+        };
+        Ok(match self.read_manifest(tier, step) {
+            Ok(Some(m)) => index::manifest_fits(&m, self.world_size, entry.ranks.get(&self.rank)),
+            Ok(None) | Err(_) => false,
+        })
     }
 
     /// This rank's manifest of `step` in `tier`: `None` when absent, an error when invalid or
@@ -247,10 +248,14 @@ impl Inner {
         Ok(Some(m))
     }
 
-    /// The world size that saved `step` in `tier` when every one of its ranks committed it
-    /// there: rank 0's manifest (valid for this job and step) names the world size, and every
-    /// other rank of it has a manifest. `None` when the step is not complete in `tier`.
+    /// The world size that saved `step` in `tier` when the step is complete there for it
+    /// (`crate::index`'s rule, with rank 0's manifest the one read: it names the world size).
+    /// `None` when the step is not complete in `tier`.
     pub(crate) fn saved_world_size(&self, tier: &dyn Tier, step: u64) -> Result<Option<u32>> {
+        let index = StepIndex::list(tier, &self.job, Some(step))?;
+        let Some(entry) = index.get(step) else {
+            return Ok(None);
+        };
         let key = format::manifest_key(&self.job, step, 0);
         let Some(bytes) = tier.get_manifest(&key)? else {
             return Ok(None);
@@ -264,12 +269,9 @@ impl Inner {
                 return Ok(None);
             }
         };
-        for r in 1..m.world_size {
-            if !tier.exists(&format::manifest_key(&self.job, step, r))? {
-                return Ok(None);
-            }
-        }
-        Ok(Some(m.world_size))
+        let ws = m.world_size;
+        let complete = entry.committed(ws) && index::manifest_fits(&m, ws, entry.ranks.get(&0));
+        Ok(complete.then_some(ws))
     }
 
     /// The newest step complete in one of this engine's own tiers, whatever world size saved

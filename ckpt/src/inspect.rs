@@ -5,11 +5,10 @@
 //! **Opening.** A location is a store URL (`s3://`, `file://`, `memory://`, ...: the store tier)
 //! or a plain directory (the disk tier, read through io_uring). Both hold the same layout.
 //!
-//! **Listing.** One recursive listing of the location is grouped by `<job>/step-<N>/`; each file
-//! name gives its rank (`rank-<R>.safetensors`, `rank-<R>.manifest.json`, and on disk the hidden
-//! `.rank-<R>.*.tmp-*` files of unfinished writes). A step is *complete* when a valid manifest
-//! names the world size and every rank `0..world_size` has a valid manifest for this job, step
-//! and rank, with that world size, and a data file of the length its manifest records.
+//! **Listing.** One listing of the job ([`StepIndex`]) gives every step and the files of each
+//! rank (the committed data file and manifest, and on disk the hidden temporary files of
+//! unfinished writes); every rank's manifest is read. A step is *complete* by
+//! [`crate::index`]'s rule, which the engine and the sidecar apply too.
 //!
 //! **Verifying.** For each rank with a manifest the data file is read chunk by chunk (chunks
 //! spread over threads, one reader per thread) and every chunk's blake3 compared with the
@@ -33,6 +32,7 @@ use hotstart_store::{StoreUrl, StripeConfig};
 
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
+use crate::index::{self, StepIndex};
 use crate::retention;
 use crate::tier::Tier;
 use crate::tier::disk::DiskTier;
@@ -218,7 +218,7 @@ impl Checkpoints {
         let objects = self.tier.list_objects("")?;
         let jobs: BTreeSet<String> = objects
             .iter()
-            .filter_map(|(k, _)| split_key(k).map(|(job, _, _)| job.to_string()))
+            .filter_map(|(k, _)| format::parse_key(k).map(|k| k.job.to_string()))
             .collect();
         Ok(jobs.into_iter().collect())
     }
@@ -226,34 +226,21 @@ impl Checkpoints {
     /// Every step of `job`, ascending, with its ranks and completeness.
     pub fn steps(&self, job: &str) -> Result<Vec<StepInfo>> {
         format::check_job(job)?;
-        let objects = self.tier.list_objects(&format!("{job}/"))?;
-        let mut by_step: BTreeMap<u64, (BTreeMap<u32, Option<u64>>, u64)> = BTreeMap::new();
-        for (key, size) in &objects {
-            let Some((j, step, file)) = split_key(key) else {
-                continue;
-            };
-            if j != job {
-                continue;
-            }
-            let entry = by_step.entry(step).or_default();
-            entry.1 += size;
-            if let Some((rank, is_data)) = parse_rank_file(file) {
-                let data = entry.0.entry(rank).or_default();
-                if is_data {
-                    *data = Some(*size);
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(by_step.len());
-        for (step, (ranks, bytes)) in by_step {
+        let index = StepIndex::list(self.tier.as_ref(), job, None)?;
+        let mut out = Vec::new();
+        for (step, entry) in index.steps() {
             let mut infos: BTreeMap<u32, RankInfo> = BTreeMap::new();
-            for (rank, data_len) in ranks {
-                let manifest = self.manifest_state(job, step, rank);
+            for (&rank, files) in &entry.ranks {
+                let manifest = if files.manifest {
+                    self.manifest_state(job, step, rank)
+                } else {
+                    ManifestState::Missing
+                };
                 infos.insert(
                     rank,
                     RankInfo {
                         rank,
-                        data_len,
+                        data_len: files.data_len,
                         manifest,
                     },
                 );
@@ -271,20 +258,22 @@ impl Checkpoints {
                     manifest: ManifestState::Missing,
                 });
             }
+            // `crate::index`'s rule, with every rank's manifest read.
             let complete = world_size.is_some_and(|ws| {
-                (0..ws).all(|r| {
-                    infos.get(&r).is_some_and(|i| {
-                        rank_committed(i)
-                            && matches!(&i.manifest, ManifestState::Valid(m) if m.world_size == ws)
+                entry.committed(ws)
+                    && (0..ws).all(|r| {
+                        infos.get(&r).is_some_and(|i| {
+                            matches!(&i.manifest, ManifestState::Valid(m)
+                                if index::manifest_fits(m, ws, entry.ranks.get(&r)))
+                        })
                     })
-                })
             });
             out.push(StepInfo {
                 job: job.to_string(),
                 step,
                 world_size,
                 ranks: infos.into_values().collect(),
-                bytes,
+                bytes: entry.bytes,
                 complete,
             });
         }
@@ -526,47 +515,5 @@ impl Checkpoints {
             kept: plan.kept,
         };
         Ok(report)
-    }
-}
-
-/// Splits `<job>/step-<N>/<file>` into its parts.
-fn split_key(key: &str) -> Option<(&str, u64, &str)> {
-    let (dir, file) = key.rsplit_once('/')?;
-    let (job, step_dir) = dir.rsplit_once('/')?;
-    Some((job, format::parse_step_dir(step_dir)?, file))
-}
-
-/// The rank of a file in a step directory, and whether it is the (committed) data file:
-/// `rank-<R>.safetensors`, `rank-<R>.manifest.json`, or the hidden `.rank-<R>.*.tmp-*` files.
-fn parse_rank_file(name: &str) -> Option<(u32, bool)> {
-    let rest = name.strip_prefix(".rank-").or(name.strip_prefix("rank-"))?;
-    let (digits, ext) = rest.split_once('.')?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let rank = digits.parse().ok()?;
-    Some((rank, !name.starts_with('.') && ext == "safetensors"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_and_rank_files_parse() {
-        assert_eq!(
-            split_key("a/b/step-12/rank-3.safetensors"),
-            Some(("a/b", 12, "rank-3.safetensors"))
-        );
-        assert_eq!(split_key("step-1/x"), None);
-        assert_eq!(split_key("job/notstep/x"), None);
-        assert_eq!(parse_rank_file("rank-3.safetensors"), Some((3, true)));
-        assert_eq!(parse_rank_file("rank-3.manifest.json"), Some((3, false)));
-        assert_eq!(
-            parse_rank_file(".rank-7.safetensors.tmp-12-0"),
-            Some((7, false))
-        );
-        assert_eq!(parse_rank_file("rank-.safetensors"), None);
-        assert_eq!(parse_rank_file("other"), None);
     }
 }

@@ -27,7 +27,8 @@
 //! `engine` (the entry points: configuration, save, retention), `admission` (the bound on
 //! saves in flight), `save` (the one save pipeline: stage, hash, then the tiers or the
 //! sidecar), `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path),
-//! [`tier`] (disk and store), [`retention`] (which steps a tier keeps), `load` (verified
+//! [`tier`] (disk and store), [`index`] (which steps a tier holds, and when one is complete), [`retention`] (which
+//! steps a tier keeps), `load` (verified
 //! reads), `inner` (the state an engine's parts share), `owner` (one writer per job and rank), [`handle`] (save progress),
 //! [`inspect`] (offline listing, verification and retention: the `hotstart ckpt` commands),
 //! [`proto`] (the frames, messages and shared memory that the engine and the sidecar both
@@ -37,6 +38,7 @@ pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod handle;
+pub mod index;
 pub mod inspect;
 pub mod proto;
 pub mod retention;

@@ -26,7 +26,6 @@
 //! restarted (2 × 2 GiB: 7.3 s against 1.3 s).
 
 use hotstart_ckpt::Error as CkptError;
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -37,6 +36,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use hotstart_ckpt::format;
+use hotstart_ckpt::index::StepIndex;
 use hotstart_ckpt::proto::shm::Segment;
 use hotstart_ckpt::proto::wire::{Held, ShardInfo};
 use hotstart_ckpt::tier::TierKind;
@@ -65,18 +65,6 @@ pub(crate) enum ServedBytes {
     File(std::fs::File),
 }
 
-/// `(step, rank)` of a key `<job>/step-<N>/rank-<R>.manifest.json`.
-fn manifest_of(job: &str, key: &str) -> Option<(u64, u32)> {
-    let rest = key.strip_prefix(job)?.strip_prefix('/')?;
-    let (dir, file) = rest.split_once('/')?;
-    let step = format::parse_step_dir(dir)?;
-    let rank = file.strip_prefix("rank-")?.strip_suffix(".manifest.json")?;
-    if rank.is_empty() || !rank.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((step, rank.parse().ok()?))
-}
-
 impl Core {
     /// What this node holds: shards in memory, and rank manifests on its disk. A job name that
     /// is not one (a peer asking for `../x`) holds nothing.
@@ -87,16 +75,20 @@ impl Core {
         let mut out: Vec<ShardInfo> = self.memory.shards(job).iter().map(|s| s.info()).collect();
         let disk = self.tiers.iter().find(|t| t.kind() == TierKind::Disk);
         if let (Some(disk), Some(job)) = (disk, job) {
-            match disk.list_objects(&format!("{job}/")) {
-                Ok(objects) => {
-                    for (key, _) in objects {
-                        if let Some((step, rank)) = manifest_of(job, &key) {
+            match StepIndex::list(disk.as_ref(), job, None) {
+                Ok(index) => {
+                    for (step, entry) in index.steps() {
+                        for (&rank, files) in &entry.ranks {
+                            // Committed: its data file and its manifest (see `index`).
+                            let Some(len) = files.data_len.filter(|_| files.manifest) else {
+                                continue;
+                            };
                             out.push(ShardInfo {
                                 job: job.to_string(),
                                 rank,
                                 step,
                                 world_size: 0,
-                                len: 0,
+                                len,
                                 origin: self.me.node.clone(),
                                 held: Held::Disk,
                             });
@@ -133,12 +125,14 @@ impl Core {
         world_size: u32,
         below: Option<u64>,
     ) -> Option<u64> {
-        let mut present: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
+        // `index`'s rule over what the inventories list as committed; the restore reads the
+        // asked rank's manifest.
+        let mut present = StepIndex::default();
         let mut add = |infos: &[ShardInfo]| {
             for s in infos {
                 // Disk entries do not know the world size; memory ones must match it.
                 if s.job == job && (s.world_size == world_size || s.held == Held::Disk) {
-                    present.entry(s.step).or_default().insert(s.rank);
+                    present.insert_committed(s.step, s.rank, s.len);
                 }
             }
         };
@@ -162,13 +156,7 @@ impl Core {
             }
         });
         add(&listed.into_inner().unwrap_or_else(PoisonError::into_inner));
-        let complete = |ranks: &BTreeSet<u32>| (0..world_size).all(|r| ranks.contains(&r));
-        present
-            .iter()
-            .rev()
-            .filter(|(s, _)| below.is_none_or(|b| **s < b))
-            .find(|(_, r)| complete(r))
-            .map(|(s, _)| *s)
+        present.newest_committed(world_size, below)
     }
 
     /// The newest step complete in the store, or `None`; [`CkptError::Unavailable`] when the
@@ -373,33 +361,5 @@ impl Core {
             committed: Instant::now(),
         });
         Ok((shard, sources))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn manifest_keys_parse_strictly() {
-        assert_eq!(
-            manifest_of("j", "j/step-12/rank-3.manifest.json"),
-            Some((12, 3))
-        );
-        assert_eq!(
-            manifest_of("a/b", "a/b/step-1/rank-0.manifest.json"),
-            Some((1, 0))
-        );
-        for bad in [
-            "j/step-12/rank-3.safetensors",
-            "j/step-x/rank-3.manifest.json",
-            "j/step-1/rank-.manifest.json",
-            "j/step-1/rank--1.manifest.json",
-            "j/step-1/.rank-0.manifest.json.tmp-1",
-            "jj/step-1/rank-0.manifest.json",
-            "j/step-1/sub/rank-0.manifest.json",
-        ] {
-            assert_eq!(manifest_of("j", bad), None, "{bad}");
-        }
     }
 }

@@ -98,14 +98,6 @@ impl Drop for Running {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A sidecar's settings; port 0 lets the kernel pick its peer port when it binds, so a sidecar
 /// restarted in a test never races another socket for a port chosen in advance.
 fn settings(node: &str, ip: &str, port: u16, socket: &Path) -> Settings {
@@ -225,7 +217,7 @@ fn the_handle_reports_every_tier_and_loads_are_views_of_shared_memory() {
 fn peers_found_through_dns_hold_the_replicas() {
     // Both listen on the same port of two loopback addresses; "localhost" resolves to the
     // first only, so the second finds it by name, and the first finds only itself (skipped).
-    let port = free_port();
+    let port = hotstart_testkit::free_port().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut a = settings("node-a", "127.0.0.1", port, &dir.path().join("a.sock"));
     a.peers_dns = Some(format!("localhost:{port}"));

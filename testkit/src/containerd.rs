@@ -236,10 +236,7 @@ impl Registry {
             return None;
         }
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = crate::free_port().expect("a free port");
         let config = dir.path().join("config.yml");
         std::fs::write(
             &config,

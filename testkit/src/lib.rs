@@ -22,7 +22,8 @@
 //! [`SeaweedFs::start_in_netns`] one behind the emulated remote link of `benches/netem.sh`.
 //!
 //! [`spawn_tied`] spawns any child that way (sidecars and trainers in end-to-end tests), and
-//! [`get`] is a plain HTTP GET (a sidecar's `/metrics`).
+//! [`get`] is a plain HTTP GET (a sidecar's `/metrics`), and [`free_port`] names a free port
+//! ahead of a child's command line.
 //!
 //! [`oci`] writes OCI images offline (layer tarballs, layouts, the libraries a program needs).
 //!
@@ -39,6 +40,7 @@ mod containerd;
 mod data;
 mod http;
 mod locate;
+mod net;
 pub mod oci;
 mod seaweedfs;
 mod spawn;
@@ -48,5 +50,6 @@ pub use containerd::{Containerd, Registry, cri_pull};
 pub use data::pattern;
 pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};
+pub use net::free_port;
 pub use seaweedfs::{Blob, SeaweedFs};
 pub use spawn::{run_ok, spawn_tied, terminate};

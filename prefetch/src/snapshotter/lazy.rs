@@ -46,6 +46,7 @@ use tokio::sync::Mutex;
 use tonic::Status;
 use tracing::{info, warn};
 
+pub use super::state::{IMAGE_LAYERS_LABEL, IMAGE_REF_LABEL};
 use super::state::{LazyLayer, SnapshotError, Snapshots, Usage};
 use crate::convert::{container_image, layer_image};
 use crate::image::{ImageRecord, Images};
@@ -61,11 +62,6 @@ use crate::report::MountReport;
 /// The snapshot label containerd passes with the chain id of the layer it is about to unpack.
 pub const TARGET_LABEL: &str = "containerd.io/snapshot.ref";
 
-/// The label CRI passes with the digests of the layer being prepared and those above it.
-pub const IMAGE_LAYERS_LABEL: &str = "containerd.io/snapshot/cri.image-layers";
-
-/// The label CRI passes with the reference of the image being pulled.
-pub const IMAGE_REF_LABEL: &str = "containerd.io/snapshot/cri.image-ref";
 
 /// How long a container start is recorded at most, by default (see [`Lazy::with_record_for`]).
 pub const RECORD_FOR: Duration = Duration::from_secs(60);

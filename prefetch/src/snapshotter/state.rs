@@ -75,6 +75,12 @@ pub struct Record {
     pub lazy: Option<String>,
 }
 
+/// The label CRI passes with the digests of the layer being prepared and those above it.
+pub const IMAGE_LAYERS_LABEL: &str = "containerd.io/snapshot/cri.image-layers";
+
+/// The label CRI passes with the reference of the image being pulled.
+pub const IMAGE_REF_LABEL: &str = "containerd.io/snapshot/cri.image-ref";
+
 /// A lazily served layer, as [`Snapshots::lazy_layers`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LazyLayer {
@@ -82,7 +88,7 @@ pub struct LazyLayer {
     /// The image in the store that serves it.
     pub image: String,
     /// The container image whose pull unpacked it (CRI's label
-    /// [`super::lazy::IMAGE_REF_LABEL`]), when containerd said.
+    /// [`IMAGE_REF_LABEL`]), when containerd said.
     pub pulled_for: Option<String>,
 }
 
@@ -91,7 +97,7 @@ impl LazyLayer {
         Some(LazyLayer {
             id: r.id,
             image: r.lazy.clone()?,
-            pulled_for: r.labels.get(super::lazy::IMAGE_REF_LABEL).cloned(),
+            pulled_for: r.labels.get(IMAGE_REF_LABEL).cloned(),
         })
     }
 }
