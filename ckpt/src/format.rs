@@ -613,7 +613,11 @@ mod tests {
         ] {
             assert_eq!(parsed(other).map(|k| k.2), Some(StepFile::Other), "{other}");
         }
-        for outside in ["step-1/rank-0.safetensors", "j/step-x/rank-0.safetensors", "j"] {
+        for outside in [
+            "step-1/rank-0.safetensors",
+            "j/step-x/rank-0.safetensors",
+            "j",
+        ] {
             assert_eq!(parsed(outside), None, "{outside}");
         }
         // A file in a folder under a step directory is not one of the step's.
