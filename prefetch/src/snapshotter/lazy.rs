@@ -62,7 +62,6 @@ use crate::report::MountReport;
 /// The snapshot label containerd passes with the chain id of the layer it is about to unpack.
 pub const TARGET_LABEL: &str = "containerd.io/snapshot.ref";
 
-
 /// How long a container start is recorded at most, by default (see [`Lazy::with_record_for`]).
 pub const RECORD_FOR: Duration = Duration::from_secs(60);
 
