@@ -1,0 +1,60 @@
+//! What only the sidecar calls: a step read into memory it provides, and the file of a step
+//! on this node's disk opened to hand to a restarted process.
+
+use super::*;
+
+impl Inner {
+    /// `Engine::read_into`.
+    pub(crate) fn read_into<B: AsMut<[u8]>, E: From<Error>>(
+        &self,
+        step: u64,
+        alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
+    ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
+        let inner = self;
+        let (manifest, tiers) = inner.sources(step)?;
+        let tiers = as_sources(&tiers);
+        let len = file_len(&manifest)?;
+        let mut buf = alloc(len, tiers[0].kind())?;
+        let direct = (0..manifest.chunks.len()).map(|_| Vec::new()).collect();
+        let sources = inner.read_chunks(
+            step,
+            &manifest,
+            &tiers,
+            &mut buf.as_mut()[..len],
+            direct,
+            false,
+        )?;
+        Ok((manifest, buf, sources))
+    }
+}
+
+impl Inner {
+    /// The manifest, file and tier of `step` where the tier a load would take as its reference
+    /// keeps local files and the file has the manifest's length.
+    pub(super) fn local_step(&self, step: u64) -> Option<(Manifest, std::path::PathBuf, TierKind)> {
+        let key = format::data_key(&self.job, step, self.rank);
+        for tier in &self.tiers {
+            // A tier that is not local ends the search before its manifest is read (a round
+            // trip to a remote store): it would be the reference if it holds the step.
+            let path = tier.local_path(&key)?;
+            if let Ok(Some(m)) = self.read_manifest(tier.as_ref(), step) {
+                let len = std::fs::metadata(&path).ok()?.len();
+                return (len == m.file_len).then_some((m, path, tier.kind()));
+            }
+        }
+        None
+    }
+
+    /// `Engine::open_local_file`.
+    pub(crate) fn open_local_file(
+        &self,
+        step: u64,
+    ) -> Result<Option<(Manifest, std::fs::File, TierKind)>> {
+        let Some((m, path, kind)) = self.local_step(step) else {
+            return Ok(None);
+        };
+        let file = hotstart_store::uring::open_for_reading(&path, &self.uring)
+            .map_err(|e| Error::store("open", path.display().to_string(), e))?;
+        Ok(Some((m, file, kind)))
+    }
+}

@@ -1,0 +1,162 @@
+//! Loads through the node's sidecar: a restored step's segment mapped as the loaded tensors,
+//! or a file of its disk read and verified here, with the sidecar's copy as the fallback.
+
+use super::*;
+
+impl Inner {
+    /// Hands out a step the sidecar restored: from its segment ([`Inner::load_segment`]), or
+    /// from a file of its disk, loaded as from a tier and verified chunk by chunk; a chunk of
+    /// the file that does not match is taken from a segment the sidecar makes of the step after
+    /// all ([`SidecarCopy`]), from its disk and store.
+    pub(super) fn load_restored(
+        &self,
+        sidecar: &Client,
+        restored: Restored,
+        dest: Destination<'_>,
+        started: Instant,
+    ) -> Result<Loaded> {
+        let Restored {
+            manifest: m,
+            handed,
+            chunk_sources,
+            source,
+            seconds,
+        } = restored;
+        let step = m.step;
+        let (loaded, handed) = match handed {
+            Handed::Segment(segment) => (
+                self.load_segment(sidecar, m, segment, dest, chunk_sources)?,
+                "segment",
+            ),
+            Handed::File(file) => {
+                let key = format::data_key(&self.job, step, self.rank);
+                let label = format!("{key} (the sidecar's {source} tier)");
+                let file = HandedFile::new(file, label.into(), source, self.uring.clone());
+                let copy = SidecarCopy {
+                    sidecar,
+                    step,
+                    got: OnceLock::new(),
+                };
+                (self.load_from(step, m, &[&file, &copy], dest)?, "file")
+            }
+        };
+        info!(
+            step,
+            %source,
+            handed,
+            sidecar_seconds = seconds,
+            seconds = started.elapsed().as_secs_f64(),
+            "restored through the sidecar"
+        );
+        Ok(loaded)
+    }
+
+    /// Hands out a step from the sidecar's sealed segment: caller buffers are filled with one
+    /// parallel copy straight from the segment's pages (`pread`, so the mapping's pages are
+    /// never faulted in for them); tensors returned owned are views of the mapping itself,
+    /// valid however long they are kept. The bytes are not hashed again (see [`Handed`]).
+    pub(super) fn load_segment(
+        &self,
+        sidecar: &Client,
+        m: Manifest,
+        segment: Arc<Sealed>,
+        dest: Destination<'_>,
+        chunk_sources: Vec<TierKind>,
+    ) -> Result<Loaded> {
+        let (step, len) = (m.step, file_len(&m)?);
+        let mut targets = targets(step, &m, dest, &|| None)?;
+        let mut direct = std::mem::take(&mut targets.direct);
+        if let Some((file, _)) = targets.file.take() {
+            // The whole file goes to the caller: every chunk is one piece.
+            direct = file
+                .chunks_mut((m.chunk_size as usize).max(1))
+                .map(|c| vec![(0, Out::Host(c))])
+                .collect();
+        }
+        let read = |at, dst: &mut [u8]| {
+            segment.read_at(at, dst).map_err(|e| Error::Sidecar {
+                socket: sidecar.socket().display().to_string(),
+                reason: format!("read the restored segment: {e}"),
+            })
+        };
+        copy_out(
+            &read,
+            direct,
+            m.chunk_size as usize,
+            self.threads,
+            &self.gpu,
+        )?;
+        let all = Bytes::from_owner(SealedBytes(segment, len));
+        self.finish(step, m, &all, Some(&all), targets, chunk_sources)
+    }
+}
+
+pub(super) struct SealedBytes(Arc<Sealed>, usize);
+
+impl AsRef<[u8]> for SealedBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes()[..self.1]
+    }
+}
+
+/// The source a load of a file the sidecar handed over falls back to, chunk by chunk: the
+/// step as a segment the sidecar makes when first asked (from its disk and store, verified).
+pub(super) struct SidecarCopy<'a> {
+    sidecar: &'a Client,
+    step: u64,
+    /// The segment and the tier the sidecar took it from, or why there is none.
+    got: OnceLock<std::result::Result<(Arc<Sealed>, TierKind), String>>,
+}
+
+impl SidecarCopy<'_> {
+    pub(super) fn error(&self, reason: String) -> Error {
+        Error::Sidecar {
+            socket: self.sidecar.socket().display().to_string(),
+            reason,
+        }
+    }
+
+    pub(super) fn segment(&self) -> Result<&Sealed> {
+        let fetch = || -> Result<(Arc<Sealed>, TierKind)> {
+            let conn = self.sidecar.connect()?;
+            let restored = self.sidecar.restore(conn, Some(self.step), false)?;
+            match restored.handed {
+                Handed::Segment(s) => Ok((s, restored.source)),
+                Handed::File(_) => Err(self.error("handed a file when asked for a segment".into())),
+            }
+        };
+        match self.got.get_or_init(|| fetch().map_err(|e| e.to_string())) {
+            Ok((segment, _)) => Ok(segment),
+            Err(reason) => Err(self.error(format!("step {} from its memory: {reason}", self.step))),
+        }
+    }
+}
+
+impl Source for SidecarCopy<'_> {
+    fn kind(&self) -> TierKind {
+        match self.got.get() {
+            Some(Ok((_, kind))) => *kind,
+            _ => TierKind::Memory,
+        }
+    }
+
+    fn reader(&self, _key: &str, len: u64) -> Result<Box<dyn TierReader + '_>> {
+        let segment = self.segment()?;
+        if (segment.bytes().len() as u64) < len {
+            let have = segment.bytes().len();
+            return Err(self.error(format!("a segment of {have} bytes for a {len}-byte step")));
+        }
+        Ok(Box::new(SegmentReader(segment, self)))
+    }
+}
+
+/// Reads the sealed segment of a [`SidecarCopy`].
+pub(super) struct SegmentReader<'a>(&'a Sealed, &'a SidecarCopy<'a>);
+
+impl TierReader for SegmentReader<'_> {
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.0
+            .read_at(offset, buf)
+            .map_err(|e| self.1.error(format!("read the restored segment: {e}")))
+    }
+}
