@@ -9,8 +9,9 @@
 //! - `BENCHMARKS.md` gathers every report with the date, the machine and a summary of the
 //!   targets met, and links one chart per report;
 //! - `<name>.png` charts each report (see `chart`);
-//! - the README's performance summary, between `<!-- benchmarks:begin -->` and
-//!   `<!-- benchmarks:end -->`, is rewritten from the same figures (unless `--no-readme`).
+//! - the latest run's table in `docs/PERFORMANCE.md` (every row that has a target), between
+//!   `<!-- benchmarks:begin -->` and `<!-- benchmarks:end -->`, is rewritten from the same
+//!   figures (unless `--no-summary`). The README's short performance table is written by hand.
 //!
 //! `--quick` runs every benchmark small and once, to check that all of them work (a few
 //! minutes); its figures say little. The full run takes about an hour here and wants an idle
@@ -40,11 +41,11 @@ pub struct AllArgs {
     /// Where reports, charts and BENCHMARKS.md go.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
     out: PathBuf,
-    /// Leave README.md alone.
+    /// Leave docs/PERFORMANCE.md alone.
     #[arg(long)]
-    no_readme: bool,
-    /// Run nothing: rewrite BENCHMARKS.md, the charts and the README summary from the reports
-    /// already in --out.
+    no_summary: bool,
+    /// Run nothing: rewrite BENCHMARKS.md, the charts and the table in docs/PERFORMANCE.md from
+    /// the reports already in --out.
     #[arg(long)]
     no_run: bool,
 }
@@ -234,7 +235,8 @@ fn describe(runner: &Runner) -> String {
     }
 }
 
-/// Runs the benchmarks, then writes BENCHMARKS.md, the charts and the README summary.
+/// Runs the benchmarks, then writes BENCHMARKS.md, the charts and the table in
+/// docs/PERFORMANCE.md.
 pub fn all(args: &AllArgs) -> anyhow::Result<()> {
     let chosen: Vec<&'static Bench> = BENCHES
         .iter()
@@ -286,10 +288,10 @@ pub fn all(args: &AllArgs) -> anyhow::Result<()> {
     let page_path = args.out.join("BENCHMARKS.md");
     std::fs::write(&page_path, page)?;
     eprintln!("wrote {}", page_path.display());
-    if !args.no_readme && !args.quick {
-        let readme = workspace().join("README.md");
-        update_readme(&readme, &reports)?;
-        eprintln!("updated the performance summary in {}", readme.display());
+    if !args.no_summary && !args.quick {
+        let doc = workspace().join("docs").join("PERFORMANCE.md");
+        update_summary(&doc, &reports)?;
+        eprintln!("updated the latest run's table in {}", doc.display());
     }
     anyhow::ensure!(
         failed.is_empty(),
@@ -339,8 +341,8 @@ fn benchmarks_md(reports: &[(&str, Report)], failed: &[(&str, String)], quick: b
     s
 }
 
-/// The README's summary: every row that has a target.
-fn readme_summary(reports: &[(&str, Report)]) -> String {
+/// The latest run's table in docs/PERFORMANCE.md: every row that has a target.
+fn summary_table(reports: &[(&str, Report)]) -> String {
     let mut s =
         String::from("| area | measurement | peer | ratio | target |\n|---|---|---|---:|---:|\n");
     for (name, report) in reports {
@@ -356,7 +358,7 @@ fn readme_summary(reports: &[(&str, Report)]) -> String {
         }
     }
     s.push_str(&format!(
-        "\nMeasured on {} on {}; every table, note and chart: [benches/results/BENCHMARKS.md](benches/results/BENCHMARKS.md).\n",
+        "\nMeasured on {} on {}; every table, note and chart: [benches/results/BENCHMARKS.md](../benches/results/BENCHMARKS.md).\n",
         machine(),
         today()
     ));
@@ -366,19 +368,20 @@ fn readme_summary(reports: &[(&str, Report)]) -> String {
 const BEGIN: &str = "<!-- benchmarks:begin -->";
 const END: &str = "<!-- benchmarks:end -->";
 
-fn update_readme(readme: &Path, reports: &[(&str, Report)]) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(readme)?;
+/// Replaces the marked section of `page` (docs/PERFORMANCE.md) with [`summary_table`].
+fn update_summary(page: &Path, reports: &[(&str, Report)]) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(page)?;
     let (Some(a), Some(b)) = (text.find(BEGIN), text.find(END)) else {
-        anyhow::bail!("{} has no {BEGIN} … {END} section", readme.display());
+        anyhow::bail!("{} has no {BEGIN} … {END} section", page.display());
     };
-    anyhow::ensure!(a < b, "{}: {END} before {BEGIN}", readme.display());
+    anyhow::ensure!(a < b, "{}: {END} before {BEGIN}", page.display());
     let new = format!(
         "{}{BEGIN}\n{}{}",
         &text[..a],
-        readme_summary(reports),
+        summary_table(reports),
         &text[b..]
     );
-    std::fs::write(readme, new)?;
+    std::fs::write(page, new)?;
     Ok(())
 }
 
@@ -442,11 +445,11 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_section_is_replaced_and_the_rest_kept() {
+    fn the_performance_table_is_replaced_and_the_rest_kept() {
         let dir = tempfile::tempdir().unwrap();
-        let readme = dir.path().join("README.md");
+        let page = dir.path().join("PERFORMANCE.md");
         std::fs::write(
-            &readme,
+            &page,
             format!("# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n"),
         )
         .unwrap();
@@ -461,14 +464,19 @@ mod tests {
             Some(0.95),
         ));
         report.add(Row::rate("write", 1 << 20, d(1), "single PUT", d(2), None));
-        update_readme(&readme, &[("store", report)]).unwrap();
-        let text = std::fs::read_to_string(&readme).unwrap();
+        update_summary(&page, &[("store", report)]).unwrap();
+        let text = std::fs::read_to_string(&page).unwrap();
         assert!(text.starts_with("# x\n\nbefore\n<!-- benchmarks:begin -->\n| area |"));
         assert!(
             text.contains("| store | read | single GET | 2.00× | ≥ 0.95 ✓ |"),
             "{text}"
         );
         assert!(!text.contains("old table") && !text.contains("single PUT"));
+        // The page is in docs/: its link to the results page goes up one level.
+        assert!(
+            text.contains("[benches/results/BENCHMARKS.md](../benches/results/BENCHMARKS.md)"),
+            "{text}"
+        );
         assert!(text.ends_with("<!-- benchmarks:end -->\nafter\n"));
     }
 }

@@ -68,7 +68,7 @@ enum Command {
     Env(env::EnvArgs),
 
     /// Every benchmark above (and the Python package's), then benches/results/BENCHMARKS.md,
-    /// charts, and the README's performance summary.
+    /// charts, and the full table in docs/PERFORMANCE.md.
     All(all::AllArgs),
 }
 
