@@ -45,8 +45,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
-use hotstart_ckpt::proto::shm;
 use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel, Tensor, TierKind};
+use hotstart_proto::shm;
 use hotstart_sidecar::{Settings, Sidecar, Token, metrics};
 use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;

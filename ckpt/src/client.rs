@@ -35,11 +35,11 @@ use crate::cuda::{Gpu, Pinned};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
 use crate::handle::{Phase, Shared};
-use crate::proto::shm::{self, Mapping, Sealed, Segment};
-use crate::proto::wire::{Conn, FdStream, LocalMsg, Side};
-use crate::proto::{PROTOCOL_VERSION, background_priority};
 use crate::staging::Region;
 use crate::tier::TierKind;
+use hotstart_proto::shm::{self, Mapping, Sealed, Segment};
+use hotstart_proto::wire::{Conn, FdStream, LocalMsg, Side};
+use hotstart_proto::{PROTOCOL_VERSION, background_priority};
 
 /// How to reach the sidecar as one rank of one job.
 #[derive(Debug)]

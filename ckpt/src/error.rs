@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::TierKind;
+use hotstart_proto::wire::{LinkError, Side};
 
 /// Everything that can go wrong in the checkpoint engine.
 #[derive(Debug, thiserror::Error)]
@@ -231,3 +232,16 @@ impl Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<LinkError> for Error {
+    fn from(e: LinkError) -> Error {
+        let socket = match e.side {
+            Side::Local => e.label,
+            Side::Peer => format!("peer {}", e.label),
+        };
+        Error::Sidecar {
+            socket,
+            reason: e.reason,
+        }
+    }
+}

@@ -31,8 +31,8 @@
 //! steps a tier keeps), `load` (verified
 //! reads), `inner` (the state an engine's parts share), `owner` (one writer per job and rank), [`handle`] (save progress),
 //! [`inspect`] (offline listing, verification and retention: the `hotstart ckpt` commands),
-//! [`proto`] (the frames, messages and shared memory that the engine and the sidecar both
-//! speak), `client` (the engine's client of the sidecar).
+//! `client` (the engine's client of the sidecar, over the frames, messages and shared memory of
+//! `hotstart-proto`, which the sidecar speaks too).
 
 pub mod cuda;
 pub mod error;
@@ -40,7 +40,6 @@ pub mod format;
 pub mod handle;
 pub mod index;
 pub mod inspect;
-pub mod proto;
 pub mod retention;
 pub mod tensor;
 pub mod tier;
@@ -50,7 +49,6 @@ mod client;
 mod engine;
 mod inner;
 mod load;
-mod memcopy;
 mod owner;
 mod save;
 mod staging;

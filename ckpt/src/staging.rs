@@ -26,6 +26,7 @@
 //! **Checksums.** The staged file is cut into `chunk_size` chunks; threads take chunk indices
 //! from a shared counter and hash them with blake3.
 
+use hotstart_proto::shm::{Committed, Mapping, ReadOnly};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -173,7 +174,7 @@ impl AsRef<[u8]> for Staged {
 ///
 /// Implementations own `len()` bytes at `ptr()` for as long as they live and never move them;
 /// who writes them when is the [`Staging`] image's business. Only this crate implements it
-/// (the pool's buffers and the shared-memory segments of [`crate::proto::shm`]).
+/// (the pool's buffers and the shared-memory segments of [`hotstart_proto::shm`]).
 pub trait Region: sealed::Region + Send + Sync + 'static {
     /// The start of the region, valid for reads and writes of `len()` bytes.
     fn ptr(&self) -> *mut u8;
@@ -199,6 +200,42 @@ impl Region for AlignedBuf {
 
     fn len(&self) -> usize {
         AlignedBuf::len(self)
+    }
+}
+
+impl sealed::Region for Mapping {}
+
+impl Region for Mapping {
+    fn ptr(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        Mapping::len(self)
+    }
+}
+
+impl sealed::Region for ReadOnly {}
+
+impl Region for ReadOnly {
+    fn ptr(&self) -> *mut u8 {
+        self.bytes().as_ptr().cast_mut()
+    }
+
+    fn len(&self) -> usize {
+        ReadOnly::len(self)
+    }
+}
+
+impl sealed::Region for Committed {}
+
+impl Region for Committed {
+    fn ptr(&self) -> *mut u8 {
+        self.bytes().as_ptr().cast_mut()
+    }
+
+    fn len(&self) -> usize {
+        ReadOnly::len(self)
     }
 }
 

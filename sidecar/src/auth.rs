@@ -21,7 +21,8 @@
 use std::io::{Read, Write};
 
 use crate::error::{Error, Result};
-use hotstart_ckpt::proto::wire::{Conn, PeerMsg};
+use crate::wire::PeerMsg;
+use hotstart_proto::wire::Conn;
 
 /// The reason of the error a node gets when it connects to itself (a DNS name that resolves to
 /// every node, this one included).
@@ -279,7 +280,7 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
 
     use super::*;
-    use hotstart_ckpt::proto::wire::Side;
+    use hotstart_proto::wire::Side;
 
     fn id(n: &str) -> Identity {
         Identity {

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use hotstart_ckpt::proto::wire::{LinkError, Side};
+use hotstart_proto::wire::{LinkError, Side};
 
 /// Everything that can go wrong in the sidecar.
 #[derive(Debug, thiserror::Error)]

@@ -1,10 +1,10 @@
 //! hotstart-sidecar: the node daemon (`hotstart serve`). One per node, it owns the memory tier,
 //! backs it up into peers' memory, persists it to disk and store, and serves restores.
 //!
-//! It builds on `hotstart-ckpt`: the frames, messages and shared-memory segments it shares
-//! with training processes are `hotstart_ckpt::proto`, and it persists and reads back steps
-//! with the engine's own tiers. A training process (and the Python wheel) links only
-//! `hotstart-ckpt`, never this crate.
+//! The frames, local messages and shared-memory segments it shares with training processes are
+//! `hotstart-proto`; the messages between sidecars are its own ([`wire`]). It persists and
+//! reads back steps with `hotstart-ckpt`'s tiers. A training process (and the Python wheel)
+//! links `hotstart-ckpt` and `hotstart-proto`, never this crate.
 //!
 //! ```text
 //!   training process ──Unix socket──► sidecar ──TCP (authenticated)──► peer sidecars
@@ -31,7 +31,7 @@
 //! period, what did not finish is reported).
 //!
 //! **Trust.** Peers authenticate with a shared cluster token (`auth`); every frame is bounded
-//! and versioned (`hotstart_ckpt::proto::wire`), and a bad one costs only its connection; every shard that arrives
+//! and versioned (`hotstart_proto::wire`), and a bad one costs only its connection; every shard that arrives
 //! from a peer is verified against its blake3 chunk hashes before it is held. The local socket
 //! is protected by its file mode.
 
@@ -49,6 +49,7 @@ mod persist;
 mod placement;
 mod recovery;
 mod restore;
+pub mod wire;
 
 use hotstart_ckpt::Error as CkptError;
 use std::collections::HashMap;
@@ -69,11 +70,11 @@ use tracing::{debug, error, info, warn};
 pub use auth::{ClusterKey, Identity};
 pub use config::{Settings, SidecarConfig, Token};
 pub use error::{Error, Result};
-pub use hotstart_ckpt::proto::wire::{Held, ShardInfo};
 pub use lifecycle::State;
 pub use peer::PeerClient;
 pub use persist::DrainReport;
 pub use recovery::RecoveryReport;
+pub use wire::{Held, PeerMsg, ShardInfo};
 
 use hotstart_ckpt::Engine;
 use hotstart_ckpt::tier::Tier;
@@ -253,8 +254,8 @@ impl Sidecar {
             secure = core.cfg.token.is_some(),
             "sidecar bound"
         );
-        match hotstart_ckpt::proto::shm::huge_pages() {
-            hotstart_ckpt::proto::shm::HugePages::Never => info!(
+        match hotstart_proto::shm::huge_pages() {
+            hotstart_proto::shm::HugePages::Never => info!(
                 "shared memory in 4 KiB pages (shmem_enabled); restores from memory run at \
                  0.5-0.85x of memcpy: see the huge pages section of docs/CONFIGURATION.md"
             ),

@@ -49,9 +49,9 @@ use crate::lifecycle::State;
 use crate::memory::{Recycled, Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::restore::ServedBytes;
-use hotstart_ckpt::proto::PROTOCOL_VERSION;
-use hotstart_ckpt::proto::shm::{Committed, Segment};
-use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg, Side};
+use hotstart_proto::PROTOCOL_VERSION;
+use hotstart_proto::shm::{Committed, Segment};
+use hotstart_proto::wire::{Conn, FdStream, LocalMsg, Side};
 
 use crate::error::{Error, Result};
 use hotstart_ckpt::format::{self, Manifest};
@@ -161,7 +161,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                             // for its step; until then it hashes out of the way of that
                             // process's start (importing, building its model), and its threads
                             // (hashing, then persistence) inherit the lower priority.
-                            hotstart_ckpt::proto::background_priority();
+                            hotstart_proto::background_priority();
                             match commit(&core, &who, s) {
                                 Ok(shard) => {
                                     info!(shard = %shard.key, "the training process went away after staging; the sidecar committed its save");
@@ -398,7 +398,7 @@ fn stage(
         // lower priority, out of training's way.
         std::thread::scope(|s| {
             s.spawn(|| {
-                hotstart_ckpt::proto::background_priority();
+                hotstart_proto::background_priority();
                 create()
             })
             .join()

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::peer::PeerClient;
-use hotstart_ckpt::proto::shm::Segment;
+use hotstart_proto::shm::Segment;
 
 /// A peer as last probed.
 #[derive(Debug, Clone, PartialEq, Eq)]

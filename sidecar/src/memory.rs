@@ -40,9 +40,9 @@ use std::time::{Duration, Instant};
 use tracing::info;
 
 use crate::error::{Error, Result};
+use crate::wire::{Held, ShardInfo};
 use hotstart_ckpt::format::Manifest;
-use hotstart_ckpt::proto::shm::{self, Committed, Segment};
-use hotstart_ckpt::proto::wire::{Held, ShardInfo};
+use hotstart_proto::shm::{self, Committed, Segment};
 
 /// Charges are rounded up to whole pages of this size.
 const PAGE: u64 = 4096;

@@ -30,9 +30,10 @@ use crate::auth::{self, ClusterKey, Identity};
 use crate::error::{Error, Result};
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
+use crate::wire::{Held, PeerMsg, ShardInfo};
 use hotstart_ckpt::format::{self, Manifest};
-use hotstart_ckpt::proto::shm::Segment;
-use hotstart_ckpt::proto::wire::{Conn, Held, PeerMsg, ShardInfo, Side};
+use hotstart_proto::shm::Segment;
+use hotstart_proto::wire::{Conn, Side};
 
 /// Peer connections served at once; more are closed at once.
 pub const MAX_CONNECTIONS: usize = 256;

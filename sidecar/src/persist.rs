@@ -21,8 +21,8 @@ use crate::Core;
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use hotstart_ckpt::Engine;
-use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg};
 use hotstart_ckpt::tier::TierKind;
+use hotstart_proto::wire::{Conn, FdStream, LocalMsg};
 
 /// The writer half of a training process's connection, for progress events.
 pub(crate) type Events = Arc<Mutex<Conn<FdStream>>>;

@@ -18,7 +18,7 @@ use crate::Core;
 use crate::members::Member;
 use crate::memory::ShardKey;
 use crate::metrics::Failure;
-use hotstart_ckpt::proto::wire::Held;
+use crate::wire::Held;
 
 /// What recovery did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

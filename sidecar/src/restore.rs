@@ -35,11 +35,11 @@ use crate::Core;
 use crate::error::{Error, Result};
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
+use crate::wire::{Held, ShardInfo};
 use hotstart_ckpt::format;
 use hotstart_ckpt::index::StepIndex;
-use hotstart_ckpt::proto::shm::Segment;
-use hotstart_ckpt::proto::wire::{Held, ShardInfo};
 use hotstart_ckpt::tier::TierKind;
+use hotstart_proto::shm::Segment;
 
 /// How long a restore waits for the object store to list a job.
 const STORE_LIST_DEADLINE: Duration = Duration::from_secs(10);

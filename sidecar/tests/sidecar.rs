@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use common::*;
 use hotstart_ckpt::format::{Layout, Manifest};
-use hotstart_ckpt::proto::shm::Segment;
-use hotstart_ckpt::proto::wire::{Conn, FdStream, LocalMsg, Side};
 use hotstart_ckpt::{
     Destination, Dtype, Engine, EngineConfig, Error, Phase, StepSel, Tensor, TierKind,
 };
+use hotstart_proto::shm::Segment;
+use hotstart_proto::wire::{Conn, FdStream, LocalMsg, Side};
 use hotstart_sidecar::{ClusterKey, Held, Identity, PeerClient, Settings, Token};
 use support::Running;
 
@@ -206,7 +206,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
             Side::Local,
         );
         c.send(&LocalMsg::Attach {
-            version: hotstart_ckpt::proto::PROTOCOL_VERSION,
+            version: hotstart_proto::PROTOCOL_VERSION,
             job: "liar".into(),
             rank: 0,
             world_size: 1,
@@ -584,7 +584,7 @@ fn saves_recycle_segments_and_readers_only_ever_see_whole_steps() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let most = ((24 << 20) / hotstart_ckpt::proto::shm::slot_len(BIG + 1)) as f64;
+    let most = ((24 << 20) / hotstart_proto::shm::slot_len(BIG + 1)) as f64;
     assert!(created <= most, "{created} segments created over 50 saves");
     assert_eq!(
         created + recycled,

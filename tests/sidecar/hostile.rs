@@ -7,8 +7,9 @@ use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
 use hotstart_ckpt::format::{Layout, Manifest};
-use hotstart_ckpt::proto::wire::{self, Conn, PeerMsg, Side};
 use hotstart_ckpt::{Dtype, Tensor};
+use hotstart_proto::wire::{self, Conn, Side};
+use hotstart_sidecar::PeerMsg;
 use hotstart_sidecar::{ClusterKey, Held, Identity, PeerClient, ShardInfo, auth};
 use hotstart_testkit::pattern;
 

@@ -255,7 +255,7 @@ impl Scatter<'_, '_, '_> {
                     Some((first, dst)) if *first <= at => {
                         let k = (*first + dst.len()).min(end) - at;
                         match dst {
-                            Out::Host(dst) => crate::memcopy::copy_cold(
+                            Out::Host(dst) => hotstart_proto::memcopy::copy_cold(
                                 &mut dst[at - *first..at - *first + k],
                                 &src[..k],
                             ),

@@ -46,10 +46,10 @@ use crate::cuda::{self, Bounce, Gpu};
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::inner::{Inner, another_world};
-use crate::proto::shm::Sealed;
 use crate::tensor::{DevicePtr, Extras, LoadedTensor};
 use crate::tier::disk::HandedFile;
 use crate::tier::{Source, Tier, TierKind, TierReader};
+use hotstart_proto::shm::Sealed;
 
 mod chunks;
 mod daemon;

@@ -14,7 +14,7 @@ const STREAM_MIN: usize = 64 << 10;
 /// Copies `src` into `dst` (same length), with streaming stores when the piece is large and
 /// the CPU has them. The bytes are visible to other threads once this returns, like any store
 /// followed by the usual synchronisation (the stores are fenced).
-pub(crate) fn copy_cold(dst: &mut [u8], src: &[u8]) {
+pub fn copy_cold(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_cold of unequal lengths");
     #[cfg(target_arch = "x86_64")]
     if dst.len() >= STREAM_MIN {

@@ -1,11 +1,17 @@
-//! What a training process and the node's sidecar (`hotstart serve`, the `hotstart-sidecar`
-//! crate) both speak: the framed, versioned messages of the Unix socket and the peer links
+//! hotstart-proto: what a training process and the node's sidecar (`hotstart serve`, the
+//! `hotstart-sidecar` crate) both speak: the framed, versioned messages of the Unix socket and the peer links
 //! ([`wire`]), and the shared memory a checkpoint is staged into, with its file descriptors
-//! passed over the socket ([`shm`]). The engine's client of the sidecar (the `client` module)
-//! and the daemon both build on these; neither depends on the other.
+//! passed over the socket ([`shm`]). The engine's client of the sidecar (`hotstart-ckpt`'s `client`
+//! module) and the daemon both build on these, and this crate depends on neither; the messages
+//! sidecars exchange with each other are the daemon's own. [`memcopy`] has the copy that both
+//! use to read shared memory out.
 
+mod kind;
+pub mod memcopy;
 pub mod shm;
 pub mod wire;
+
+pub use kind::TierKind;
 
 /// Version of the local socket's protocol, checked in `Attach` (2: `Filled`).
 pub const PROTOCOL_VERSION: u32 = 2;

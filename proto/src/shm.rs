@@ -44,8 +44,6 @@ use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::staging::Region;
-
 /// What lives exactly as long as a segment does, whoever holds it: the sidecar's budget charge
 /// for the segment's memory, released when the segment is dropped.
 pub type Charge = Box<dyn std::any::Any + Send + Sync>;
@@ -293,7 +291,7 @@ fn populate(map: &Mapping) -> io::Result<bool> {
 fn populate_over(map: &Mapping, threads: usize) -> io::Result<bool> {
     let blocks = map.len().div_ceil(POPULATE_BLOCK);
     let next = AtomicUsize::new(0);
-    let start = map.ptr() as usize;
+    let start = map.as_ptr() as usize;
     let work = || -> io::Result<bool> {
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
@@ -427,18 +425,6 @@ impl Mapping {
     }
 }
 
-impl crate::staging::sealed::Region for Mapping {}
-
-impl Region for Mapping {
-    fn ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, owned by this value and unmapped only here.
@@ -540,18 +526,6 @@ impl AsFd for ReadOnly {
     }
 }
 
-impl crate::staging::sealed::Region for ReadOnly {}
-
-impl Region for ReadOnly {
-    fn ptr(&self) -> *mut u8 {
-        self.map.ptr.as_ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.map.len
-    }
-}
-
 /// A segment sealed against writes and mapped read-only: its bytes never change again.
 #[derive(Debug)]
 pub struct Sealed(ReadOnly);
@@ -625,18 +599,6 @@ impl std::ops::Deref for Committed {
 
     fn deref(&self) -> &ReadOnly {
         &self.0
-    }
-}
-
-impl crate::staging::sealed::Region for Committed {}
-
-impl Region for Committed {
-    fn ptr(&self) -> *mut u8 {
-        self.0.map.ptr.as_ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.0.map.len
     }
 }
 
@@ -779,7 +741,7 @@ mod tests {
         let dup = seg.as_fd().try_clone_to_owned().unwrap();
         let w = seg.map_writable().unwrap();
         // SAFETY: the mapping is ours and nobody else writes it.
-        unsafe { std::ptr::write_bytes(w.ptr(), 0xAB, w.len()) };
+        unsafe { std::ptr::write_bytes(w.as_ptr(), 0xAB, w.len()) };
         drop(w);
         let sealed = seg.seal().unwrap();
         assert!(sealed.bytes().iter().all(|&b| b == 0xAB));
@@ -796,7 +758,7 @@ mod tests {
         let dup = seg.as_fd().try_clone_to_owned().unwrap();
         let w = seg.map_writable().unwrap();
         // SAFETY: ours alone.
-        unsafe { std::ptr::write_bytes(w.ptr(), 7, 8192) };
+        unsafe { std::ptr::write_bytes(w.as_ptr(), 7, 8192) };
         // An unsealed descriptor is refused as a committed segment.
         assert!(Sealed::open(dup.try_clone().unwrap(), 8192).is_err());
         let err = seg.seal().map(|_| ()).unwrap_err();
@@ -845,7 +807,7 @@ mod tests {
             assert!(allocated_bytes(seg.as_fd()) >= len as u64, "{word}");
             let w = seg.map_writable().unwrap();
             // SAFETY: ours alone, `len` bytes.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), w.ptr(), len) };
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), w.as_ptr(), len) };
             drop(w);
             let staged = seg.seal().unwrap();
             // Filled here, as from a peer.

@@ -4,7 +4,7 @@
 //! ```text
 //! frame   = magic "HSWP" | version u8 (1) | kind u8 | reserved u16 (0) | len u32 LE | payload
 //!           [| tag, 32 bytes: message frames of an authenticated peer connection]
-//! kind 1  = message: `len` bytes of JSON (one `PeerMsg` or `LocalMsg`)
+//! kind 1  = message: `len` bytes of JSON (one `Msg` or `LocalMsg`)
 //! kind 2  = data: `len` raw bytes of a shard, in order
 //! ```
 //!
@@ -29,8 +29,8 @@ use std::os::unix::net::UnixStream;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::shm;
-use crate::tier::TierKind;
+use crate::TierKind;
+use crate::shm;
 
 /// The first bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"HSWP";
@@ -49,72 +49,6 @@ pub const TAG_LEN: usize = 32;
 
 const KIND_MESSAGE: u8 = 1;
 const KIND_DATA: u8 = 2;
-
-/// Where a shard is held, as an inventory reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Held {
-    Memory,
-    Disk,
-}
-
-/// One shard (a rank's file of one step) as listed, pushed or fetched.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ShardInfo {
-    pub job: String,
-    pub rank: u32,
-    pub step: u64,
-    pub world_size: u32,
-    /// File length in bytes.
-    pub len: u64,
-    /// The node whose training process staged it.
-    pub origin: String,
-    pub held: Held,
-}
-
-/// Messages between peer sidecars.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum PeerMsg {
-    /// Client → server, first: who is calling, and a fresh nonce (hex).
-    Hello {
-        version: u32,
-        node: String,
-        domain: String,
-        nonce: String,
-    },
-    /// Server → client: who answers, its nonce, and its proof that it knows the token.
-    Challenge {
-        node: String,
-        domain: String,
-        nonce: String,
-        proof: String,
-    },
-    /// Client → server: the client's proof.
-    Proof { proof: String },
-    /// Server → client: authenticated; requests may follow.
-    Welcome,
-    /// The request or the connection is refused; the connection is closed after it.
-    Refused { reason: String },
-    /// Which shards do you hold (of one job, or all)?
-    Inventory { job: Option<String> },
-    /// The answer to `Inventory`.
-    Held { shards: Vec<ShardInfo> },
-    /// Hold this replica; its data follows once the server says `Ready`.
-    Push { shard: ShardInfo, manifest: String },
-    /// Room is reserved: send the data.
-    Ready,
-    /// The pushed shard arrived whole and matches its checksums.
-    Stored,
-    /// Send me this shard from your memory.
-    Fetch { job: String, rank: u32, step: u64 },
-    /// The fetched shard; its data follows.
-    Shard { shard: ShardInfo, manifest: String },
-    /// Not held.
-    NotFound,
-    /// The request failed; the connection stays usable.
-    Failed { reason: String },
-}
 
 /// Messages on the Unix socket between a training process and its sidecar.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -212,7 +146,7 @@ pub enum Side {
 }
 
 /// A connection that failed, timed out, or whose other end broke the protocol. The engine
-/// reports it as [`crate::Error::Sidecar`]; the sidecar reports a peer link's as its own peer
+/// reports it as its `Error::Sidecar`; the sidecar reports a peer link's as its own peer
 /// error.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{}{label}: {reason}", match side { Side::Peer => "peer ", Side::Local => "sidecar at " })]
@@ -223,19 +157,6 @@ pub struct LinkError {
     pub label: String,
     /// What went wrong.
     pub reason: String,
-}
-
-impl From<LinkError> for crate::Error {
-    fn from(e: LinkError) -> crate::Error {
-        let socket = match e.side {
-            Side::Local => e.label,
-            Side::Peer => format!("peer {}", e.label),
-        };
-        crate::Error::Sidecar {
-            socket,
-            reason: e.reason,
-        }
-    }
 }
 
 /// `Result` of a framed connection.
@@ -633,6 +554,16 @@ mod tests {
         }
     }
 
+    /// Messages of the shape the peer links send.
+    #[derive(Debug, Serialize, Deserialize)]
+    #[serde(tag = "op", rename_all = "snake_case")]
+    enum Msg {
+        Inventory { job: Option<String> },
+        Welcome,
+        NotFound,
+        Refused { reason: String },
+    }
+
     fn conn(bytes: Vec<u8>) -> Conn<Loop> {
         Conn::new(Loop(io::Cursor::new(bytes)), "test", Side::Peer)
     }
@@ -665,14 +596,14 @@ mod tests {
     #[test]
     fn messages_and_data_round_trip() {
         let mut c = conn(Vec::new());
-        c.send(&PeerMsg::Inventory {
+        c.send(&Msg::Inventory {
             job: Some("j".into()),
         })
         .unwrap();
         let data: Vec<u8> = (0..MAX_DATA + 10).map(|i| i as u8).collect();
         c.send_data(&data).unwrap();
-        match c.recv::<PeerMsg>().unwrap() {
-            PeerMsg::Inventory { job } => assert_eq!(job.as_deref(), Some("j")),
+        match c.recv::<Msg>().unwrap() {
+            Msg::Inventory { job } => assert_eq!(job.as_deref(), Some("j")),
             m => panic!("{m:?}"),
         }
         let mut out = vec![0u8; data.len()];
@@ -684,7 +615,7 @@ mod tests {
     fn hostile_frames_are_violations() {
         let good = {
             let mut c = conn(Vec::new());
-            c.send(&PeerMsg::Welcome).unwrap();
+            c.send(&Msg::Welcome).unwrap();
             c.io.0.into_inner()
         };
         let mut cases: Vec<(Vec<u8>, &str)> = Vec::new();
@@ -710,13 +641,13 @@ mod tests {
         cases.push((data_first, "data frame"));
         for (bytes, want) in cases {
             let mut c = conn(bytes);
-            let err = c.recv::<PeerMsg>().unwrap_err().to_string();
+            let err = c.recv::<Msg>().unwrap_err().to_string();
             assert!(c.violated(), "{want}: {err}");
             assert!(err.contains(want), "{want}: {err}");
         }
         // Truncated: an I/O error, not a violation.
         let mut c = conn(good[..good.len() - 2].to_vec());
-        let err = c.recv::<PeerMsg>().unwrap_err().to_string();
+        let err = c.recv::<Msg>().unwrap_err().to_string();
         assert!(!c.violated() && err.contains("closed"), "{err}");
         // A data frame larger than the room left.
         let mut c = conn(Vec::new());
@@ -730,47 +661,47 @@ mod tests {
         let key = [7u8; 32];
         let mut a = conn(Vec::new());
         a.authenticated(key, b'c', b's');
-        a.send(&PeerMsg::Welcome).unwrap();
-        a.send(&PeerMsg::NotFound).unwrap();
+        a.send(&Msg::Welcome).unwrap();
+        a.send(&Msg::NotFound).unwrap();
         let frames = a.io.0.into_inner();
         let first_len = HEADER_LEN + br#"{"op":"welcome"}"#.len() + TAG_LEN;
 
         let mut b = conn(frames.clone());
         b.authenticated(key, b's', b'c');
-        assert!(matches!(b.recv::<PeerMsg>().unwrap(), PeerMsg::Welcome));
-        assert!(matches!(b.recv::<PeerMsg>().unwrap(), PeerMsg::NotFound));
+        assert!(matches!(b.recv::<Msg>().unwrap(), Msg::Welcome));
+        assert!(matches!(b.recv::<Msg>().unwrap(), Msg::NotFound));
 
         // Reflected back to the sender: the direction label differs.
         let mut reflect = conn(frames.clone());
         reflect.authenticated(key, b'c', b's');
-        assert!(reflect.recv::<PeerMsg>().is_err() && reflect.violated());
+        assert!(reflect.recv::<Msg>().is_err() && reflect.violated());
         // Replayed out of order: the second frame first.
         let mut replay = conn(frames[first_len..].to_vec());
         replay.authenticated(key, b's', b'c');
-        assert!(replay.recv::<PeerMsg>().is_err() && replay.violated());
+        assert!(replay.recv::<Msg>().is_err() && replay.violated());
         // A flipped payload bit.
         let mut forged = frames.clone();
         forged[HEADER_LEN + 3] ^= 1;
         let mut f = conn(forged);
         f.authenticated(key, b's', b'c');
-        assert!(f.recv::<PeerMsg>().is_err() && f.violated());
+        assert!(f.recv::<Msg>().is_err() && f.violated());
         // Another key.
         let mut other = conn(frames);
         other.authenticated([8u8; 32], b's', b'c');
-        assert!(other.recv::<PeerMsg>().is_err());
+        assert!(other.recv::<Msg>().is_err());
     }
 
     #[test]
     fn handshake_messages_are_small_until_authenticated() {
-        let big = PeerMsg::Refused {
+        let big = Msg::Refused {
             reason: "x".repeat(MAX_HANDSHAKE),
         };
         let mut c = conn(Vec::new());
         c.send(&big).unwrap();
         let frames = c.io.0.into_inner();
         let mut before = conn(frames.clone());
-        assert!(before.recv::<PeerMsg>().is_err() && before.violated());
+        assert!(before.recv::<Msg>().is_err() && before.violated());
         let mut local = Conn::new(Loop(io::Cursor::new(frames)), "sock", Side::Local);
-        assert!(local.recv::<PeerMsg>().is_ok());
+        assert!(local.recv::<Msg>().is_ok());
     }
 }

@@ -1,0 +1,70 @@
+//! The messages sidecars exchange over their peer links, in the frames of
+//! [`hotstart_proto::wire`] (`docs/PROTOCOL.md`).
+
+use serde::{Deserialize, Serialize};
+
+/// Where a shard is held, as an inventory reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Held {
+    Memory,
+    Disk,
+}
+
+/// One shard (a rank's file of one step) as listed, pushed or fetched.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub job: String,
+    pub rank: u32,
+    pub step: u64,
+    pub world_size: u32,
+    /// File length in bytes.
+    pub len: u64,
+    /// The node whose training process staged it.
+    pub origin: String,
+    pub held: Held,
+}
+
+/// Messages between peer sidecars.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum PeerMsg {
+    /// Client → server, first: who is calling, and a fresh nonce (hex).
+    Hello {
+        version: u32,
+        node: String,
+        domain: String,
+        nonce: String,
+    },
+    /// Server → client: who answers, its nonce, and its proof that it knows the token.
+    Challenge {
+        node: String,
+        domain: String,
+        nonce: String,
+        proof: String,
+    },
+    /// Client → server: the client's proof.
+    Proof { proof: String },
+    /// Server → client: authenticated; requests may follow.
+    Welcome,
+    /// The request or the connection is refused; the connection is closed after it.
+    Refused { reason: String },
+    /// Which shards do you hold (of one job, or all)?
+    Inventory { job: Option<String> },
+    /// The answer to `Inventory`.
+    Held { shards: Vec<ShardInfo> },
+    /// Hold this replica; its data follows once the server says `Ready`.
+    Push { shard: ShardInfo, manifest: String },
+    /// Room is reserved: send the data.
+    Ready,
+    /// The pushed shard arrived whole and matches its checksums.
+    Stored,
+    /// Send me this shard from your memory.
+    Fetch { job: String, rank: u32, step: u64 },
+    /// The fetched shard; its data follows.
+    Shard { shard: ShardInfo, manifest: String },
+    /// Not held.
+    NotFound,
+    /// The request failed; the connection stays usable.
+    Failed { reason: String },
+}
