@@ -10,10 +10,11 @@
 //! unfinished writes); every rank's manifest is read. A step is *complete* by
 //! [`crate::index`]'s rule, which the engine and the sidecar apply too.
 //!
-//! **Verifying.** For each rank with a manifest the data file is read chunk by chunk (chunks
-//! spread over threads, one reader per thread) and every chunk's blake3 compared with the
-//! manifest's; the safetensors header is parsed and must list the manifest's tensors. Every
-//! problem is collected, naming step, rank and chunk, rather than stopping at the first.
+//! **Verifying.** For each rank with a manifest the data file is read chunk by chunk with the
+//! loader's own chunk reader and pool (`crate::load`: chunks spread over threads, one reader
+//! per thread, each window hashed while the next is read) and every chunk's blake3 compared
+//! with the manifest's; the safetensors header is parsed and must list the manifest's tensors.
+//! Every problem is collected, naming step, rank and chunk, rather than stopping at the first.
 //!
 //! **Retention** ([`Checkpoints::gc`]) is the engine's rule applied to every rank at once: keep
 //! the newest `keep` complete steps, remove older complete steps and incomplete steps older than
@@ -23,7 +24,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -33,10 +33,11 @@ use hotstart_store::{StoreUrl, StripeConfig};
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::index::{self, StepIndex};
+use crate::load;
 use crate::retention;
-use crate::tier::Tier;
 use crate::tier::disk::DiskTier;
 use crate::tier::store::{Runtime, StoreTier};
+use crate::tier::{Tier, TierReader};
 
 /// Most absent ranks listed for one step.
 const MAX_LISTED_RANKS: u32 = 1 << 16;
@@ -393,7 +394,7 @@ impl Checkpoints {
     }
 
     /// Every problem with one rank's data file.
-    fn verify_rank(&self, job: &str, m: &Manifest) -> Vec<Problem> {
+    fn verify_rank<'s>(&'s self, job: &str, m: &Manifest) -> Vec<Problem> {
         let problem = |chunk: Option<usize>, reason: String| Problem {
             step: m.step,
             rank: m.rank,
@@ -415,51 +416,38 @@ impl Checkpoints {
             Ok(()) => {}
             Err(e) => push(problem(None, e.to_string())),
         }
-        let cursor = AtomicUsize::new(0);
+        // The loader's chunk reader (each window hashed as the next is read) over its pool;
+        // every chunk is checked, and every problem kept.
         let workers = self.threads.clamp(1, 8).min(hashes.len().max(1));
-        std::thread::scope(|scope| {
-            for _ in 0..workers {
-                scope.spawn(|| {
-                    let mut reader = match self.tier.reader(&key, m.file_len) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            // Every worker fails alike; report it once.
-                            if cursor.swap(hashes.len(), Ordering::Relaxed) < hashes.len() {
-                                push(problem(None, e.to_string()));
-                            }
-                            return;
-                        }
-                    };
-                    let mut buf = AlignedBuf::zeroed(chunk_size);
-                    loop {
-                        let i = cursor.fetch_add(1, Ordering::Relaxed);
-                        if i >= hashes.len() {
-                            return;
-                        }
-                        let range = m.chunk_range(i);
-                        let slice = &mut buf[..(range.end - range.start) as usize];
-                        match reader.read_at(range.start, slice) {
-                            Ok(()) => {
-                                let got = blake3::hash(slice);
-                                if got != hashes[i] {
-                                    push(problem(
-                                        Some(i),
-                                        format!(
-                                            "checksum mismatch in bytes {}..{} (manifest {}, file {})",
-                                            range.start,
-                                            range.end,
-                                            hashes[i].to_hex(),
-                                            got.to_hex()
-                                        ),
-                                    ));
-                                }
-                            }
-                            Err(e) => push(problem(Some(i), e.to_string())),
-                        }
-                    }
-                });
+        let init = || (None, AlignedBuf::zeroed(chunk_size));
+        let work = |(reader, buf): &mut (Option<Box<dyn TierReader + 's>>, AlignedBuf),
+                    i: usize| {
+            let reader = match reader {
+                Some(r) => r,
+                // Every worker would fail alike: one error stops them, reported once below.
+                slot @ None => slot.insert(self.tier.reader(&key, m.file_len)?),
+            };
+            let range = m.chunk_range(i);
+            let slice = &mut buf[..(range.end - range.start) as usize];
+            match load::read_chunk(reader.as_mut(), range.start, slice) {
+                Ok(got) if got != hashes[i] => push(problem(
+                    Some(i),
+                    format!(
+                        "checksum mismatch in bytes {}..{} (manifest {}, file {})",
+                        range.start,
+                        range.end,
+                        hashes[i].to_hex(),
+                        got.to_hex()
+                    ),
+                )),
+                Ok(_) => {}
+                Err(e) => push(problem(Some(i), e.to_string())),
             }
-        });
+            Ok(())
+        };
+        if let Err(e) = load::each_parallel(0..hashes.len(), workers, init, work, |_| Ok(())) {
+            push(problem(None, e.to_string()));
+        }
         let mut problems = problems
             .into_inner()
             .unwrap_or_else(PoisonError::into_inner);

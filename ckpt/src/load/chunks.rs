@@ -34,15 +34,18 @@ pub(super) fn drain(bounces: &mut [Bounce]) -> Result<()> {
         .fold(Ok(()), Result::and)
 }
 
+/// A worker's readers of the tiers, opened on first use.
+type Readers<'t> = Vec<Option<Box<dyn TierReader + 't>>>;
+
 impl Inner {
     /// Fills `buf` with the verified file, chunk by chunk, except the bytes that `direct` sends
     /// to caller or device buffers instead (per chunk: offset in the chunk and destination, in
     /// order); the tier each chunk came from. Returns once every copy to a device is done.
-    pub(crate) fn read_chunks(
+    pub(crate) fn read_chunks<'t>(
         &self,
         step: u64,
         m: &Manifest,
-        tiers: &[&dyn Source],
+        tiers: &[&'t dyn Source],
         buf: &mut [u8],
         direct: Vec<Vec<(usize, Out<'_>)>>,
         held: bool,
@@ -52,9 +55,8 @@ impl Inner {
         let chunk_size = m.chunk_size as usize;
         let n = hashes.len();
         let device = device_of(direct.iter().flatten().map(|(_, o)| o));
-        let cursor = Mutex::new(buf.chunks_mut(chunk_size.max(1)).zip(direct).enumerate());
+        let items = buf.chunks_mut(chunk_size.max(1)).zip(direct).enumerate();
         let results: Mutex<Vec<Option<TierKind>>> = Mutex::new(vec![None; n]);
-        let failure: Mutex<Option<Error>> = Mutex::new(None);
         // More workers than threads: each one hashes a window while its next one is read, and
         // with many of them the disk always has reads queued while the others hash. Eight per
         // thread for reads into host memory (a cold 4 GiB load into caller tensors on two cores
@@ -63,99 +65,70 @@ impl Inner {
         // held file: eight ran slower there).
         let per_thread = if device.is_some() || held { 4 } else { 8 };
         let workers = (per_thread * self.threads).clamp(1, 32).min(n.max(1));
-        let fail = |e: Error| {
-            let mut f = failure.lock().unwrap_or_else(PoisonError::into_inner);
-            if f.is_none() {
-                *f = Some(e);
-            }
+        // Each worker's readers of the tiers, opened on first use, and its bounce buffers.
+        let init = || {
+            let readers: Readers<'t> = tiers.iter().map(|_| None).collect();
+            (readers, Vec::<Bounce>::new())
         };
-        std::thread::scope(|scope| {
-            for _ in 0..workers {
-                scope.spawn(|| {
-                    let mut readers: Vec<Option<Box<dyn TierReader + '_>>> =
-                        tiers.iter().map(|_| None).collect();
-                    let mut bounce: Vec<Bounce> = Vec::new();
-                    loop {
-                        if failure.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+        let work =
+            |(readers, bounce): &mut (Readers<'t>, Vec<Bounce>),
+             (i, (slice, mut pieces)): (usize, (&mut [u8], Vec<(usize, Out<'_>)>))| {
+                let offset = m.chunk_range(i).start;
+                let mut last = String::from("no tier has a valid manifest");
+                let mut got = None;
+                if held && pieces.is_empty() {
+                    // The caller's buffer holds the nearest tier's bytes already.
+                    read_ahead(slice);
+                    if blake3::hash(slice) == hashes[i] {
+                        got = tiers.first().map(|t| t.kind());
+                    } else {
+                        warn!(
+                            step,
+                            chunk = i,
+                            "chunk held in memory unusable (checksum mismatch); reading it again"
+                        );
+                    }
+                }
+                let to_try = if got.is_some() { &tiers[..0] } else { tiers };
+                for (t, tier) in to_try.iter().enumerate() {
+                    let reader = match &mut readers[t] {
+                        Some(r) => Ok(r),
+                        slot @ None => tier.reader(&key, m.file_len).map(|r| slot.insert(r)),
+                    };
+                    let res = reader.and_then(|r| {
+                        if pieces.is_empty() {
+                            read_chunk(r.as_mut(), offset, slice)
+                        } else {
+                            if bounce.is_empty() {
+                                *bounce = bounces(&self.gpu, device);
+                            }
+                            scatter_chunk(r.as_mut(), offset, slice, &mut pieces, bounce, &self.gpu)
+                        }
+                    });
+                    let why = match res {
+                        Ok(hash) if hash == hashes[i] => {
+                            got = Some(tier.kind());
                             break;
                         }
-                        let next = cursor.lock().unwrap_or_else(PoisonError::into_inner).next();
-                        let Some((i, (slice, mut pieces))) = next else { break };
-                        let offset = m.chunk_range(i).start;
-                        let mut last = String::from("no tier has a valid manifest");
-                        let mut got = None;
-                        if held && pieces.is_empty() {
-                            // The caller's buffer holds the nearest tier's bytes already.
-                            read_ahead(slice);
-                            if blake3::hash(slice) == hashes[i] {
-                                got = tiers.first().map(|t| t.kind());
-                            } else {
-                                warn!(step, chunk = i, "chunk held in memory unusable (checksum mismatch); reading it again");
-                            }
-                        }
-                        let to_try = if got.is_some() { &tiers[..0] } else { tiers };
-                        for (t, tier) in to_try.iter().enumerate() {
-                            let reader = match &mut readers[t] {
-                                Some(r) => Ok(r),
-                                slot @ None => tier.reader(&key, m.file_len).map(|r| slot.insert(r)),
-                            };
-                            let res = reader.and_then(|r| {
-                                if pieces.is_empty() {
-                                    read_chunk(r.as_mut(), offset, slice)
-                                } else {
-                                    if bounce.is_empty() {
-                                        bounce = bounces(&self.gpu, device);
-                                    }
-                                    scatter_chunk(
-                                        r.as_mut(),
-                                        offset,
-                                        slice,
-                                        &mut pieces,
-                                        &mut bounce,
-                                        &self.gpu,
-                                    )
-                                }
-                            });
-                            let why = match res {
-                                Ok(hash) if hash == hashes[i] => {
-                                    got = Some(tier.kind());
-                                    break;
-                                }
-                                // The device, not the tier, failed: no other tier helps.
-                                Err(e @ Error::Cuda { .. }) => {
-                                    fail(e);
-                                    return;
-                                }
-                                Ok(_) => format!("{} tier: checksum mismatch", tier.kind()),
-                                Err(e) => format!("{} tier: {e}", tier.kind()),
-                            };
-                            warn!(step, chunk = i, reason = %why, "chunk unusable; trying the next tier");
-                            last = why;
-                        }
-                        match got {
-                            Some(kind) => {
-                                results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(kind)
-                            }
-                            None => {
-                                fail(Error::Corrupt {
-                                    step,
-                                    rank: self.rank,
-                                    chunk: i,
-                                    reason: last,
-                                });
-                                break;
-                            }
-                        }
-                    }
-                    if let Err(e) = drain(&mut bounce) {
-                        fail(e);
-                    }
-                });
-            }
-        });
-        if let Some(e) = failure.into_inner().unwrap_or_else(PoisonError::into_inner) {
-            return Err(e);
-        }
+                        // The device, not the tier, failed: no other tier helps.
+                        Err(e @ Error::Cuda { .. }) => return Err(e),
+                        Ok(_) => format!("{} tier: checksum mismatch", tier.kind()),
+                        Err(e) => format!("{} tier: {e}", tier.kind()),
+                    };
+                    warn!(step, chunk = i, reason = %why, "chunk unusable; trying the next tier");
+                    last = why;
+                }
+                let kind = got.ok_or_else(|| Error::Corrupt {
+                    step,
+                    rank: self.rank,
+                    chunk: i,
+                    reason: last,
+                })?;
+                results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(kind);
+                Ok(())
+            };
+        let done = |(_, mut bounce): (_, Vec<Bounce>)| drain(&mut bounce);
+        each_parallel(items, workers, init, work, done)?;
         let results = results.into_inner().unwrap_or_else(PoisonError::into_inner);
         results
             .into_iter()
@@ -169,6 +142,56 @@ impl Inner {
                 })
             })
             .collect()
+    }
+}
+
+/// Runs `work` on every item of `items` over `workers` threads, each with state of its own
+/// made by `init` and handed to `done` when the worker stops. Once an item fails no more are
+/// handed out; the first failure is returned. The pool under every parallel chunk read: loads,
+/// and `hotstart ckpt verify` (`crate::inspect`).
+pub(crate) fn each_parallel<T: Send, S>(
+    items: impl Iterator<Item = T> + Send,
+    workers: usize,
+    init: impl Fn() -> S + Sync,
+    work: impl Fn(&mut S, T) -> Result<()> + Sync,
+    done: impl Fn(S) -> Result<()> + Sync,
+) -> Result<()> {
+    let items = Mutex::new(items);
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    let fail = |e: Error| {
+        failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(e);
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..workers.max(1) {
+            scope.spawn(|| {
+                let mut state = init();
+                loop {
+                    if failure
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .is_some()
+                    {
+                        break;
+                    }
+                    let next = items.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    let Some(item) = next else { break };
+                    if let Err(e) = work(&mut state, item) {
+                        fail(e);
+                        break;
+                    }
+                }
+                if let Err(e) = done(state) {
+                    fail(e);
+                }
+            });
+        }
+    });
+    match failure.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 
@@ -202,7 +225,7 @@ pub(super) const WINDOW: usize = 4 << 20;
 
 /// Reads the chunk at `offset` straight into `slice`, hashing each window as soon as it is in
 /// while the next ones are read. Returns the chunk's blake3.
-pub(super) fn read_chunk(
+pub(crate) fn read_chunk(
     r: &mut dyn TierReader,
     offset: u64,
     slice: &mut [u8],

@@ -57,6 +57,7 @@ mod sidecar;
 mod targets;
 
 use chunks::*;
+pub(crate) use chunks::{each_parallel, read_chunk};
 pub(crate) use targets::*;
 
 /// Which step to load.
