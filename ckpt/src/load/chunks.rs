@@ -37,6 +37,10 @@ pub(super) fn drain(bounces: &mut [Bounce]) -> Result<()> {
 /// A worker's readers of the tiers, opened on first use.
 type Readers<'t> = Vec<Option<Box<dyn TierReader + 't>>>;
 
+/// A chunk to read: its index, its slice of the loader's buffer, and the caller and device
+/// buffers it covers.
+type Piece<'a> = (usize, (&'a mut [u8], Vec<(usize, Out<'a>)>));
+
 impl Inner {
     /// Fills `buf` with the verified file, chunk by chunk, except the bytes that `direct` sends
     /// to caller or device buffers instead (per chunk: offset in the chunk and destination, in
@@ -70,63 +74,62 @@ impl Inner {
             let readers: Readers<'t> = tiers.iter().map(|_| None).collect();
             (readers, Vec::<Bounce>::new())
         };
-        let work =
-            |(readers, bounce): &mut (Readers<'t>, Vec<Bounce>),
-             (i, (slice, mut pieces)): (usize, (&mut [u8], Vec<(usize, Out<'_>)>))| {
-                let offset = m.chunk_range(i).start;
-                let mut last = String::from("no tier has a valid manifest");
-                let mut got = None;
-                if held && pieces.is_empty() {
-                    // The caller's buffer holds the nearest tier's bytes already.
-                    read_ahead(slice);
-                    if blake3::hash(slice) == hashes[i] {
-                        got = tiers.first().map(|t| t.kind());
+        let work = |(readers, bounce): &mut (Readers<'t>, Vec<Bounce>),
+                    (i, (slice, mut pieces)): Piece<'_>| {
+            let offset = m.chunk_range(i).start;
+            let mut last = String::from("no tier has a valid manifest");
+            let mut got = None;
+            if held && pieces.is_empty() {
+                // The caller's buffer holds the nearest tier's bytes already.
+                read_ahead(slice);
+                if blake3::hash(slice) == hashes[i] {
+                    got = tiers.first().map(|t| t.kind());
+                } else {
+                    warn!(
+                        step,
+                        chunk = i,
+                        "chunk held in memory unusable (checksum mismatch); reading it again"
+                    );
+                }
+            }
+            let to_try = if got.is_some() { &tiers[..0] } else { tiers };
+            for (t, tier) in to_try.iter().enumerate() {
+                let reader = match &mut readers[t] {
+                    Some(r) => Ok(r),
+                    slot @ None => tier.reader(&key, m.file_len).map(|r| slot.insert(r)),
+                };
+                let res = reader.and_then(|r| {
+                    if pieces.is_empty() {
+                        read_chunk(r.as_mut(), offset, slice)
                     } else {
-                        warn!(
-                            step,
-                            chunk = i,
-                            "chunk held in memory unusable (checksum mismatch); reading it again"
-                        );
+                        if bounce.is_empty() {
+                            *bounce = bounces(&self.gpu, device);
+                        }
+                        scatter_chunk(r.as_mut(), offset, slice, &mut pieces, bounce, &self.gpu)
                     }
-                }
-                let to_try = if got.is_some() { &tiers[..0] } else { tiers };
-                for (t, tier) in to_try.iter().enumerate() {
-                    let reader = match &mut readers[t] {
-                        Some(r) => Ok(r),
-                        slot @ None => tier.reader(&key, m.file_len).map(|r| slot.insert(r)),
-                    };
-                    let res = reader.and_then(|r| {
-                        if pieces.is_empty() {
-                            read_chunk(r.as_mut(), offset, slice)
-                        } else {
-                            if bounce.is_empty() {
-                                *bounce = bounces(&self.gpu, device);
-                            }
-                            scatter_chunk(r.as_mut(), offset, slice, &mut pieces, bounce, &self.gpu)
-                        }
-                    });
-                    let why = match res {
-                        Ok(hash) if hash == hashes[i] => {
-                            got = Some(tier.kind());
-                            break;
-                        }
-                        // The device, not the tier, failed: no other tier helps.
-                        Err(e @ Error::Cuda { .. }) => return Err(e),
-                        Ok(_) => format!("{} tier: checksum mismatch", tier.kind()),
-                        Err(e) => format!("{} tier: {e}", tier.kind()),
-                    };
-                    warn!(step, chunk = i, reason = %why, "chunk unusable; trying the next tier");
-                    last = why;
-                }
-                let kind = got.ok_or_else(|| Error::Corrupt {
-                    step,
-                    rank: self.rank,
-                    chunk: i,
-                    reason: last,
-                })?;
-                results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(kind);
-                Ok(())
-            };
+                });
+                let why = match res {
+                    Ok(hash) if hash == hashes[i] => {
+                        got = Some(tier.kind());
+                        break;
+                    }
+                    // The device, not the tier, failed: no other tier helps.
+                    Err(e @ Error::Cuda { .. }) => return Err(e),
+                    Ok(_) => format!("{} tier: checksum mismatch", tier.kind()),
+                    Err(e) => format!("{} tier: {e}", tier.kind()),
+                };
+                warn!(step, chunk = i, reason = %why, "chunk unusable; trying the next tier");
+                last = why;
+            }
+            let kind = got.ok_or_else(|| Error::Corrupt {
+                step,
+                rank: self.rank,
+                chunk: i,
+                reason: last,
+            })?;
+            results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(kind);
+            Ok(())
+        };
         let done = |(_, mut bounce): (_, Vec<Bounce>)| drain(&mut bounce);
         each_parallel(items, workers, init, work, done)?;
         let results = results.into_inner().unwrap_or_else(PoisonError::into_inner);
