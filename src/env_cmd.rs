@@ -5,12 +5,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use hotstart_prefetch::LazyConfig;
-use hotstart_snapshot::gc::{GcOptions, gc, list};
-use hotstart_snapshot::{
+use hotstart_env::gc::{GcOptions, gc, list};
+use hotstart_env::{
     EnsureConfig, EnvStore, Key, KeyInputs, KeySpec, LazyOutcome, Outcome, RestoreOptions,
     default_cache_dir, ensure, ensure_lazy,
 };
+use hotstart_image::LazyConfig;
 use hotstart_store::{ChunkStoreConfig, Store};
 use humansize::{BINARY, format_size};
 
@@ -204,7 +204,7 @@ impl StoreArg {
 
 /// The exit code `hotstart` leaves with for `err`, when it is not the usual failure.
 pub fn exit_code(err: &anyhow::Error) -> Option<u8> {
-    err.downcast_ref::<hotstart_snapshot::Error>()?
+    err.downcast_ref::<hotstart_env::Error>()?
         .install_exit_code()
         .map(|c| c.clamp(1, 255) as u8)
 }
@@ -248,7 +248,7 @@ async fn ensure_cmd(args: EnsureArgs) -> anyhow::Result<()> {
         let lazy = LazyConfig {
             memory_cache: args.lazy_memory_mib << 20,
             warm_page_cache: !args.no_warm,
-            ..hotstart_snapshot::lazy_config()
+            ..hotstart_env::lazy_config()
         };
         return ensure_lazy_cmd(&store, &cfg, lazy, args.json).await;
     }

@@ -1,6 +1,6 @@
 //! `hotstart image ...`: build, list, inspect, mount, pull and report on lazy images.
 //!
-//! Each subcommand turns its arguments into `hotstart-prefetch` config structs and calls the
+//! Each subcommand turns its arguments into `hotstart-image` config structs and calls the
 //! library; nothing here knows how images are stored.
 
 use std::path::PathBuf;
@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use hotstart_fuse::MountOptions;
-use hotstart_prefetch::{
+use hotstart_image::{
     BuildConfig, ImageRecord, ImageRef, Images, LazyConfig, MountReport, PrefetchConfig,
     artifact_stats, container_image,
 };
@@ -198,7 +198,7 @@ pub struct MountArgs {
     /// The kernel's own read-ahead for the mount, in KiB: how far ahead of a sequential reader
     /// (or around a page fault in a mapped file) the kernel asks for pages. Setting it needs
     /// root; 0 keeps the kernel's default (128 KiB).
-    #[arg(long, default_value_t = hotstart_prefetch::mount::KERNEL_READ_AHEAD >> 10)]
+    #[arg(long, default_value_t = hotstart_image::mount::KERNEL_READ_AHEAD >> 10)]
     kernel_read_ahead_kib: u64,
     /// Write this run's report (JSON) to this file at unmount.
     #[arg(long)]
@@ -266,7 +266,7 @@ fn build_config(chunk_kib: usize, platform: &Option<String>) -> BuildConfig {
 async fn convert(a: ConvertArgs) -> anyhow::Result<()> {
     let images = a.store.images(None, 0)?;
     let cfg = build_config(a.chunk_kib, &a.platform);
-    let c = hotstart_prefetch::convert(&images, &a.source, &a.dest, &cfg)
+    let c = hotstart_image::convert(&images, &a.source, &a.dest, &cfg)
         .await
         .with_context(|| format!("convert {} into {}", a.source.display(), a.dest.display()))?;
     for l in &c.layers {

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use hotstart_fuse::MountOptions;
-use hotstart_prefetch::LazyConfig;
-use hotstart_prefetch::snapshotter::{self, Lazy, Snapshots};
+use hotstart_image::LazyConfig;
+use hotstart_image::snapshotter::{self, Lazy, Snapshots};
 
 use crate::image_cmd::{CacheArgs, images_at};
 

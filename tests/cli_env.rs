@@ -562,7 +562,7 @@ fn leftovers(target: &Path) -> Vec<String> {
 }
 
 /// Flips a bit in the stored chunk of `six.py` of the venv at `venv` (one chunk: the file is
-/// under 1 MiB), and in its copy in every snapshot's pack (laid out as `hotstart_snapshot::pack`
+/// under 1 MiB), and in its copy in every snapshot's pack (laid out as `hotstart_env::pack`
 /// says); returns the chunk's id.
 fn damage_six_py(f: &Fixture, venv: &Path) -> ChunkId {
     let six_py = walk_files(venv)

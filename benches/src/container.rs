@@ -53,8 +53,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use hotstart_prefetch::snapshotter::{Lazy, Snapshots};
-use hotstart_prefetch::{
+use hotstart_image::snapshotter::{Lazy, Snapshots};
+use hotstart_image::{
     BuildConfig, Images, LazyConfig, MountReport, artifact_stats, container_image,
 };
 use hotstart_store::wrap::{Counter, Interceptor, Op};
@@ -344,7 +344,7 @@ impl Bench {
             let shutdown = async move {
                 let _ = stopped.await;
             };
-            if let Err(e) = hotstart_prefetch::snapshotter::serve(
+            if let Err(e) = hotstart_image::snapshotter::serve(
                 snapshots,
                 Some(Lazy::new(images, cfg)),
                 &socket,
@@ -593,7 +593,7 @@ pub fn run(args: &ContainerArgs) -> anyhow::Result<()> {
     let store = Store::open(store_dir.to_str().context("scratch path")?)?;
     let builder = Images::new(ChunkStore::new(store.clone(), ChunkStoreConfig::default())?);
     let built = Instant::now();
-    let converted = rt.block_on(hotstart_prefetch::convert(
+    let converted = rt.block_on(hotstart_image::convert(
         &builder,
         &layout.dir,
         &scratch.join("lazy"),

@@ -47,7 +47,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use hotstart_snapshot::{
+use hotstart_env::{
     Action, EnsureConfig, EnvStore, KeyInputs, LazyOutcome, capture, ensure as hs_ensure,
     ensure_lazy, lazy_config,
 };

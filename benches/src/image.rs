@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use hotstart_prefetch::{BuildConfig, ImageRef, Images, LazyConfig, MountReport};
+use hotstart_image::{BuildConfig, ImageRef, Images, LazyConfig, MountReport};
 use hotstart_store::wrap::{Interceptor, Throttle, ThrottleConfig};
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
 
@@ -76,7 +76,7 @@ pub struct ImageArgs {
     #[arg(long, default_value_t = 1024)]
     chunk_kib: usize,
     /// The kernel read-ahead of the lazy mounts, in KiB (0: the kernel's default, 128 KiB).
-    #[arg(long, default_value_t = hotstart_prefetch::mount::KERNEL_READ_AHEAD >> 10)]
+    #[arg(long, default_value_t = hotstart_image::mount::KERNEL_READ_AHEAD >> 10)]
     kernel_read_ahead_kib: u64,
     /// Do not drop the page cache before each run.
     #[arg(long)]

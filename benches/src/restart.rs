@@ -588,7 +588,7 @@ struct JobEnv {
     wheels: Vec<PathBuf>,
     runtime: tokio::runtime::Runtime,
     store: hotstart_store::Store,
-    base: hotstart_snapshot::EnsureConfig,
+    base: hotstart_env::EnsureConfig,
 }
 
 impl JobEnv {
@@ -633,8 +633,7 @@ impl JobEnv {
         let uv_cache = dir.join("uv-cache");
         let wheels = vec![root.join(".cache/wheelhouse/torch"), wheels];
         let install = install_command(&uv, python, &wheels, &target, &lock, &uv_cache);
-        let mut base =
-            hotstart_snapshot::EnsureConfig::new(vec![lock.clone()], target.clone(), install);
+        let mut base = hotstart_env::EnsureConfig::new(vec![lock.clone()], target.clone(), install);
         base.python = python.display().to_string();
         base.cache_dir = dir.join("env-capture");
         let env = JobEnv {
@@ -651,7 +650,7 @@ impl JobEnv {
             store: hotstart_store::Store::open(store)?,
             base,
         };
-        let hotstart_snapshot::Action::Installed {
+        let hotstart_env::Action::Installed {
             install_seconds,
             capture,
         } = env.ensure(&env.base.cache_dir)?
@@ -674,15 +673,15 @@ impl JobEnv {
     }
 
     /// The `ensure` of this venv on a node whose chunk cache is `cache`.
-    fn cfg(&self, cache: &Path) -> hotstart_snapshot::EnsureConfig {
+    fn cfg(&self, cache: &Path) -> hotstart_env::EnsureConfig {
         let mut cfg = self.base.clone();
         cfg.cache_dir = cache.to_path_buf();
         cfg
     }
 
-    fn ensure(&self, cache: &Path) -> anyhow::Result<hotstart_snapshot::Action> {
+    fn ensure(&self, cache: &Path) -> anyhow::Result<hotstart_env::Action> {
         let cfg = self.cfg(cache);
-        let ensure = hotstart_snapshot::ensure(&self.store, &cfg);
+        let ensure = hotstart_env::ensure(&self.store, &cfg);
         Ok(self.runtime.block_on(ensure)?.action)
     }
 
@@ -723,7 +722,7 @@ impl JobEnv {
     fn restore(&self, cache: &Path) -> anyhow::Result<()> {
         let action = self.ensure(cache)?;
         ensure!(
-            matches!(action, hotstart_snapshot::Action::Restored(_)),
+            matches!(action, hotstart_env::Action::Restored(_)),
             "expected a restore, got {action:?}"
         );
         Ok(())
@@ -731,18 +730,17 @@ impl JobEnv {
 
     /// `hotstart env ensure --lazy` mounts the venv, with an empty chunk cache at `cache`; the
     /// mount serves until `unmount`, which also merges this start's reads into the profile.
-    fn mount(&self, cache: &Path) -> anyhow::Result<hotstart_snapshot::MountedEnv> {
+    fn mount(&self, cache: &Path) -> anyhow::Result<hotstart_env::MountedEnv> {
         let cfg = self.cfg(cache);
-        let lazy =
-            hotstart_snapshot::ensure_lazy(&self.store, &cfg, hotstart_snapshot::lazy_config());
-        let hotstart_snapshot::LazyOutcome::Mounted(mounted) = self.runtime.block_on(lazy)? else {
+        let lazy = hotstart_env::ensure_lazy(&self.store, &cfg, hotstart_env::lazy_config());
+        let hotstart_env::LazyOutcome::Mounted(mounted) = self.runtime.block_on(lazy)? else {
             bail!("expected a lazy mount of the job's venv");
         };
         Ok(mounted)
     }
 
     /// Unmounts a lazy venv; what it fetched and how long reads waited.
-    fn unmount(&self, mounted: hotstart_snapshot::MountedEnv) -> anyhow::Result<LazyRun> {
+    fn unmount(&self, mounted: hotstart_env::MountedEnv) -> anyhow::Result<LazyRun> {
         let done = self.runtime.block_on(mounted.unmount())?;
         let r = &done.report;
         Ok(LazyRun {

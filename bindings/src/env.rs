@@ -1,4 +1,4 @@
-//! `hotstart.env.ensure`: dependency snapshots (`hotstart-snapshot`) from Python.
+//! `hotstart.env.ensure`: dependency snapshots (`hotstart-env`) from Python.
 //!
 //! One blocking call, the GIL released throughout: compute the key, restore the snapshot on a
 //! hit, or run the install command (its output goes to this process's stdout and stderr) and
@@ -11,7 +11,7 @@
 
 use std::path::PathBuf;
 
-use hotstart_snapshot::{EnsureConfig, Error, RestoreOptions, default_cache_dir, ensure};
+use hotstart_env::{EnsureConfig, Error, RestoreOptions, default_cache_dir, ensure};
 use hotstart_store::Store;
 use pyo3::prelude::*;
 

@@ -10,7 +10,7 @@
 //! - [`memory`]: tensors and load destinations described by address and length, checked
 //!   (lengths, null addresses, overlaps) before the engine sees them;
 //! - [`errors`]: engine errors as `hotstart.errors` exceptions carrying the engine's message;
-//! - [`env`]: `hotstart.env.ensure`, dependency snapshots (`hotstart-snapshot`).
+//! - [`env`]: `hotstart.env.ensure`, dependency snapshots (`hotstart-env`).
 //!
 //! Every call that can block (back-pressure on save, waits, loads, listings) releases the GIL.
 

@@ -1,4 +1,4 @@
-//! The one error type of `hotstart-snapshot`.
+//! The one error type of `hotstart-env`.
 
 use std::path::PathBuf;
 
@@ -57,7 +57,7 @@ pub enum Error {
         key: String,
         target: PathBuf,
         #[source]
-        source: Box<hotstart_prefetch::Error>,
+        source: Box<hotstart_image::Error>,
     },
 
     /// A snapshot whose files name the path it was captured at, asked to be mounted lazily at

@@ -1,5 +1,5 @@
 //! `ensure` with a lazy mount: on a hit the snapshot is mounted read-only at the target
-//! through `hotstart-prefetch`'s lazy mount instead of being written out.
+//! through `hotstart-image`'s lazy mount instead of being written out.
 //!
 //! 1. Key, node locks and what is at the target, as for an eager `ensure` ([`crate::ensure`]).
 //!    A target that already holds the environment (a real directory this node made) is used as
@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::FutureExt;
-use hotstart_prefetch::{LazyConfig, LazyMount, MountReport, PlanHook, read_profile};
+use hotstart_image::{LazyConfig, LazyMount, MountReport, PlanHook, read_profile};
 use hotstart_store::{ChunkId, ChunkStore, Store};
 use serde_json::json;
 use tokio::task::JoinHandle;

@@ -1,4 +1,4 @@
-//! hotstart-snapshot: dependency snapshots.
+//! hotstart-env: dependency snapshots.
 //!
 //! Turns "install the environment" on every node into "restore the environment that one node
 //! installed". A snapshot is an image: a [`hotstart_store::Tree`] (paths, modes, mtimes,
@@ -21,7 +21,7 @@
 //!   running captures by [`store_lock`].
 //!
 //! - [`lazy`]: `ensure` that, on a hit, mounts the snapshot read-only and lazily through
-//!   `hotstart-prefetch` instead of restoring it, with a hot-chunk profile kept beside the
+//!   `hotstart-image` instead of restoring it, with a hot-chunk profile kept beside the
 //!   snapshot ([`EnvStore::artifacts`]) and replayed by every later mount on any node.
 
 pub mod capture;

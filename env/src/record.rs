@@ -21,7 +21,7 @@
 //! first complete one wins and the others keep theirs local.
 
 use bytes::Bytes;
-use hotstart_prefetch::ArtifactDir;
+use hotstart_image::ArtifactDir;
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store, Tree};
 use serde::{Deserialize, Serialize};
 

@@ -5,9 +5,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hotstart_snapshot::gc::{GcOptions, gc, list};
-use hotstart_snapshot::store_lock::{LockKind, LockTiming, StoreLock};
-use hotstart_snapshot::{
+use hotstart_env::gc::{GcOptions, gc, list};
+use hotstart_env::store_lock::{LockKind, LockTiming, StoreLock};
+use hotstart_env::{
     EnvStore, Error, Key, KeyInputs, Platform, PythonInfo, RestoreOptions, capture, restore,
 };
 use hotstart_store::object_store::prefix::PrefixStore;
@@ -17,7 +17,7 @@ use hotstart_testkit::{SeaweedFs, pattern};
 
 fn inputs(tag: &str, target: &Path) -> KeyInputs {
     KeyInputs {
-        locks: vec![hotstart_snapshot::key::LockInput {
+        locks: vec![hotstart_env::key::LockInput {
             name: "requirements.txt".into(),
             bytes: tag.len() as u64,
             blake3: blake3_hex(tag.as_bytes()),
@@ -170,7 +170,7 @@ async fn snapshots_share_chunks(store: Store) {
     .await
     .unwrap();
     // shared.so's chunks are reused; unique.py and bin/tool are new.
-    let shared = ((3 << 20) / hotstart_snapshot::capture::CHUNK_SIZE) as u64;
+    let shared = ((3 << 20) / hotstart_env::capture::CHUNK_SIZE) as u64;
     assert_eq!(second.deduplicated_chunks, shared, "{second:?}");
     assert_eq!(second.uploaded_chunks, 2, "{second:?}");
     // The record lists the files that name the capture path, for relocation.
@@ -209,7 +209,7 @@ async fn gc_keeps_what_snapshots_use(store: Store) {
         .unwrap();
     // Lazy mounts' artifacts beside each snapshot: a's go with it, b's stay.
     let (art_a, art_b) = (EnvStore::artifacts(&ka), EnvStore::artifacts(&kb));
-    let artifact_keys = |dir: &hotstart_prefetch::ArtifactDir| {
+    let artifact_keys = |dir: &hotstart_image::ArtifactDir| {
         [
             dir.profile_key(),
             dir.trace_key("run-1"),
@@ -351,7 +351,7 @@ async fn chunks_come_from_the_pack_and_a_bad_pack_is_not_trusted(store: Store) {
         .record;
     // unique.py, bin/tool, 39 distinct modules and shared.so's 256 KiB chunks.
     let pack = record.pack.clone().expect("the snapshot has chunks");
-    let large = ((3 << 20) / hotstart_snapshot::capture::CHUNK_SIZE) as u64;
+    let large = ((3 << 20) / hotstart_env::capture::CHUNK_SIZE) as u64;
     assert_eq!(record.chunks, 41 + large);
     assert_eq!(pack.chunks, record.chunks, "{pack:?}");
     let want = files_of(&dir);

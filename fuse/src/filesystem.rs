@@ -5,7 +5,7 @@
 //! [`FsError`], whose errno the adapter replies with. Operations that change anything default to
 //! [`FsError::ReadOnly`], so a read-only filesystem implements only lookup, getattr, readdir,
 //! open, read (and readlink and xattrs if it has them). Two implementations: [`StripedFs`] (the
-//! store as a directory, below) and the lazy image filesystem of `hotstart-prefetch`.
+//! store as a directory, below) and the lazy image filesystem of `hotstart-image`.
 //!
 //! How long the kernel may trust what it was told is the filesystem's [`CachePolicy`]: a store
 //! that other tools change needs short TTLs; an immutable image can let the kernel keep entries,

@@ -12,7 +12,7 @@
 //! - [`mount()`] (`fuse.rs` + `mount.rs`): a thin `fuser` adapter that hands every request to a
 //!   tokio runtime and replies from there, plus mounting, unmounting and stale-mount recovery.
 //!   The adapter serves any [`Filesystem`] (`filesystem.rs`): `StripedFs` is one, the lazy
-//!   read-only image filesystem of `hotstart-prefetch` another; [`mount_fs`] mounts either.
+//!   read-only image filesystem of `hotstart-image` another; [`mount_fs`] mounts either.
 //!
 //! Namespace: every object is a file, `/` in keys makes directories. A directory exists when any
 //! key lies under it, or when its marker object `<dir>/.hotstart-dir` (zero bytes) does; `mkdir`

@@ -1,4 +1,4 @@
-//! The one error type of `hotstart-prefetch`.
+//! The one error type of `hotstart-image`.
 
 use std::path::PathBuf;
 

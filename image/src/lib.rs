@@ -1,4 +1,4 @@
-//! hotstart-prefetch: lazy images with hot-block record and replay.
+//! hotstart-image: lazy images with hot-block record and replay.
 //!
 //! An **image** is a [`hotstart_store::Tree`] whose file contents are chunks in a
 //! [`hotstart_store::ChunkStore`], built from a directory, a layer tarball or an OCI image layout

@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use hotstart_prefetch::build::{Layer, LayerLimits, layers::tree_from_layers};
-use hotstart_prefetch::{BuildConfig, Error, ImageRef, Images, pull_tree};
+use hotstart_image::build::{Layer, LayerLimits, layers::tree_from_layers};
+use hotstart_image::{BuildConfig, Error, ImageRef, Images, pull_tree};
 
 fn name(s: &str) -> ImageRef {
     ImageRef::parse(s).unwrap()

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use futures::FutureExt;
-use hotstart_prefetch::{
+use hotstart_image::{
     BuildConfig, ImageRef, Images, LazyConfig, MountReport, PlanHook, PrefetchConfig,
 };
 use hotstart_store::wrap::{Counter, Interceptor, Op, Throttle, ThrottleConfig};
@@ -120,7 +120,7 @@ fn images_mount_identical(env: &Env) {
         let ((), report) = env.with_mount(&images, name, LazyConfig::default(), false, |mp| {
             assert_eq!(
                 hotstart_fuse::bdi::read_ahead(&mp.canonicalize().unwrap()).unwrap(),
-                hotstart_prefetch::mount::KERNEL_READ_AHEAD,
+                hotstart_image::mount::KERNEL_READ_AHEAD,
                 "the image mount sets its kernel read-ahead"
             );
             assert_trees_equal(&src, mp);
@@ -669,7 +669,7 @@ fn a_demand_read_jumps_the_prefetch_queue() {
         let chunks = ChunkStore::new(store, ChunkStoreConfig::default()).unwrap();
         let data: Vec<Bytes> = (0..20).map(|i| Bytes::from(pattern(1000, i))).collect();
         let ids = chunks.put_many(data.clone()).await.unwrap();
-        let loader = Arc::new(hotstart_prefetch::Loader::new(chunks, 1 << 20));
+        let loader = Arc::new(hotstart_image::Loader::new(chunks, 1 << 20));
         let plan: Vec<_> = ids.iter().map(|id| (*id, 1000)).collect();
         let one = PrefetchConfig {
             initial_window: 1,
@@ -678,7 +678,7 @@ fn a_demand_read_jumps_the_prefetch_queue() {
             ..PrefetchConfig::default()
         };
         let (_stop, rx) = tokio::sync::watch::channel(false);
-        let replay = tokio::spawn(hotstart_prefetch::prefetch::replay(
+        let replay = tokio::spawn(hotstart_image::prefetch::replay(
             loader.clone(),
             plan,
             one,

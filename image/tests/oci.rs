@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 
 use common::*;
-use hotstart_prefetch::{BuildConfig, Error, ImageRef};
+use hotstart_image::{BuildConfig, Error, ImageRef};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -150,7 +150,7 @@ async fn a_multi_platform_index_takes_the_asked_platform() {
         "application/vnd.oci.image.layer.v1.tar",
         &tar(&[f("other-arch", b"x")]),
     )];
-    let host = hotstart_prefetch::build::oci::host_platform();
+    let host = hotstart_image::build::oci::host_platform();
     let (_, arch) = host.split_once('/').unwrap();
     let foreign = if arch == "s390x" { "riscv64" } else { "s390x" };
     // A nested index: the top index names a second index that lists both platforms.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use hotstart_prefetch::Images;
+use hotstart_image::Images;
 use hotstart_store::{ChunkStore, ChunkStoreConfig, Store};
 pub use hotstart_testkit::tree::{assert_trees_equal, assert_trees_equal_but_mtimes, sample_dir};
 
