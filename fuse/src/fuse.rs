@@ -116,6 +116,16 @@ impl<F: Filesystem> FuseAdapter<F> {
         });
     }
 
+    /// [`serve`](Self::serve) for an operation whose success carries nothing: replies ok.
+    fn serve_empty(
+        &self,
+        what: &'static str,
+        reply: ReplyEmpty,
+        op: impl Future<Output = Result<(), FsError>> + Send + 'static,
+    ) {
+        self.serve(what, reply, op, |r, ()| r.ok());
+    }
+
     /// Runs `task` on this thread until it first has to wait, then as a task on the runtime.
     fn run(&self, task: impl Future<Output = ()> + Send + 'static) {
         let _rt = self.rt.enter();
@@ -433,22 +443,20 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_or_reply!(name, reply);
         let fs = self.fs.clone();
-        self.serve(
+        self.serve_empty(
             "unlink",
             reply,
             async move { fs.unlink(parent.0, &name).await },
-            move |r, ()| r.ok(),
         );
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_or_reply!(name, reply);
         let fs = self.fs.clone();
-        self.serve(
+        self.serve_empty(
             "rmdir",
             reply,
             async move { fs.rmdir(parent.0, &name).await },
-            move |r, ()| r.ok(),
         );
     }
 
@@ -474,7 +482,7 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
             fs.rename(parent.0, &name, newparent.0, &newname, no_replace)
                 .await
         };
-        self.serve("rename", reply, op, move |r, ()| r.ok());
+        self.serve_empty("rename", reply, op);
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
@@ -621,12 +629,7 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
             return reply.error(Errno::ENOSYS);
         }
         let fs = self.fs.clone();
-        self.serve(
-            "flush",
-            reply,
-            async move { fs.flush(fh.0).await },
-            move |r, ()| r.ok(),
-        );
+        self.serve_empty("flush", reply, async move { fs.flush(fh.0).await });
     }
 
     fn release(
@@ -640,22 +643,12 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.serve(
-            "release",
-            reply,
-            async move { fs.release(fh.0).await },
-            move |r, ()| r.ok(),
-        );
+        self.serve_empty("release", reply, async move { fs.release(fh.0).await });
     }
 
     fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
         let fs = self.fs.clone();
-        self.serve(
-            "fsync",
-            reply,
-            async move { fs.fsync(fh.0).await },
-            move |r, ()| r.ok(),
-        );
+        self.serve_empty("fsync", reply, async move { fs.fsync(fh.0).await });
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {

@@ -190,6 +190,21 @@ fn namespace_and_refusals(m: &Mounted) {
     assert_eq!(std::fs::read(root.join("outside/obj")).unwrap(), b"hi");
 }
 
+/// Runs python3 `script` with `args`; a failure shows its output under `what`.
+fn python(what: &str, script: &str, args: &[&Path]) {
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .args(args)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "python {what} through the mount: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn python_zipfile(m: &Mounted) {
     let zip = m.path().join("archive.zip");
     let member = m.path().join("member.bin");
@@ -210,18 +225,7 @@ assert zf.read("member.bin") == open(sys.argv[2], "rb").read()
 assert zf.read("streamed.bin") == b"".join(bytes([i]) * 10000 for i in range(10))
 print("zip ok")
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .arg(&zip)
-        .arg(&member)
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "python zipfile through the mount: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python("zipfile", script, &[&zip, &member]);
     assert_eq!(m.get("archive.zip"), std::fs::read(&zip).unwrap());
 }
 
@@ -257,18 +261,7 @@ with zipfile.ZipFile(sys.argv[1]) as zf:
 print("large zip ok")
 "#;
     let scratch = tempfile::tempdir().unwrap();
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .arg(&zip)
-        .arg(scratch.path())
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "python zipfile (large) through the mount: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python("zipfile (large)", script, &[&zip, scratch.path()]);
     let through_mount = std::fs::read(&zip).unwrap();
     assert!(through_mount.len() > 30 << 20, "{}", through_mount.len());
     assert!(m.get("large.zip") == through_mount, "store and mount agree");
@@ -277,11 +270,10 @@ print("large zip ok")
     assert!(fs.spill_space().peak() > 0);
 }
 
-#[test]
-fn local_directory_store() {
-    let store_dir = tempfile::tempdir().unwrap();
-    let store = Store::open(store_dir.path().to_str().unwrap()).unwrap();
-    let stripe = 1 << 20;
+/// Mounts `store` with `stripe`-byte stripes and runs every check that holds whatever the store:
+/// the kernel's read-ahead window, then the checks above in turn. Returns the mount for checks of
+/// the store's own.
+fn mount_and_check(store: Store, stripe: usize) -> Mounted {
     let m = Mounted::new(store, config(stripe));
     assert_eq!(
         hotstart_fuse::bdi::read_ahead(m.path()).unwrap(),
@@ -293,6 +285,14 @@ fn local_directory_store() {
     namespace_and_refusals(&m);
     python_zipfile(&m);
     python_zipfile_large(&m);
+    m
+}
+
+#[test]
+fn local_directory_store() {
+    let store_dir = tempfile::tempdir().unwrap();
+    let store = Store::open(store_dir.path().to_str().unwrap()).unwrap();
+    let m = mount_and_check(store, 1 << 20);
     let budget = m.handle.as_ref().unwrap().fs().budget();
     assert!(budget.peak() <= budget.capacity());
     // The store directory holds plain files: any tool reads them.
@@ -311,18 +311,7 @@ fn seaweedfs_store() {
     let bucket = weed.fresh_bucket("fuse-mount");
 
     let store = Store::open_with(&format!("{bucket}/m"), &weed.client_options()).unwrap();
-    let stripe = 5 << 20;
-    let m = Mounted::new(store, config(stripe));
-    assert_eq!(
-        hotstart_fuse::bdi::read_ahead(m.path()).unwrap(),
-        MountConfig::default().kernel_read_ahead.unwrap(),
-        "the kernel reads ahead by the configured window, not its 128 KiB default"
-    );
-    sizes_round_trip(&m, stripe);
-    write_across_a_child_exec(&m, stripe);
-    namespace_and_refusals(&m);
-    python_zipfile(&m);
-    python_zipfile_large(&m);
+    mount_and_check(store, 5 << 20);
 }
 
 /// Aborts the FUSE connection of the mount at `mountpoint` through fusectl, as a watchdog does
