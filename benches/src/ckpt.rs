@@ -33,7 +33,7 @@ use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, StepSel, Tensor, T
 use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
 
-use crate::report::{Report, Row, median};
+use crate::report::{Report, median, rate_rows};
 use crate::store_uring::{Dir, Fio, HugePages, Memory, drop_page_cache};
 
 const MIB: usize = 1 << 20;
@@ -107,12 +107,7 @@ assert sum(v.numel() for v in d.values()) == n * size
 "#;
 
 pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
-    ensure!(
-        args.gib > 0.0 && args.tensors > 0 && args.runs > 0,
-        "bad sizes"
-    );
-    let per = ((args.gib * (1u64 << 30) as f64) as usize / args.tensors).next_multiple_of(4096);
-    let total = per * args.tensors;
+    let (per, total) = tensor_sizes(args.gib, args.tensors, args.runs)?;
     let mib = total / MIB;
     let label = format!(
         "{:.1} GiB in {} tensors",
@@ -317,17 +312,7 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
         }
     }
 
-    let bytes = total as u64;
-    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| {
-        Row::rate_medians(
-            format!("{what}, {label}"),
-            bytes,
-            ours,
-            peer,
-            theirs,
-            target,
-        )
-    };
+    let row = rate_rows(&label, total as u64);
     let stall_target = (1.0f64 / 1.2 * 100.0).floor() / 100.0;
     report.add(row(
         "stall save→wait_staged",
@@ -437,6 +422,18 @@ pub fn run(args: &CkptArgs) -> anyhow::Result<()> {
     ));
     drop(huge);
     report.finish(args.markdown.as_deref())
+}
+
+/// Checks the sizes asked for and splits `gib` GiB over `tensors` tensors: the bytes of each
+/// (rounded up to whole 4 KiB pages) and of all of them.
+pub(crate) fn tensor_sizes(
+    gib: f64,
+    tensors: usize,
+    runs: usize,
+) -> anyhow::Result<(usize, usize)> {
+    ensure!(gib > 0.0 && tensors > 0 && runs > 0, "bad sizes");
+    let per = ((gib * (1u64 << 30) as f64) as usize / tensors).next_multiple_of(4096);
+    Ok((per, per * tensors))
 }
 
 /// `tensors` tensors `layer.<i>` of `per` incompressible bytes each: their bytes, and the

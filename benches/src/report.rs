@@ -66,13 +66,8 @@ impl Row {
         theirs: Duration,
         target: Option<f64>,
     ) -> Row {
-        Row {
-            what: what.into(),
-            ours: Figure::rate(bytes, ours),
-            peer: peer.into(),
-            theirs: Figure::rate(bytes, theirs),
-            target,
-        }
+        let (ours, theirs) = (Figure::rate(bytes, ours), Figure::rate(bytes, theirs));
+        Row::of(what, ours, peer, theirs, target)
     }
 
     /// [`Row::rate`] of the medians of several runs of each.
@@ -96,11 +91,22 @@ impl Row {
         theirs: Duration,
         target: Option<f64>,
     ) -> Row {
+        Row::of(what, Figure::time(ours), peer, Figure::time(theirs), target)
+    }
+
+    /// The row of two figures, which the public constructors make of one kind.
+    fn of(
+        what: impl Into<String>,
+        ours: Figure,
+        peer: impl Into<String>,
+        theirs: Figure,
+        target: Option<f64>,
+    ) -> Row {
         Row {
             what: what.into(),
-            ours: Figure::time(ours),
+            ours,
             peer: peer.into(),
-            theirs: Figure::time(theirs),
+            theirs,
             target,
         }
     }
@@ -134,6 +140,24 @@ pub struct Report {
 /// A target ratio for people: at most two decimals (1/1.3 shows as 0.77).
 pub fn show_target(t: f64) -> String {
     format!("{}", (t * 100.0).round() / 100.0)
+}
+
+/// A builder of [`Row::rate_medians`] rows for one run: each moves `bytes`, and each `what` is
+/// followed by `, {label}` (the setup the run's rows share).
+pub fn rate_rows(
+    label: &str,
+    bytes: u64,
+) -> impl Fn(&str, &[Duration], &str, &[Duration], Option<f64>) -> Row + '_ {
+    move |what, ours, peer, theirs, target| {
+        Row::rate_medians(
+            format!("{what}, {label}"),
+            bytes,
+            ours,
+            peer,
+            theirs,
+            target,
+        )
+    }
 }
 
 /// Median of durations.

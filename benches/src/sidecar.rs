@@ -52,8 +52,8 @@ use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
 use hotstart_testkit::SeaweedFs;
 
-use crate::ckpt::{parallel_memcpy, state};
-use crate::report::{Report, Row, median};
+use crate::ckpt::{parallel_memcpy, state, tensor_sizes};
+use crate::report::{Report, Row, median, rate_rows};
 use crate::store_uring::drop_page_cache;
 
 const TOKEN: &str = "hotstart-bench";
@@ -291,12 +291,7 @@ fn restart(args: &[String], env: &[(String, String)]) -> anyhow::Result<Duration
 }
 
 pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
-    ensure!(
-        args.gib > 0.0 && args.tensors > 0 && args.runs > 0,
-        "bad sizes"
-    );
-    let per = ((args.gib * (1u64 << 30) as f64) as usize / args.tensors).next_multiple_of(4096);
-    let total = per * args.tensors;
+    let (per, total) = tensor_sizes(args.gib, args.tensors, args.runs)?;
     let label = format!(
         "{:.2} GiB in {} tensors",
         total as f64 / (1u64 << 30) as f64,
@@ -477,17 +472,7 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
             tcp_hashed[run]
         );
     }
-    let bytes = total as u64;
-    let row = |what: &str, ours: &[Duration], peer: &str, theirs: &[Duration], target| {
-        Row::rate_medians(
-            format!("{what}, {label}"),
-            bytes,
-            ours,
-            peer,
-            theirs,
-            target,
-        )
-    };
+    let row = rate_rows(&label, total as u64);
     report.add(row(
         "restore from local sidecar memory into the caller's tensors",
         &memory,

@@ -262,7 +262,8 @@ pub fn parent_of(path: &str) -> &str {
     path.rsplit_once('/').map(|(p, _)| p).unwrap_or("")
 }
 
-/// `dir/name`, or `name` at the root.
+/// `dir/name`, or `name` at the root: the path of an entry in a tree of `/`-separated paths
+/// (this mount's and the lazy images').
 pub fn join(dir: &str, name: &str) -> String {
     if dir.is_empty() {
         name.to_string()

@@ -38,7 +38,7 @@ pub use cache::StripeCache;
 pub use error::{FsError, FsResult};
 pub use filesystem::{Asked, CachePolicy, Filesystem, NodeAttr, NodeEntry, NodeKind};
 pub use fs::{Attr, DirEntry, StripedFs};
-pub use inode::FileKind;
+pub use inode::{FileKind, join};
 pub use mount::{
     MountConfig, MountHandle, MountOptions, PageCache, clear_stale_mount, mount, mount_fs,
 };

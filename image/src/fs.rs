@@ -440,7 +440,7 @@ impl Filesystem for ImageFs {
             });
         };
         let ino = *children.get(name).ok_or_else(|| FsError::NotFound {
-            path: join(&dir.path, name),
+            path: hotstart_fuse::join(&dir.path, name),
         })?;
         Ok(self.attr(ino, self.node(ino)?))
     }
@@ -526,14 +526,6 @@ fn push_node(nodes: &mut Vec<Node>, e: &Entry, data: Data) -> u64 {
         xattrs: e.xattrs.clone(),
     });
     nodes.len() as u64
-}
-
-fn join(dir: &str, name: &str) -> String {
-    if dir.is_empty() {
-        name.to_string()
-    } else {
-        format!("{dir}/{name}")
-    }
 }
 
 #[cfg(test)]

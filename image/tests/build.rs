@@ -95,8 +95,7 @@ async fn tarballs_plain_gzip_and_zstd_build_the_same_image() {
 #[tokio::test]
 async fn layers_apply_in_order_with_whiteouts_and_opaque_directories() {
     let work = tempfile::tempdir().unwrap();
-    let f = |n: &str, data: &[u8]| tar_entry(n.as_bytes(), REGULAR, 0o644, b"", data, None);
-    let d = |n: &str| tar_entry(n.as_bytes(), DIR, 0o755, b"", b"", None);
+    let (f, d) = (file_entry, dir_entry);
     let layers = [
         tar(&[
             d("etc/"),
@@ -179,7 +178,7 @@ async fn layers_apply_in_order_with_whiteouts_and_opaque_directories() {
 async fn one_layer_keeps_its_whiteouts_and_opaque_markers_for_overlayfs() {
     use hotstart_store::EntryKind;
     let work = tempfile::tempdir().unwrap();
-    let f = |n: &str, data: &[u8]| tar_entry(n.as_bytes(), REGULAR, 0o644, b"", data, None);
+    let f = file_entry;
     let layer = tar(&[
         f("etc/.wh.gone", b""),
         f("opt/old/.wh..wh..opq", b""),

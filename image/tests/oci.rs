@@ -6,6 +6,7 @@ mod common;
 use std::path::Path;
 
 use common::*;
+use common::{dir_entry as d, file_entry as f};
 use hotstart_image::{BuildConfig, Error, ImageRef};
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -66,14 +67,6 @@ fn write_index(layout: &Path, manifests: Vec<serde_json::Value>) {
         serde_json::to_vec(&index).unwrap(),
     )
     .unwrap();
-}
-
-fn f(n: &str, data: &[u8]) -> Vec<u8> {
-    tar_entry(n.as_bytes(), REGULAR, 0o644, b"", data, None)
-}
-
-fn d(n: &str) -> Vec<u8> {
-    tar_entry(n.as_bytes(), DIR, 0o755, b"", b"", None)
 }
 
 /// The two layers every test uses, and the tree they make.

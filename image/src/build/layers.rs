@@ -367,14 +367,7 @@ fn apply_layer(
                     .check_parents(&rel, index)
                     .map_err(|r| hostile(path, &raw, r))?;
                 if target != rel {
-                    model.put(
-                        rel,
-                        Node {
-                            kind: Kind::File(inode),
-                            meta: Meta::default(),
-                            layer: index,
-                        },
-                    );
+                    model.put_file(rel, inode, index);
                 }
             }
             T::Regular | T::Continuous | T::GNUSparse => {
@@ -395,14 +388,7 @@ fn apply_layer(
                 let inode = model.next_inode;
                 model.next_inode += 1;
                 model.inodes.insert(inode, meta);
-                model.put(
-                    rel,
-                    Node {
-                        kind: Kind::File(inode),
-                        meta: Meta::default(),
-                        layer: index,
-                    },
-                );
+                model.put_file(rel, inode, index);
                 send_chunks(&mut entry, inode, size, chunk_size, tx).map_err(|e| match e {
                     SendError::Io(e) => hostile(
                         path,
@@ -545,6 +531,19 @@ impl Model {
             Node {
                 kind: Kind::Dir,
                 meta,
+                layer,
+            },
+        );
+    }
+
+    /// A file entry naming `inode` (a hard link names an existing one); its metadata lives in
+    /// the inode, not the node.
+    fn put_file(&mut self, path: String, inode: u64, layer: usize) {
+        self.put(
+            path,
+            Node {
+                kind: Kind::File(inode),
+                meta: Meta::default(),
                 layer,
             },
         );

@@ -57,6 +57,16 @@ pub fn tar_entry(
     out
 }
 
+/// A regular file entry, mode 0644, holding `data`.
+pub fn file_entry(name: &str, data: &[u8]) -> Vec<u8> {
+    tar_entry(name.as_bytes(), REGULAR, 0o644, b"", data, None)
+}
+
+/// A directory entry, mode 0755.
+pub fn dir_entry(name: &str) -> Vec<u8> {
+    tar_entry(name.as_bytes(), DIR, 0o755, b"", b"", None)
+}
+
 /// A whole archive: the entries then the two zero blocks that end it.
 pub fn tar(entries: &[Vec<u8>]) -> Vec<u8> {
     let mut out: Vec<u8> = entries.concat();
