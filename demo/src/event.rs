@@ -25,12 +25,15 @@ pub enum Event {
         step: u64,
         loss_bits: u32,
     },
-    /// A checkpoint staged: how long training waited (`save` to `wait_staged`), and the blake3
-    /// of the state it holds.
+    /// A checkpoint staged: how long training waited (`save` to `wait_staged`), the part of
+    /// that before the copy began (`save` itself: waiting for earlier saves that still persist
+    /// to make room, and for a segment of the sidecar), and the blake3 of the state it holds.
     Saved {
         rank: u32,
         step: u64,
         stall_seconds: f64,
+        #[serde(default)]
+        wait_seconds: f64,
         hash: String,
     },
     /// A tier finished a checkpoint, `seconds` after its save began (`error` if it failed).

@@ -130,10 +130,14 @@ pub fn table(s: &Summary) -> String {
         &mut out,
         format!(
             "training stall per checkpoint (save → wait_staged): median {:.0} ms, max {:.0} ms, over {} checkpoints; \
+             of it the copy median {:.0} ms, and the wait before the copy (earlier saves still persisting, a new segment) median {:.0} ms, max {:.0} ms; \
              copy floor {:.0} ms (the same bytes into memory already mapped, one process alone)",
             s.stall_seconds.median * 1e3,
             s.stall_seconds.max * 1e3,
             s.stall_seconds.count,
+            s.copy_seconds.median * 1e3,
+            s.queued_seconds.median * 1e3,
+            s.queued_seconds.max * 1e3,
             s.copy_floor_seconds * 1e3
         ),
     );

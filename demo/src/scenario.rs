@@ -99,6 +99,11 @@ pub struct Summary {
     pub dir: PathBuf,
     /// Training's wait per checkpoint (`save` to `wait_staged`), in seconds.
     pub stall_seconds: Spread,
+    /// Of that wait, the copy (`wait_staged` after `save` returned).
+    pub copy_seconds: Spread,
+    /// Of that wait, the time before the copy began: `save` waiting for earlier saves that
+    /// still persist to make room, or for a segment the sidecar allocates.
+    pub queued_seconds: Spread,
     /// The floor of that wait: one rank's state copied into memory already mapped (a parallel
     /// memcpy over as many threads as a trainer's engine copies with), median of five, seconds.
     pub copy_floor_seconds: f64,
@@ -437,11 +442,13 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
     demo.view.finish();
     res?;
     let v = &demo.view;
-    let mut stalls = Vec::new();
+    let (mut stalls, mut copies, mut queued) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_tier: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for r in &v.ranks {
         for s in r.saved.values() {
             stalls.push(s.stall);
+            copies.push(s.stall - s.wait);
+            queued.push(s.wait);
             for (t, secs) in &s.done {
                 if let Some(tier) = TIERS.iter().find(|x| *x == t) {
                     per_tier.entry(tier).or_default().push(*secs);
@@ -472,6 +479,8 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         store,
         dir: cfg.dir.clone(),
         stall_seconds: Spread::of(stalls),
+        copy_seconds: Spread::of(copies),
+        queued_seconds: Spread::of(queued),
         copy_floor_seconds: copy_floor(bytes as usize),
         tiers,
         faults: demo.faults.clone(),

@@ -166,11 +166,13 @@ fn save(engine: &Engine, model: &Model, rank: u32) -> Result<(SaveHandle, Instan
     }
     let extras = [(STEP_EXTRA.to_string(), model.step.to_le_bytes().to_vec())].into();
     let handle = engine.save(model.step, tensors, extras)?;
+    let waited = started.elapsed();
     handle.wait_staged()?;
     emit(&Event::Saved {
         rank,
         step: model.step,
         stall_seconds: started.elapsed().as_secs_f64(),
+        wait_seconds: waited.as_secs_f64(),
         hash: state_hash(model),
     });
     Ok((handle, started))

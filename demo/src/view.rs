@@ -23,6 +23,8 @@ pub const TIERS: [&str; 4] = ["memory", "peer", "disk", "store"];
 pub struct Saved {
     pub hash: String,
     pub stall: f64,
+    /// Of `stall`, the time before the copy began (see [`Event::Saved`]).
+    pub wait: f64,
     /// Tier → seconds from the save's start to that tier holding it.
     pub done: BTreeMap<String, f64>,
     /// Tier → error.
@@ -221,6 +223,7 @@ impl View {
             Event::Saved {
                 step,
                 stall_seconds,
+                wait_seconds,
                 hash,
                 ..
             } => {
@@ -238,6 +241,7 @@ impl View {
                 }
                 saved.hash = hash;
                 saved.stall = stall_seconds;
+                saved.wait = wait_seconds;
             }
             Event::Persisted {
                 step,

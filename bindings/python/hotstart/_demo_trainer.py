@@ -249,12 +249,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         if t.step % max(a.every, 1) == 0:
             started = time.perf_counter()
             handle = t.ck.save(t.step, t.state())
+            waited = time.perf_counter() - started
             handle.wait_staged()
             emit(
                 "saved",
                 rank=a.rank,
                 step=t.step,
                 stall_seconds=time.perf_counter() - started,
+                wait_seconds=waited,
                 hash=t.digest(),
             )
             pending.append(Pending(handle, started))

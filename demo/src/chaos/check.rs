@@ -342,6 +342,7 @@ mod tests {
                 rank: r,
                 step: s,
                 stall_seconds: 0.0,
+                wait_seconds: 0.0,
                 hash: format!("h{s}"),
             });
             persisted(v, r, s, "disk");
@@ -391,6 +392,7 @@ mod tests {
                 rank: r,
                 step: 20,
                 stall_seconds: 0.0,
+                wait_seconds: 0.0,
                 hash: "h20".into(),
             });
         }
