@@ -41,5 +41,20 @@ __all__ = [
     "__version__",
     "env",
     "errors",
+    # the exceptions, as hotstart.errors lists them
+    "HotstartError",
+    "ConfigError",
+    "StateDictError",
+    "CorruptCheckpoint",
+    "NoCheckpoint",
+    "StoreError",
+    "TierUnavailable",
+    "SidecarError",
+    "StepInFlight",
+    "SecondWriter",
+    "SaveSkipped",
+    "CudaError",
+    "InstallFailed",
+    "TargetInUse",
+    "CorruptSnapshot",
 ]
-__all__ += errors.__all__  # the exceptions
