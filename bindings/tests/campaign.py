@@ -174,6 +174,7 @@ class Trainer:
 
     def __init__(self, script: Path, cfg: Dict[str, Any], log: Path) -> None:
         self.events: "queue.Queue[Dict[str, Any]]" = queue.Queue()
+        self.log_path = log
         self.log = open(log, "ab")
         self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)],
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
@@ -202,7 +203,10 @@ class Trainer:
             if e["event"] == "unavailable":
                 self.unavailable += 1
             if e["event"] == "exit":
-                raise CampaignError(f"the trainer exited ({self.proc.wait()}) waiting for {kind!r}")
+                self.log.flush()
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise CampaignError(f"the trainer exited ({self.proc.wait()}) waiting for {kind!r}; "
+                                    f"the end of its log:\n{tail}")
             if e["event"] == kind:
                 return e
 
@@ -313,7 +317,8 @@ class Campaign:
         if self.sidecar is not None:
             self.sidecar.stop(signal.SIGKILL)
             self.sidecar = None
-        subprocess.run(["umount", str(self.disk)], capture_output=True)
+        # Lazily: tensors this process loaded may still map files of the old disk.
+        subprocess.run(["umount", "-l", str(self.disk)], capture_output=True)
 
     # --- what the controller checks ---------------------------------------------------------
 
@@ -380,10 +385,13 @@ class Campaign:
 
     def f_outage_restart(self) -> None:
         self.kill()
-        newest = self.newest()
+        # The newest step of the nearer tiers (the disk, the sidecar's memory) is what a restart
+        # during a store outage resumes from. It is the newest of all unless the disk failed to
+        # persist a newer one (full: that save's handle had the error), which the store holds.
+        nearer = {"local_dir": str(self.disk)} if self.mode == "own" else {}
+        newest = self.newest(**nearer)
         away = self.break_store()
         try:
-            # A nearer tier (the disk, the sidecar's memory) holds the newest step.
             self.restart(newest)
         finally:
             self.mend_store(away)

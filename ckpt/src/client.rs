@@ -38,7 +38,7 @@ use crate::handle::{Phase, Shared};
 use crate::staging::Region;
 use crate::tier::TierKind;
 use hotstart_proto::shm::{self, Mapping, Sealed, Segment};
-use hotstart_proto::wire::{Conn, FdStream, LocalMsg, Side};
+use hotstart_proto::wire::{Conn, FdStream, LinkError, LocalMsg, Side};
 use hotstart_proto::{PROTOCOL_VERSION, background_priority};
 
 /// How to reach the sidecar as one rank of one job.
@@ -175,25 +175,50 @@ impl Dial {
 
     /// A new attached connection, waiting up to `wait` for a sidecar that is restarting.
     fn open_within(&self, wait: Duration) -> Result<(Conn<FdStream>, Vec<TierKind>)> {
-        let sock = self.connect(wait)?;
-        let mut conn = Conn::new(
-            FdStream::new(sock),
-            self.socket.display().to_string(),
-            Side::Local,
-        );
-        conn.send(&LocalMsg::Attach {
-            version: PROTOCOL_VERSION,
-            job: self.job.clone(),
-            rank: self.rank,
-            world_size: self.world_size,
-        })?;
-        match conn.recv()? {
-            LocalMsg::Attached { tiers, .. } => Ok((conn, tiers)),
-            LocalMsg::Failed { reason } => Err(self.error(reason)),
-            other => Err(conn
-                .violation(format!("expected attached, got {other:?}"))
-                .into()),
+        let deadline = Instant::now() + wait;
+        loop {
+            let sock = self.connect(deadline.saturating_duration_since(Instant::now()))?;
+            let mut conn = Conn::new(
+                FdStream::new(sock),
+                self.socket.display().to_string(),
+                Side::Local,
+            );
+            let answer = conn
+                .send(&LocalMsg::Attach {
+                    version: PROTOCOL_VERSION,
+                    job: self.job.clone(),
+                    rank: self.rank,
+                    world_size: self.world_size,
+                })
+                .and_then(|()| conn.recv());
+            match answer {
+                Ok(LocalMsg::Attached { tiers, .. }) => return Ok((conn, tiers)),
+                Ok(LocalMsg::Failed { reason }) => return Err(self.error(reason)),
+                Ok(other) => {
+                    return Err(conn
+                        .violation(format!("expected attached, got {other:?}"))
+                        .into());
+                }
+                Err(e) => self.gone_while_restarting(&conn, e, deadline)?,
+            }
         }
+    }
+
+    /// A connection that broke before its answer: a sidecar killed as it accepted it (one that
+    /// is restarting) is waited for as one whose socket refuses, until `deadline`; anything
+    /// else, or past the deadline, is the error.
+    fn gone_while_restarting(
+        &self,
+        conn: &Conn<FdStream>,
+        e: LinkError,
+        deadline: Instant,
+    ) -> Result<()> {
+        if conn.violated() || Instant::now() >= deadline {
+            return Err(e.into());
+        }
+        warn!(socket = %self.socket.display(), error = %e, "the sidecar went away; waiting for it to come back");
+        std::thread::sleep(Duration::from_millis(100));
+        Ok(())
     }
 
     /// A segment of at least `len` bytes from the sidecar on a new connection, mapped here.
@@ -209,13 +234,22 @@ impl Dial {
         let (fd, conn) = loop {
             let (mut conn, _) =
                 self.open_within(deadline.saturating_duration_since(Instant::now()))?;
-            conn.send(&LocalMsg::Stage {
-                step,
-                len: shm::slot_len(len) as u64,
-                wait,
-                ahead,
-            })?;
-            match conn.recv()? {
+            let answer = conn
+                .send(&LocalMsg::Stage {
+                    step,
+                    len: shm::slot_len(len) as u64,
+                    wait,
+                    ahead,
+                })
+                .and_then(|()| conn.recv());
+            let answer = match answer {
+                Ok(a) => a,
+                Err(e) => {
+                    self.gone_while_restarting(&conn, e, deadline)?;
+                    continue;
+                }
+            };
+            match answer {
                 LocalMsg::Segment { .. } => break (conn.take_fd()?, conn),
                 LocalMsg::Draining if Instant::now() < deadline => {
                     debug!(step, "the sidecar is draining; waiting for its next life");

@@ -656,3 +656,47 @@ fn saves_recycle_segments_and_readers_only_ever_see_whole_steps() {
     assert!(a.stop().complete());
     drop(b);
 }
+
+/// A sidecar killed just as it accepted a save's connection (a restart under a running job):
+/// the save waits for the sidecar's next life instead of failing, and its bytes are the ones
+/// loaded back.
+#[test]
+fn a_save_waits_out_a_sidecar_killed_as_it_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let first = Running::start(settings("solo", "127.0.0.1", 0, &socket).resolve().unwrap());
+    // Attached to the first life; no save yet, so no segment of it is prepared ahead.
+    let engine = sidecar_engine(&socket, "accepted");
+    let set = sample_tensors(2, 1 << 20);
+    first.stop();
+
+    // The socket accepts and drops connections (for up to 2 s, 3 at most), then the sidecar
+    // comes back on it.
+    let _ = std::fs::remove_file(&socket);
+    let fake = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    fake.set_nonblocking(true).unwrap();
+    let path = socket.clone();
+    let back = std::thread::spawn(move || {
+        let (mut dropped, until) = (0, std::time::Instant::now() + Duration::from_secs(2));
+        while dropped < 3 && std::time::Instant::now() < until {
+            match fake.accept() {
+                Ok((conn, _)) => {
+                    drop(conn);
+                    dropped += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        drop(fake);
+        std::fs::remove_file(&path).unwrap();
+        let again = Running::start(settings("solo", "127.0.0.1", 0, &path).resolve().unwrap());
+        (dropped, again)
+    });
+    let handle = engine.save(2, to_tensors(&set), extras(2)).unwrap();
+    handle.wait().unwrap();
+    let (dropped, _again) = back.join().unwrap();
+    assert!(dropped >= 1, "no connection reached the dying sidecar");
+    assert_eq!(engine.steps().unwrap(), [2]);
+    let l = engine.load(StepSel::Step(2), Destination::Owned).unwrap();
+    assert_loaded(&l, &set, &extras(2));
+}
