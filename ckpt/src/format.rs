@@ -108,20 +108,20 @@ pub fn parse_step_file(name: &str) -> StepFile {
     let Some(rest) = name.strip_prefix("rank-") else {
         return StepFile::Other;
     };
-    let (digits, kind) = match (
-        rest.strip_suffix(".safetensors"),
-        rest.strip_suffix(".manifest.json"),
-    ) {
-        (Some(d), _) => (d, StepFile::Data as fn(u32) -> StepFile),
-        (_, Some(d)) => (d, StepFile::Manifest as fn(u32) -> StepFile),
-        _ => return StepFile::Other,
+    let (digits, manifest) = if let Some(d) = rest.strip_suffix(".safetensors") {
+        (d, false)
+    } else if let Some(d) = rest.strip_suffix(".manifest.json") {
+        (d, true)
+    } else {
+        return StepFile::Other;
     };
     if digits.is_empty() || digits.len() > 10 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return StepFile::Other;
     }
     match digits.parse() {
         Ok(rank) if partial => StepFile::Partial(rank),
-        Ok(rank) => kind(rank),
+        Ok(rank) if manifest => StepFile::Manifest(rank),
+        Ok(rank) => StepFile::Data(rank),
         Err(_) => StepFile::Other,
     }
 }

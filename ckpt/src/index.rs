@@ -16,15 +16,14 @@ use crate::error::Result;
 use crate::format::{self, Manifest, StepFile};
 use crate::tier::Tier;
 
-/// What a listing shows of one rank of one step.
+/// What a listing shows of one rank of one step (a rank whose only file is the temporary one
+/// of an unfinished write has neither).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RankFiles {
     /// The manifest is under its final name.
     pub manifest: bool,
     /// The length of the data file under its final name, if there is one.
     pub data_len: Option<u64>,
-    /// A write that did not finish left a temporary file.
-    pub partial: bool,
 }
 
 /// What a listing shows of one step.
@@ -86,7 +85,7 @@ impl StepIndex {
             match k.file {
                 StepFile::Data(_) => files.data_len = Some(len),
                 StepFile::Manifest(_) => files.manifest = true,
-                _ => files.partial = true,
+                _ => {}
             }
         }
         index
@@ -162,7 +161,13 @@ mod tests {
         assert_eq!(one.bytes, 24);
         let two = index.get(2).unwrap();
         assert!(!two.committed(2) && !two.committed(1));
-        assert!(two.ranks[&1].partial && !two.ranks[&1].manifest);
+        assert_eq!(
+            two.ranks[&1],
+            RankFiles {
+                manifest: false,
+                data_len: Some(10)
+            }
+        );
         assert!(!index.get(4).unwrap().committed(1));
         assert_eq!(index.newest_committed(2, None), Some(1));
         assert_eq!(index.newest_committed(1, None), Some(3));

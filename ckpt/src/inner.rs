@@ -252,10 +252,6 @@ impl Inner {
     /// (`crate::index`'s rule, with rank 0's manifest the one read: it names the world size).
     /// `None` when the step is not complete in `tier`.
     pub(crate) fn saved_world_size(&self, tier: &dyn Tier, step: u64) -> Result<Option<u32>> {
-        let index = StepIndex::list(tier, &self.job, Some(step))?;
-        let Some(entry) = index.get(step) else {
-            return Ok(None);
-        };
         let key = format::manifest_key(&self.job, step, 0);
         let Some(bytes) = tier.get_manifest(&key)? else {
             return Ok(None);
@@ -270,7 +266,10 @@ impl Inner {
             }
         };
         let ws = m.world_size;
-        let complete = entry.committed(ws) && index::manifest_fits(&m, ws, entry.ranks.get(&0));
+        let index = StepIndex::list(tier, &self.job, Some(step))?;
+        let complete = index
+            .get(step)
+            .is_some_and(|e| e.committed(ws) && index::manifest_fits(&m, ws, e.ranks.get(&0)));
         Ok(complete.then_some(ws))
     }
 
