@@ -5,7 +5,8 @@
 //! buffer of the engine's pool, or a segment of the sidecar's memory) and starts one
 //! background thread that runs the save pipeline (`crate::save`: stage, hash, then the tiers or
 //! the sidecar), then returns its [`SaveHandle`]. The sidecar's persistence of a step it holds
-//! runs the same pipeline ([`Engine::persist_staged`]).
+//! runs the same pipeline, through the rank's persistence core
+//! ([`Persistence::persist_staged`](crate::Persistence::persist_staged)).
 //!
 //! **Retention** (`Engine::gc`, and after each successful persist) works per tier and only on
 //! this rank's own objects, so ranks never race on each other's files: it keeps the newest
@@ -28,12 +29,13 @@ use tracing::{instrument, warn};
 use crate::admission::Admission;
 use crate::cuda::{self, Gpu};
 use crate::error::{Error, Result};
-use crate::format::{self, Layout, Manifest};
-use crate::handle::{Phase, SaveHandle, Shared};
+use crate::format::{Layout, Manifest};
+use crate::handle::{SaveHandle, Shared};
 use crate::inner::Inner;
 use crate::load::{Destination, Loaded, StepSel};
+use crate::persistence::Persistence;
 use crate::save::{Input, Save, Target};
-use crate::staging::{self, Pool};
+use crate::staging::Pool;
 use crate::tensor::{Extras, Tensor};
 use crate::tier::disk::DiskTier;
 use crate::tier::store::{Runtime, StoreTier};
@@ -153,9 +155,9 @@ pub struct Engine {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("job", &self.inner.job)
-            .field("rank", &self.inner.rank)
-            .field("world_size", &self.inner.world_size)
+            .field("job", &self.inner.core.job)
+            .field("rank", &self.inner.core.rank)
+            .field("world_size", &self.inner.core.world_size)
             .field("tiers", &self.tiers())
             .finish_non_exhaustive()
     }
@@ -185,31 +187,12 @@ impl Engine {
             ))),
             None => {}
         }
-        Engine::with_tiers(cfg, tiers, false)
-    }
-
-    /// An engine over tiers that already exist (shared by the sidecar's engines). With
-    /// `disk_per_rank`, retention on the disk tier counts a step complete once this rank's
-    /// manifest is there: a node's disk only ever holds its own ranks' files.
-    pub fn with_tiers(
-        cfg: EngineConfig,
-        tiers: Vec<Arc<dyn Tier>>,
-        disk_per_rank: bool,
-    ) -> Result<Engine> {
-        format::check_job(&cfg.job)?;
-        let bad = |reason: String| Err(Error::Config { reason });
-        if cfg.world_size == 0 || cfg.rank >= cfg.world_size {
-            return bad(format!(
-                "rank {} of world size {}",
-                cfg.rank, cfg.world_size
-            ));
-        }
-        if cfg.chunk_size == 0 || cfg.chunk_size > (1 << 31) {
-            return bad(format!("chunk size {} is not in 1..=2 GiB", cfg.chunk_size));
-        }
         if tiers.is_empty() && cfg.sidecar.is_none() {
-            return bad("no sidecar, disk tier or store tier is configured".into());
+            return Err(Error::Config {
+                reason: "no sidecar, disk tier or store tier is configured".into(),
+            });
         }
+        let core = Arc::new(Persistence::new(&cfg, tiers, false)?);
         let gpu = Arc::new(Gpu::new());
         let sidecar = match &cfg.sidecar {
             Some(socket) => Some(crate::client::Client::attach(
@@ -230,32 +213,16 @@ impl Engine {
                 let socket = cfg.sidecar.as_ref()?;
                 Some(socket.parent()?.to_path_buf())
             });
-        let threads = if cfg.threads == 0 {
-            staging::default_threads()
-        } else {
-            cfg.threads
-        };
         Ok(Engine {
             inner: Arc::new(Inner {
-                job: cfg.job,
-                rank: cfg.rank,
-                world_size: cfg.world_size,
-                keep: cfg.keep,
-                chunk_size: cfg.chunk_size,
-                threads,
+                core,
                 block: cfg.when_full == WhenFull::Block,
-                tiers,
-                disk_per_rank,
                 admission: Admission::new(cfg.max_inflight),
                 pool: Pool::new(),
                 sidecar,
                 skipped: AtomicU64::new(0),
-                persisting: Mutex::new(BTreeMap::new()),
                 saving: Mutex::new(BTreeMap::new()),
-                asked: Mutex::new((0, BTreeMap::new())),
-                gc_lock: Mutex::new(()),
                 gpu,
-                uring: cfg.uring,
                 owner_dir,
                 owner: Mutex::new(None),
             }),
@@ -268,7 +235,7 @@ impl Engine {
     pub fn tiers(&self) -> Vec<TierKind> {
         match &self.inner.sidecar {
             Some(s) => s.tiers(),
-            None => self.inner.own_tiers(),
+            None => self.inner.core.own_tiers(),
         }
     }
 
@@ -289,10 +256,16 @@ impl Engine {
     /// saving the same job and rank ([`Error::SecondWriter`]), on device tensors that cannot be
     /// read ([`Error::Cuda`]: no `cuda` feature, no driver, no such device), or when no thread
     /// can be started; everything later is reported on the handle.
-    #[instrument(skip_all, fields(step, rank = self.inner.rank))]
+    #[instrument(skip_all, fields(step, rank = self.inner.core.rank))]
     pub fn save(&self, step: u64, tensors: Vec<Tensor>, extras: Extras) -> Result<SaveHandle> {
         let inner = &self.inner;
-        let layout = Layout::new(&inner.job, step, inner.rank, inner.world_size, &tensors)?;
+        let layout = Layout::new(
+            &inner.core.job,
+            step,
+            inner.core.rank,
+            inner.core.world_size,
+            &tensors,
+        )?;
         let devices: BTreeSet<usize> = tensors.iter().filter_map(Tensor::device).collect();
         let len = usize::try_from(layout.file_len).map_err(|_| Error::Input {
             step,
@@ -301,12 +274,12 @@ impl Engine {
         let handle = |shared| SaveHandle {
             shared,
             step,
-            rank: inner.rank,
+            rank: inner.core.rank,
             inflight: inner.admission.max(),
         };
         let tiers = match &inner.sidecar {
             Some(sidecar) => sidecar.tiers(),
-            None => inner.own_tiers(),
+            None => inner.core.own_tiers(),
         };
         let shared = Shared::new(step, &tiers);
         inner.claim(step, &shared)?;
@@ -342,9 +315,9 @@ impl Engine {
             }
             None => Target::Pool(inner.pool.take(len)),
         };
-        inner.start_persisting(step);
+        inner.core.start_persisting(step);
         let save = Save {
-            inner: inner.clone(),
+            core: inner.core.clone(),
             shared: shared.clone(),
             step,
             ticket: Some(ticket),
@@ -352,12 +325,13 @@ impl Engine {
                 layout,
                 tensors,
                 extras,
+                gpu: inner.gpu.clone(),
             },
         };
         self.spawn_tracked(format!("hotstart-ckpt-save-{step}"), &shared, move || {
             save.run(target)
         })
-        .inspect_err(|_| inner.done_persisting(step))?;
+        .inspect_err(|_| inner.core.done_persisting(step))?;
         Ok(handle(shared))
     }
 
@@ -388,53 +362,10 @@ impl Engine {
         }
     }
 
-    /// Persists a file that is already staged and hashed (a sidecar's committed segment) to
-    /// this engine's tiers in the background, then applies retention. The handle reports each
-    /// tier; the thread returned ends once retention is done too (the caller joins it: it is
-    /// not one of the saves `wait_idle` waits for). `manifest` must describe the first `len`
-    /// bytes of `region`.
-    pub fn persist_staged(
-        &self,
-        step: u64,
-        region: Arc<dyn crate::tier::Region>,
-        len: usize,
-        manifest: Vec<u8>,
-    ) -> Result<(SaveHandle, JoinHandle<()>)> {
-        let inner = &self.inner;
-        let shared = Shared::new(step, &inner.own_tiers());
-        shared.set_staged(Phase::Done);
-        inner.start_persisting(step);
-        let save = Save {
-            inner: inner.clone(),
-            shared: shared.clone(),
-            step,
-            ticket: None,
-            input: Input::Staged { len, manifest },
-        };
-        let spawned = std::thread::Builder::new()
-            .name(format!("hotstart-ckpt-persist-{step}"))
-            .spawn(move || save.run(Target::Filled(region)));
-        match spawned {
-            Ok(t) => Ok((
-                SaveHandle {
-                    shared,
-                    step,
-                    rank: inner.rank,
-                    inflight: inner.admission.max(),
-                },
-                t,
-            )),
-            Err(e) => {
-                inner.done_persisting(step);
-                Err(Error::io("spawn persist thread", "", e))
-            }
-        }
-    }
-
     /// Loads a step of this rank, verifying every chunk; see the module docs. With a sidecar,
     /// the sidecar serves the step from the nearest tier that holds it (see
     /// the `hotstart-sidecar` crate), and this engine's own tiers are read only if it cannot be reached.
-    #[instrument(skip_all, fields(rank = self.inner.rank, ?which))]
+    #[instrument(skip_all, fields(rank = self.inner.core.rank, ?which))]
     pub fn load(&self, which: StepSel, dest: Destination<'_>) -> Result<Loaded> {
         self.inner.load(which, dest)
     }
@@ -445,31 +376,7 @@ impl Engine {
     /// and the tensor index, and an engine configured as that rank of that world size loads the
     /// data. Bytes are not verified here; [`Engine::load`] verifies every chunk.
     pub fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        self.inner.manifest(step, rank)
-    }
-
-    /// This rank's `step` where the tier a load would take it from keeps it in a local file
-    /// (disk tier, or a store that is a local directory): its manifest, the file opened for
-    /// reading (`O_DIRECT` where the file system takes it) and that tier. What the sidecar
-    /// hands a training process to load itself, verifying every chunk; None where the step's
-    /// nearest tier is not local.
-    pub fn open_local_file(
-        &self,
-        step: u64,
-    ) -> Result<Option<(Manifest, std::fs::File, TierKind)>> {
-        self.inner.open_local_file(step)
-    }
-
-    /// Reads this rank's `step` from the tiers that hold it into memory that `alloc` gives for
-    /// the file's length (told the nearest tier that holds it), verified chunk by chunk as
-    /// [`Engine::load`] does; returns the manifest, the memory and the tier each chunk came
-    /// from. This is how the sidecar brings a step back into its memory tier.
-    pub fn read_into<B: AsMut<[u8]>, E: From<Error>>(
-        &self,
-        step: u64,
-        alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
-    ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
-        self.inner.read_into(step, alloc)
+        self.inner.core.manifest(step, rank)
     }
 
     /// Waits for every save started so far to finish persisting.
@@ -484,10 +391,7 @@ impl Engine {
     /// Steps complete in `tier` for this job: every rank's manifest present, and this rank's
     /// valid. Ascending.
     pub fn complete_steps(&self, tier: TierKind) -> Result<Vec<u64>> {
-        let Some(t) = self.inner.tier(tier) else {
-            return Ok(Vec::new());
-        };
-        self.inner.complete_steps_in(t)
+        self.inner.core.complete_steps(tier)
     }
 
     /// Every step complete for this rank's world size in some tier, ascending: with a sidecar,
@@ -499,10 +403,10 @@ impl Engine {
             return sidecar.steps();
         }
         let mut all = BTreeSet::new();
-        for t in &self.inner.tiers {
-            let steps = self.inner.complete_steps_in(t.as_ref()).map_err(|e| {
+        for t in &self.inner.core.tiers {
+            let steps = self.inner.core.complete_steps_in(t.as_ref()).map_err(|e| {
                 if e.is_unreadable() {
-                    Error::unavailable(t.kind(), &self.inner.job, e)
+                    Error::unavailable(t.kind(), &self.inner.core.job, e)
                 } else {
                     e
                 }
@@ -518,7 +422,7 @@ impl Engine {
         if let Some(sidecar) = &self.inner.sidecar {
             return sidecar.latest();
         }
-        self.inner.latest_in_own_tiers_below(None)
+        self.inner.core.latest_in_own_tiers_below(None)
     }
 
     /// The newest step complete as [`Engine::latest_complete_step`] finds them, older than
@@ -528,7 +432,7 @@ impl Engine {
         if let Some(sidecar) = &self.inner.sidecar {
             return sidecar.latest_below(step);
         }
-        self.inner.latest_in_own_tiers_below(Some(step))
+        self.inner.core.latest_in_own_tiers_below(Some(step))
     }
 
     /// The newest checkpoint of this job whatever world size saved it, and that world size: the
@@ -549,7 +453,7 @@ impl Engine {
     }
 
     fn latest_checkpoint_in(&self, below: Option<u64>) -> Result<Option<(u64, u32)>> {
-        let own = self.inner.latest_checkpoint_in_own_tiers(below)?;
+        let own = self.inner.core.latest_checkpoint_in_own_tiers(below)?;
         let Some(sidecar) = &self.inner.sidecar else {
             return Ok(own);
         };
@@ -557,17 +461,13 @@ impl Engine {
             None => sidecar.latest()?,
             Some(step) => sidecar.latest_below(step)?,
         };
-        Ok(own.max(served.map(|s| (s, self.inner.world_size))))
+        Ok(own.max(served.map(|s| (s, self.inner.core.world_size))))
     }
 
     /// Applies retention to every tier now; returns the steps whose files of this rank were
     /// removed, per tier.
     pub fn gc(&self) -> Result<Vec<(TierKind, Vec<u64>)>> {
-        self.inner
-            .tiers
-            .iter()
-            .map(|t| Ok((t.kind(), self.inner.gc_tier(t.as_ref())?)))
-            .collect()
+        self.inner.core.gc()
     }
 }
 

@@ -29,7 +29,9 @@
 //! sidecar), `staging` (the buffer pool, parallel copies and hashes), [`cuda`] (the GPU path),
 //! [`tier`] (disk and store), [`index`] (which steps a tier holds, and when one is complete), [`retention`] (which
 //! steps a tier keeps), `load` (verified
-//! reads), `inner` (the state an engine's parts share), `owner` (one writer per job and rank), [`handle`] (save progress),
+//! reads), [`Persistence`] (one rank's tiers: completeness, retention, the sinks and the verified
+//! reader, which the engine and the sidecar both call), `inner` (the state an engine's parts
+//! share over it), `owner` (one writer per job and rank), [`handle`] (save progress),
 //! [`inspect`] (offline listing, verification and retention: the `hotstart ckpt` commands),
 //! `client` (the engine's client of the sidecar, over the frames, messages and shared memory of
 //! `hotstart-proto`, which the sidecar speaks too).
@@ -50,6 +52,7 @@ mod engine;
 mod inner;
 mod load;
 mod owner;
+mod persistence;
 mod save;
 mod staging;
 
@@ -58,6 +61,7 @@ pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
 pub use inspect::Checkpoints;
 pub use load::{Destination, DeviceBuffer, Loaded, Plan, StepSel};
+pub use persistence::Persistence;
 pub use staging::{default_threads, hash_chunks};
 pub use tensor::{Dtype, Extras, LoadedTensor, Tensor};
 pub use tier::TierKind;

@@ -32,27 +32,30 @@
 //! (`Keys::clear_old`), so no manifest ever describes bytes of another save.
 
 use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 
 use tracing::{error, info, warn};
 
 use crate::admission::Ticket;
 use crate::client::Lease;
+use crate::cuda::Gpu;
 use crate::cuda::Pinned;
 use crate::error::{Error, Result};
 use crate::format::{self, Layout, Manifest};
-use crate::handle::{Phase, Shared};
-use crate::inner::Inner;
+use crate::handle::{Phase, SaveHandle, Shared};
+use crate::persistence::Persistence;
 use crate::staging::{self, FailUnlessComplete, Region, Staging};
 use crate::tensor::{Extras, Source, Tensor};
 use crate::tier::Tier;
 
 /// What a save writes.
 pub(crate) enum Input {
-    /// Tensors to stage, laid out by `layout`.
+    /// Tensors to stage, laid out by `layout`; device tensors are copied through `gpu`.
     Tensors {
         layout: Layout,
         tensors: Vec<Tensor>,
         extras: Extras,
+        gpu: Arc<Gpu>,
     },
     /// A file of `len` bytes already staged and hashed (a sidecar's committed segment), and its
     /// manifest.
@@ -80,7 +83,8 @@ pub(crate) enum Target {
 
 /// One save: everything its thread needs.
 pub(crate) struct Save {
-    pub(crate) inner: Arc<Inner>,
+    /// The rank's tiers, where the file goes (unless it goes to the sidecar).
+    pub(crate) core: Arc<Persistence>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) step: u64,
     /// `None` for the sidecar's persistence, which its own budget bounds.
@@ -92,7 +96,7 @@ impl Save {
     /// Runs the save to its end on the calling thread (see the module docs); the step is no
     /// longer "persisting" afterwards, whatever happened.
     pub(crate) fn run(self, target: Target) {
-        let (inner, shared, step) = (self.inner.clone(), self.shared.clone(), self.step);
+        let (core, shared, step) = (self.core.clone(), self.shared.clone(), self.step);
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.work(target)));
         if let Err(panic) = res {
             let message = panic
@@ -106,12 +110,12 @@ impl Save {
                 message,
             }));
         }
-        inner.done_persisting(step);
+        core.done_persisting(step);
     }
 
     fn work(self, target: Target) {
         let Save {
-            inner,
+            core,
             shared,
             step,
             ticket,
@@ -125,7 +129,7 @@ impl Save {
                     let image = Staging::new(lease.region(), len);
                     let (at, mut pin) = lease.staging();
                     let manifest = stage_and_hash(
-                        &inner,
+                        &core,
                         &shared,
                         step,
                         &image,
@@ -155,30 +159,30 @@ impl Save {
             Input::Tensors { .. } => Staging::new(region, len),
             Input::Staged { .. } => Staging::filled(region, len),
         };
-        let keys = Keys::new(&inner, step);
+        let keys = Keys::new(&core, step);
         let mut slot = pool_slot;
         let persisted: Vec<&dyn Tier> = std::thread::scope(|scope| {
             // Every tier starts at once, writing what is staged while the rest is copied.
-            let writers = start_writers(scope, &inner, &shared, &image, &keys);
+            let writers = start_writers(scope, &core, &shared, &image, &keys);
             let (at, mut pin) = match &mut slot {
                 Some(s) => (s.region(), s.take_pin()),
                 None => (None, None),
             };
-            let manifest = stage_and_hash(&inner, &shared, step, &image, at, &mut pin, input, None);
+            let manifest = stage_and_hash(&core, &shared, step, &image, at, &mut pin, input, None);
             if let (Some(s), Some(p)) = (&mut slot, pin) {
                 s.set_pin(p);
             }
             if manifest.is_none() {
                 image.fail();
             }
-            join_writers(&inner, writers, manifest.as_deref())
+            join_writers(&core, writers, manifest.as_deref())
         });
         // The bytes are no longer needed: free the memory (and admit the next save) before
         // retention.
         drop(image);
         drop(slot);
         drop(ticket);
-        inner.retention(step, persisted);
+        core.retention(step, persisted);
     }
 }
 
@@ -191,7 +195,7 @@ impl Save {
 /// manifest, unhashed, is what is returned then.
 #[allow(clippy::too_many_arguments)]
 fn stage_and_hash(
-    inner: &Inner,
+    core: &Persistence,
     shared: &Shared,
     step: u64,
     image: &Staging,
@@ -200,25 +204,26 @@ fn stage_and_hash(
     input: Input,
     filled: Option<&mut dyn FnMut(Vec<u8>) -> Result<()>>,
 ) -> Option<Vec<u8>> {
-    let (layout, tensors, extras) = match input {
+    let (layout, tensors, extras, gpu) = match input {
         Input::Staged { manifest, .. } => return Some(manifest),
         Input::Tensors {
             layout,
             tensors,
             extras,
-        } => (layout, tensors, extras),
+            gpu,
+        } => (layout, tensors, extras, gpu),
     };
     // Fails the image if staging stops early, a panic included, so tiers stop waiting.
     let _abandon = FailUnlessComplete(image);
-    let res = stage(inner, at, pin, image, &layout, &tensors);
+    let res = stage(&gpu, core.threads, at, pin, image, &layout, &tensors);
     drop(tensors);
     let manifest = res
         .and_then(|()| image.complete())
         .and_then(|staged| match filled {
             Some(tell) => {
-                let chunks = staged.len.div_ceil(inner.chunk_size.max(1));
+                let chunks = staged.len.div_ceil(core.chunk_size.max(1));
                 let unhashed = vec![blake3::Hash::from_bytes([0; 32]); chunks];
-                let m = manifest_with(inner, step, &layout, &unhashed, &extras);
+                let m = manifest_with(core, step, &layout, &unhashed, &extras);
                 tell(m.clone()).map(|()| (m, None))
             }
             None => Ok((Vec::new(), Some(staged))),
@@ -229,8 +234,8 @@ fn stage_and_hash(
             let Some(staged) = staged else {
                 return Some(told);
             };
-            let hashes = staging::hash_chunks(staged.as_ref(), inner.chunk_size, inner.threads);
-            Some(manifest_with(inner, step, &layout, &hashes, &extras))
+            let hashes = staging::hash_chunks(staged.as_ref(), core.chunk_size, core.threads);
+            Some(manifest_with(core, step, &layout, &hashes, &extras))
         }
         Err(e) => {
             error!(step, error = %e, "checkpoint staging failed");
@@ -245,7 +250,8 @@ fn stage_and_hash(
 /// registration, made on first use), host tensors over the engine's threads at the same time.
 /// Returns once every byte is in place.
 fn stage(
-    inner: &Inner,
+    gpu: &Gpu,
+    threads: usize,
     region: Option<(*const u8, usize)>,
     pin: &mut Option<Pinned>,
     image: &Staging,
@@ -260,31 +266,31 @@ fn stage(
     if let (Some(ordinal), Some((ptr, buf_len))) = (first_device, region)
         && pin.is_none()
     {
-        match inner.gpu.pin(ordinal, ptr, buf_len) {
+        match gpu.pin(ordinal, ptr, buf_len) {
             Ok(p) => *pin = Some(p),
             Err(e) => {
                 warn!(error = %e, "cannot pin the staging buffer; copying to pageable memory")
             }
         }
     }
-    image.fill(&layout.header, &sources, inner.threads, &inner.gpu)
+    image.fill(&layout.header, &sources, threads, gpu)
 }
 
 /// The manifest (JSON) of a staged file: its layout, the blake3 of every chunk and the extras.
 fn manifest_with(
-    inner: &Inner,
+    core: &Persistence,
     step: u64,
     layout: &Layout,
     hashes: &[blake3::Hash],
     extras: &Extras,
 ) -> Vec<u8> {
     Manifest::new(
-        &inner.job,
+        &core.job,
         step,
-        inner.rank,
-        inner.world_size,
+        core.rank,
+        core.world_size,
         layout,
-        inner.chunk_size as u64,
+        core.chunk_size as u64,
         hashes,
         extras,
     )
@@ -301,13 +307,13 @@ struct Keys<'a> {
 }
 
 impl<'a> Keys<'a> {
-    fn new(inner: &'a Inner, step: u64) -> Keys<'a> {
+    fn new(core: &'a Persistence, step: u64) -> Keys<'a> {
         Keys {
-            job: &inner.job,
-            rank: inner.rank,
+            job: &core.job,
+            rank: core.rank,
             step,
-            data: format::data_key(&inner.job, step, inner.rank),
-            manifest: format::manifest_key(&inner.job, step, inner.rank),
+            data: format::data_key(&core.job, step, core.rank),
+            manifest: format::manifest_key(&core.job, step, core.rank),
         }
     }
 
@@ -334,14 +340,13 @@ type Writer<'scope> = (
 /// the commit. Each tier's outcome is set on `shared` as soon as it is known.
 fn start_writers<'scope, 'env>(
     scope: &'scope std::thread::Scope<'scope, 'env>,
-    inner: &'env Inner,
+    core: &'env Persistence,
     shared: &'env Shared,
     image: &'env Staging,
     keys: &'env Keys<'env>,
 ) -> Vec<Writer<'scope>> {
     let step = keys.step;
-    inner
-        .tiers
+    core.tiers
         .iter()
         .map(|tier| {
             let (tx, rx) = mpsc::channel::<Vec<u8>>();
@@ -382,15 +387,15 @@ fn start_writers<'scope, 'env>(
 /// them; the tiers that persisted the step. The commits go in tier order: a tier gets the
 /// manifest once the nearer one has written it (or failed), while the data of every tier was
 /// written at once. So a farther tier never holds a step newer than a nearer one that persists
-/// (the rule `Inner::newest_in_own_tiers` answers by when a tier cannot be read); a manifest is
+/// (the rule `Persistence::newest_in_own_tiers` answers by when a tier cannot be read); a manifest is
 /// a few kilobytes, and waiting for one costs a save next to nothing.
 fn join_writers<'a>(
-    inner: &'a Inner,
+    core: &'a Persistence,
     writers: Vec<Writer<'_>>,
     manifest: Option<&[u8]>,
 ) -> Vec<&'a dyn Tier> {
     let mut persisted = Vec::new();
-    for (tier, (tx, running)) in inner.tiers.iter().zip(writers) {
+    for (tier, (tx, running)) in core.tiers.iter().zip(writers) {
         if let Some(m) = manifest {
             // A tier that failed already has hung up.
             let _ = tx.send(m.to_vec());
@@ -401,4 +406,48 @@ fn join_writers<'a>(
         }
     }
     persisted
+}
+
+impl Persistence {
+    /// Persists a file that is already staged and hashed (a sidecar's committed segment) to
+    /// this rank's tiers in the background, through the same sinks as every save, then applies
+    /// retention. The handle reports each tier; the thread returned ends once retention is done
+    /// too (the caller joins it). `manifest` must describe the first `len` bytes of `region`.
+    pub fn persist_staged(
+        self: &Arc<Self>,
+        step: u64,
+        region: Arc<dyn Region>,
+        len: usize,
+        manifest: Vec<u8>,
+    ) -> Result<(SaveHandle, JoinHandle<()>)> {
+        let shared = Shared::new(step, &self.own_tiers());
+        shared.set_staged(Phase::Done);
+        self.start_persisting(step);
+        let save = Save {
+            core: self.clone(),
+            shared: shared.clone(),
+            step,
+            ticket: None,
+            input: Input::Staged { len, manifest },
+        };
+        let spawned = std::thread::Builder::new()
+            .name(format!("hotstart-ckpt-persist-{step}"))
+            .spawn(move || save.run(Target::Filled(region)));
+        match spawned {
+            Ok(t) => Ok((
+                SaveHandle {
+                    shared,
+                    step,
+                    rank: self.rank,
+                    // Never skipped: the sidecar's own budget bounds what it persists.
+                    inflight: 0,
+                },
+                t,
+            )),
+            Err(e) => {
+                self.done_persisting(step);
+                Err(Error::io("spawn persist thread", "", e))
+            }
+        }
+    }
 }

@@ -3,13 +3,14 @@
 //!
 //! The frames, local messages and shared-memory segments it shares with training processes are
 //! `hotstart-proto`; the messages between sidecars are its own ([`wire`]). It persists and
-//! reads back steps with `hotstart-ckpt`'s tiers. A training process (and the Python wheel)
+//! reads back steps through `hotstart-ckpt`'s persistence core ([`hotstart_ckpt::Persistence`]),
+//! never through an engine. A training process (and the Python wheel)
 //! links `hotstart-ckpt` and `hotstart-proto`, never this crate.
 //!
 //! ```text
 //!   training process ──Unix socket──► sidecar ──TCP (authenticated)──► peer sidecars
 //!   (Engine, sidecar mode)            │   memory tier: sealed memfd segments, one budget
-//!     stage into a memfd  ◄─SCM_RIGHTS┤   persistence: the engine's disk and store tiers
+//!     stage into a memfd  ◄─SCM_RIGHTS┤   persistence: hotstart_ckpt::Persistence per rank
 //!     map a sealed memfd  ◄───────────┘   /livez /readyz /metrics over HTTP
 //! ```
 //!
@@ -18,8 +19,9 @@
 //! process), unmaps it and commits. The sidecar seals the segment against writes, checks it
 //! against the manifest's chunk hashes and holds it in the memory tier (`memory`); then, in the
 //! background (`persist`), copies it to `replicas` peers chosen by a deterministic ring
-//! (`placement`, `peer`) and writes it to the local disk and the store with the engine's own
-//! tier code. Each tier reports back to the training process's save handle.
+//! (`placement`, `peer`) and writes it to the local disk and the store through the checkpoint
+//! library's persistence core of that job and rank (`tiers`), the same sinks an engine's own
+//! saves go through. Each tier reports back to the training process's save handle.
 //!
 //! **Restore** (`restore`). The newest step complete for every rank, found in this node's and
 //! the peers' inventories (memory and disk), else in the store; served from this node's memory,
@@ -49,22 +51,19 @@ mod persist;
 mod placement;
 mod recovery;
 mod restore;
+mod tiers;
 pub mod wire;
 
 use hotstart_ckpt::Error as CkptError;
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use hotstart_store::uring::UringConfig;
-use hotstart_store::wrap::{Counter, Interceptor};
-use hotstart_store::{Store, StripeConfig};
 use tracing::{debug, error, info, warn};
 
 pub use auth::{ClusterKey, Identity};
@@ -76,11 +75,6 @@ pub use persist::DrainReport;
 pub use recovery::RecoveryReport;
 pub use wire::{Held, PeerMsg, ShardInfo};
 
-use hotstart_ckpt::Engine;
-use hotstart_ckpt::tier::Tier;
-use hotstart_ckpt::tier::disk::DiskTier;
-use hotstart_ckpt::tier::store::{Runtime, StoreTier};
-
 /// Everything the daemon's parts share.
 pub(crate) struct Core {
     pub(crate) cfg: SidecarConfig,
@@ -90,10 +84,8 @@ pub(crate) struct Core {
     pub(crate) memory: Arc<memory::Memory>,
     pub(crate) metrics: metrics::Metrics,
     pub(crate) members: members::Members,
-    /// Disk, then store, as configured.
-    pub(crate) tiers: Vec<Arc<dyn Tier>>,
-    pub(crate) store_counter: Option<Arc<Counter>>,
-    pub(crate) engines: Mutex<HashMap<(String, u32, u32), Arc<Engine>>>,
+    /// Disk and store, and each rank's persistence over them.
+    pub(crate) tiers: tiers::Tiers,
     pub(crate) inflight: persist::Inflight,
     pub(crate) adopting: local::Adopting,
     pub(crate) threads: usize,
@@ -128,7 +120,7 @@ impl http::Routes for Core {
                 content_type: "text/plain; version=0.0.4; charset=utf-8",
                 body: self
                     .metrics
-                    .render(&self.gauges(), self.store_counter.as_deref()),
+                    .render(&self.gauges(), self.tiers.store_counter.as_deref()),
             }),
             _ => None,
         }
@@ -185,34 +177,7 @@ impl Sidecar {
         } else {
             cfg.threads
         };
-        let mut tiers: Vec<Arc<dyn Tier>> = Vec::new();
-        if let Some(dir) = &cfg.disk_dir {
-            std::fs::create_dir_all(dir).map_err(|e| Error::io("create disk tier", dir, e))?;
-            tiers.push(Arc::new(DiskTier::new(dir.clone(), UringConfig::default())));
-        }
-        let mut store_counter = None;
-        if let Some(url) = &cfg.store {
-            let store = Store::open(url).map_err(|e| Error::store("open", url.clone(), e))?;
-            if let Some(dir) = store.local_dir() {
-                // A local directory, as the engine opens it: written and read at the disk's
-                // speed, and its files handed to training processes as the disk tier's are.
-                tiers.push(Arc::new(DiskTier::for_local_store(
-                    dir,
-                    UringConfig::default(),
-                )));
-            } else {
-                let counter = Arc::new(Counter::default());
-                let store = store.wrap(|inner| counter.clone().wrap(inner));
-                store_counter = Some(counter);
-                tiers.push(Arc::new(StoreTier::new(
-                    store,
-                    Arc::new(Runtime::new()?),
-                    StripeConfig::default(),
-                    4,
-                    Duration::from_millis(100),
-                )));
-            }
-        }
+        let tiers = tiers::Tiers::open(&cfg)?;
         let peer_listener = TcpListener::bind(cfg.listen).map_err(|e| CkptError::Config {
             reason: format!("listen {}: {e}", cfg.listen),
         })?;
@@ -237,8 +202,6 @@ impl Sidecar {
             metrics: metrics::Metrics::default(),
             members: members::Members::new(&cfg),
             tiers,
-            store_counter,
-            engines: Mutex::new(HashMap::new()),
             inflight: persist::Inflight::default(),
             adopting: local::Adopting::default(),
             threads,

@@ -1,5 +1,5 @@
-//! After a commit: persistence to the local disk and the store (the engine's own tier code,
-//! through one [`Engine`] per job and rank), replication to peers, progress events for the
+//! After a commit: persistence to the local disk and the store (the checkpoint library's
+//! persistence core of the job and rank, `crate::tiers`), replication to peers, progress events for the
 //! training process, and the drain at shutdown.
 //!
 //! Every committed local shard is *pending* until each of its tiers (peers, disk, store) has
@@ -20,7 +20,6 @@ use tracing::{error, info, warn};
 use crate::Core;
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
-use hotstart_ckpt::Engine;
 use hotstart_ckpt::tier::TierKind;
 use hotstart_proto::wire::{Conn, FdStream, LocalMsg};
 
@@ -165,33 +164,13 @@ impl Core {
         if self.replicates() {
             t.push(TierKind::Peer);
         }
-        t.extend(self.tiers.iter().map(|t| t.kind()));
+        t.extend(self.tiers.kinds());
         t
     }
 
     /// Whether committed shards are copied to peers.
     pub(crate) fn replicates(&self) -> bool {
         self.cfg.replicas > 0 && (!self.cfg.peers.is_empty() || self.cfg.peers_dns.is_some())
-    }
-
-    /// The engine that persists and reads back `job`'s `rank` (made on first use).
-    pub(crate) fn engine(
-        &self,
-        job: &str,
-        rank: u32,
-        world_size: u32,
-    ) -> hotstart_ckpt::Result<Arc<Engine>> {
-        let mut engines = self.engines.lock().unwrap_or_else(PoisonError::into_inner);
-        let k = (job.to_string(), rank, world_size);
-        if let Some(e) = engines.get(&k) {
-            return Ok(e.clone());
-        }
-        let mut cfg = hotstart_ckpt::EngineConfig::new(job, rank, world_size);
-        cfg.keep = self.cfg.keep;
-        cfg.threads = self.cfg.threads;
-        let e = Arc::new(Engine::with_tiers(cfg, self.tiers.clone(), true)?);
-        engines.insert(k, e.clone());
-        Ok(e)
     }
 
     /// Starts everything that follows the commit of a local shard: persistence to disk and
@@ -253,14 +232,17 @@ impl Core {
             }
         };
         let k = &shard.key;
-        let handle = self.engine(&k.job, k.rank, shard.world_size).and_then(|e| {
-            e.persist_staged(
-                k.step,
-                shard.seg.clone(),
-                shard.len() as usize,
-                shard.manifest_json.clone().into_bytes(),
-            )
-        });
+        let handle = self
+            .tiers
+            .rank(&k.job, k.rank, shard.world_size)
+            .and_then(|p| {
+                p.persist_staged(
+                    k.step,
+                    shard.seg.clone(),
+                    shard.len() as usize,
+                    shard.manifest_json.clone().into_bytes(),
+                )
+            });
         let (handle, persisting) = match handle {
             Ok(h) => h,
             Err(e) => return fail_all(e.to_string()),

@@ -11,7 +11,7 @@
 //!
 //! **From where.** The shard of the asked rank is served from the nearest tier that holds it:
 //! this node's memory; else a peer's memory (fetched, verified chunk by chunk as it arrives);
-//! else this node's disk, else the store (read with the engine's verified loader, which falls
+//! else this node's disk, else the store (read with the persistence core's verified reader, which falls
 //! back from disk to store chunk by chunk). Whatever was not in memory is put there, so the
 //! next restore of the same step is served from memory. The training process receives the
 //! sealed segment and maps it: the restore itself copies nothing more.
@@ -73,9 +73,9 @@ impl Core {
             return Vec::new();
         }
         let mut out: Vec<ShardInfo> = self.memory.shards(job).iter().map(|s| s.info()).collect();
-        let disk = self.tiers.iter().find(|t| t.kind() == TierKind::Disk);
+        let disk = self.tiers.get(TierKind::Disk);
         if let (Some(disk), Some(job)) = (disk, job) {
-            match StepIndex::list(disk.as_ref(), job, None) {
+            match StepIndex::list(disk, job, None) {
                 Ok(index) => {
                     for (step, entry) in index.steps() {
                         for (&rank, files) in &entry.ranks {
@@ -168,15 +168,15 @@ impl Core {
         world_size: u32,
         below: Option<u64>,
     ) -> Result<Option<u64>> {
-        if !self.tiers.iter().any(|t| t.kind() == TierKind::Store) {
+        if self.tiers.get(TierKind::Store).is_none() {
             return Ok(None);
         }
-        let engine = self.engine(job, rank, world_size)?;
+        let persistence = self.tiers.rank(job, rank, world_size)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
             .name("hotstart-store-list".into())
             .spawn(move || {
-                let _ = tx.send(engine.complete_steps(TierKind::Store));
+                let _ = tx.send(persistence.complete_steps(TierKind::Store));
             });
         if let Err(e) = spawned {
             return Err(Error::io("spawn store listing", "", e));
@@ -288,8 +288,9 @@ impl Core {
     /// its file cannot be opened (the restore then goes on as before).
     fn hand_file(&self, key: &ShardKey, world_size: u32, started: Instant) -> Option<Served> {
         let opened = self
-            .engine(&key.job, key.rank, world_size)
-            .and_then(|e| e.open_local_file(key.step));
+            .tiers
+            .rank(&key.job, key.rank, world_size)
+            .and_then(|p| p.open_local_file(key.step));
         let (manifest, file, source) = match opened {
             // Another world's step: the restore below says so.
             Ok(Some(found)) if found.0.world_size == world_size => found,
@@ -334,9 +335,9 @@ impl Core {
 
     /// Reads `key` back from disk or store into a new sealed segment, verified chunk by chunk.
     fn read_back(&self, key: &ShardKey, world_size: u32) -> Result<(Arc<Shard>, Vec<TierKind>)> {
-        let engine = self.engine(&key.job, key.rank, world_size)?;
+        let persistence = self.tiers.rank(&key.job, key.rank, world_size)?;
         let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-        let (manifest, seg, sources) = engine.read_into(key.step, |len, nearest| {
+        let (manifest, seg, sources) = persistence.read_into(key.step, |len, nearest| {
             let what = format!("{key} from {nearest}");
             let charge = self
                 .memory

@@ -41,12 +41,16 @@ type Readers<'t> = Vec<Option<Box<dyn TierReader + 't>>>;
 /// buffers it covers.
 type Piece<'a> = (usize, (&'a mut [u8], Vec<(usize, Out<'a>)>));
 
-impl Inner {
-    /// Fills `buf` with the verified file, chunk by chunk, except the bytes that `direct` sends
-    /// to caller or device buffers instead (per chunk: offset in the chunk and destination, in
-    /// order); the tier each chunk came from. Returns once every copy to a device is done.
+impl Persistence {
+    /// The verified reader: fills `buf` with the file, chunk by chunk, each from the first of
+    /// `tiers` whose bytes match the chunk's hash, except the bytes that `direct` sends to
+    /// caller or device buffers (through `gpu`) instead (per chunk: offset in the chunk and
+    /// destination, in order); the tier each chunk came from. Returns once every copy to a
+    /// device is done.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn read_chunks<'t>(
         &self,
+        gpu: &Gpu,
         step: u64,
         m: &Manifest,
         tiers: &[&'t dyn Source],
@@ -103,9 +107,9 @@ impl Inner {
                         read_chunk(r.as_mut(), offset, slice)
                     } else {
                         if bounce.is_empty() {
-                            *bounce = bounces(&self.gpu, device);
+                            *bounce = bounces(gpu, device);
                         }
-                        scatter_chunk(r.as_mut(), offset, slice, &mut pieces, bounce, &self.gpu)
+                        scatter_chunk(r.as_mut(), offset, slice, &mut pieces, bounce, gpu)
                     }
                 });
                 let why = match res {

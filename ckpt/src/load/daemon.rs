@@ -1,11 +1,14 @@
-//! What only the sidecar calls: a step read into memory it provides, and the file of a step
-//! on this node's disk opened to hand to a restarted process.
+//! What the sidecar calls on a rank's persistence core: a step read into memory it provides,
+//! and the file of a step on this node's disk opened to hand to a restarted process.
 
 use super::*;
 
-impl Inner {
-    /// `Engine::read_into`.
-    pub(crate) fn read_into<B: AsMut<[u8]>, E: From<Error>>(
+impl Persistence {
+    /// Reads this rank's `step` from the tiers that hold it into memory that `alloc` gives for
+    /// the file's length (told the nearest tier that holds it), verified chunk by chunk as
+    /// [`Engine::load`](crate::Engine::load) does; returns the manifest, the memory and the
+    /// tier each chunk came from. This is how the sidecar brings a step back into its memory.
+    pub fn read_into<B: AsMut<[u8]>, E: From<Error>>(
         &self,
         step: u64,
         alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
@@ -16,7 +19,9 @@ impl Inner {
         let len = file_len(&manifest)?;
         let mut buf = alloc(len, tiers[0].kind())?;
         let direct = (0..manifest.chunks.len()).map(|_| Vec::new()).collect();
+        // Into host memory only: the GPU contexts stay unmade.
         let sources = inner.read_chunks(
+            &Gpu::new(),
             step,
             &manifest,
             &tiers,
@@ -28,7 +33,7 @@ impl Inner {
     }
 }
 
-impl Inner {
+impl Persistence {
     /// The manifest, file and tier of `step` where the tier a load would take as its reference
     /// keeps local files and the file has the manifest's length.
     pub(super) fn local_step(&self, step: u64) -> Option<(Manifest, std::path::PathBuf, TierKind)> {
@@ -45,8 +50,12 @@ impl Inner {
         None
     }
 
-    /// `Engine::open_local_file`.
-    pub(crate) fn open_local_file(
+    /// This rank's `step` where the tier a load would take it from keeps it in a local file
+    /// (disk tier, or a store that is a local directory): its manifest, the file opened for
+    /// reading (`O_DIRECT` where the file system takes it) and that tier. What the sidecar
+    /// hands a training process to load itself, verifying every chunk; None where the step's
+    /// nearest tier is not local.
+    pub fn open_local_file(
         &self,
         step: u64,
     ) -> Result<Option<(Manifest, std::fs::File, TierKind)>> {

@@ -45,7 +45,8 @@ use crate::client::{Client, Handed, Restored};
 use crate::cuda::{self, Bounce, Gpu};
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
-use crate::inner::{Inner, another_world};
+use crate::inner::Inner;
+use crate::persistence::{Persistence, another_world};
 use crate::tensor::{DevicePtr, Extras, LoadedTensor};
 use crate::tier::disk::HandedFile;
 use crate::tier::{Source, Tier, TierKind, TierReader};
@@ -200,7 +201,7 @@ impl Inner {
                     let restored = sidecar.restore(conn, want, true)?;
                     return inner.load_restored(sidecar, restored, dest, started);
                 }
-                Err(e) if inner.tiers.is_empty() => return Err(e),
+                Err(e) if inner.core.tiers.is_empty() => return Err(e),
                 Err(e) => {
                     warn!(error = %e, "sidecar unreachable; loading from this engine's own tiers")
                 }
@@ -208,17 +209,21 @@ impl Inner {
         }
         let step = match which {
             StepSel::Step(s) => s,
-            StepSel::Latest => match inner.latest_in_own_tiers_below(None)? {
+            StepSel::Latest => match inner.core.latest_in_own_tiers_below(None)? {
                 Some(step) => step,
                 None => {
-                    return Err(match inner.latest_checkpoint_in_own_tiers(None)? {
-                        Some((step, saved)) => {
-                            another_world(&inner.job, step, saved, inner.rank, inner.world_size)
-                        }
+                    return Err(match inner.core.latest_checkpoint_in_own_tiers(None)? {
+                        Some((step, saved)) => another_world(
+                            &inner.core.job,
+                            step,
+                            saved,
+                            inner.core.rank,
+                            inner.core.world_size,
+                        ),
                         None => Error::NotFound {
-                            job: inner.job.clone(),
+                            job: inner.core.job.clone(),
                             step: None,
-                            rank: inner.rank,
+                            rank: inner.core.rank,
                         },
                     });
                 }
@@ -226,12 +231,14 @@ impl Inner {
         };
         inner.load_step(step, dest).map_err(|e| match e {
             Error::NotFound { .. } | Error::Format { .. } => {
-                inner.saved_by_another_world(step).unwrap_or(e)
+                inner.core.saved_by_another_world(step).unwrap_or(e)
             }
             e => e,
         })
     }
+}
 
+impl Persistence {
     /// `Engine::manifest`.
     pub(crate) fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
         let inner = self;
@@ -275,7 +282,7 @@ pub(super) fn as_sources<'a>(tiers: &[&'a dyn Tier]) -> Vec<&'a dyn Source> {
     tiers.iter().map(|&t| t as &dyn Source).collect()
 }
 
-impl Inner {
+impl Persistence {
     /// The tiers that hold this rank's `step`, and the reference manifest: every tier whose
     /// manifest parses and matches is a source, the first one is the reference, and another is
     /// kept only when its manifest describes the same bytes.
@@ -311,9 +318,11 @@ impl Inner {
         });
         Ok((reference, sources.into_iter().map(|(t, _)| t).collect()))
     }
+}
 
+impl Inner {
     pub(super) fn load_step(&self, step: u64, dest: Destination<'_>) -> Result<Loaded> {
-        let (reference, tiers) = self.sources(step)?;
+        let (reference, tiers) = self.core.sources(step)?;
         self.load_from(step, reference, &as_sources(&tiers), dest)
     }
 
@@ -326,17 +335,26 @@ impl Inner {
         dest: Destination<'_>,
     ) -> Result<Loaded> {
         let len = file_len(&reference)?;
-        let key = format::data_key(&self.job, step, self.rank);
+        let key = format::data_key(&self.core.job, step, self.core.rank);
         let near = || tiers.first()?.local_file(&key, reference.file_len);
         let mut targets = targets(step, &reference, dest, &near)?;
         let direct = std::mem::take(&mut targets.direct);
         if let Some((file, held)) = targets.file.take() {
-            let chunk_sources = self.read_chunks(step, &reference, tiers, file, direct, held)?;
+            let chunk_sources = self
+                .core
+                .read_chunks(&self.gpu, step, &reference, tiers, file, direct, held)?;
             return self.finish(step, reference, file, None, targets, chunk_sources);
         }
         let mut buf = AlignedBuf::zeroed(len);
-        let chunk_sources =
-            self.read_chunks(step, &reference, tiers, &mut buf[..len], direct, false)?;
+        let chunk_sources = self.core.read_chunks(
+            &self.gpu,
+            step,
+            &reference,
+            tiers,
+            &mut buf[..len],
+            direct,
+            false,
+        )?;
         let all = Bytes::from_owner(AlignedOwner(buf, len));
         self.finish(step, reference, &all, Some(&all), targets, chunk_sources)
     }
@@ -353,7 +371,7 @@ impl Inner {
         targets: Targets<'_>,
         chunk_sources: Vec<TierKind>,
     ) -> Result<Loaded> {
-        let location = format::data_key(&self.job, step, self.rank);
+        let location = format::data_key(&self.core.job, step, self.core.rank);
         let header = format::parse_header(file, reference.file_len, &location)?;
         // Same entries; the header parser orders zero-size tensors that share an offset by
         // name, so compare as sets and keep the manifest's (the writer's) order.
@@ -392,8 +410,8 @@ impl Inner {
             .collect();
         Ok(Loaded {
             step,
-            rank: self.rank,
-            world_size: self.world_size,
+            rank: self.core.rank,
+            world_size: self.core.world_size,
             tensors,
             extras,
             metadata: header.metadata,

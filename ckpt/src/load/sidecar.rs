@@ -29,9 +29,9 @@ impl Inner {
                 "segment",
             ),
             Handed::File(file) => {
-                let key = format::data_key(&self.job, step, self.rank);
+                let key = format::data_key(&self.core.job, step, self.core.rank);
                 let label = format!("{key} (the sidecar's {source} tier)");
-                let file = HandedFile::new(file, label.into(), source, self.uring.clone());
+                let file = HandedFile::new(file, label.into(), source, self.core.uring.clone());
                 let copy = SidecarCopy {
                     sidecar,
                     step,
@@ -83,7 +83,7 @@ impl Inner {
             &read,
             direct,
             m.chunk_size as usize,
-            self.threads,
+            self.core.threads,
             &self.gpu,
         )?;
         let all = Bytes::from_owner(SealedBytes(segment, len));
