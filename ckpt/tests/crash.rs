@@ -1,25 +1,69 @@
 //! Crash tests with real processes: a trainer is killed with SIGKILL while a big step persists.
+//!
+//! The trainer is this test program run again as a child process (`trainer`, which does
+//! nothing unless [`TRAINER_ENV`] names its directories), so it is a process of its own, as a
+//! training job is, and writes the tensors the test recomputes.
 
 mod common;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
 
 use common::*;
-use hotstart_ckpt::{Destination, StepSel, TierKind};
+use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, StepSel, Tensor, TierKind};
 use hotstart_store::Store;
+use hotstart_store::wrap::{Interceptor, Throttle, ThrottleConfig};
+
+/// `DISK_DIR:STORE_DIR`: run as the trainer, with these tiers.
+const TRAINER_ENV: &str = "HOTSTART_CRASH_TRAINER";
+
+/// Step 1 holds 1 MiB and is waited for until persisted everywhere ("persisted 1"). Step 2
+/// holds 192 MiB; the trainer prints "staged 2" once staging is done and then waits for the
+/// persist, which the store tier makes slow (a throttled local-directory store), so a kill
+/// after "staged 2" lands mid-persist. Tensor bytes are one tensor `w` of `pattern(len, step)`.
+#[test]
+fn trainer() {
+    let Some(dirs) = std::env::var_os(TRAINER_ENV) else {
+        return; // Only the child process trains.
+    };
+    let dirs = dirs.into_string().unwrap();
+    let (disk, store_dir) = dirs.split_once(':').unwrap();
+    let throttle = Arc::new(Throttle::new(ThrottleConfig {
+        latency: Duration::from_millis(200),
+        per_request_bytes_per_sec: None,
+        total_bytes_per_sec: Some(8 << 20),
+    }));
+    let store = Store::open(store_dir)
+        .unwrap()
+        .wrap(|inner| throttle.clone().wrap(inner));
+    let mut cfg = EngineConfig::new("crash-job", 0, 1).disk(disk).store(store);
+    cfg.chunk_size = 1 << 20;
+    let engine = Engine::new(cfg).unwrap();
+    let mut out = std::io::stdout();
+    // The harness's "test trainer ... " has no line end of its own.
+    writeln!(out).unwrap();
+    for (step, len) in [(1u64, 1usize << 20), (2, 192 << 20)] {
+        let w = Tensor::new("w", Dtype::U8, vec![len as u64], pattern(len, step)).unwrap();
+        let h = engine.save(step, vec![w], Default::default()).unwrap();
+        h.wait_staged().unwrap();
+        writeln!(out, "staged {step}").unwrap();
+        out.flush().unwrap();
+        h.wait().unwrap();
+        writeln!(out, "persisted {step}").unwrap();
+        out.flush().unwrap();
+    }
+}
 
 #[test]
 fn kill_9_mid_persist_leaves_previous_step_loadable() {
     let disk = tempfile::tempdir().unwrap();
     let store_dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ckpt-test-trainer"))
-        .args([
-            disk.path().to_str().unwrap(),
-            store_dir.path().to_str().unwrap(),
-            "crash-job",
-            "192",
-        ])
+    let dirs = format!("{}:{}", disk.path().display(), store_dir.path().display());
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "trainer", "--nocapture", "--test-threads", "1"])
+        .env(TRAINER_ENV, dirs)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -27,6 +71,10 @@ fn kill_9_mid_persist_leaves_previous_step_loadable() {
     let mut seen = Vec::new();
     for line in lines.by_ref() {
         let line = line.unwrap();
+        // The test harness's own lines ("running 1 test") are not the trainer's.
+        if !line.starts_with("staged ") && !line.starts_with("persisted ") {
+            continue;
+        }
         seen.push(line.clone());
         if line == "staged 2" {
             break;
