@@ -8,6 +8,7 @@ mod mount_cmd;
 mod serve_cmd;
 mod snapshotter_cmd;
 mod store_cmd;
+mod tls_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -53,6 +54,9 @@ enum Command {
     Env(env_cmd::EnvCommand),
     /// Serve container snapshots to containerd (a proxy snapshotter on a unix socket).
     Snapshotter(snapshotter_cmd::SnapshotterArgs),
+    /// Certificates for encrypted peer links: a cluster CA and one certificate per node.
+    #[command(subcommand)]
+    Tls(tls_cmd::TlsCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -96,6 +100,7 @@ fn main() -> std::process::ExitCode {
             Command::Image(cmd) => image_cmd::run(cmd).await,
             Command::Env(cmd) => env_cmd::run(cmd).await,
             Command::Snapshotter(args) => snapshotter_cmd::run(args).await,
+            Command::Tls(cmd) => tls_cmd::run(cmd),
         }
     });
     exit(result)

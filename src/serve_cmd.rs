@@ -17,8 +17,8 @@ use hotstart_sidecar::{Settings, Sidecar, Token};
 #[derive(Debug, Args)]
 #[command(after_help = "Example (three nodes):\n  \
     HOTSTART_CLUSTER_TOKEN=$(cat /etc/hotstart/token) hotstart serve --node-id node-a \\\n    \
-    --peers node-b=10.0.0.2:7070,node-c=10.0.0.3:7070 --memory-budget 64GiB \\\n    \
-    --disk-dir /var/lib/hotstart --store s3://ckpt/run-42\n\n\
+    --peers node-b=10.0.0.2:7070,node-c=10.0.0.3:7070 --tls-dir /etc/hotstart/tls \\\n    \
+    --memory-budget 64GiB --disk-dir /var/lib/hotstart --store s3://ckpt/run-42\n\n\
     Training processes find the sidecar through HOTSTART_SOCKET (the --socket path).\n\
     SIGTERM drains in-flight persistence for --grace, then exits 0; shards not persisted by\n\
     then are logged as such.")]
@@ -72,6 +72,11 @@ pub struct ServeArgs {
     /// Run without a cluster token: only allowed when every address is loopback.
     #[arg(long, env = "HOTSTART_INSECURE")]
     insecure: bool,
+    /// Directory of this node's TLS files for encrypted, mutually authenticated peer links:
+    /// ca.crt (the cluster's CA), tls.crt and tls.key (`hotstart tls init` makes them).
+    /// Required unless every peer address is loopback; reloaded when the files change.
+    #[arg(long, env = "HOTSTART_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
     /// How long SIGTERM waits for in-flight persistence, e.g. 25s [default: 25s].
     #[arg(long, env = "HOTSTART_GRACE")]
     grace: Option<Seconds>,
@@ -140,6 +145,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         disk_dir: args.disk_dir,
         token_file: args.token_file,
         insecure: args.insecure.then_some(true),
+        tls_dir: args.tls_dir,
         grace: args.grace,
         recovery_timeout: args.recovery_timeout,
         keep: args.keep,

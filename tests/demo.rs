@@ -1,6 +1,7 @@
 //! `hotstart demo` end to end at a small size: three real sidecars and trainers, the three faults
 //! (kill -9 of a trainer, of a whole node, every node plus a flipped byte on disk), and the JSON
-//! summary's proof that every recovery was bit-exact and came from the tier it should.
+//! summary's proof that every recovery was bit-exact and came from the tier it should, the
+//! peers linked over TLS.
 
 use std::process::Command;
 
@@ -45,6 +46,13 @@ fn demo_recovers_every_fault_bit_exact() {
     let third = sources(2);
     assert!(third.iter().all(|s| !s.contains("memory")), "{third:?}");
     assert!(third[0].contains("store"), "{third:?}");
+
+    // Peers replicated over mutual TLS, with certificates made for the run.
+    assert!(stderr.contains("peers over mutual TLS 1.3"), "{stderr}");
+    for node in 0..3 {
+        let log = std::fs::read_to_string(dir.path().join(format!("node-{node}.log"))).unwrap();
+        assert!(log.contains("tls=true"), "node-{node} without TLS:\n{log}");
+    }
 
     // Every tier took part.
     let tiers: Vec<&str> = summary["tiers"]

@@ -161,6 +161,12 @@ fn kubernetes_example_matches_the_daemon() {
         .and_then(Settings::resolve)
         .unwrap_or_else(|e| panic!("job.yaml's settings do not resolve: {e}\n{toml}"));
     assert!(cfg.token.is_some());
+    // Peer links encrypted, with the certificates of a mounted Secret.
+    let tls_dir = cfg.tls_dir.as_deref().expect("peer links over TLS");
+    assert_eq!(mount_of(sidecar, "peer-tls").map(Path::new), Some(tls_dir));
+    let tls_secret = str_at(named(at(pod, "volumes"), "peer-tls"), "secret.secretName");
+    let comments = std::fs::read_to_string(root().join("deploy/kubernetes/job.yaml")).unwrap();
+    assert!(comments.contains(&format!("kubectl create secret generic {tls_secret}")));
 
     // Ports and probes.
     assert_eq!(port_named(sidecar, "peer"), cfg.listen.port());
@@ -235,6 +241,7 @@ fn dockerfile_exposes_the_daemons_default_ports_and_runs_it() {
     let text = std::fs::read_to_string(root().join("Dockerfile")).unwrap();
     let defaults = Settings {
         token: Some(Token::new("0123456789abcdef0123456789abcdef").unwrap()),
+        tls_dir: Some("/etc/hotstart/tls".into()),
         ..Settings::default()
     }
     .resolve()

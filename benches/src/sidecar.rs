@@ -26,6 +26,10 @@
 //!   alone (the sidecar's own restore time) is reported beside it, and also against the raw
 //!   stream into memory the process has not touched yet, which is what the fetch has to fill.
 //!
+//! * **Restore from a peer over TLS**: the same restore from a holder whose links are TLS 1.3
+//!   (mutual, certificates of a CA made for the run), each by a fresh node, against the
+//!   clear-text restores above (target ≥ 0.85), and the cipher's extra time per GiB.
+//!
 //! Restores are measured once the first sidecar has persisted the step (its disk and store
 //! writes would otherwise compete for the CPU), with the node's huge shared-memory pages set
 //! by `--shmem-huge-pages` (default `advise`, put back afterwards).
@@ -579,6 +583,19 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
             t_mem.as_secs_f64()
         ));
     }
+    drop(engine_a);
+    drop(a);
+    tls_restores(
+        &mut report,
+        work.path(),
+        &label,
+        &sources,
+        per,
+        budget,
+        threads,
+        args.runs,
+        &peer,
+    )?;
     report.note(format!(
         "medians of {} runs; memcpy {:?}, memory restore {:?}, peer restore {:?} (fetch {:?}), raw TCP {:?}{}",
         args.runs,
@@ -593,9 +610,81 @@ pub fn run(args: &SidecarArgs) -> anyhow::Result<()> {
             String::new()
         }
     ));
-    drop(engine_a);
-    drop(a);
     report.finish(args.markdown.as_deref())
+}
+
+/// Restores from a peer whose links are TLS 1.3 (certificates of a CA made for the run), each
+/// by a fresh node, against the clear-text restores of the same state measured before
+/// (`clear`), and what the cipher costs per GiB on this machine (encrypting on one side,
+/// decrypting on the other).
+#[allow(clippy::too_many_arguments)]
+fn tls_restores(
+    report: &mut Report,
+    dir: &Path,
+    label: &str,
+    sources: &[Bytes],
+    per: usize,
+    budget: u64,
+    threads: usize,
+    runs: usize,
+    clear: &[Duration],
+) -> anyhow::Result<()> {
+    let certs = dir.join("tls");
+    hotstart_sidecar::tls::init(&certs, &["node-t".into(), "fetcher".into()], 1)?;
+    let mut t_settings = settings("node-t", dir, budget)?;
+    t_settings.tls_dir = Some(certs.join("node-t"));
+    let holder = Running::start(t_settings)?;
+    let engine_t = engine(&holder.socket, threads)?;
+    let state: Vec<Tensor> = sources
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            Tensor::new(
+                format!("layer.{i}"),
+                hotstart_ckpt::Dtype::U8,
+                vec![per as u64],
+                b.clone(),
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    engine_t.save(1, state, Default::default())?.wait()?;
+    let total: usize = sources.iter().map(Bytes::len).sum();
+    let mut dst = AlignedBuf::zeroed(total);
+    dst.fill(1);
+    let mut tls = Vec::new();
+    for run in 0..runs {
+        let mut b_settings = settings(&format!("fetcher-{run}"), dir, budget)?;
+        b_settings.tls_dir = Some(certs.join("fetcher"));
+        b_settings.peers = Some(vec![format!("node-t={}", holder.peer)]);
+        let b = Running::start(b_settings)?;
+        let engine_b = engine(&b.socket, threads)?;
+        let t = Instant::now();
+        let mut bufs = slices(&mut dst, per);
+        engine_b.load(StepSel::Latest, destination(&mut bufs))?;
+        tls.push(t.elapsed());
+        let last = sources.len() - 1;
+        ensure!(
+            dst[..per] == sources[0][..] && dst[last * per..] == sources[last][..],
+            "bytes fetched over TLS differ"
+        );
+        eprintln!("sidecar: run {run}: peer restore over TLS {:?}", tls[run]);
+    }
+    let row = rate_rows(label, total as u64);
+    report.add(row(
+        "restore from a peer over loopback, TLS 1.3 (mutual, AES-GCM)",
+        &tls,
+        "the same restore in clear text, measured above",
+        clear,
+        Some(0.85),
+    ));
+    let extra = median(tls.clone()).saturating_sub(median(clear.to_vec()));
+    report.note(format!(
+        "TLS on peer links: {:.2} s more per GiB than clear text on this machine ({} cores; \
+         the holder encrypts and the fetching node decrypts, each while it also hashes and copies)",
+        extra.as_secs_f64() / (total as f64 / (1u64 << 30) as f64),
+        threads
+    ));
+    Ok(())
 }
 
 /// `save()` → `wait_staged()` of `saves` saves in a row, each then waited for in full and

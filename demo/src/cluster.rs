@@ -158,6 +158,32 @@ fn die_with_parent(cmd: &mut Command) {
     }
 }
 
+/// A CA made for this run and a certificate per node under `layout.dir/tls`: peer links are
+/// TLS 1.3, both sides showing a certificate of that CA, as a real cluster's are.
+fn make_certificates(layout: &Layout) -> Result<()> {
+    let dir = layout.dir.join("tls");
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io("remove the last run's certificates", e)),
+    }
+    let out = Command::new(&layout.exe)
+        .args(["tls", "init"])
+        .arg(&dir)
+        .args((0..layout.nodes).map(Cluster::node_id))
+        .args(["--days", "2"])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| Error::io("run hotstart tls init", e))?;
+    if !out.status.success() {
+        return Err(Error::Check(format!(
+            "hotstart tls init failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
 impl Cluster {
     /// A cluster of `layout.nodes` nodes, none started yet.
     pub fn new(layout: Layout) -> Result<Cluster> {
@@ -177,6 +203,7 @@ impl Cluster {
         } else {
             None
         };
+        make_certificates(&layout)?;
         Ok(Cluster {
             token,
             peer_ports: peer_ports.to_vec(),
@@ -240,6 +267,8 @@ impl Cluster {
             .args(["--store", &l.store])
             .args(["--peers", &peers.join(",")])
             .args(["--replicas", "1"])
+            .arg("--tls-dir")
+            .arg(l.dir.join("tls").join(&id))
             .args(["--memory-budget", &l.memory_budget.to_string()])
             .args([
                 "--probe-interval",

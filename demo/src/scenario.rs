@@ -517,7 +517,7 @@ fn story(d: &mut Demo, cfg: &DemoConfig) -> Result<()> {
     let ready = Duration::from_secs(120);
     let long = Duration::from_secs(600);
     d.view.say(format!(
-        "starting {n} sidecars (hotstart serve) and {n} trainers with {} of state each; a checkpoint every {e} steps; store {}",
+        "starting {n} sidecars (hotstart serve; peers over mutual TLS 1.3) and {n} trainers with {} of state each; a checkpoint every {e} steps; store {}",
         crate::bytes(cfg.state_bytes),
         d.cluster.layout.store
     ));

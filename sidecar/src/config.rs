@@ -10,8 +10,10 @@
 //! a file).
 //!
 //! **Refusals.** Without a token the daemon refuses to start, unless `insecure` is set *and*
-//! every address it listens on or connects to is a loopback address (peers named by DNS are
-//! checked as they resolve, and a non-loopback answer is skipped). A peer list that names the
+//! every address it listens on or connects to is a loopback address. Without TLS (`tls_dir`,
+//! see `crate::tls`) it refuses a peer address (listen or peer) that is not loopback: peer
+//! links carry checkpoints, and leave the host encrypted or not at all. Peers named by DNS
+//! are checked as they resolve, and a non-loopback answer is skipped where either rule holds. A peer list that names the
 //! node itself, an empty or malformed node id, a replication factor larger than the number of
 //! static peers with no DNS name to find more, and a zero memory budget are refused with a
 //! message that names the setting.
@@ -34,6 +36,8 @@ pub const DEFAULT_HTTP_PORT: u16 = 7071;
 pub const DEFAULT_SOCKET: &str = "/run/hotstart/sidecar.sock";
 /// Default drain grace period: under Kubernetes' default 30 s termination grace.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(25);
+/// The environment variable naming the directory of this node's TLS files.
+pub const TLS_DIR_ENV: &str = "HOTSTART_TLS_DIR";
 /// The environment variable holding the cluster token.
 pub const TOKEN_ENV: &str = "HOTSTART_CLUSTER_TOKEN";
 
@@ -100,6 +104,9 @@ pub struct SidecarConfig {
     /// The cluster token; `None` only with `insecure` on loopback.
     pub token: Option<Token>,
     pub insecure: bool,
+    /// The directory of this node's TLS files (`ca.crt`, `tls.crt`, `tls.key`); `None` only
+    /// where every peer link stays on this host (loopback).
+    pub tls_dir: Option<PathBuf>,
     /// How long SIGTERM waits for in-flight persistence.
     pub grace: Duration,
     /// How long a starting node looks for its shards on peers before it reports ready anyway.
@@ -136,6 +143,7 @@ pub struct Settings {
     pub disk_dir: Option<PathBuf>,
     pub token_file: Option<PathBuf>,
     pub insecure: Option<bool>,
+    pub tls_dir: Option<PathBuf>,
     pub grace: Option<Seconds>,
     pub recovery_timeout: Option<Seconds>,
     pub keep: Option<usize>,
@@ -285,6 +293,7 @@ impl Settings {
             disk_dir,
             token_file,
             insecure,
+            tls_dir,
             grace,
             recovery_timeout,
             keep,
@@ -375,6 +384,7 @@ impl Settings {
             disk_dir: self.disk_dir,
             token,
             insecure,
+            tls_dir: self.tls_dir,
             grace: self.grace.map_or(DEFAULT_GRACE, |s| s.0),
             recovery_timeout: self
                 .recovery_timeout
@@ -391,18 +401,16 @@ impl Settings {
 }
 
 impl SidecarConfig {
-    /// Without a token, only `insecure` on loopback addresses is allowed.
+    /// Without a token, only `insecure` on loopback addresses is allowed; without TLS, only
+    /// peer links on loopback addresses.
     fn check_security(&self) -> Result<()> {
-        if self.token.is_some() {
-            return Ok(());
-        }
-        if !self.insecure {
+        if self.token.is_none() && !self.insecure {
             return Err(config(format!(
                 "no cluster token: set {TOKEN_ENV} or token_file (or, for a test on loopback \
                  addresses only, --insecure)"
             )));
         }
-        let mut addrs = vec![("listen", self.listen), ("http", self.http)];
+        let mut addrs = vec![("listen", self.listen)];
         for p in &self.peers {
             let resolved = p
                 .addr
@@ -411,20 +419,47 @@ impl SidecarConfig {
             addrs.extend(resolved.map(|a| ("peers", a)));
         }
         // Every address at once, so one correction fixes them all.
-        let outside: Vec<String> = addrs
-            .iter()
-            .filter(|(_, a)| !a.ip().is_loopback())
-            .map(|(what, a)| format!("{what} {a}"))
-            .collect();
-        if outside.is_empty() {
-            return Ok(());
+        let outside = |addrs: &[(&str, SocketAddr)]| -> String {
+            addrs
+                .iter()
+                .filter(|(_, a)| !a.ip().is_loopback())
+                .map(|(what, a)| format!("{what} {a}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if self.token.is_none() {
+            let with_http: Vec<_> = addrs.iter().copied().chain([("http", self.http)]).collect();
+            let outside = outside(&with_http);
+            if !outside.is_empty() {
+                return Err(config(format!(
+                    "--insecure (no cluster token) is only allowed on loopback addresses, and \
+                     these are not: {outside}. Use 127.0.0.1 addresses for a single-node test, \
+                     or set {TOKEN_ENV} (or token_file) on every node"
+                )));
+            }
         }
-        Err(config(format!(
-            "--insecure (no cluster token) is only allowed on loopback addresses, and these are \
-             not: {}. Use 127.0.0.1 addresses for a single-node test, or set {TOKEN_ENV} (or \
-             token_file) on every node",
-            outside.join(", ")
-        )))
+        let outside = outside(&addrs);
+        if self.tls_dir.is_none() && !outside.is_empty() {
+            return Err(config(format!(
+                "peer links would leave this host in clear text ({outside}): set tls_dir \
+                 (--tls-dir, {TLS_DIR_ENV}) to a directory holding ca.crt, tls.crt and tls.key \
+                 from the cluster's CA (`hotstart tls init` makes them), or use 127.0.0.1 \
+                 addresses for a single-host test"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Why peer links must stay on loopback addresses, if they must: no cluster token, or no
+    /// TLS. A peer address found later (a DNS answer) that is not loopback is then skipped.
+    pub(crate) fn loopback_only(&self) -> Option<&'static str> {
+        if self.token.is_none() {
+            Some("--insecure")
+        } else if self.tls_dir.is_none() {
+            Some("no tls_dir")
+        } else {
+            None
+        }
     }
 }
 
@@ -599,7 +634,7 @@ mod tests {
     }
 
     #[test]
-    fn no_token_is_refused_unless_insecure_on_loopback() {
+    fn no_token_is_refused_unless_insecure_on_loopback_and_no_tls_unless_on_loopback() {
         let err = base().resolve().unwrap_err().to_string();
         assert!(err.contains(TOKEN_ENV), "{err}");
         let insecure = Settings {
@@ -630,12 +665,27 @@ mod tests {
             err.contains("listen 0.0.0.0:7070, peers 10.1.2.3:7070, peers 10.1.2.4:7070"),
             "{err}"
         );
+        // With a token, peer links off this host still need TLS: the error names them and the
+        // setting.
         let with_token = Settings {
             listen: Some("0.0.0.0:7070".into()),
+            peers: Some(vec!["b=10.1.2.3:7070".into()]),
             token: Some(Token::new("s3cret\n").unwrap()),
             ..base()
         };
-        let cfg = with_token.resolve().unwrap();
+        let err = with_token.clone().resolve().unwrap_err().to_string();
+        assert!(
+            err.contains("clear text (listen 0.0.0.0:7070, peers 10.1.2.3:7070)")
+                && err.contains("tls_dir")
+                && err.contains("hotstart tls init"),
+            "{err}"
+        );
+        let cfg = Settings {
+            tls_dir: Some("/etc/hotstart/tls".into()),
+            ..with_token
+        }
+        .resolve()
+        .unwrap();
         assert_eq!(cfg.token.unwrap().bytes(), b"s3cret");
         assert!(!format!("{:?}", Token::new("s3cret").unwrap()).contains("s3cret"));
     }

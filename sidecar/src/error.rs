@@ -1,6 +1,6 @@
 //! The error type of the sidecar daemon: what the checkpoint engine reports (configuration,
 //! I/O, store, formats, the local socket), and what only a daemon meets: peers, their
-//! authentication and the memory budget.
+//! authentication and TLS files, and the memory budget.
 
 use std::path::PathBuf;
 
@@ -23,6 +23,11 @@ pub enum Error {
     /// A connection whose cluster-token authentication failed.
     #[error("authentication with {peer} failed: {reason}")]
     Auth { peer: String, reason: String },
+
+    /// A TLS file (`tls_dir`) that cannot be used: missing, unreadable, expired, not from the
+    /// cluster's CA, or a key that is not the certificate's.
+    #[error("TLS file {path}: {reason}", path = path.display())]
+    Tls { path: PathBuf, reason: String },
 
     /// Memory the sidecar's budget cannot hold, even after evicting what may be evicted.
     #[error("memory budget of {budget} bytes cannot hold {need} more ({used} held): {reason}")]

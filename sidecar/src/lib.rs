@@ -52,6 +52,7 @@ mod placement;
 mod recovery;
 mod restore;
 mod tiers;
+pub mod tls;
 pub mod wire;
 
 use hotstart_ckpt::Error as CkptError;
@@ -80,6 +81,8 @@ pub(crate) struct Core {
     pub(crate) cfg: SidecarConfig,
     pub(crate) me: Identity,
     pub(crate) key: ClusterKey,
+    /// The certificates of peer links, when they are encrypted.
+    pub(crate) tls: Option<tls::Tls>,
     pub(crate) life: lifecycle::Lifecycle,
     pub(crate) memory: Arc<memory::Memory>,
     pub(crate) metrics: metrics::Metrics,
@@ -194,9 +197,11 @@ impl Sidecar {
             domain: cfg.domain.clone(),
         };
         let key = ClusterKey::new(cfg.token.as_ref().map_or(&[][..], |t| t.bytes()));
+        let tls = cfg.tls_dir.as_deref().map(tls::Tls::open).transpose()?;
         let core = Arc::new(Core {
             me,
             key,
+            tls,
             life: lifecycle::Lifecycle::new(),
             memory: memory::Memory::new(cfg.memory_budget, cfg.node_id.clone()),
             metrics: metrics::Metrics::default(),
@@ -215,6 +220,7 @@ impl Sidecar {
             socket = %core.cfg.socket.display(),
             budget = core.cfg.memory_budget,
             secure = core.cfg.token.is_some(),
+            tls = core.tls.is_some(),
             "sidecar bound"
         );
         match hotstart_proto::shm::huge_pages() {

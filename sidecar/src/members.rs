@@ -125,8 +125,10 @@ impl Core {
             match name.to_socket_addrs() {
                 Ok(addrs) => {
                     for a in addrs {
-                        if self.cfg.token.is_none() && !a.ip().is_loopback() {
-                            warn!(%a, "--insecure: skipping a peer address that is not loopback");
+                        if let Some(why) =
+                            self.cfg.loopback_only().filter(|_| !a.ip().is_loopback())
+                        {
+                            warn!(%a, "{why}: skipping a peer address that is not loopback");
                             continue;
                         }
                         if a == self.cfg.listen || targets.iter().any(|(t, _)| *t == a.to_string())
@@ -146,6 +148,7 @@ impl Core {
                 scope.spawn(move || {
                     let res = PeerClient::connect_host(
                         addr,
+                        self.tls.as_ref(),
                         &self.key,
                         &self.me,
                         expect.as_deref(),
@@ -206,6 +209,7 @@ impl Core {
     pub(crate) fn connect(&self, m: &Member) -> Result<PeerClient> {
         PeerClient::connect_host(
             &m.addr,
+            self.tls.as_ref(),
             &self.key,
             &self.me,
             Some(&m.id.node),

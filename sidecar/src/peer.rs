@@ -30,6 +30,7 @@ use crate::auth::{self, ClusterKey, Identity};
 use crate::error::{Error, Result};
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
+use crate::tls::{Link, Tls};
 use crate::wire::{Held, PeerMsg, ShardInfo};
 use hotstart_ckpt::format::{self, Manifest};
 use hotstart_proto::shm::Segment;
@@ -178,8 +179,8 @@ fn send_chunks<S: std::io::Read + std::io::Write>(
     Ok(())
 }
 
-/// Sends a shard's bytes from its segment, chunk by chunk, with `sendfile`.
-fn send_segment(conn: &mut Conn<TcpStream>, shard: &Shard) -> Result<()> {
+/// Sends a shard's bytes from its segment, chunk by chunk (with `sendfile` on a plain link).
+fn send_segment(conn: &mut Conn<Link>, shard: &Shard) -> Result<()> {
     let len = shard.len() as usize;
     let step = (shard.manifest.chunk_size as usize).max(1);
     for at in (0..len).step_by(step) {
@@ -191,7 +192,7 @@ fn send_segment(conn: &mut Conn<TcpStream>, shard: &Shard) -> Result<()> {
 /// A fresh segment filled from a peer's stream and checked against `m`: the shard, or why not.
 fn receive_shard(
     core: &Core,
-    conn: &mut Conn<TcpStream>,
+    conn: &mut Conn<Link>,
     info: &ShardInfo,
     m: Manifest,
     manifest_json: String,
@@ -240,7 +241,18 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
     let _ = sock.set_nodelay(true);
     let _ = sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = sock.set_write_timeout(Some(core.cfg.peer_timeout));
-    let mut conn = Conn::new(sock, addr.to_string(), Side::Peer);
+    let link = match &core.tls {
+        Some(tls) => match tls.accept(sock) {
+            Ok(link) => link,
+            Err(e) => {
+                core.metrics.failed(Failure::Auth);
+                warn!(%addr, error = %e, "peer connection refused: TLS");
+                return;
+            }
+        },
+        None => Link::Plain(sock),
+    };
+    let mut conn = Conn::new(link, addr.to_string(), Side::Peer);
     let peer = match auth::server(&mut conn, &core.key, &core.me) {
         Ok(p) => p,
         Err(Error::Auth { reason, .. }) if reason == auth::SELF_CONNECTION => return,
@@ -255,7 +267,10 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
             return;
         }
     };
-    let _ = conn.get_ref().set_read_timeout(Some(core.cfg.peer_timeout));
+    let _ = conn
+        .get_ref()
+        .tcp()
+        .set_read_timeout(Some(core.cfg.peer_timeout));
     debug!(%addr, peer = %peer.node, "peer authenticated");
     loop {
         let msg = match conn.recv::<PeerMsg>() {
@@ -312,7 +327,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
 
 fn serve_push(
     core: &Core,
-    conn: &mut Conn<TcpStream>,
+    conn: &mut Conn<Link>,
     peer: &Identity,
     info: ShardInfo,
     manifest: String,
@@ -363,15 +378,17 @@ fn serve_push(
 /// An authenticated connection to a peer sidecar.
 #[derive(Debug)]
 pub struct PeerClient {
-    conn: Conn<TcpStream>,
+    conn: Conn<Link>,
     peer: Identity,
 }
 
 impl PeerClient {
-    /// Connects to `addr` and authenticates with `key` as `me`; refuses a peer whose node id is
-    /// not `expect`, when given. `timeout` bounds the connect and every later read or write.
+    /// Connects to `addr` (over TLS with `tls`'s certificates, when given) and authenticates
+    /// with `key` as `me`; refuses a peer whose node id is not `expect`, when given. `timeout`
+    /// bounds the connect and every later read or write.
     pub fn connect(
         addr: SocketAddr,
+        tls: Option<&Tls>,
         key: &ClusterKey,
         me: &Identity,
         expect: Option<&str>,
@@ -387,7 +404,13 @@ impl PeerClient {
         sock.set_read_timeout(Some(timeout))
             .and_then(|()| sock.set_write_timeout(Some(timeout)))
             .map_err(|e| peer_err(format!("set timeouts: {e}")))?;
-        let mut conn = Conn::new(sock, addr.to_string(), Side::Peer);
+        let link = match tls {
+            Some(tls) => tls
+                .connect(sock)
+                .map_err(|e| peer_err(format!("TLS: {e}")))?,
+            None => Link::Plain(sock),
+        };
+        let mut conn = Conn::new(link, addr.to_string(), Side::Peer);
         let peer = auth::client(&mut conn, key, me, expect)?;
         Ok(PeerClient { conn, peer })
     }
@@ -395,6 +418,7 @@ impl PeerClient {
     /// Resolves `addr` (`host:port`) and connects to the first address that answers.
     pub fn connect_host(
         addr: &str,
+        tls: Option<&Tls>,
         key: &ClusterKey,
         me: &Identity,
         expect: Option<&str>,
@@ -409,7 +433,7 @@ impl PeerClient {
             reason: "resolves to no address".into(),
         };
         for a in resolved {
-            match PeerClient::connect(a, key, me, expect, timeout) {
+            match PeerClient::connect(a, tls, key, me, expect, timeout) {
                 Ok(c) => return Ok(c),
                 Err(e) => last = e,
             }

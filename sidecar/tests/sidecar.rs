@@ -159,10 +159,17 @@ fn peers_found_through_dns_hold_the_replicas() {
         node: "tester".into(),
         domain: String::new(),
     };
-    let held = PeerClient::connect(sa.peer, &key, &me, Some("node-a"), Duration::from_secs(5))
-        .unwrap()
-        .inventory(Some("dns"))
-        .unwrap();
+    let held = PeerClient::connect(
+        sa.peer,
+        None,
+        &key,
+        &me,
+        Some("node-a"),
+        Duration::from_secs(5),
+    )
+    .unwrap()
+    .inventory(Some("dns"))
+    .unwrap();
     assert_eq!(held.len(), 1, "{held:?}");
     assert_eq!(
         (held[0].origin.as_str(), held[0].held, held[0].step),

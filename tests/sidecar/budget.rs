@@ -43,8 +43,8 @@ pub fn budget_evicts_oldest_and_keeps_newest() {
         node: "tester".into(),
         domain: String::new(),
     };
-    let mut c =
-        PeerClient::connect(n.peer, &key, &me, None, Duration::from_secs(10)).expect("connect");
+    let mut c = PeerClient::connect(n.peer, None, &key, &me, None, Duration::from_secs(10))
+        .expect("connect");
     let mut in_memory: Vec<u64> = c
         .inventory(Some("run"))
         .expect("inventory")

@@ -98,6 +98,7 @@ pub fn tokens_frames_and_checksums_are_enforced() {
     let good = || {
         PeerClient::connect(
             n.peer,
+            None,
             &ClusterKey::new(TOKEN.as_bytes()),
             &tester(),
             Some("node-0"),
@@ -110,6 +111,7 @@ pub fn tokens_frames_and_checksums_are_enforced() {
     //    logs the refusal.
     let err = PeerClient::connect(
         n.peer,
+        None,
         &ClusterKey::new(b"another"),
         &tester(),
         None,
