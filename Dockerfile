@@ -3,6 +3,8 @@
 #   docker build -t hotstart:0.1.0 .
 #   docker run --rm hotstart:0.1.0 serve --help
 #
+# `serve` needs a cluster token (HOTSTART_CLUSTER_TOKEN or _FILE) and, since it listens on every
+# address, the TLS files of its peer links (HOTSTART_TLS_DIR; `hotstart tls init` makes them).
 # The sidecar needs no privileges. `hotstart mount` and `hotstart image mount` need /dev/fuse
 # and CAP_SYS_ADMIN in the container that mounts.
 
