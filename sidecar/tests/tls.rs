@@ -11,10 +11,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::*;
+use hotstart_ckpt::format::Manifest;
 use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel, TierKind};
 use hotstart_sidecar::memory::ShardKey;
 use hotstart_sidecar::tls::{self, Tls};
-use hotstart_sidecar::{ClusterKey, Held, Identity, PeerClient, Settings, Token};
+use hotstart_sidecar::{ClusterKey, Held, Identity, PeerClient, Settings, ShardInfo, Token};
 use support::Running;
 
 const TOKEN: &str = "t0ken";
@@ -80,23 +81,14 @@ fn peers_with_the_cluster_ca_replicate_over_tls_and_others_are_refused() {
         (held[0].origin.as_str(), held[0].held),
         ("node-a", Held::Memory)
     );
-    let key = ShardKey {
-        job: "tls".into(),
-        rank: 0,
-        step: 1,
-    };
-    let (_, manifest, _, bytes) = client
-        .fetch(&key, 2, |info, _| Ok(vec![0u8; info.len as usize]))
-        .unwrap()
-        .expect("node-b holds the replica");
+    let (_, manifest, bytes) = fetch_step_1(&mut client, "tls");
     let l = engine.load(StepSel::Step(1), Destination::Owned).unwrap();
     assert_loaded(&l, &set, &extras(1));
-    assert_eq!(manifest.chunk_hashes().len(), manifest.chunks.len());
-    let hashes: Vec<_> = bytes
-        .chunks(manifest.chunk_size as usize)
-        .map(blake3::hash)
-        .collect();
-    assert_eq!(hashes, manifest.chunk_hashes(), "the replica's bytes");
+    assert_eq!(
+        bytes_hashes(&bytes, &manifest),
+        manifest.chunk_hashes(),
+        "the replica's bytes"
+    );
 
     // A certificate from another CA, and no TLS at all, are refused before anything is read.
     let intruder = Tls::open(&other.join("intruder")).unwrap();
@@ -145,16 +137,9 @@ fn rotated_certificates_serve_new_links_while_an_open_link_goes_on() {
     // Rotation: node-a's files now come from the new CA.
     copy_dir(&new.join("node-a"), &live);
     // The link made before goes on, over its session.
-    let key = ShardKey {
-        job: "rot".into(),
-        rank: 0,
-        step: 1,
-    };
-    let (info, _, _, bytes) = open
-        .fetch(&key, 2, |info, _| Ok(vec![0u8; info.len as usize]))
-        .unwrap()
-        .expect("node-a holds the step");
+    let (info, manifest, bytes) = fetch_step_1(&mut open, "rot");
     assert_eq!(bytes.len() as u64, info.len);
+    assert_eq!(bytes_hashes(&bytes, &manifest), manifest.chunk_hashes());
     // New links use the new files: the old CA's client is refused, the new one's accepted.
     let refused = connect(a.peer, Some(&old_tester)).unwrap_err().to_string();
     assert!(refused.contains("TLS"), "{refused}");
@@ -216,6 +201,27 @@ fn files_that_cannot_serve_are_refused_naming_the_file() {
     );
     s.tls_dir = Some(one.join("node-a"));
     s.resolve().unwrap();
+}
+
+/// Step 1 of rank 0 of `job`, fetched whole from the peer: its info, manifest and bytes.
+fn fetch_step_1(client: &mut PeerClient, job: &str) -> (ShardInfo, Manifest, Vec<u8>) {
+    let key = ShardKey {
+        job: job.into(),
+        rank: 0,
+        step: 1,
+    };
+    let (info, manifest, _, bytes) = client
+        .fetch(&key, 2, |info, _| Ok(vec![0u8; info.len as usize]))
+        .unwrap()
+        .expect("the peer holds the step");
+    (info, manifest, bytes)
+}
+
+fn bytes_hashes(bytes: &[u8], m: &Manifest) -> Vec<blake3::Hash> {
+    bytes
+        .chunks(m.chunk_size as usize)
+        .map(blake3::hash)
+        .collect()
 }
 
 fn copy_dir(from: &Path, to: &Path) {
