@@ -442,12 +442,25 @@ pub(crate) fn state(tensors: usize, per: usize) -> anyhow::Result<(Vec<Bytes>, V
     let sources: Vec<Bytes> = (0..tensors)
         .map(|i| Bytes::from(hotstart_testkit::pattern(per, i as u64)))
         .collect();
-    let state: Vec<Tensor> = sources
+    let state = tensors_of(&sources)?;
+    Ok((sources, state))
+}
+
+/// The tensors `layer.<i>` a save takes, sharing the bytes of `sources`.
+pub(crate) fn tensors_of(sources: &[Bytes]) -> anyhow::Result<Vec<Tensor>> {
+    let tensor = |(i, b): (usize, &Bytes)| {
+        Tensor::new(
+            format!("layer.{i}"),
+            Dtype::U8,
+            vec![b.len() as u64],
+            b.clone(),
+        )
+    };
+    Ok(sources
         .iter()
         .enumerate()
-        .map(|(i, b)| Tensor::new(format!("layer.{i}"), Dtype::U8, vec![per as u64], b.clone()))
-        .collect::<Result<_, _>>()?;
-    Ok((sources, state))
+        .map(tensor)
+        .collect::<Result<_, _>>()?)
 }
 
 /// Copies every tensor into `dst` over `threads` threads; the time it took.

@@ -56,7 +56,7 @@ use hotstart_store::Store;
 use hotstart_store::uring::AlignedBuf;
 use hotstart_testkit::SeaweedFs;
 
-use crate::ckpt::{parallel_memcpy, state, tensor_sizes};
+use crate::ckpt::{parallel_memcpy, state, tensor_sizes, tensors_of};
 use crate::report::{Report, Row, median, rate_rows};
 use crate::store_uring::drop_page_cache;
 
@@ -635,18 +635,7 @@ fn tls_restores(
     t_settings.tls_dir = Some(certs.join("node-t"));
     let holder = Running::start(t_settings)?;
     let engine_t = engine(&holder.socket, threads)?;
-    let state: Vec<Tensor> = sources
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            Tensor::new(
-                format!("layer.{i}"),
-                hotstart_ckpt::Dtype::U8,
-                vec![per as u64],
-                b.clone(),
-            )
-        })
-        .collect::<Result<_, _>>()?;
+    let state = tensors_of(sources)?;
     engine_t.save(1, state, Default::default())?.wait()?;
     let total: usize = sources.iter().map(Bytes::len).sum();
     let mut dst = AlignedBuf::zeroed(total);

@@ -297,13 +297,20 @@ impl Persistence {
                 .flatten()
                 .filter(|&ws| ws != self.world_size)
         })?;
-        Some(another_world(
-            &self.job,
-            step,
-            saved,
-            self.rank,
-            self.world_size,
-        ))
+        Some(self.another_world(step, saved))
+    }
+
+    /// The error for `step`, saved by `saved` ranks, asked for by this rank of its world size.
+    pub(crate) fn another_world(&self, step: u64, saved: u32) -> Error {
+        let (job, rank, world_size) = (&self.job, self.rank, self.world_size);
+        Error::Config {
+            reason: format!(
+                "step {step} of job {job:?} was saved by {saved} ranks, and this is rank {rank} \
+                 of {world_size}: a rank's file loads only into the same world size. Load it \
+                 with torch.distributed.checkpoint (hotstart.torch.StorageReader reshards it to \
+                 any world size), or open the engine with world size {saved}"
+            ),
+        }
     }
 
     pub(crate) fn complete_steps_in(&self, tier: &dyn Tier) -> Result<Vec<u64>> {
@@ -384,17 +391,5 @@ impl Persistence {
         }
         removed.extend(abandoned);
         Ok(removed)
-    }
-}
-
-/// A step saved by `saved` ranks, asked for by rank `rank` of `world_size`.
-pub(crate) fn another_world(job: &str, step: u64, saved: u32, rank: u32, world_size: u32) -> Error {
-    Error::Config {
-        reason: format!(
-            "step {step} of job {job:?} was saved by {saved} ranks, and this is rank {rank} of \
-             {world_size}: a rank's file loads only into the same world size. Load it with \
-             torch.distributed.checkpoint (hotstart.torch.StorageReader reshards it to any world \
-             size), or open the engine with world size {saved}"
-        ),
     }
 }

@@ -410,6 +410,11 @@ impl SidecarConfig {
                  addresses only, --insecure)"
             )));
         }
+        if self.loopback_only().is_none() {
+            // A token and TLS: any address will do, and peers' names are resolved at each
+            // probe, not here (a peer not scheduled yet does not stop this one).
+            return Ok(());
+        }
         let mut addrs = vec![("listen", self.listen)];
         for p in &self.peers {
             let resolved = p
@@ -680,12 +685,19 @@ mod tests {
                 && err.contains("hotstart tls init"),
             "{err}"
         );
+        // With both, addresses are not checked, and a peer whose name does not resolve yet (a
+        // pod not scheduled) does not stop this node from starting.
         let cfg = Settings {
             tls_dir: Some("/etc/hotstart/tls".into()),
+            peers: Some(vec![
+                "b=10.1.2.3:7070".into(),
+                "c=not-yet.invalid:7070".into(),
+            ]),
             ..with_token
         }
         .resolve()
         .unwrap();
+        assert_eq!(cfg.peers.len(), 2);
         assert_eq!(cfg.token.unwrap().bytes(), b"s3cret");
         assert!(!format!("{:?}", Token::new("s3cret").unwrap()).contains("s3cret"));
     }

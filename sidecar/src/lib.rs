@@ -180,6 +180,8 @@ impl Sidecar {
         } else {
             cfg.threads
         };
+        // Unusable certificates are refused before anything is opened or bound.
+        let tls = cfg.tls_dir.as_deref().map(tls::Tls::open).transpose()?;
         let tiers = tiers::Tiers::open(&cfg)?;
         let peer_listener = TcpListener::bind(cfg.listen).map_err(|e| CkptError::Config {
             reason: format!("listen {}: {e}", cfg.listen),
@@ -197,7 +199,6 @@ impl Sidecar {
             domain: cfg.domain.clone(),
         };
         let key = ClusterKey::new(cfg.token.as_ref().map_or(&[][..], |t| t.bytes()));
-        let tls = cfg.tls_dir.as_deref().map(tls::Tls::open).transpose()?;
         let core = Arc::new(Core {
             me,
             key,

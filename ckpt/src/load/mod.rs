@@ -46,7 +46,7 @@ use crate::cuda::{self, Bounce, Gpu};
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::inner::Inner;
-use crate::persistence::{Persistence, another_world};
+use crate::persistence::Persistence;
 use crate::tensor::{DevicePtr, Extras, LoadedTensor};
 use crate::tier::disk::HandedFile;
 use crate::tier::{Source, Tier, TierKind, TierReader};
@@ -213,13 +213,7 @@ impl Inner {
                 Some(step) => step,
                 None => {
                     return Err(match inner.core.latest_checkpoint_in_own_tiers(None)? {
-                        Some((step, saved)) => another_world(
-                            &inner.core.job,
-                            step,
-                            saved,
-                            inner.core.rank,
-                            inner.core.world_size,
-                        ),
+                        Some((step, saved)) => inner.core.another_world(step, saved),
                         None => Error::NotFound {
                             job: inner.core.job.clone(),
                             step: None,
