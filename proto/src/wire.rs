@@ -459,7 +459,7 @@ impl Write for FdStream {
 
 /// A stream that may have a file's bytes sent to it by the kernel (`sendfile`): a plain socket,
 /// whose descriptor it names. A stream that transforms what it sends (one that encrypts)
-/// names none, and is sent bytes with [`Conn::send_data`].
+/// names none.
 pub trait RawSink {
     /// The descriptor the bytes of a file may be written to as they are.
     fn raw_fd(&self) -> Option<std::os::fd::RawFd>;
@@ -473,8 +473,9 @@ impl RawSink for std::net::TcpStream {
 
 impl<S: Read + Write + RawSink> Conn<S> {
     /// Sends `len` bytes of the file `src` from `offset` as data frames, as [`Conn::send_data`]
-    /// sends a slice, but with `sendfile`: the file's pages go to the socket without being
-    /// copied through this process. An error on a stream that names no descriptor.
+    /// sends a slice. To a plain socket with `sendfile`: the file's pages go to the socket
+    /// without being copied through this process; to any other stream, read and written in
+    /// pieces.
     pub fn send_data_from(
         &mut self,
         src: BorrowedFd<'_>,
@@ -482,7 +483,7 @@ impl<S: Read + Write + RawSink> Conn<S> {
         len: usize,
     ) -> LinkResult<()> {
         let Some(out) = self.io.raw_fd() else {
-            return Err(self.error("this stream encrypts what it sends: send the bytes instead"));
+            return self.send_data_read(src, offset, len);
         };
         let end = offset + len as u64;
         let mut at = offset;
@@ -511,6 +512,40 @@ impl<S: Read + Write + RawSink> Conn<S> {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// [`Conn::send_data_from`] through this process: the file read in frame-sized pieces.
+    fn send_data_read(&mut self, src: BorrowedFd<'_>, offset: u64, len: usize) -> LinkResult<()> {
+        let mut buf = vec![0u8; len.min(MAX_DATA)];
+        let mut at = 0;
+        while at < len {
+            let piece = &mut buf[..(len - at).min(MAX_DATA)];
+            let mut got = 0;
+            while got < piece.len() {
+                let off = libc::off_t::try_from(offset + (at + got) as u64)
+                    .map_err(|_| self.error("offset larger than off_t"))?;
+                let rest = &mut piece[got..];
+                // SAFETY: pread writes at most `rest.len()` bytes into `rest`, which is ours.
+                let n = unsafe {
+                    libc::pread(src.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), off)
+                };
+                match n {
+                    n if n > 0 => got += n as usize,
+                    0 => {
+                        return Err(self.io_error("read data", io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    _ => {
+                        let e = io::Error::last_os_error();
+                        if e.kind() != io::ErrorKind::Interrupted {
+                            return Err(self.io_error("read data", e));
+                        }
+                    }
+                }
+            }
+            self.send_data(piece)?;
+            at += piece.len();
         }
         Ok(())
     }

@@ -34,7 +34,7 @@ use crate::tls::{Link, Tls};
 use crate::wire::{Held, PeerMsg, ShardInfo};
 use hotstart_ckpt::format::{self, Manifest};
 use hotstart_proto::shm::Segment;
-use hotstart_proto::wire::{Conn, RawSink, Side};
+use hotstart_proto::wire::{Conn, Side};
 
 /// Peer connections served at once; more are closed at once.
 pub const MAX_CONNECTIONS: usize = 256;
@@ -182,10 +182,6 @@ fn send_chunks<S: std::io::Read + std::io::Write>(
 /// Sends a shard's bytes from its segment, chunk by chunk (with `sendfile` on a plain link).
 fn send_segment(conn: &mut Conn<Link>, shard: &Shard) -> Result<()> {
     let len = shard.len() as usize;
-    if conn.get_ref().raw_fd().is_none() {
-        // Encrypted: from the segment's mapping, with no copy before the cipher's.
-        return send_chunks(conn, &shard.seg.bytes()[..len], shard.manifest.chunk_size);
-    }
     let step = (shard.manifest.chunk_size as usize).max(1);
     for at in (0..len).step_by(step) {
         conn.send_data_from(shard.seg.as_fd(), at as u64, step.min(len - at))?;
