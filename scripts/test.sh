@@ -30,6 +30,11 @@ cargo clippy -p hotstart-ckpt --features cuda --all-targets -- -D warnings
 section "cargo test"
 cargo test --workspace
 
+# Every parser of bytes from outside the process, fuzzed briefly: its crash regressions, then
+# a few seconds of new inputs from its seed corpus (scripts/fuzz.sh campaign is the long run).
+section "fuzz: a short pass over every target"
+bash scripts/fuzz.sh run "${HOTSTART_FUZZ_SECONDS:-6}"
+
 # The Python package: build the extension (with the cuda feature, see bindings/pyproject.toml)
 # into .venv, then run its tests against it. GPU tests skip, saying so, without a GPU.
 section "python: maturin develop"

@@ -40,6 +40,8 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod http;
 mod lifecycle;
 mod local;
