@@ -1,8 +1,9 @@
-"""Writes the fuzz targets' seed corpora (fuzz/corpus/<target>/): well-formed inputs of every
-kind each parser reads, made by this project's own writers where they exist (a checkpoint saved
-through the Python API, an image built by `hotstart image build`, an environment published by
-`hotstart env ensure`) and by hand, from docs/PROTOCOL.md and the formats' definitions, where
-they do not. The fuzzer mutates them; seeds only have to reach deep into each parser.
+"""Writes the fuzz targets' seeds into their corpora (fuzz/corpus/<target>/): well-formed
+inputs of every kind each parser reads, made by this project's own writers where they exist (a
+checkpoint saved through the Python API, an image built by `hotstart image build`, an
+environment published by `hotstart env ensure`) and by hand, from docs/PROTOCOL.md and the
+formats' definitions, where they do not. The fuzzer mutates them; seeds only have to reach deep
+into each parser.
 
     .venv/bin/python fuzz/seeds.py        (scripts/fuzz.sh seeds; needs target/release/hotstart)
 """
@@ -14,7 +15,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -364,8 +364,6 @@ threads = 4
 
 
 def main() -> None:
-    if CORPUS.exists():
-        shutil.rmtree(CORPUS)
     with tempfile.TemporaryDirectory(prefix="hotstart-seeds-") as t:
         tmp = Path(t)
         manifest = seed_ckpt(tmp)

@@ -4,16 +4,17 @@
 # instrumentation, in the layout `cargo fuzz` reads).
 #
 #   scripts/fuzz.sh build                       build every target (target/fuzz)
-#   scripts/fuzz.sh run [SECONDS] [TARGET...]   each target for SECONDS (default 20) on its seed
-#                                               corpus and its crash regressions; the CI pass
+#   scripts/fuzz.sh run [SECONDS] [TARGET...]   each target's regressions, then SECONDS (default
+#                                               20) of fuzzing from its seeds; the CI pass
 #   scripts/fuzz.sh campaign [RUNS] [TARGET...] RUNS executions per target (default 10000000),
 #                                               two targets at a time; a summary per target in
 #                                               target/fuzz/campaign/<target>.log
-#   scripts/fuzz.sh seeds                       rewrite the seed corpora (fuzz/corpus/<target>/)
+#   scripts/fuzz.sh seeds                       rewrite the seeds in fuzz/corpus/<target>/
 #
 # A crash (panic, abort, an allocation above the target's bound, a timeout or more than 2 GiB
 # of memory) stops its target and leaves the input in target/fuzz/artifacts/<target>/; add it
-# to fuzz/regressions/<target>/ once fixed, so every later run replays it.
+# to fuzz/regressions/<target>/ once fixed. Every run replays those first, with the hostile
+# inputs kept there that must stay within bounds (decompression bombs).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -44,12 +45,16 @@ fuzz_one() {
         -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$@"
 }
 
-# The crash inputs found and fixed so far, each run once.
+# The inputs of fuzz/regressions/<target>/, each run once.
 regressions() {
-    local t="$1" dir="fuzz/regressions/$1"
-    if compgen -G "$dir/*" >/dev/null; then
-        "$bin/$t" -rss_limit_mb=2048 -timeout=10 "$dir"/*
+    local t="$1" dir="fuzz/regressions/$1" log="$out/regressions-$1.log"
+    compgen -G "$dir/*" >/dev/null || return 0
+    if ! "$bin/$t" -rss_limit_mb=2048 -timeout=10 "$dir"/* >"$log" 2>&1; then
+        tail -40 "$log"
+        echo "fuzz target $t failed on an input of $dir" >&2
+        return 1
     fi
+    echo "$(ls "$dir" | wc -l) regression inputs pass"
 }
 
 cleanup() { rm -rf /dev/shm/hotstart-fuzz-*; }
