@@ -172,6 +172,10 @@ def seed_store(tmp: Path) -> None:
             write("chunk_frame", f"stored-{frames}", b)
             frames += 1
     assert trees and frames, f"no tree or chunk frame under {store}"
+    records = [p for p in files_under(store) if p.name == "image.json"]
+    assert records, f"no image record under {store}"
+    write("image_record", "built", records[0].read_bytes())
+    write("image_record", "report", b"{}")
     write("chunk_frame", "empty", zstd(b""))
 
 
