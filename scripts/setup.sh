@@ -45,6 +45,8 @@ want() { # want PACKAGE [COMMAND]: missing unless dpkg has it or COMMAND is alre
     missing+=("$pkg")
 }
 want fuse3 fusermount3
+# scripts/fuzz.sh: libFuzzer (built by the libfuzzer-sys crate) is C++.
+want g++ c++
 want pkg-config pkg-config
 want fio fio
 want iproute2 tc
@@ -87,7 +89,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
-    say "apt packages present (fuse3, pkg-config, fio, iproute2, nftables, iptables, iperf3, s3fs, rclone, curl, fonts-dejavu-core, python3 venv)"
+    say "apt packages present (fuse3, g++, pkg-config, fio, iproute2, nftables, iptables, iperf3, s3fs, rclone, curl, fonts-dejavu-core, python3 venv)"
 fi
 
 # --- Python virtualenv --------------------------------------------------------------------
