@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 
@@ -173,6 +173,15 @@ class SeaweedFs:
             raise RuntimeError(f"cannot create bucket {name}: HTTP {status}")
         return f"s3://{name}"
 
+    def again(self, tmp: Path) -> "Sidecar":
+        """The same node started anew (its memory empty; its disk kept)."""
+        return Sidecar(tmp, node=self.node, listen=self.listen, peers=self.peers, store=self.store)
+
+    def kill(self) -> None:
+        """SIGKILL: the node is lost, and the memory with it."""
+        self.proc.kill()
+        self.proc.wait()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -241,22 +250,36 @@ def _hotstart_bin() -> str:
 
 
 class Sidecar:
-    """`hotstart serve` on loopback with a disk tier, no peers (insecure: loopback only)."""
+    """`hotstart serve` on loopback with a disk tier (insecure: loopback only): alone, or as
+    node `node` of a cluster whose other nodes listen on `peers` ({node id: peer port}), its own
+    peer port `listen`, each shard copied to one peer. Its socket, disk and log are in `home`
+    (default `tmp`)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *, node: str = "py-0", listen: Optional[int] = None,
+                 peers: Optional[Dict[str, int]] = None, store: Optional[str] = None) -> None:
+        home = tmp if not peers else tmp / node
+        home.mkdir(parents=True, exist_ok=True)
         peer, http = _free_ports(2)
-        self.socket = tmp / "sidecar.sock"
+        peer = listen or peer
+        self.node, self.listen, self.peers, self.store = node, peer, peers, store
+        self.socket = home / "sidecar.sock"
         self.http = f"http://127.0.0.1:{http}"
-        self.log = tmp / "sidecar.log"
+        self.log = home / "sidecar.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOTSTART_")}
         env["HOTSTART_LOG"] = "info"
-        with open(self.log, "wb") as log:
+        cluster: List[str] = []
+        if peers:
+            cluster = ["--peers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in peers.items()),
+                       "--replicas", "1", "--probe-interval", "1s", "--recovery-timeout", "5s"]
+        if store:
+            cluster += ["--store", store]
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [
-                    _hotstart_bin(), "serve", "--insecure", "--node-id", "py-0",
+                    _hotstart_bin(), "serve", "--insecure", "--node-id", node,
                     "--listen", f"127.0.0.1:{peer}", "--http", f"127.0.0.1:{http}",
-                    "--socket", str(self.socket), "--disk-dir", str(tmp / "disk"),
-                    "--memory-budget", "256MiB",
+                    "--socket", str(self.socket), "--disk-dir", str(home / "disk"),
+                    "--memory-budget", "256MiB", *cluster,
                 ],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                 preexec_fn=_die_with_parent,
@@ -280,6 +303,15 @@ class Sidecar:
             text = r.read().decode()
         m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
+
+    def again(self, tmp: Path) -> "Sidecar":
+        """The same node started anew (its memory empty; its disk kept)."""
+        return Sidecar(tmp, node=self.node, listen=self.listen, peers=self.peers, store=self.store)
+
+    def kill(self) -> None:
+        """SIGKILL: the node is lost, and the memory with it."""
+        self.proc.kill()
+        self.proc.wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -109,3 +109,54 @@ def test_a_two_rank_job_resumes_on_three_ranks_and_on_one_through_dcp_bit_exact(
     # And trains on from there with 3 ranks.
     more = torchrun(3, ["--job", "elastic", "--steps", "5", "--dcp-dir", ck])
     assert resumed(more) == [(4, 3)] and sorted(losses(more)) == [5], more
+
+
+def _cluster(tmp: Path, n: int, store: str) -> List[Sidecar]:
+    """n sidecars on loopback, each the others' peer, as n nodes would run them."""
+    ports = _free_ports(n)
+    nodes = {f"node-{i}": p for i, p in enumerate(ports)}
+    return [
+        Sidecar(tmp, node=node, listen=port, peers={o: q for o, q in nodes.items() if o != node}, store=store)
+        for node, port in nodes.items()
+    ]
+
+
+def sockets(sidecars: List[Sidecar]) -> str:
+    return ",".join(str(s.socket) for s in sidecars)
+
+
+def _restored(sidecars: List[Sidecar], source: str) -> float:
+    return sum(s.metric("hotstart_restores_total", f'source="{source}"') for s in sidecars)
+
+
+def test_a_job_that_loses_a_node_reshards_from_the_sidecars_memory_and_grows_back(tmp_path: Path) -> None:
+    # Three nodes, one rank each, checkpointing with torch.distributed.checkpoint through their
+    # sidecars (memory, one replica on a peer, disk, a local-directory store).
+    store = str(tmp_path / "store")
+    nodes = _cluster(tmp_path, 3, store)
+    try:
+        three = torchrun(3, ["--job", "el", "--steps", "4", "--save-every", "2", "--dcp", "--sidecar", sockets(nodes)])
+        saved = states(three)[-1]
+
+        # Node 2 is lost with its memory; the job comes back as 2 ranks on nodes 0 and 1, and
+        # reshards step 4 from what the survivors hold in memory: old rank 2's shard from the
+        # replica on a peer. Nothing is read from a disk or the store.
+        nodes[2].kill()
+        two = torchrun(2, ["--job", "el", "--steps", "6", "--save-every", "2", "--dcp", "--sidecar", sockets(nodes[:2])])
+        assert resumed(two) == [(4, 2)], two
+        assert states(two)[0] == saved, two
+        assert sorted(losses(two)) == [5, 6], two
+        survivors = nodes[:2]
+        assert _restored(survivors, "memory") + _restored(survivors, "peer") >= 3
+        assert _restored(survivors, "disk") == 0 and _restored(survivors, "store") == 0
+
+        # A new node 2 joins (empty memory) and the job grows back to 3 ranks from step 6,
+        # which 2 ranks saved: node 2 takes the shards it needs from its peers' memory.
+        nodes[2] = nodes[2].again(tmp_path)
+        grown = torchrun(3, ["--job", "el", "--steps", "6", "--dcp", "--sidecar", sockets(nodes)])
+        assert resumed(grown) == [(6, 3)], grown
+        assert states(grown) == [states(two)[-1]] * 2, grown
+        assert _restored(nodes, "disk") == 0 and _restored(nodes, "store") == 0
+    finally:
+        for s in nodes:
+            s.stop()

@@ -426,16 +426,63 @@ impl Client {
         self.ask_latest(LocalMsg::LatestBelow { step })
     }
 
+    /// The newest checkpoint as the sidecar finds them whatever world size saved it (older
+    /// than `below`), and that world size.
+    pub(crate) fn latest_checkpoint(&self, below: Option<u64>) -> Result<Option<(u64, u32)>> {
+        let mut conn = self.connect()?;
+        conn.send(&LocalMsg::LatestCheckpoint { below })?;
+        match conn.recv()? {
+            LocalMsg::CheckpointIs { found } => Ok(found),
+            other => Err(self.refused(&mut conn, other, "a checkpoint")),
+        }
+    }
+
+    /// `rank`'s manifest of `step`, whatever world size saved it, from the nearest holder the
+    /// sidecar knows (its memory, its peers', its disk, the store); [`Error::NotFound`] when
+    /// none holds it.
+    pub(crate) fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+        let mut conn = self.connect()?;
+        conn.send(&LocalMsg::Manifest { step, rank })?;
+        let json = match conn.recv()? {
+            LocalMsg::ManifestIs { manifest } => manifest,
+            LocalMsg::NotFound { .. } => {
+                return Err(Error::NotFound {
+                    job: self.dial.job.clone(),
+                    step: Some(step),
+                    rank,
+                });
+            }
+            other => return Err(self.refused(&mut conn, other, "a manifest")),
+        };
+        let location = format!("step {step} rank {rank} from the sidecar");
+        let m = Manifest::parse(json.as_bytes(), &location)?;
+        if (m.job.as_str(), m.step, m.rank) != (self.dial.job.as_str(), step, rank) {
+            return Err(self.error(format!(
+                "asked for the manifest of step {step} rank {rank}, got job {:?} step {} rank {}",
+                m.job, m.step, m.rank
+            )));
+        }
+        Ok(m)
+    }
+
+    /// The error for an answer that is not the `expected` one: a refusal the sidecar gave,
+    /// or a protocol violation.
+    fn refused(&self, conn: &mut Conn<FdStream>, answer: LocalMsg, expected: &str) -> Error {
+        match answer {
+            LocalMsg::Unavailable { tier, reason } => self.unavailable(tier, reason),
+            LocalMsg::Failed { reason } => self.error(reason),
+            other => conn
+                .violation(format!("expected {expected}, got {other:?}"))
+                .into(),
+        }
+    }
+
     fn ask_latest(&self, ask: LocalMsg) -> Result<Option<u64>> {
         let mut conn = self.connect()?;
         conn.send(&ask)?;
         match conn.recv()? {
             LocalMsg::LatestIs { step } => Ok(step),
-            LocalMsg::Unavailable { tier, reason } => Err(self.unavailable(tier, reason)),
-            LocalMsg::Failed { reason } => Err(self.error(reason)),
-            other => Err(conn
-                .violation(format!("expected latest, got {other:?}"))
-                .into()),
+            other => Err(self.refused(&mut conn, other, "latest")),
         }
     }
 

@@ -375,8 +375,19 @@ impl Engine {
     /// reads checkpoints saved by a job of another size: the manifest names the saved world size
     /// and the tensor index, and an engine configured as that rank of that world size loads the
     /// data. Bytes are not verified here; [`Engine::load`] verifies every chunk.
+    ///
+    /// With a sidecar, the sidecar finds it (its memory, its peers' memory, its disk, the
+    /// store), and this engine's own tiers are read when the sidecar holds none.
     pub fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        self.inner.core.manifest(step, rank)
+        let Some(sidecar) = &self.inner.sidecar else {
+            return self.inner.core.manifest(step, rank);
+        };
+        match sidecar.manifest(step, rank) {
+            Err(e) if e.is_not_found() && !self.inner.core.tiers.is_empty() => {
+                self.inner.core.manifest(step, rank)
+            }
+            found => found,
+        }
     }
 
     /// Waits for every save started so far to finish persisting.
@@ -437,8 +448,9 @@ impl Engine {
 
     /// The newest checkpoint of this job whatever world size saved it, and that world size: the
     /// newest step that every rank of the world size that wrote it committed in one of this
-    /// engine's own tiers; with a sidecar, also the newest the sidecar finds complete for this
-    /// world size, whichever is newer. A step of another world size is for a loader that
+    /// engine's own tiers; with a sidecar, also the newest the sidecar finds complete for any
+    /// world size (in its memory, its peers' memory, their disks, the store), whichever is
+    /// newer. A step of another world size is for a loader that
     /// reshards (torch.distributed.checkpoint); [`Engine::load`] refuses it with a
     /// [`Error::Config`] that says so.
     pub fn latest_checkpoint(&self) -> Result<Option<(u64, u32)>> {
@@ -457,11 +469,7 @@ impl Engine {
         let Some(sidecar) = &self.inner.sidecar else {
             return Ok(own);
         };
-        let served = match below {
-            None => sidecar.latest()?,
-            Some(step) => sidecar.latest_below(step)?,
-        };
-        Ok(own.max(served.map(|s| (s, self.inner.core.world_size))))
+        Ok(own.max(sidecar.latest_checkpoint(below)?))
     }
 
     /// Applies retention to every tier now; returns the steps whose files of this rank were

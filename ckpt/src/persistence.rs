@@ -110,6 +110,27 @@ impl Persistence {
         self.complete_steps_in(t)
     }
 
+    /// The newest step complete in `tier` whatever world size saved it (older than `below`,
+    /// if given), and that world size; `None` when `tier` is not one of this rank's.
+    pub fn latest_checkpoint_in(
+        &self,
+        tier: TierKind,
+        below: Option<u64>,
+    ) -> Result<Option<(u64, u32)>> {
+        let Some(t) = self.tier(tier) else {
+            return Ok(None);
+        };
+        for step in t.list_steps(&self.job)?.into_iter().rev() {
+            if below.is_some_and(|b| step >= b) {
+                continue;
+            }
+            if let Some(ws) = self.saved_world_size(t, step)? {
+                return Ok(Some((step, ws)));
+            }
+        }
+        Ok(None)
+    }
+
     /// The disk and store tiers of this rank, in load order.
     pub(crate) fn own_tiers(&self) -> Vec<TierKind> {
         self.tiers.iter().map(|t| t.kind()).collect()

@@ -14,6 +14,12 @@ checkpoints one of two ways:
   `hotstart.torch.StorageWriter`; `hotstart.torch.load` (`dcp.load` with its
   `StorageReader`) loads the newest complete checkpoint that can be read and reshards it, so
   the job may come back with another number of processes.
+- `--dcp --sidecar SOCKET`: torch.distributed.checkpoint through the node's sidecar. Saves go
+  into the sidecars' memory (backed up to peers, persisted to disk and store); a job that
+  comes back with another number of processes reshards from that memory, each rank taking the
+  saved ranks' shards it needs from the nearest sidecar that holds them.
+
+`--sidecar A,B,C` names one sidecar per simulated node: rank r uses the (r mod 3)-th.
 
 At start it resumes from the newest checkpoint there is. Rank 0 prints `loss <step> <hex>`
 after every step (`float.hex`, so runs compare bit for bit) and `state <digest>` (sha256 over
@@ -171,7 +177,9 @@ def main() -> None:
     p.add_argument("--job", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, default=5, help="0: never save")
-    p.add_argument("--sidecar", default=os.environ.get("HOTSTART_SOCKET"))
+    p.add_argument("--sidecar", default=os.environ.get("HOTSTART_SOCKET"),
+                   help="the node's sidecar socket; comma-separated: one per simulated node, rank r uses the (r mod n)-th")
+    p.add_argument("--dcp", action="store_true", help="torch.distributed.checkpoint through the sidecar")
     p.add_argument("--dcp-dir", help="local directory for torch.distributed.checkpoint")
     p.add_argument("--store", help="store URL for torch.distributed.checkpoint")
     p.add_argument("--torch-dcp", help="directory for torch.distributed.checkpoint's own file system writer and reader")
@@ -183,7 +191,9 @@ def main() -> None:
     p.add_argument("--timeline", action="store_true", help="print when each restart phase ends")
     p.add_argument("--floor", action="store_true", help="start, build, copy the state's bytes, exit")
     args = p.parse_args()
-    use_dcp = bool(args.dcp_dir or args.store or args.torch_dcp)
+    use_dcp = bool(args.dcp_dir or args.store or args.torch_dcp or args.dcp)
+    if args.dcp and not args.sidecar:
+        p.error("--dcp saves through a sidecar: name one (--sidecar or HOTSTART_SOCKET)")
     if not use_dcp and not args.sidecar and not args.floor:
         p.error("name a sidecar (--sidecar or HOTSTART_SOCKET), or --dcp-dir / --store / --torch-dcp")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -208,7 +218,9 @@ def main() -> None:
     mark("built")
     if args.floor:
         floor(model, device)
-    ck = None if use_dcp else hotstart.Checkpointer(sidecar=args.sidecar, job=args.job, rank=rank, world_size=world)
+    sidecars = args.sidecar.split(",") if args.sidecar else [None]
+    sidecar = sidecars[rank % len(sidecars)]
+    ck = None if use_dcp else hotstart.Checkpointer(sidecar=sidecar, job=args.job, rank=rank, world_size=world)
 
     # Resume from the newest checkpoint, if any, loading in place into the model's and the
     # optimizer's tensors.
@@ -218,7 +230,7 @@ def main() -> None:
         steps = [int(d.name[5:]) for d in Path(args.torch_dcp).glob("step-*") if (d / ".metadata").exists()]
         newest = max(steps, default=None)
     elif use_dcp:
-        newest = htorch.latest_step(args.store, args.job, local_dir=args.dcp_dir)
+        newest = htorch.latest_step(args.store, args.job, local_dir=args.dcp_dir, sidecar=sidecar)
     else:
         assert ck is not None
         newest = ck.latest_step()
@@ -243,7 +255,7 @@ def main() -> None:
             # Every rank loads the newest checkpoint that can be read, going back together.
             state = {"model": model_sd, "optim": optim_sd}
             try:
-                newest = htorch.load(state, args.store, args.job, local_dir=args.dcp_dir)
+                newest = htorch.load(state, args.store, args.job, local_dir=args.dcp_dir, sidecar=sidecar)
             except hotstart.NoCheckpoint as e:
                 print(f"rank {rank}: no checkpoint can be read: {e}", file=sys.stderr, flush=True)
                 newest = None
@@ -288,7 +300,8 @@ def main() -> None:
                          storage_writer=dcp.FileSystemWriter(f"{args.torch_dcp}/step-{step}"))
             elif use_dcp:
                 dcp.save({"model": model_sd, "optim": optim_sd},
-                         storage_writer=htorch.StorageWriter(args.store, args.job, local_dir=args.dcp_dir),
+                         storage_writer=htorch.StorageWriter(args.store, args.job, local_dir=args.dcp_dir,
+                                                             sidecar=sidecar),
                          checkpoint_id=step)
             else:
                 assert ck is not None

@@ -118,6 +118,18 @@ pub enum LocalMsg {
     LatestBelow { step: u64 },
     /// The answer to `Latest`.
     LatestIs { step: Option<u64> },
+    /// Which step is the newest complete for every rank of the world size that saved it,
+    /// whatever that world size (older than `below`, if given)? What a job that comes back
+    /// with another number of ranks reshards.
+    LatestCheckpoint { below: Option<u64> },
+    /// The answer to `LatestCheckpoint`: the step and the world size that saved it.
+    CheckpointIs { found: Option<(u64, u32)> },
+    /// `rank`'s manifest of `step`, whatever world size saved it (a resharding reader learns
+    /// the saved layout from it before asking for bytes).
+    Manifest { step: u64, rank: u32 },
+    /// The answer to `Manifest`: the manifest JSON (its chunks are verified by the restore
+    /// that reads them).
+    ManifestIs { manifest: String },
     /// No such step anywhere.
     NotFound { step: Option<u64> },
     /// The step's shard has a chunk whose copies are damaged or gone in every tier.

@@ -31,6 +31,10 @@
 //!   when a chunk of it is damaged or gone in every tier.
 //! - `Latest`: the newest step complete for every rank; `LatestBelow{step}`: the newest one
 //!   older than `step` (where a job goes back to when a rank cannot restore `step`).
+//! - `LatestCheckpoint{below}`: the same whatever world size saved the step, with that world
+//!   size; `Manifest{step, rank}`: any rank's manifest of a step. A job that comes back with
+//!   another number of ranks finds its checkpoint and learns its layout with them, then
+//!   restores the old ranks' shards it needs on connections attached as those ranks.
 //!
 //! A segment staged but never filled (the training process died mid-copy) is dropped with its
 //! connection: a torn save never enters the memory tier.
@@ -287,6 +291,21 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
             }
             LocalMsg::Latest => send(&latest(&core, &who, None)),
             LocalMsg::LatestBelow { step } => send(&latest(&core, &who, Some(step))),
+            LocalMsg::LatestCheckpoint { below } => {
+                core.adopting.wait(&who.job, core.cfg.stage_timeout);
+                send(&match core.latest_checkpoint(&who.job, below) {
+                    Ok(found) => LocalMsg::CheckpointIs { found },
+                    Err(e) => refusal(&e),
+                })
+            }
+            LocalMsg::Manifest { step, rank } => {
+                core.adopting.wait(&who.job, core.cfg.stage_timeout);
+                send(&match core.manifest(&who.job, rank, step) {
+                    Ok(manifest) => LocalMsg::ManifestIs { manifest },
+                    Err(e) if e.is_not_found() => LocalMsg::NotFound { step: Some(step) },
+                    Err(e) => refusal(&e),
+                })
+            }
             other => {
                 core.metrics.failed(Failure::Frame);
                 warn!(?other, "unexpected message on a local connection");

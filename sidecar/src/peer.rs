@@ -311,6 +311,17 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                     None => conn.send(&PeerMsg::NotFound).map_err(Error::from),
                 }
             }
+            PeerMsg::Describe { job, rank, step } => {
+                let key = ShardKey { job, rank, step };
+                let answer = match core.memory.get(&key) {
+                    Some(s) => PeerMsg::Shard {
+                        shard: s.info(),
+                        manifest: s.manifest_json.clone(),
+                    },
+                    None => PeerMsg::NotFound,
+                };
+                conn.send(&answer).map_err(Error::from)
+            }
             other => Err(conn
                 .violation(format!("unexpected request {other:?}"))
                 .into()),
@@ -490,6 +501,37 @@ impl PeerClient {
         }
     }
 
+    /// The manifest of a shard the peer holds in memory, checked against what the peer says it
+    /// describes (its chunks are verified by whoever reads them); `None` when the peer does not
+    /// hold it.
+    pub fn describe(&mut self, key: &ShardKey) -> Result<Option<String>> {
+        self.conn.send(&PeerMsg::Describe {
+            job: key.job.clone(),
+            rank: key.rank,
+            step: key.step,
+        })?;
+        let (info, json) = match self.conn.recv()? {
+            PeerMsg::Shard { shard, manifest } => (shard, manifest),
+            PeerMsg::NotFound => return Ok(None),
+            other => return Err(self.unexpected(other)),
+        };
+        self.check_answer(key, &info, &json)?;
+        Ok(Some(json))
+    }
+
+    /// That the peer's answer describes `key`: a shard of another key, or a manifest that
+    /// does not parse or does not describe the announced shard, is a protocol violation.
+    fn check_answer(&mut self, key: &ShardKey, info: &ShardInfo, json: &str) -> Result<Manifest> {
+        if (info.job.as_str(), info.rank, info.step) != (key.job.as_str(), key.rank, key.step) {
+            return Err(self
+                .conn
+                .violation(format!("asked for {key}, got {info:?}"))
+                .into());
+        }
+        check_manifest(info, json, &self.peer.node)
+            .map_err(|e| self.conn.violation(e.to_string()).into())
+    }
+
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
     /// manifest; at least the shard's length), every chunk verified. `None` when the peer
     /// does not hold it.
@@ -509,14 +551,7 @@ impl PeerClient {
             PeerMsg::NotFound => return Ok(None),
             other => return Err(self.unexpected(other)),
         };
-        if (info.job.as_str(), info.rank, info.step) != (key.job.as_str(), key.rank, key.step) {
-            return Err(self
-                .conn
-                .violation(format!("asked for {key}, got {info:?}"))
-                .into());
-        }
-        let m = check_manifest(&info, &json, &self.peer.node)
-            .map_err(|e| self.conn.violation(e.to_string()))?;
+        let m = self.check_answer(key, &info, &json)?;
         let mut mem = alloc(&info, &m)?;
         if let Some(i) = recv_verified(&mut self.conn, &m, threads, mem.as_mut())? {
             return Err(self

@@ -36,9 +36,10 @@ use crate::error::{Error, Result};
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::wire::{Held, ShardInfo};
+use hotstart_ckpt::Persistence;
 use hotstart_ckpt::format;
 use hotstart_ckpt::index::StepIndex;
-use hotstart_ckpt::tier::TierKind;
+use hotstart_ckpt::tier::{Tier, TierKind};
 use hotstart_proto::shm::Segment;
 
 /// How long a restore waits for the object store to list a job.
@@ -87,7 +88,7 @@ impl Core {
                                 job: job.to_string(),
                                 rank,
                                 step,
-                                world_size: 0,
+                                world_size: saved_world_size(disk, job, step, rank),
                                 len,
                                 origin: self.me.node.clone(),
                                 held: Held::Disk,
@@ -125,20 +126,44 @@ impl Core {
         world_size: u32,
         below: Option<u64>,
     ) -> Option<u64> {
-        // `index`'s rule over what the inventories list as committed; the restore reads the
-        // asked rank's manifest.
-        let mut present = StepIndex::default();
-        let mut add = |infos: &[ShardInfo]| {
-            for s in infos {
-                // Disk entries do not know the world size; memory ones must match it.
-                if s.job == job && (s.world_size == world_size || s.held == Held::Disk) {
-                    present.insert_committed(s.step, s.rank, s.len);
-                }
-            }
-        };
-        add(&self.inventory(Some(job)));
-        // Only peers that answered the last probe: a dead peer whose address swallows
-        // packets would hold every restart for a connect timeout.
+        newest_for(&self.seen(job), job, world_size, below)
+    }
+
+    /// The newest checkpoint of `job` (older than `below`, if given), whatever world size saved
+    /// it, and that world size: as [`Core::latest`] finds steps, for each world size that a
+    /// shard in memory or a manifest on a disk names. Of two world sizes complete at the same
+    /// step (a job that saved it twice), the larger: it is the one whose every rank was seen.
+    pub(crate) fn latest_checkpoint(
+        &self,
+        job: &str,
+        below: Option<u64>,
+    ) -> Result<Option<(u64, u32)>> {
+        let seen = self.seen(job);
+        let mut sizes: Vec<u32> = seen
+            .iter()
+            .filter(|s| s.job == job && s.world_size > 0)
+            .map(|s| s.world_size)
+            .collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let newest = sizes
+            .iter()
+            .filter_map(|&ws| newest_for(&seen, job, ws, below).map(|step| (step, ws)))
+            .max();
+        if newest.is_some() {
+            return Ok(newest);
+        }
+        // Any rank's view lists the store's steps; rank 0 of 1 stands for it.
+        self.in_store(job, 0, 1, move |p| {
+            p.latest_checkpoint_in(TierKind::Store, below)
+        })
+    }
+
+    /// What this node and the peers that answered their last probe hold of `job` (see
+    /// [`Core::inventory`]). Only those peers: a dead peer whose address swallows packets
+    /// would hold every restart for a connect timeout.
+    fn seen(&self, job: &str) -> Vec<ShardInfo> {
+        let mut seen = self.inventory(Some(job));
         let members = self.members.up();
         let listed = Mutex::new(Vec::new());
         std::thread::scope(|scope| {
@@ -155,8 +180,59 @@ impl Core {
                 });
             }
         });
-        add(&listed.into_inner().unwrap_or_else(PoisonError::into_inner));
-        present.newest_committed(world_size, below)
+        seen.extend(listed.into_inner().unwrap_or_else(PoisonError::into_inner));
+        seen
+    }
+
+    /// `rank`'s manifest of `step`, whatever world size saved it, from the nearest holder:
+    /// this node's memory, a peer's memory, this node's disk, the store. Its chunks are not
+    /// verified here: the restore that reads them does. [`CkptError::NotFound`] when none
+    /// holds it; a tier that cannot be read, when no nearer one held it, is an error.
+    pub(crate) fn manifest(&self, job: &str, rank: u32, step: u64) -> Result<String> {
+        let key = ShardKey {
+            job: job.to_string(),
+            rank,
+            step,
+        };
+        if let Some(s) = self.memory.get(&key) {
+            return Ok(s.manifest_json.clone());
+        }
+        for m in self.members.up() {
+            match self.connect(&m).and_then(|mut c| c.describe(&key)) {
+                Ok(Some(json)) => return Ok(json),
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(peer = %m.id.node, shard = %key, error = %e, "no manifest from a peer")
+                }
+            }
+        }
+        let name = format::manifest_key(job, step, rank);
+        let mut unreadable = None;
+        for kind in [TierKind::Disk, TierKind::Store] {
+            let Some(tier) = self.tiers.get(kind) else {
+                continue;
+            };
+            match tier.get_manifest(&name) {
+                Ok(Some(bytes)) => match format::Manifest::parse(&bytes, &name) {
+                    Ok(m) if m.job == job && m.step == step && m.rank == rank => {
+                        return Ok(String::from_utf8_lossy(&bytes).into_owned());
+                    }
+                    Ok(_) => warn!(%name, tier = %kind, "a manifest of another shard; skipped"),
+                    Err(e) => warn!(%name, tier = %kind, error = %e, "unusable manifest; skipped"),
+                },
+                Ok(None) => {}
+                Err(e) => unreadable = Some(CkptError::unavailable(kind, job, e)),
+            }
+        }
+        match unreadable {
+            Some(e) => Err(e.into()),
+            None => Err(CkptError::NotFound {
+                job: job.to_string(),
+                step: Some(step),
+                rank,
+            }
+            .into()),
+        }
     }
 
     /// The newest step complete in the store, or `None`; [`CkptError::Unavailable`] when the
@@ -168,6 +244,27 @@ impl Core {
         world_size: u32,
         below: Option<u64>,
     ) -> Result<Option<u64>> {
+        self.in_store(job, rank, world_size, move |p| {
+            let steps = p.complete_steps(TierKind::Store)?;
+            Ok(steps
+                .into_iter()
+                .rev()
+                .find(|s| below.is_none_or(|b| *s < b)))
+        })
+    }
+
+    /// `list` (given `rank`'s persistence over this node's tiers) on a thread of its own,
+    /// given [`STORE_LIST_DEADLINE`] to answer; `None` without a store tier. A store that
+    /// cannot be listed, or not in time, is [`CkptError::Unavailable`]: nothing nearer holds a
+    /// step (see `latest`), and an empty answer would send the job back to step 0 while the
+    /// store may hold its checkpoints.
+    fn in_store<T: Send + 'static>(
+        &self,
+        job: &str,
+        rank: u32,
+        world_size: u32,
+        list: impl FnOnce(&Persistence) -> hotstart_ckpt::Result<Option<T>> + Send + 'static,
+    ) -> Result<Option<T>> {
         if self.tiers.get(TierKind::Store).is_none() {
             return Ok(None);
         }
@@ -176,19 +273,13 @@ impl Core {
         let spawned = std::thread::Builder::new()
             .name("hotstart-store-list".into())
             .spawn(move || {
-                let _ = tx.send(persistence.complete_steps(TierKind::Store));
+                let _ = tx.send(list(&persistence));
             });
         if let Err(e) = spawned {
             return Err(Error::io("spawn store listing", "", e));
         }
         match rx.recv_timeout(STORE_LIST_DEADLINE) {
-            Ok(Ok(steps)) => Ok(steps
-                .iter()
-                .rev()
-                .find(|s| below.is_none_or(|b| **s < b))
-                .copied()),
-            // Nothing nearer holds a step (see `latest`): an empty answer would send the job
-            // back to step 0 while the store may hold its checkpoints.
+            Ok(Ok(found)) => Ok(found),
             Ok(Err(e)) => {
                 warn!(job, error = %e, "cannot list the store");
                 Err(CkptError::unavailable(TierKind::Store, job, e).into())
@@ -362,5 +453,34 @@ impl Core {
             committed: Instant::now(),
         });
         Ok((shard, sources))
+    }
+}
+
+/// The newest step of `job` complete for every rank of `world_size` (older than `below`) among
+/// `seen`: shards in memory of that world size, and disk manifests of it (or of an unknown
+/// one: a manifest that could not be read, or a peer that does not say).
+fn newest_for(seen: &[ShardInfo], job: &str, world_size: u32, below: Option<u64>) -> Option<u64> {
+    // `index`'s rule over what the inventories list as committed; the restore reads the asked
+    // rank's manifest.
+    let mut present = StepIndex::default();
+    for s in seen {
+        let fits = s.world_size == world_size || (s.held == Held::Disk && s.world_size == 0);
+        if s.job == job && fits {
+            present.insert_committed(s.step, s.rank, s.len);
+        }
+    }
+    present.newest_committed(world_size, below)
+}
+
+/// The world size that wrote `rank`'s manifest of `step` on `disk`, or 0 when it cannot be
+/// read (the entry then counts for any world size, as a peer that does not say).
+fn saved_world_size(disk: &dyn Tier, job: &str, step: u64, rank: u32) -> u32 {
+    let key = format::manifest_key(job, step, rank);
+    match disk.get_manifest(&key) {
+        Ok(Some(bytes)) => format::Manifest::parse(&bytes, &key)
+            .ok()
+            .filter(|m| m.job == job && m.step == step && m.rank == rank)
+            .map_or(0, |m| m.world_size),
+        _ => 0,
     }
 }

@@ -61,8 +61,10 @@ pub enum PeerMsg {
     Stored,
     /// Send me this shard from your memory.
     Fetch { job: String, rank: u32, step: u64 },
-    /// The fetched shard; its data follows.
+    /// The fetched shard; its data follows (none after `Describe`).
     Shard { shard: ShardInfo, manifest: String },
+    /// Describe this shard of your memory: answered with `Shard` and no data, or `NotFound`.
+    Describe { job: String, rank: u32, step: u64 },
     /// Not held.
     NotFound,
     /// The request failed; the connection stays usable.

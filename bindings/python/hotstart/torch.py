@@ -100,19 +100,22 @@ def _step_of(checkpoint_id: Optional[CheckpointId], default: Optional[int]) -> i
     return int(text)
 
 
-def _probe(store: Optional[str], job: Optional[str], local_dir: Optional[PathLike], threads: int = 0) -> _core.Engine:
-    """An engine over the job's tiers that finds and reads its checkpoints' manifests: any rank
-    will do (a manifest names its own world size)."""
-    return _core.Engine(**engine_options(store, job, 0, 1, local_dir, threads=threads))
+def _probe(store: Optional[str], job: Optional[str], local_dir: Optional[PathLike],
+           sidecar: Optional[PathLike] = None, threads: int = 0) -> _core.Engine:
+    """An engine over the job's tiers (through the node's sidecar when there is one) that finds
+    and reads its checkpoints' manifests: any rank will do (a manifest names its own world
+    size)."""
+    return _core.Engine(**engine_options(store, job, 0, 1, local_dir, sidecar, threads=threads))
 
 
 def latest_step(store: Optional[str] = None, job: Optional[str] = None, *,
-                local_dir: Optional[PathLike] = None) -> Optional[int]:
+                local_dir: Optional[PathLike] = None, sidecar: Optional[PathLike] = None) -> Optional[int]:
     """The newest complete checkpoint of ``job`` (every rank of the world size that saved it
     committed it), whatever world size saved it, or None: the step ``dcp.load`` with a
-    :class:`StorageReader` and no ``checkpoint_id`` loads. ``store``, ``job`` and ``local_dir``
-    are those of the writer (with the same environment defaults)."""
-    found = _probe(store, job, local_dir).latest_checkpoint()
+    :class:`StorageReader` and no ``checkpoint_id`` loads. ``store``, ``job``, ``local_dir`` and
+    ``sidecar`` are those of the writer (with the same environment defaults); with a sidecar,
+    the steps in its memory and its peers' count too."""
+    found = _probe(store, job, local_dir, sidecar).latest_checkpoint()
     return None if found is None else found[0]
 
 
@@ -220,6 +223,7 @@ def load(
     job: Optional[str] = None,
     *,
     local_dir: Optional[PathLike] = None,
+    sidecar: Optional[PathLike] = None,
     threads: int = 0,
     planner: Optional[LoadPlanner] = None,
 ) -> int:
@@ -232,10 +236,10 @@ def load(
     ``state_dict`` may then hold part of a checkpoint, so build the state afresh. Any other
     failure is raised as
     ``dcp.load`` raises it. Collective, as ``dcp.load`` is: every rank of the default process
-    group calls it. ``store``, ``job``, ``local_dir`` and ``threads`` are
+    group calls it. ``store``, ``job``, ``local_dir``, ``sidecar`` and ``threads`` are
     :class:`StorageReader`'s.
     """
-    probe = _probe(store, job, local_dir, threads)
+    probe = _probe(store, job, local_dir, sidecar, threads)
     newest = _agreed(probe.latest_checkpoint)
     if newest is None:
         raise NoCheckpoint(f"no complete checkpoint of job {probe.job!r} to load: save one first")
@@ -243,7 +247,8 @@ def load(
     while True:
         try:
             _dcp_load(state_dict, storage_reader=StorageReader(
-                store, job, step=step, local_dir=local_dir, threads=threads), planner=planner)
+                store, job, step=step, local_dir=local_dir, sidecar=sidecar, threads=threads),
+                planner=planner)
             return step
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             if not _unreadable(e):
@@ -276,7 +281,7 @@ def _sync(devices: "set[int]") -> None:
 class StorageWriter(_StorageWriter):
     """Writes torch.distributed.checkpoint checkpoints as hotstart engine steps.
 
-    ``store``, ``job``, ``local_dir`` and the tuning keywords are those of
+    ``store``, ``job``, ``local_dir``, ``sidecar`` and the tuning keywords are those of
     :class:`hotstart.Checkpointer` (with the same environment defaults); rank and world size come
     from the process group DCP saves with. ``step`` is used when ``dcp.save`` gets no
     ``checkpoint_id``.
@@ -289,13 +294,14 @@ class StorageWriter(_StorageWriter):
         *,
         step: Optional[int] = None,
         local_dir: Optional[PathLike] = None,
+        sidecar: Optional[PathLike] = None,
         keep: int = 3,
         max_inflight: int = 2,
         chunk_size: Optional[int] = None,
         threads: int = 0,
     ) -> None:
         super().__init__()
-        self._opts = dict(store=store, job=job, local_dir=local_dir, keep=keep,
+        self._opts = dict(store=store, job=job, local_dir=local_dir, sidecar=sidecar, keep=keep,
                           max_inflight=max_inflight, chunk_size=chunk_size, threads=threads)
         # Resolve now, so a bad configuration fails at construction.
         engine_options(rank=0, world_size=1, **self._opts)  # type: ignore[arg-type]
@@ -397,6 +403,13 @@ class StorageReader(_StorageReader):
     when ``dcp.load`` gets no ``checkpoint_id``; with neither, the newest complete checkpoint is
     loaded, whatever world size saved it (:func:`latest_step`; rank 0 finds it and every rank of
     the default process group loads that step).
+
+    ``sidecar`` (default ``HOTSTART_SOCKET``) is the node's ``hotstart serve``: the saved ranks'
+    shards this rank needs then come from the nearest holder the sidecar knows, its own memory,
+    a peer's memory, a disk, the store last, every chunk verified; a shard two ranks of the node
+    need is fetched once, and stays in the sidecar's memory. So a job that comes back with
+    another number of ranks reshards from the cluster's memory. :attr:`loaded_from` says where
+    each saved rank's chunks came from.
     """
 
     def __init__(
@@ -406,10 +419,14 @@ class StorageReader(_StorageReader):
         *,
         step: Optional[int] = None,
         local_dir: Optional[PathLike] = None,
+        sidecar: Optional[PathLike] = None,
         threads: int = 0,
     ) -> None:
         super().__init__()
-        self._probe = _probe(store, job, local_dir, threads)
+        self._probe = _probe(store, job, local_dir, sidecar, threads)
+        self.loaded_from: Dict[int, List[str]] = {}
+        """Saved rank → the tier each chunk of its shard came from, in file order (``"memory"``,
+        ``"peer"``, ``"disk"``, ``"store"``), for the ranks the last ``read_data`` read."""
         self._default_step = step
         self.step: Optional[int] = step
         self._world_size = 0
@@ -505,7 +522,7 @@ class StorageReader(_StorageReader):
             plan.into(name, _state._dest_mem(t))
         _sync(plan.cuda_devices)
         assert self.step is not None
-        self._reader(rank).load(self.step, plan.dests)
+        self.loaded_from[rank] = self._reader(rank).load(self.step, plan.dests)
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
         for req, dst in finish:
