@@ -160,3 +160,31 @@ def test_a_job_that_loses_a_node_reshards_from_the_sidecars_memory_and_grows_bac
     finally:
         for s in nodes:
             s.stop()
+
+
+def test_shards_in_no_surviving_memory_come_from_the_store_and_a_step_missing_a_rank_is_skipped(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    nodes = _cluster(tmp_path, 3, str(store))
+    try:
+        three = torchrun(3, ["--job", "gone", "--steps", "4", "--save-every", "2", "--dcp", "--sidecar", sockets(nodes)])
+        saved = states(three)[-1]
+        # Two of three nodes lost: at least one old rank's shard is in no memory left (each
+        # shard has one replica); the job, now 1 rank, reads it from the store, verified.
+        nodes[1].kill()
+        nodes[2].kill()
+        one = torchrun(1, ["--job", "gone", "--steps", "4", "--dcp", "--sidecar", sockets(nodes[:1])])
+        assert resumed(one) == [(4, 1)] and states(one) == [saved, saved], one
+        assert _restored(nodes[:1], "store") >= 1, one
+
+        # Node 0 restarts too (its memory gone; its disk holds only rank 0's files), and old
+        # rank 2's copy of step 4 in the store is gone: step 4 is complete nowhere, and the job
+        # goes back to step 2, whose every rank is in the store.
+        nodes[0].stop()
+        for f in (store / "gone" / "step-4").glob("rank-2.*"):
+            f.unlink()
+        nodes[0] = nodes[0].again(tmp_path)
+        back = torchrun(1, ["--job", "gone", "--steps", "2", "--dcp", "--sidecar", sockets(nodes[:1])])
+        assert resumed(back) == [(2, 1)], back
+    finally:
+        for s in nodes:
+            s.stop()

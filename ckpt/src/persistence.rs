@@ -387,6 +387,9 @@ impl Persistence {
         // Steps newer than the one saved, left by a run that went back to an older step: this
         // rank's files there, if it has any, are removed.
         let mut abandoned = Vec::new();
+        // Complete steps that a larger world saved (a job that came back with fewer ranks):
+        // their ranks this world does not have are removed with them by its last rank.
+        let mut larger: BTreeMap<u64, u32> = BTreeMap::new();
         for s in tier.list_steps(&self.job)? {
             if stale(s) {
                 tier.remove_rank(&self.job, s, self.rank)?;
@@ -395,8 +398,16 @@ impl Persistence {
             }
             let done = if per_rank {
                 self.read_manifest(tier, s).is_ok_and(|m| m.is_some())
+            } else if self.is_complete(tier, s)? {
+                true
             } else {
-                self.is_complete(tier, s)?
+                // Complete for the world size that saved it counts as complete: not a torn
+                // save of this world to clear away.
+                let saved = self.saved_world_size(tier, s)?;
+                if let Some(ws) = saved.filter(|&ws| ws > self.world_size) {
+                    larger.insert(s, ws);
+                }
+                saved.is_some()
             };
             steps.push((s, done));
         }
@@ -404,6 +415,13 @@ impl Persistence {
         for s in plan.removed {
             if !busy.contains(&s) {
                 tier.remove_rank(&self.job, s, self.rank)?;
+                if self.rank + 1 == self.world_size
+                    && let Some(&ws) = larger.get(&s)
+                {
+                    for r in self.world_size..ws {
+                        tier.remove_rank(&self.job, s, r)?;
+                    }
+                }
                 removed.push(s);
             }
         }

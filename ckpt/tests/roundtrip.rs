@@ -423,3 +423,58 @@ fn a_save_after_going_back_removes_the_abandoned_newer_steps() {
         assert_eq!(second.complete_steps(tier).unwrap(), vec![30, 40], "{tier}");
     }
 }
+
+/// A job that came back with fewer ranks: retention counts the older world's complete steps as
+/// complete (kept while they are among the newest `keep`, never cleared as torn saves), and
+/// removes them whole, the ranks the new world does not have included, once they are not.
+#[test]
+fn retention_after_a_job_shrinks_keeps_and_then_removes_the_larger_worlds_steps_whole() {
+    let store_dir = tempfile::tempdir().unwrap();
+    let open = |rank: u32, world_size: u32| {
+        let store = hotstart_store::Store::open(store_dir.path().to_str().unwrap()).unwrap();
+        let mut cfg = config("shrink").store(store);
+        (cfg.rank, cfg.world_size, cfg.keep) = (rank, world_size, 2);
+        engine(cfg)
+    };
+    let save = |e: &hotstart_ckpt::Engine, step: u64| {
+        let t = Tensor::new("x", Dtype::U8, vec![4], vec![step as u8; 4]).unwrap();
+        e.save(step, vec![t], Default::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+        e.wait_idle();
+    };
+    for rank in 0..3 {
+        save(&open(rank, 3), 4);
+    }
+    let files = |step: u64| -> Vec<String> {
+        let dir = store_dir.path().join("shrink").join(format!("step-{step}"));
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .map(|d| d.map(|e| e.unwrap().file_name().into_string().unwrap()).collect())
+            .unwrap_or_default();
+        names.sort();
+        names
+    };
+    let all3: Vec<String> = (0..3)
+        .flat_map(|r| [format!("rank-{r}.manifest.json"), format!("rank-{r}.safetensors")])
+        .collect();
+    assert_eq!(files(4), all3);
+    // Two ranks save step 6: step 4 (3 ranks) is one of the 2 newest complete ones, kept whole.
+    let two = [open(0, 2), open(1, 2)];
+    for e in &two {
+        save(e, 6);
+    }
+    assert_eq!(files(4), all3);
+    assert_eq!(two[0].latest_checkpoint_below(6).unwrap(), Some((4, 3)));
+    // Step 8 pushes it out: each rank removes its files at its first save that sees step 4
+    // beyond the newest 2 (rank 0 saves first, while step 8 is not complete yet), and the new
+    // world's last rank removes rank 2's with its own.
+    for e in &two {
+        save(e, 8);
+    }
+    assert_eq!(files(4), ["rank-0.manifest.json", "rank-0.safetensors"]);
+    save(&two[0], 10);
+    assert_eq!(files(4), Vec::<String>::new());
+    assert_eq!(two[0].latest_checkpoint().unwrap(), Some((8, 2)));
+    assert_eq!(two[0].latest_checkpoint_below(8).unwrap(), Some((6, 2)));
+}
