@@ -23,6 +23,7 @@ mod env;
 mod fuse;
 mod image;
 mod report;
+mod elastic;
 mod restart;
 mod sidecar;
 mod store_striped;

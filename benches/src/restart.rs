@@ -74,15 +74,15 @@ pub struct RestartArgs {
     /// GiB of checkpointed state per rank (its shards of the parameters and of AdamW's two
     /// moments, fp32).
     #[arg(long, default_value_t = 2.0)]
-    gib: f64,
+    pub(crate) gib: f64,
     /// Worker processes (ranks) on this node.
     #[arg(long, default_value_t = 2)]
     nproc: u32,
     /// Width of the model's hidden layers (its depth follows from --gib).
     #[arg(long, default_value_t = 4096)]
-    width: u64,
+    pub(crate) width: u64,
     #[arg(long, default_value_t = 3)]
-    runs: usize,
+    pub(crate) runs: usize,
     /// Also measure a replacement node that starts cold (state from a peer's memory, from the
     /// store, and DCP from the local disk).
     #[arg(long)]
@@ -92,12 +92,18 @@ pub struct RestartArgs {
     /// s3fs, so the wheels and the DCP files cross the same link.
     #[arg(long, requires = "cold")]
     remote: bool,
+    /// Instead: a job of 3 ranks on 3 simulated nodes (a sidecar each) that loses a node and
+    /// comes back as 2 ranks, resharding from the sidecars' memory, against the same load from
+    /// the store behind the emulated remote link and torch DCP through s3fs (see `elastic`).
+    /// --gib is then the state of each of the 3 ranks that save.
+    #[arg(long, conflicts_with_all = ["cold", "nproc"])]
+    elastic: bool,
     /// The Python with torch and hotstart (default: the project's .venv).
     #[arg(long)]
     python: Option<PathBuf>,
     /// Also write the table here (Markdown, and JSON beside it).
     #[arg(long)]
-    markdown: Option<PathBuf>,
+    pub(crate) markdown: Option<PathBuf>,
 }
 
 fn workspace() -> &'static Path {
@@ -106,18 +112,18 @@ fn workspace() -> &'static Path {
 
 /// What the workers printed with `--timeline`: per event and attempt, each rank's time.
 #[derive(Debug, Default)]
-struct Timeline {
+pub(crate) struct Timeline {
     at: BTreeMap<(String, u32), Vec<f64>>,
     /// `floor-copy` seconds, per rank.
     copies: Vec<f64>,
     /// `floor-fresh-copy` seconds, per rank.
     fresh_copies: Vec<f64>,
     /// The step the restarted job resumed from, if it said so.
-    resumed: Option<u64>,
+    pub(crate) resumed: Option<u64>,
 }
 
 impl Timeline {
-    fn parse(out: &str) -> Timeline {
+    pub(crate) fn parse(out: &str) -> Timeline {
         let mut t = Timeline::default();
         for line in out.lines() {
             let w: Vec<&str> = line.split_whitespace().collect();
@@ -139,7 +145,7 @@ impl Timeline {
     }
 
     /// When the last rank got to `event` in `attempt`.
-    fn last(&self, event: &str, attempt: u32) -> anyhow::Result<f64> {
+    pub(crate) fn last(&self, event: &str, attempt: u32) -> anyhow::Result<f64> {
         self.at
             .get(&(event.to_string(), attempt))
             .and_then(|v| v.iter().copied().reduce(f64::max))
@@ -235,7 +241,7 @@ impl Floor {
 }
 
 /// Runs train.py under torchrun with `args`; its stdout, then its stderr.
-fn torchrun(python: &Path, nproc: u32, restarts: u32, args: &[String]) -> anyhow::Result<String> {
+pub(crate) fn torchrun(python: &Path, nproc: u32, restarts: u32, args: &[String]) -> anyhow::Result<String> {
     let train = workspace().join("examples/torchrun/train.py");
     let out = Command::new(python)
         .args(["-m", "torch.distributed.run"])
@@ -271,7 +277,7 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
     );
     // First, before this process starts any thread: it sets the server's variables in the
     // environment, where the sidecars' store reads them.
-    let remote = args.remote.then(Remote::up).transpose()?;
+    let remote = (args.remote || args.elastic).then(Remote::up).transpose()?;
     let python = args
         .python
         .clone()
@@ -281,6 +287,9 @@ pub fn run(args: &RestartArgs) -> anyhow::Result<()> {
         "{} is missing: run scripts/setup.sh (it installs torch and the package), or pass --python",
         python.display()
     );
+    if let Some(remote) = remote.as_ref().filter(|_| args.elastic) {
+        return crate::elastic::run(args, &python, remote);
+    }
     // fp32 parameters plus AdamW's two moments, sharded over the ranks.
     let params = args.gib * (1u64 << 30) as f64 * args.nproc as f64 / 12.0;
     let depth = ((params / (args.width * args.width) as f64).round() as u64).max(1);
@@ -496,7 +505,7 @@ impl Cold {
     }
 }
 
-fn unix_now() -> f64 {
+pub(crate) fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
@@ -504,9 +513,9 @@ fn unix_now() -> f64 {
 
 /// `--remote`: one bucket of a SeaweedFS server behind the emulated remote link. It holds
 /// hotstart's store and, for uv + DCP, the wheels and the DCP checkpoint (read through s3fs).
-struct Remote {
-    weed: SeaweedFs,
-    bucket: String,
+pub(crate) struct Remote {
+    pub(crate) weed: SeaweedFs,
+    pub(crate) bucket: String,
     /// Declared last: the link goes down once the server has stopped.
     _link: RemoteLink,
 }
@@ -532,12 +541,12 @@ impl Remote {
     }
 
     /// The URL of `prefix` in the bucket.
-    fn url(&self, prefix: &str) -> String {
+    pub(crate) fn url(&self, prefix: &str) -> String {
         format!("s3://{}/{prefix}", self.bucket)
     }
 
     /// Copies every file under `dir` to `prefix/` in the bucket, keeping their relative paths.
-    fn upload(&self, rt: &tokio::runtime::Runtime, dir: &Path, prefix: &str) -> anyhow::Result<()> {
+    pub(crate) fn upload(&self, rt: &tokio::runtime::Runtime, dir: &Path, prefix: &str) -> anyhow::Result<()> {
         let store = hotstart_store::Store::open(&self.url(""))?;
         let mut todo = vec![dir.to_path_buf()];
         while let Some(d) = todo.pop() {

@@ -157,7 +157,7 @@ impl Running {
         Ok(r)
     }
 
-    fn metric(&self, name: &str) -> f64 {
+    pub(crate) fn metric(&self, name: &str) -> f64 {
         hotstart_testkit::get(self.http, "/metrics", Duration::from_secs(10))
             .ok()
             .and_then(|r| metrics::sample(&r.text(), name))
