@@ -27,7 +27,7 @@ use hotstart_fuse::FsConfig;
 
 use crate::fuse::mounts::{self, Peer, Server, Target};
 use crate::report::{Report, Row, median};
-use crate::restart::{RestartArgs, Remote, Timeline, torchrun, unix_now};
+use crate::restart::{Remote, RestartArgs, Timeline, torchrun, unix_now};
 use crate::sidecar::{Running, settings};
 
 /// Ranks before the node is lost, and after.
@@ -138,7 +138,10 @@ pub(crate) fn run(args: &RestartArgs, python: &Path, remote: &Remote) -> anyhow:
             s.replicas = Some(1);
             all.push(s);
         }
-        let listens: Vec<String> = all.iter().map(|s| s.listen.clone().unwrap_or_default()).collect();
+        let listens: Vec<String> = all
+            .iter()
+            .map(|s| s.listen.clone().unwrap_or_default())
+            .collect();
         for (i, s) in all.iter_mut().enumerate() {
             s.peers = Some(
                 (0..BEFORE as usize)
@@ -167,7 +170,10 @@ pub(crate) fn run(args: &RestartArgs, python: &Path, remote: &Remote) -> anyhow:
         let mut save = common(2, 2);
         save.extend(["--torch-dcp".into(), torch_dir.display().to_string()]);
         let theirs = state_of(&torchrun(python, BEFORE, 0, &save)?, 0)?;
-        ensure!(theirs == saved, "torch DCP's run saved another state: {theirs} against {saved}");
+        ensure!(
+            theirs == saved,
+            "torch DCP's run saved another state: {theirs} against {saved}"
+        );
         remote.upload(&rt, &torch_dir, &format!("torch-{run}"))?;
         std::fs::remove_dir_all(&torch_dir)?;
 
@@ -177,18 +183,27 @@ pub(crate) fn run(args: &RestartArgs, python: &Path, remote: &Remote) -> anyhow:
 
         // Node 3 is lost: its sidecar stops, and its memory goes with it.
         drop(nodes.pop());
-        let before: f64 = nodes.iter().map(|n| n.metric("hotstart_restores_total{source=\"peer\"}")).sum();
+        let before: f64 = nodes
+            .iter()
+            .map(|n| n.metric("hotstart_restores_total{source=\"peer\"}"))
+            .sum();
         let mut shrunk = common(3, 0);
         shrunk.extend(["--dcp".into(), "--sidecar".into(), sockets(&nodes)]);
         resharded.push(load(python, AFTER, &shrunk, &saved)?);
-        let after: f64 = nodes.iter().map(|n| n.metric("hotstart_restores_total{source=\"peer\"}")).sum();
+        let after: f64 = nodes
+            .iter()
+            .map(|n| n.metric("hotstart_restores_total{source=\"peer\"}"))
+            .sum();
         peer_restores += after - before;
         for source in ["disk", "store"] {
             let n: f64 = nodes
                 .iter()
                 .map(|n| n.metric(&format!("hotstart_restores_total{{source=\"{source}\"}}")))
                 .sum();
-            ensure!(n == 0.0, "the reshard from memory read {n} shards from the {source}");
+            ensure!(
+                n == 0.0,
+                "the reshard from memory read {n} shards from the {source}"
+            );
         }
         drop(nodes);
 
@@ -210,7 +225,11 @@ pub(crate) fn run(args: &RestartArgs, python: &Path, remote: &Remote) -> anyhow:
         let mut torch_load = common(3, 0);
         torch_load.extend([
             "--torch-dcp".into(),
-            mounted.path().join(format!("torch-{run}")).display().to_string(),
+            mounted
+                .path()
+                .join(format!("torch-{run}"))
+                .display()
+                .to_string(),
         ]);
         torch_s3fs.push(load(python, AFTER, &torch_load, &saved)?);
         drop(mounted);
@@ -223,9 +242,15 @@ pub(crate) fn run(args: &RestartArgs, python: &Path, remote: &Remote) -> anyhow:
             torch_s3fs[run].total()
         );
     }
-    let med = |v: &[Load], f: fn(&Load) -> f64| median(v.iter().map(|l| Duration::from_secs_f64(f(l))).collect());
-    let mut report = Report::new(&format!("restart --elastic: {BEFORE} ranks → {AFTER}, {label}"));
-    let what = format!("reshard load {BEFORE} → {AFTER} ranks from the sidecars' memory (read + set_state_dict)");
+    let med = |v: &[Load], f: fn(&Load) -> f64| {
+        median(v.iter().map(|l| Duration::from_secs_f64(f(l))).collect())
+    };
+    let mut report = Report::new(&format!(
+        "restart --elastic: {BEFORE} ranks → {AFTER}, {label}"
+    ));
+    let what = format!(
+        "reshard load {BEFORE} → {AFTER} ranks from the sidecars' memory (read + set_state_dict)"
+    );
     report.add(Row::rate(
         what.clone(),
         total,

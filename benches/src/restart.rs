@@ -241,7 +241,12 @@ impl Floor {
 }
 
 /// Runs train.py under torchrun with `args`; its stdout, then its stderr.
-pub(crate) fn torchrun(python: &Path, nproc: u32, restarts: u32, args: &[String]) -> anyhow::Result<String> {
+pub(crate) fn torchrun(
+    python: &Path,
+    nproc: u32,
+    restarts: u32,
+    args: &[String],
+) -> anyhow::Result<String> {
     let train = workspace().join("examples/torchrun/train.py");
     let out = Command::new(python)
         .args(["-m", "torch.distributed.run"])
@@ -546,7 +551,12 @@ impl Remote {
     }
 
     /// Copies every file under `dir` to `prefix/` in the bucket, keeping their relative paths.
-    pub(crate) fn upload(&self, rt: &tokio::runtime::Runtime, dir: &Path, prefix: &str) -> anyhow::Result<()> {
+    pub(crate) fn upload(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        dir: &Path,
+        prefix: &str,
+    ) -> anyhow::Result<()> {
         let store = hotstart_store::Store::open(&self.url(""))?;
         let mut todo = vec![dir.to_path_buf()];
         while let Some(d) = todo.pop() {

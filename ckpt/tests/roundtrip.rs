@@ -450,13 +450,21 @@ fn retention_after_a_job_shrinks_keeps_and_then_removes_the_larger_worlds_steps_
     let files = |step: u64| -> Vec<String> {
         let dir = store_dir.path().join("shrink").join(format!("step-{step}"));
         let mut names: Vec<String> = std::fs::read_dir(dir)
-            .map(|d| d.map(|e| e.unwrap().file_name().into_string().unwrap()).collect())
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .collect()
+            })
             .unwrap_or_default();
         names.sort();
         names
     };
     let all3: Vec<String> = (0..3)
-        .flat_map(|r| [format!("rank-{r}.manifest.json"), format!("rank-{r}.safetensors")])
+        .flat_map(|r| {
+            [
+                format!("rank-{r}.manifest.json"),
+                format!("rank-{r}.safetensors"),
+            ]
+        })
         .collect();
     assert_eq!(files(4), all3);
     // Two ranks save step 6: step 4 (3 ranks) is one of the 2 newest complete ones, kept whole.

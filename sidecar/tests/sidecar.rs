@@ -695,3 +695,104 @@ fn a_save_waits_out_a_sidecar_killed_as_it_accepted() {
     let l = engine.load(StepSel::Step(2), Destination::Owned).unwrap();
     assert_loaded(&l, &set, &extras(2));
 }
+
+/// A job that comes back with another world size, through the sidecars: the newest checkpoint
+/// whatever world size saved it, any rank's manifest (here from a peer's memory), the saved
+/// ranks' bytes from wherever they are, and nothing made up once a rank's every copy is gone.
+#[test]
+fn a_job_of_another_size_finds_and_reads_the_checkpoint_through_the_sidecars() {
+    let (pa, pb) = (
+        hotstart_testkit::free_port().unwrap(),
+        hotstart_testkit::free_port().unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (sock_a, sock_b) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+    let mut a = settings("node-a", "127.0.0.1", pa, &sock_a);
+    a.peers = Some(vec![format!("node-b=127.0.0.1:{pb}")]);
+    a.replicas = Some(0);
+    let mut b = settings("node-b", "127.0.0.1", pb, &sock_b);
+    b.peers = Some(vec![format!("node-a=127.0.0.1:{pa}")]);
+    b.replicas = Some(0);
+    b.disk_dir = Some(dir.path().join("disk-b"));
+    let sa = Running::start(a.resolve().unwrap());
+    let sb = Running::start(b.resolve().unwrap());
+    sa.wait_ready();
+    sb.wait_ready();
+    // Each asks only the peers that answered its last probe: wait until they see each other.
+    for s in [&sa, &sb] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while metric(s.http, "hotstart_peers{state=\"up\"}") < 1.0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the peers never saw each other"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let attach = |socket: &Path, rank: u32, world_size: u32| {
+        let mut cfg = EngineConfig::new("grow", rank, world_size).sidecar(socket);
+        cfg.chunk_size = 256 << 10;
+        Engine::new(cfg).unwrap()
+    };
+    // Two ranks, one per node, save step 3 (and rank 0 an older step 2 alone: never complete).
+    let sets: Vec<_> = (0..2).map(|r| sample_tensors(10 + r, 1 << 20)).collect();
+    for (rank, socket) in [&sock_a, &sock_b].into_iter().enumerate() {
+        let e = attach(socket, rank as u32, 2);
+        e.save(3, to_tensors(&sets[rank]), extras(rank as u64))
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    attach(&sock_a, 0, 2)
+        .save(2, to_tensors(&sets[0]), extras(0))
+        .unwrap()
+        .wait()
+        .unwrap();
+
+    // One rank, on node A: step 3 is no checkpoint of its own world size, but it is one of
+    // world size 2, found through the peer's memory.
+    let single = attach(&sock_a, 0, 1);
+    assert_eq!(single.latest_complete_step().unwrap(), None);
+    assert_eq!(single.latest_checkpoint().unwrap(), Some((3, 2)));
+    assert_eq!(single.latest_checkpoint_below(3).unwrap(), None);
+    // Rank 1's manifest is only in node B's memory (no replicas): A asks B for it.
+    let m = single.manifest(3, 1).unwrap();
+    assert_eq!((m.step, m.rank, m.world_size), (3, 1, 2));
+    assert_eq!(m.decode_extras().unwrap(), extras(1));
+    assert!(single.manifest(3, 2).unwrap_err().is_not_found());
+    assert!(single.manifest(4, 0).unwrap_err().is_not_found());
+    // The saved ranks' bytes, read as those ranks of the saved world size: rank 1's from B.
+    for (rank, set) in sets.iter().enumerate() {
+        let l = attach(&sock_a, rank as u32, 2)
+            .load(StepSel::Step(3), Destination::Owned)
+            .unwrap();
+        assert_loaded(&l, set, &extras(rank as u64));
+        let from = if rank == 0 {
+            TierKind::Memory
+        } else {
+            TierKind::Peer
+        };
+        assert!(
+            l.chunk_sources.iter().all(|s| *s == from),
+            "{:?}",
+            l.chunk_sources
+        );
+    }
+
+    // Node B goes away, and rank 1 of step 3 with it, except the copy A fetched above: the
+    // step is still complete from A alone. Once A restarts too (memory gone, no disk, no
+    // store), no tier A can see holds rank 1: no checkpoint, not a made-up one.
+    drop(sb);
+    assert_eq!(single.latest_checkpoint().unwrap(), Some((3, 2)));
+    drop(single);
+    drop(sa);
+    let mut a = settings("node-a", "127.0.0.1", pa, &sock_a);
+    a.recovery_timeout = Some("1s".parse().unwrap());
+    let sa = Running::start(a.resolve().unwrap());
+    sa.wait_ready();
+    let single = attach(&sock_a, 0, 1);
+    assert_eq!(single.latest_checkpoint().unwrap(), None);
+    assert!(single.manifest(3, 1).unwrap_err().is_not_found());
+    drop(single);
+    drop(sa);
+}
