@@ -308,7 +308,7 @@ impl Engine {
                         Destination::File(file)
                     }
                 } else if b.device.is_empty() {
-                    Destination::Buffers(b.host)
+                    Destination::Regions(b.host)
                 } else {
                     Destination::Device(b.device)
                 })
@@ -336,33 +336,41 @@ impl Engine {
     }
 }
 
-/// Copies the tensors a load returned into the host buffers meant for them; every buffer must
-/// get its tensor.
+/// Copies the tensors a load returned into the host buffers meant for them (each the whole
+/// tensor, or the range of it from its offset); every buffer must get its bytes.
 fn copy_host(
     step: u64,
-    mut host: HashMap<String, &mut [u8]>,
+    host: Vec<(String, Option<u64>, &mut [u8])>,
     tensors: Vec<LoadedTensor>,
 ) -> hotstart_ckpt::Result<()> {
-    for t in tensors {
-        if let Some(out) = host.remove(&t.name) {
-            if out.len() != t.data.len() {
-                return Err(hotstart_ckpt::Error::Destination {
-                    step,
-                    name: t.name,
-                    reason: format!("buffer of {} bytes for {}", out.len(), t.data.len()),
-                });
-            }
-            out.copy_from_slice(&t.data);
-        }
-    }
-    match host.into_keys().next() {
-        Some(name) => Err(hotstart_ckpt::Error::Destination {
+    let loaded: HashMap<&str, &[u8]> = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), &t.data[..]))
+        .collect();
+    for (name, offset, out) in host {
+        let bad = |reason: String| hotstart_ckpt::Error::Destination {
             step,
-            name,
-            reason: "no such tensor in the checkpoint".into(),
-        }),
-        None => Ok(()),
+            name: name.clone(),
+            reason,
+        };
+        let data = loaded
+            .get(name.as_str())
+            .ok_or_else(|| bad("no such tensor in the checkpoint".into()))?;
+        let start = offset.map_or(0, |o| usize::try_from(o).unwrap_or(usize::MAX));
+        let src = start
+            .checked_add(out.len())
+            .and_then(|end| data.get(start..end))
+            .filter(|src| offset.is_some() || src.len() == data.len())
+            .ok_or_else(|| {
+                bad(format!(
+                    "buffer of {} bytes at offset {start} for {}",
+                    out.len(),
+                    data.len()
+                ))
+            })?;
+        out.copy_from_slice(src);
     }
+    Ok(())
 }
 
 /// A manifest as the Python layer reads it (see `Engine.manifest`).

@@ -21,9 +21,10 @@ use crate::errors::{state_dict, to_py};
 #[derive(Debug, FromPyObject)]
 pub struct TensorSpec(String, String, Vec<u64>, usize, usize, i64);
 
-/// A buffer to load a tensor into: name, address, byte length, device (-1: host).
+/// A buffer to load a tensor into: name, address, byte length, device (-1: host), and the
+/// offset in the tensor's bytes of the range it takes (None: the whole tensor; host only).
 #[derive(Debug, FromPyObject)]
-pub struct DestSpec(pub String, usize, usize, i64);
+pub struct DestSpec(pub String, usize, usize, i64, Option<u64>);
 
 /// The engine dtype named `s` (safetensors spelling).
 pub fn dtype(name: &str, s: &str) -> PyResult<Dtype> {
@@ -73,10 +74,11 @@ pub enum Answer {
     File(usize, usize, bool),
 }
 
-/// Load destinations by name, split into host slices and device buffers, or the one buffer for
+/// Load destinations by name, split into host slices (each with the offset of the range of
+/// its tensor it takes, or None for the whole tensor) and device buffers, or the one buffer for
 /// the whole file (and whether it holds the file already).
 pub struct Borrowed<'a> {
-    pub host: HashMap<String, &'a mut [u8]>,
+    pub host: Vec<(String, Option<u64>, &'a mut [u8])>,
     pub device: HashMap<String, DeviceBuffer>,
     pub file: Option<(&'a mut [u8], bool)>,
 }
@@ -100,9 +102,14 @@ impl Dests {
         };
         let mut names = std::collections::HashSet::new();
         let mut ranges: Vec<(i64, usize, usize, &str)> = Vec::new();
-        for DestSpec(name, ptr, len, device) in &dests {
-            if !names.insert(name.as_str()) {
+        for DestSpec(name, ptr, len, device, offset) in &dests {
+            if offset.is_none() && !names.insert(name.as_str()) {
                 return Err(state_dict(format!("two destinations for tensor {name:?}")));
+            }
+            if offset.is_some() && *device >= 0 {
+                return Err(state_dict(format!(
+                    "destination of {name:?}: a range of a tensor loads into host memory only"
+                )));
             }
             if *ptr == 0 && *len > 0 {
                 return Err(state_dict(format!("destination of {name:?}: null address")));
@@ -131,7 +138,7 @@ impl Dests {
     /// write that memory while the returned slices live; every device address must satisfy
     /// [`DeviceBuffer::new`]. (`check` made sure no two destinations overlap.)
     pub unsafe fn borrow(&mut self) -> Borrowed<'_> {
-        let mut host = HashMap::new();
+        let mut host = Vec::new();
         let mut device = HashMap::new();
         let dests = match &self.0 {
             Answer::File(ptr, len, held) => {
@@ -150,18 +157,18 @@ impl Dests {
             }
             Answer::Tensors(dests) => dests,
         };
-        for DestSpec(name, ptr, len, dev) in dests {
+        for DestSpec(name, ptr, len, dev, offset) in dests {
             if *dev >= 0 {
                 // SAFETY: the caller's contract; `check` made sure the ordinal is not negative.
                 let b = unsafe { DeviceBuffer::new(*dev as usize, *ptr as u64, *len) };
                 device.insert(name.clone(), b);
             } else if *len == 0 {
-                host.insert(name.clone(), &mut [][..]);
+                host.push((name.clone(), *offset, &mut [][..]));
             } else {
                 // SAFETY: the caller's contract: valid for writes of `len` bytes, used by nobody
                 // else, and disjoint from every other destination (checked in `check`).
                 let s = unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *len) };
-                host.insert(name.clone(), s);
+                host.push((name.clone(), *offset, s));
             }
         }
         Borrowed {

@@ -486,3 +486,61 @@ fn retention_after_a_job_shrinks_keeps_and_then_removes_the_larger_worlds_steps_
     assert_eq!(two[0].latest_checkpoint().unwrap(), Some((8, 2)));
     assert_eq!(two[0].latest_checkpoint_below(8).unwrap(), Some((6, 2)));
 }
+
+/// Byte ranges of stored tensors land straight in caller buffers (a resharding reader's load),
+/// beside whole tensors; a range past its tensor's end, or two that take the same bytes, are
+/// refused before anything is read.
+#[test]
+fn regions_of_tensors_load_into_caller_buffers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config("regions").disk(dir.path());
+    cfg.chunk_size = 4096;
+    let e = engine(cfg);
+    let big: Vec<u8> = (0..20_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let small = vec![5u8; 8];
+    let tensors = vec![
+        Tensor::new("big", Dtype::U8, vec![20_000], big.clone()).unwrap(),
+        Tensor::new("small", Dtype::U8, vec![8], small.clone()).unwrap(),
+    ];
+    e.save(1, tensors, Default::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (mut a, mut b, mut whole) = (vec![0u8; 5000], vec![0u8; 3], vec![0u8; 8]);
+    let regions = vec![
+        ("big".to_string(), Some(3000), &mut a[..]),
+        ("big".to_string(), Some(19_997), &mut b[..]),
+        ("small".to_string(), None, &mut whole[..]),
+    ];
+    let l = e
+        .load(StepSel::Step(1), Destination::Regions(regions))
+        .unwrap();
+    assert!(l.tensors.is_empty());
+    assert!(a[..] == big[3000..8000] && b[..] == big[19_997..] && whole == small);
+
+    let mut past = [0u8; 4];
+    let e2 = e
+        .load(
+            StepSel::Step(1),
+            Destination::Regions(vec![("big".into(), Some(19_997), &mut past[..])]),
+        )
+        .unwrap_err();
+    assert!(matches!(e2, Error::Destination { .. }), "{e2}");
+    let (mut x, mut y) = (vec![0u8; 100], vec![0u8; 100]);
+    let overlap = vec![
+        ("big".to_string(), Some(0), &mut x[..]),
+        ("big".to_string(), Some(50), &mut y[..]),
+    ];
+    let e3 = e
+        .load(StepSel::Step(1), Destination::Regions(overlap))
+        .unwrap_err();
+    assert!(e3.to_string().contains("two destinations"), "{e3}");
+    let mut short = [0u8; 7];
+    let e4 = e
+        .load(
+            StepSel::Step(1),
+            Destination::Regions(vec![("small".into(), None, &mut short[..])]),
+        )
+        .unwrap_err();
+    assert!(e4.to_string().contains("7 bytes for 8 bytes"), "{e4}");
+}

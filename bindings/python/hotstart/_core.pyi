@@ -11,7 +11,7 @@ CUDA_BUILT: bool
 # (name, safetensors dtype, shape, address, byte length, device: -1 host or CUDA ordinal)
 _TensorSpec = Tuple[str, str, Sequence[int], int, int, int]
 # (name, address, byte length, device)
-_DestSpec = Tuple[str, int, int, int]
+_DestSpec = Tuple[str, int, int, int, Optional[int]]
 
 class _Manifest(TypedDict):
     step: int

@@ -268,7 +268,7 @@ class Plan:
     """What a load reads and where: destinations for the engine, copies and assignments to make
     once it has read."""
 
-    dests: List[Tuple[str, int, int, int]] = field(default_factory=list)
+    dests: List[Tuple[str, int, int, int, Optional[int]]] = field(default_factory=list)
     keep: List[Any] = field(default_factory=list)
     after: List[Callable[[], None]] = field(default_factory=list)
     cuda_devices: Set[int] = field(default_factory=set)
@@ -287,7 +287,15 @@ class Plan:
             self.cuda_devices.add(mem.device)
         elif mem.nbytes:
             self._ranges.append((mem.ptr, mem.ptr + mem.nbytes))
-        self.dests.append((name, mem.ptr, mem.nbytes, mem.device))
+        self.dests.append((name, mem.ptr, mem.nbytes, mem.device, None))
+        self.keep.append(mem.owner)
+
+    def region(self, name: str, offset: int, mem: Mem) -> None:
+        """Read the ``mem.nbytes`` bytes of tensor `name` from byte ``offset`` on straight into
+        `mem` (host memory)."""
+        if mem.nbytes:
+            self._ranges.append((mem.ptr, mem.ptr + mem.nbytes))
+        self.dests.append((name, mem.ptr, mem.nbytes, -1, offset))
         self.keep.append(mem.owner)
 
 

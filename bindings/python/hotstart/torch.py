@@ -264,6 +264,30 @@ def load(
         step = older
 
 
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _contiguous_at(shape: Tuple[int, ...], offsets: Any, lengths: Any) -> Optional[int]:
+    """The element offset of a region (``offsets``, ``lengths``) of a row-major tensor of
+    ``shape`` when the region is one contiguous run of its elements, else None: every dimension
+    after the first one the region narrows is whole, and every one before it has length 1."""
+    dims = len(shape)
+    k = next((d for d in range(dims) if offsets[d] != 0 or lengths[d] != shape[d]), dims)
+    if any(lengths[d] != 1 for d in range(k)):
+        return None
+    if any(offsets[d] != 0 or lengths[d] != shape[d] for d in range(k + 1, dims)):
+        return None
+    at, stride = 0, 1
+    for d in reversed(range(dims)):
+        at += int(offsets[d]) * stride
+        stride *= int(shape[d])
+    return at
+
+
 def _item_name(item: Any) -> str:
     """The tensor name of a write item in its rank's file: the fully qualified name, followed
     for a shard by ``@`` and its offsets (``layer.w@4,0``)."""
@@ -508,12 +532,21 @@ class StorageReader(_StorageReader):
             target = planner.resolve_tensor(req).detach()
             whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == info.shape
             direct = _state._direct_mem(target)
-            if (whole and users[info.name] == 1 and direct is not None
+            if (users[info.name] == 1 and direct is not None
                     and str(target.dtype).replace("torch.", "") == info.dtype
+                    and target.numel() == _numel(req.lengths)
                     and not (direct.device < 0 and plan._overlaps(direct.ptr, direct.nbytes))):
-                plan.into(info.name, direct)
-                finish.append((req, target))
-                continue
+                if whole:
+                    plan.into(info.name, direct)
+                    finish.append((req, target))
+                    continue
+                at = _contiguous_at(info.shape, req.storage_offsets, req.lengths)
+                if at is not None and direct.device < 0:
+                    # The requested region is one run of the stored tensor's bytes (a shard of
+                    # its first dimension, say): it lands in place, with no copy in between.
+                    plan.region(info.name, at * target.element_size(), direct)
+                    finish.append((req, target))
+                    continue
             if info.name not in temps:
                 dtype = getattr(torch, info.dtype)
                 temps[info.name] = torch.empty(info.shape, dtype=dtype)

@@ -92,6 +92,13 @@ pub enum Destination<'a> {
     /// load fails with [`Error::Cuda`] before reading anything. Tensors without a buffer are
     /// returned in [`Loaded::tensors`].
     Device(HashMap<String, DeviceBuffer>),
+    /// Copied into these caller buffers by byte range: `(tensor, offset, buffer)` takes the
+    /// `buffer.len()` bytes of the tensor's bytes from `offset` on (`None`: the whole tensor, of
+    /// its exact length, as [`Destination::Buffers`]); a range must lie within its tensor, and a
+    /// tensor may have several. For a reader that needs parts of stored tensors (a load that
+    /// reshards): each byte is copied once, straight from the verified chunks into place.
+    /// Tensors that no range touches are returned in [`Loaded::tensors`].
+    Regions(Vec<(String, Option<u64>, &'a mut [u8])>),
     /// The whole verified file, header included, read into this caller buffer of the file's
     /// exact length ([`Manifest::file_len`]); each tensor's bytes are then at its
     /// [`Manifest::tensor_range`], and [`Loaded::tensors`] is empty. A buffer aligned to 4096
@@ -117,6 +124,7 @@ impl std::fmt::Debug for Destination<'_> {
             Destination::Owned => f.write_str("Owned"),
             Destination::Buffers(b) => f.debug_tuple("Buffers").field(&b.keys()).finish(),
             Destination::Device(d) => f.debug_tuple("Device").field(d).finish(),
+            Destination::Regions(r) => f.debug_tuple("Regions").field(&r.len()).finish(),
             Destination::File(b) => f.debug_tuple("File").field(&b.len()).finish(),
             Destination::Held(b) => f.debug_tuple("Held").field(&b.len()).finish(),
             Destination::Planned(_) => f.write_str("Planned"),

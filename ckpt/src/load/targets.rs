@@ -99,9 +99,13 @@ pub(crate) fn targets<'a>(
     near: &dyn Fn() -> Option<std::fs::File>,
 ) -> Result<Targets<'a>> {
     let chunk_size = reference.chunk_size as usize;
-    let (buffers, device) = match dest {
-        Destination::Owned => (HashMap::new(), HashMap::new()),
-        Destination::Buffers(b) => (b, HashMap::new()),
+    let (regions, device) = match dest {
+        Destination::Owned => (Vec::new(), HashMap::new()),
+        Destination::Buffers(b) => (
+            b.into_iter().map(|(n, buf)| (n, None, buf)).collect(),
+            HashMap::new(),
+        ),
+        Destination::Regions(r) => (r, HashMap::new()),
         Destination::File(file) => return whole_file(step, reference, file, false),
         Destination::Held(file) => return whole_file(step, reference, file, true),
         Destination::Device(d) => {
@@ -109,7 +113,7 @@ pub(crate) fn targets<'a>(
             if !devices.is_empty() {
                 cuda::check_devices(&devices)?;
             }
-            (HashMap::new(), d)
+            (Vec::new(), d)
         }
         Destination::Planned(plan) => match plan(reference, near().as_ref())? {
             Destination::Planned(_) => {
@@ -121,7 +125,9 @@ pub(crate) fn targets<'a>(
             dest => return targets(step, reference, dest, &|| None),
         },
     };
-    let entry = |name: &String, have: usize, what: &str| {
+    // Where `have` bytes for tensor `name` start in the file: the whole tensor (`offset`
+    // None), or a range of it.
+    let entry = |name: &String, offset: Option<u64>, have: usize, what: &str| {
         let t = reference
             .tensors
             .iter()
@@ -131,30 +137,48 @@ pub(crate) fn targets<'a>(
                 name: name.clone(),
                 reason: "no such tensor in the checkpoint".into(),
             })?;
-        let want = range_of(reference, t).len();
-        if have != want {
-            return Err(Error::Destination {
-                step,
-                name: name.clone(),
-                reason: format!("{what} of {have} bytes for {want} bytes"),
-            });
+        let range = range_of(reference, t);
+        let bad = |reason: String| Error::Destination {
+            step,
+            name: name.clone(),
+            reason,
+        };
+        match offset {
+            None if have != range.len() => Err(bad(format!(
+                "{what} of {have} bytes for {} bytes",
+                range.len()
+            ))),
+            None => Ok(range.start),
+            Some(o) => usize::try_from(o)
+                .ok()
+                .and_then(|o| {
+                    o.checked_add(have)
+                        .filter(|end| *end <= range.len())
+                        .map(|_| o)
+                })
+                .map(|o| range.start + o)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "{what} of {have} bytes at offset {o} of a tensor of {} bytes",
+                        range.len()
+                    ))
+                }),
         }
-        Ok(range_of(reference, t))
     };
     // Caller and device buffers are filled straight from the chunks that cover them.
     let mut direct: Vec<Vec<(usize, Out<'a>)>> =
         (0..reference.chunks.len()).map(|_| Vec::new()).collect();
     let mut taken = HashSet::new();
-    let outs = buffers
+    let outs = regions
         .into_iter()
-        .map(|(name, b)| (name, Out::Host(b), "buffer"))
+        .map(|(name, offset, b)| (name, offset, Out::Host(b), "buffer"))
         .chain(
             device
                 .into_iter()
-                .map(|(name, d)| (name, Out::Device(d.0), "device buffer")),
+                .map(|(name, d)| (name, None, Out::Device(d.0), "device buffer")),
         );
-    for (name, out, what) in outs {
-        let mut at = entry(&name, out.len(), what)?.start;
+    for (name, offset, out, what) in outs {
+        let mut at = entry(&name, offset, out.len(), what)?;
         taken.insert(name);
         let mut rest = out;
         while rest.len() > 0 {
@@ -165,8 +189,19 @@ pub(crate) fn targets<'a>(
             (at, rest) = (at + n, tail);
         }
     }
-    for pieces in &mut direct {
+    for (chunk, pieces) in direct.iter_mut().enumerate() {
         pieces.sort_unstable_by_key(|(at, _)| *at);
+        // A chunk sends each of its bytes to one destination (see `Scatter`).
+        if let Some(w) = pieces.windows(2).find(|w| w[0].0 + w[0].1.len() > w[1].0) {
+            return Err(Error::Destination {
+                step,
+                name: "(regions)".into(),
+                reason: format!(
+                    "two destinations take byte {} of the file: load it into one and copy",
+                    chunk * chunk_size + w[1].0
+                ),
+            });
+        }
     }
     Ok(Targets {
         direct,
