@@ -23,8 +23,10 @@ last object written, so a checkpoint whose metadata can be read is complete.
 **Loading with another world size.** The reader takes the saved world size from the
 coordinator's manifest and reads, for each saved rank its plan needs, that rank's file
 (verified chunk by chunk) through an engine opened as that rank. A stored item that a read
-request covers whole lands straight in the destination tensor (CPU or CUDA, when contiguous);
-otherwise the stored tensor is read into a temporary and the requested region copied out. So
+request covers whole lands straight in the destination tensor (CPU or CUDA, when contiguous),
+and so does a region of it that is one run of its bytes (a shard of its first dimension, as
+FSDP's resharding asks for) into a contiguous CPU tensor; otherwise the stored tensor is read
+into a temporary and the requested region copied out. So
 a checkpoint saved by 2 ranks loads on 1 rank, or on 4.
 
 **Which step.** ``dcp.load`` with a ``checkpoint_id`` loads that step; without one (and no
