@@ -505,31 +505,38 @@ impl PeerClient {
     /// describes (its chunks are verified by whoever reads them); `None` when the peer does not
     /// hold it.
     pub fn describe(&mut self, key: &ShardKey) -> Result<Option<String>> {
-        self.conn.send(&PeerMsg::Describe {
+        let ask = PeerMsg::Describe {
             job: key.job.clone(),
             rank: key.rank,
             step: key.step,
-        })?;
+        };
+        Ok(self.ask_shard(ask, key)?.map(|(_, _, json)| json))
+    }
+
+    /// Sends `ask` (`Describe` or `Fetch` of `key`) and takes the answer: the shard's info and
+    /// manifest, checked (a shard of another key, or a manifest that does not parse or does
+    /// not describe the announced shard, is a protocol violation), or `None` when the peer does
+    /// not hold it.
+    fn ask_shard(
+        &mut self,
+        ask: PeerMsg,
+        key: &ShardKey,
+    ) -> Result<Option<(ShardInfo, Manifest, String)>> {
+        self.conn.send(&ask)?;
         let (info, json) = match self.conn.recv()? {
             PeerMsg::Shard { shard, manifest } => (shard, manifest),
             PeerMsg::NotFound => return Ok(None),
             other => return Err(self.unexpected(other)),
         };
-        self.check_answer(key, &info, &json)?;
-        Ok(Some(json))
-    }
-
-    /// That the peer's answer describes `key`: a shard of another key, or a manifest that
-    /// does not parse or does not describe the announced shard, is a protocol violation.
-    fn check_answer(&mut self, key: &ShardKey, info: &ShardInfo, json: &str) -> Result<Manifest> {
         if (info.job.as_str(), info.rank, info.step) != (key.job.as_str(), key.rank, key.step) {
             return Err(self
                 .conn
                 .violation(format!("asked for {key}, got {info:?}"))
                 .into());
         }
-        check_manifest(info, json, &self.peer.node)
-            .map_err(|e| self.conn.violation(e.to_string()).into())
+        let m = check_manifest(&info, &json, &self.peer.node)
+            .map_err(|e| self.conn.violation(e.to_string()))?;
+        Ok(Some((info, m, json)))
     }
 
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
@@ -541,17 +548,14 @@ impl PeerClient {
         threads: usize,
         alloc: impl FnOnce(&ShardInfo, &Manifest) -> Result<T>,
     ) -> Result<Option<(ShardInfo, Manifest, String, T)>> {
-        self.conn.send(&PeerMsg::Fetch {
+        let ask = PeerMsg::Fetch {
             job: key.job.clone(),
             rank: key.rank,
             step: key.step,
-        })?;
-        let (info, json) = match self.conn.recv()? {
-            PeerMsg::Shard { shard, manifest } => (shard, manifest),
-            PeerMsg::NotFound => return Ok(None),
-            other => return Err(self.unexpected(other)),
         };
-        let m = self.check_answer(key, &info, &json)?;
+        let Some((info, m, json)) = self.ask_shard(ask, key)? else {
+            return Ok(None);
+        };
         let mut mem = alloc(&info, &m)?;
         if let Some(i) = recv_verified(&mut self.conn, &m, threads, mem.as_mut())? {
             return Err(self
