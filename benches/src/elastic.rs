@@ -251,44 +251,38 @@ pub(crate) fn run(args: &RestartArgs, python: &Path, remote: &Remote) -> anyhow:
     let what = format!(
         "reshard load {BEFORE} → {AFTER} ranks from the sidecars' memory (read + set_state_dict)"
     );
-    report.add(Row::rate(
-        what.clone(),
-        total,
-        med(&resharded, Load::total),
-        "the same hotstart DCP load from the store behind the link",
-        med(&from_store, Load::total),
-        Some(5.0),
-    ));
-    report.add(Row::rate(
-        what.clone(),
-        total,
-        med(&resharded, Load::total),
-        "torch DCP FileSystemReader through s3fs, same bucket",
-        med(&torch_s3fs, Load::total),
-        None,
-    ));
-    report.add(Row::rate(
-        what,
-        total,
-        med(&resharded, Load::total),
-        format!("a same-size restart's load from memory ({BEFORE} → {BEFORE})"),
-        med(&same, Load::total),
-        Some(1.0 / 1.5),
-    ));
-    report.add(Row::time(
-        format!("launch → first resumed step, {BEFORE} → {AFTER} ranks from the sidecars' memory"),
-        med(&resharded, |l| l.to_step),
-        "the same from the store behind the link",
-        med(&from_store, |l| l.to_step),
-        None,
-    ));
-    report.add(Row::time(
-        format!("launch → first resumed step, {BEFORE} → {AFTER} ranks from the sidecars' memory"),
-        med(&resharded, |l| l.to_step),
-        "torch DCP FileSystemReader through s3fs",
-        med(&torch_s3fs, |l| l.to_step),
-        None,
-    ));
+    let ours = med(&resharded, Load::total);
+    let loads = [
+        (
+            "the same hotstart DCP load from the store behind the link".to_string(),
+            &from_store,
+            Some(5.0),
+        ),
+        (
+            "torch DCP FileSystemReader through s3fs, same bucket".into(),
+            &torch_s3fs,
+            None,
+        ),
+        (
+            format!("a same-size restart's load from memory ({BEFORE} → {BEFORE})"),
+            &same,
+            Some(1.0 / 1.5),
+        ),
+    ];
+    for (peer, theirs, target) in loads {
+        let theirs = med(theirs, Load::total);
+        report.add(Row::rate(what.clone(), total, ours, peer, theirs, target));
+    }
+    let what =
+        format!("launch → first resumed step, {BEFORE} → {AFTER} ranks from the sidecars' memory");
+    let ours = med(&resharded, |l| l.to_step);
+    for (peer, theirs) in [
+        ("the same from the store behind the link", &from_store),
+        ("torch DCP FileSystemReader through s3fs", &torch_s3fs),
+    ] {
+        let theirs = med(theirs, |l| l.to_step);
+        report.add(Row::time(what.clone(), ours, peer, theirs, None));
+    }
     let ms = |v: &[Load], f: fn(&Load) -> f64| format!("{:.0}", med(v, f).as_secs_f64() * 1e3);
     report.note(format!(
         "Load phases, medians in ms (read | set_state_dict): same size from memory {} | {}; \

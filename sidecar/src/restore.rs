@@ -206,33 +206,9 @@ impl Core {
                 }
             }
         }
-        let name = format::manifest_key(job, step, rank);
-        let mut unreadable = None;
-        for kind in [TierKind::Disk, TierKind::Store] {
-            let Some(tier) = self.tiers.get(kind) else {
-                continue;
-            };
-            match tier.get_manifest(&name) {
-                Ok(Some(bytes)) => match format::Manifest::parse(&bytes, &name) {
-                    Ok(m) if m.job == job && m.step == step && m.rank == rank => {
-                        return Ok(String::from_utf8_lossy(&bytes).into_owned());
-                    }
-                    Ok(_) => warn!(%name, tier = %kind, "a manifest of another shard; skipped"),
-                    Err(e) => warn!(%name, tier = %kind, error = %e, "unusable manifest; skipped"),
-                },
-                Ok(None) => {}
-                Err(e) => unreadable = Some(CkptError::unavailable(kind, job, e)),
-            }
-        }
-        match unreadable {
-            Some(e) => Err(e.into()),
-            None => Err(CkptError::NotFound {
-                job: job.to_string(),
-                step: Some(step),
-                rank,
-            }
-            .into()),
-        }
+        // Any rank's view reads any rank's manifest; rank 0 of 1 stands for it.
+        let m = self.tiers.rank(job, 0, 1)?.manifest(step, rank)?;
+        Ok(String::from_utf8(m.to_json()).unwrap_or_default())
     }
 
     /// The newest step complete in the store, or `None`; [`CkptError::Unavailable`] when the

@@ -241,8 +241,10 @@ impl Inner {
 }
 
 impl Persistence {
-    /// `Engine::manifest`.
-    pub(crate) fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+    /// `rank`'s manifest of `step` from the first of these tiers that holds a valid one, whatever
+    /// world size wrote it (`Engine::manifest`); [`Error::NotFound`] when none does, and
+    /// [`Error::Unavailable`] when none does and a tier could not be read.
+    pub fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
         let inner = self;
         let key = format::manifest_key(&inner.job, step, rank);
         let mut unreadable = None;
