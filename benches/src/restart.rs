@@ -93,9 +93,10 @@ pub struct RestartArgs {
     #[arg(long, requires = "cold")]
     remote: bool,
     /// Instead: a job of 3 ranks on 3 simulated nodes (a sidecar each) that loses a node and
-    /// comes back as 2 ranks, resharding from the sidecars' memory, against the same load from
-    /// the store behind the emulated remote link and torch DCP through s3fs (see `elastic`).
-    /// --gib is then the state of each of the 3 ranks that save.
+    /// comes back as 2 ranks, and one of 2 ranks that comes back as 3 on a new node, each
+    /// resharding from the sidecars' memory, against the same load from the store behind the
+    /// emulated remote link and torch DCP through s3fs (see `elastic`). --gib is then the
+    /// state of each rank of 3 (the same state in both directions).
     #[arg(long, conflicts_with_all = ["cold", "nproc"])]
     elastic: bool,
     /// The Python with torch and hotstart (default: the project's .venv).

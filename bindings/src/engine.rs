@@ -179,14 +179,29 @@ impl Engine {
     }
 
     /// Reads `step` of this rank, verifying every chunk, straight into `destinations` (one per
-    /// tensor to load; tensors without one are read and dropped). Returns the tier each chunk
-    /// came from. The memory must stay alive and untouched by anyone else during the call.
+    /// tensor or range of a tensor to load). Into host memory only the chunks that hold them
+    /// are read (through a sidecar, only those cross the network from a peer); with device
+    /// destinations every chunk is. Returns the tier each chunk read came from. The memory must
+    /// stay alive and untouched by anyone else during the call.
     fn load(
         &self,
         py: Python<'_>,
         step: u64,
         destinations: Vec<DestSpec>,
     ) -> PyResult<Vec<String>> {
+        if destinations.iter().all(DestSpec::on_host) {
+            let mut dests = Dests::check(Answer::Tensors(destinations))?;
+            // SAFETY: the Python layer describes only memory of objects its caller holds for
+            // the whole call and does not touch meanwhile; `check` refused overlaps.
+            let host = unsafe { dests.borrow() }.host;
+            let loaded = py
+                .detach(|| {
+                    self.engine
+                        .load(StepSel::Step(step), Destination::Regions(host))
+                })
+                .map_err(to_py)?;
+            return Ok(loaded.chunk_sources.iter().map(TierKind::to_string).collect());
+        }
         let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_, _| {
             Ok(Answer::Tensors(destinations))
         })?;

@@ -26,6 +26,13 @@ pub struct TensorSpec(String, String, Vec<u64>, usize, usize, i64);
 #[derive(Debug, FromPyObject)]
 pub struct DestSpec(pub String, usize, usize, i64, Option<u64>);
 
+impl DestSpec {
+    /// Host memory, not a device's.
+    pub fn on_host(&self) -> bool {
+        self.3 < 0
+    }
+}
+
 /// The engine dtype named `s` (safetensors spelling).
 pub fn dtype(name: &str, s: &str) -> PyResult<Dtype> {
     Dtype::from_str(s).map_err(|e| state_dict(format!("tensor {name:?}: {e}")))

@@ -7,8 +7,10 @@ its whole state bit-exact."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -185,6 +187,49 @@ def test_shards_in_no_surviving_memory_come_from_the_store_and_a_step_missing_a_
         nodes[0] = nodes[0].again(tmp_path)
         back = torchrun(1, ["--job", "gone", "--steps", "2", "--dcp", "--sidecar", sockets(nodes[:1])])
         assert resumed(back) == [(2, 1)], back
+    finally:
+        for s in nodes:
+            s.stop()
+
+
+def test_peers_killed_while_a_job_reshards_from_them_leave_it_bit_exact(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    nodes = _cluster(tmp_path, 3, str(store))
+    try:
+        args = ["--job", "dying", "--width", "512", "--depth", "2", "--sidecar"]
+        three = torchrun(3, [*args, sockets(nodes), "--steps", "4", "--save-every", "2", "--dcp"])
+        saved = states(three)[-1]
+        # The job comes back as 1 rank on node 0 and reads old ranks 1 and 2 from the memory of
+        # nodes 1 and 2, which are frozen the moment it starts to load (SIGSTOP: whatever they
+        # were sending stops mid-stream), then killed. Each shard they held comes from the next
+        # holder instead: node 0's replica, else the store; the state is the one saved.
+        (port,) = _free_ports(1)
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+            "--master-addr=127.0.0.1", f"--master-port={port}", TRAIN,
+            *args, sockets(nodes[:1]), "--steps", "4", "--dcp", "--timeline",
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HOTSTART_")}
+        env["OMP_NUM_THREADS"] = "1"
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        out = []
+        assert job.stdout is not None
+        for line in job.stdout:
+            out.append(line)
+            if line.startswith("at ready "):
+                for n in nodes[1:]:
+                    n.proc.send_signal(signal.SIGSTOP)
+                time.sleep(1)
+                for n in nodes[1:]:
+                    n.kill()
+        _, err = job.communicate(timeout=300)
+        text = "".join(out)
+        assert job.returncode == 0, f"{text}\n{err}"
+        assert resumed(text) == [(4, 1)], text
+        assert states(text) == [saved, saved], text
+        # One restore of each saved rank, every one through node 0.
+        served = sum(_restored(nodes[:1], s) for s in ("memory", "peer", "disk", "store"))
+        assert served == 3, text
     finally:
         for s in nodes:
             s.stop()

@@ -539,14 +539,19 @@ impl Client {
 
     /// Asks the sidecar on `conn` for `want` (the newest step complete for every rank when
     /// `None`) and receives it, as a file of its disk tier where it has one and `file`
-    /// allows it; see the module docs.
+    /// allows it; see the module docs. `regions`: the only byte ranges the process reads.
     pub(crate) fn restore(
         &self,
         mut conn: Conn<FdStream>,
         want: Option<u64>,
         file: bool,
+        regions: Option<Vec<crate::format::Region>>,
     ) -> Result<Restored> {
-        conn.send(&LocalMsg::Restore { step: want, file })?;
+        conn.send(&LocalMsg::Restore {
+            step: want,
+            file,
+            regions,
+        })?;
         let (step, source, json, chunk_sources, seconds, is_file) = match conn.recv()? {
             LocalMsg::Restored {
                 step,

@@ -20,13 +20,14 @@
 //! (whose recursion limit stops deep nesting); nothing panics. The full layout is described in
 //! `docs/FORMAT.md`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::tensor::{Dtype, Extras, Tensor, byte_len};
+pub use hotstart_proto::wire::Region;
 
 /// `format` field of every manifest.
 pub const FORMAT_NAME: &str = "hotstart-ckpt";
@@ -562,6 +563,45 @@ impl Manifest {
             .saturating_mul(self.chunk_size)
             .min(self.file_len);
         start..start.saturating_add(self.chunk_size).min(self.file_len)
+    }
+
+    /// The chunks a reader of `regions` needs, ascending: those that hold the file's header
+    /// (it is parsed on every load) and those that the regions' bytes lie in. A region of a
+    /// tensor the manifest does not list, or past its tensor's end, is an error (the reason).
+    pub fn chunks_for(&self, regions: &[Region]) -> std::result::Result<Vec<usize>, String> {
+        let size = self.chunk_size.max(1);
+        let last = self.chunks.len().saturating_sub(1);
+        let mut need: BTreeSet<usize> = BTreeSet::new();
+        let mut cover = |range: std::ops::Range<u64>| {
+            if range.start < range.end {
+                let first = (range.start / size) as usize;
+                let end = ((range.end - 1) / size) as usize;
+                need.extend(first.min(last)..=end.min(last));
+            }
+        };
+        cover(0..self.data_offset.min(self.file_len));
+        for r in regions {
+            let t = self
+                .tensors
+                .iter()
+                .find(|t| t.name == r.tensor)
+                .ok_or_else(|| format!("no tensor {:?} in the checkpoint", r.tensor))?;
+            let whole = self.tensor_range(t);
+            let start = whole.start.checked_add(r.offset);
+            match start.and_then(|s| s.checked_add(r.len).map(|e| s..e)) {
+                Some(range) if range.end <= whole.end => cover(range),
+                _ => {
+                    return Err(format!(
+                        "{} bytes at offset {} of tensor {:?} of {} bytes",
+                        r.len,
+                        r.offset,
+                        r.tensor,
+                        whole.end - whole.start
+                    ));
+                }
+            }
+        }
+        Ok(need.into_iter().collect())
     }
 
     /// The extras, decoded.

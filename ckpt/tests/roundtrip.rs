@@ -7,6 +7,7 @@ use std::path::Path;
 
 use common::*;
 use hotstart_ckpt::{Destination, Dtype, EngineConfig, Error, StepSel, Tensor, TierKind};
+use hotstart_ckpt::format::Region;
 use hotstart_store::Store;
 
 /// Saves two steps, checks status, loads both back bit-exact, checks the files with the
@@ -543,4 +544,39 @@ fn regions_of_tensors_load_into_caller_buffers() {
         )
         .unwrap_err();
     assert!(e4.to_string().contains("7 bytes for 8 bytes"), "{e4}");
+
+    // Only the chunks that hold the ranges and the header are read: a damaged chunk elsewhere
+    // does not stop the load, and one the ranges lie in does.
+    let file = dir.path().join("regions/step-1/rank-0.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() - 10_000;
+    bytes[at] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let m = e.manifest(1, 0).unwrap();
+    let damaged = at / 4096;
+    let mut head = vec![0u8; 100];
+    let l = e
+        .load(
+            StepSel::Step(1),
+            Destination::Regions(vec![("big".into(), Some(0), &mut head[..])]),
+        )
+        .unwrap();
+    assert!(head[..] == big[..100]);
+    let wanted = [Region {
+        tensor: "big".into(),
+        offset: 0,
+        len: 100,
+    }];
+    let read = m.chunks_for(&wanted).unwrap();
+    assert!(!read.contains(&damaged) && read.len() < m.chunks.len(), "{read:?}");
+    assert_eq!(l.chunk_sources.len(), read.len());
+    let data_at = (at as u64 - m.data_offset) as usize;
+    let mut hit = vec![0u8; 10];
+    let e5 = e
+        .load(
+            StepSel::Step(1),
+            Destination::Regions(vec![("big".into(), Some(data_at as u64), &mut hit[..])]),
+        )
+        .unwrap_err();
+    assert!(matches!(e5, Error::Corrupt { chunk, .. } if chunk == damaged), "{e5}");
 }

@@ -97,13 +97,18 @@ pub struct Summary {
     pub state_bytes_per_rank: u64,
     pub store: String,
     pub dir: PathBuf,
-    /// Training's wait per checkpoint (`save` to `wait_staged`), in seconds.
+    /// Training's wait per checkpoint (`save` to `wait_staged`), in seconds, in the steady
+    /// state: every save of a trainer process but its first.
     pub stall_seconds: Spread,
     /// Of that wait, the copy (`wait_staged` after `save` returned).
     pub copy_seconds: Spread,
-    /// Of that wait, the time before the copy began: `save` waiting for earlier saves that
-    /// still persist to make room, or for a segment the sidecar allocates.
+    /// Of that wait, the time before the copy began: `save` waiting for the segment prepared
+    /// for it after the last commit (an older step's, once its persistence lets go, or memory
+    /// the sidecar allocates).
     pub queued_seconds: Spread,
+    /// The wait of the first save of each trainer process (after each fault's restart), which
+    /// asks for its segment itself and maps memory new to it.
+    pub first_stall_seconds: Spread,
     /// The floor of that wait: one rank's state copied into memory already mapped (a parallel
     /// memcpy over as many threads as a trainer's engine copies with), median of five, seconds.
     pub copy_floor_seconds: f64,
@@ -443,12 +448,17 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
     res?;
     let v = &demo.view;
     let (mut stalls, mut copies, mut queued) = (Vec::new(), Vec::new(), Vec::new());
+    let mut first = Vec::new();
     let mut per_tier: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for r in &v.ranks {
         for s in r.saved.values() {
-            stalls.push(s.stall);
-            copies.push(s.stall - s.wait);
-            queued.push(s.wait);
+            if s.first {
+                first.push(s.stall);
+            } else {
+                stalls.push(s.stall);
+                copies.push(s.stall - s.wait);
+                queued.push(s.wait);
+            }
             for (t, secs) in &s.done {
                 if let Some(tier) = TIERS.iter().find(|x| *x == t) {
                     per_tier.entry(tier).or_default().push(*secs);
@@ -481,6 +491,7 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         stall_seconds: Spread::of(stalls),
         copy_seconds: Spread::of(copies),
         queued_seconds: Spread::of(queued),
+        first_stall_seconds: Spread::of(first),
         copy_floor_seconds: copy_floor(bytes as usize),
         tiers,
         faults: demo.faults.clone(),

@@ -33,6 +33,9 @@ pub struct Saved {
     /// removes it (docs/SEMANTICS.md, retention), so none of its copies counts any more, until
     /// it is saved again.
     pub abandoned: bool,
+    /// The first save of its trainer process: its engine had no segment prepared yet and
+    /// mapped memory new to it (the other saves take the one prepared after the last commit).
+    pub first: bool,
 }
 
 impl Saved {
@@ -70,6 +73,8 @@ pub struct Rank {
     pub fresh: Option<Instant>,
     /// Losses of steps trained again after a restore, compared with the first time.
     pub replayed: u64,
+    /// The rank's trainer process has saved since it started.
+    pub saved_since_start: bool,
 }
 
 impl Rank {
@@ -158,6 +163,7 @@ impl View {
             Event::Started { state_bytes, .. } => {
                 rank.state_bytes = state_bytes;
                 rank.running = true;
+                rank.saved_since_start = false;
             }
             Event::Fresh { .. } => {
                 rank.step = 0;
@@ -242,6 +248,8 @@ impl View {
                 saved.hash = hash;
                 saved.stall = stall_seconds;
                 saved.wait = wait_seconds;
+                saved.first = !rank.saved_since_start;
+                rank.saved_since_start = true;
             }
             Event::Persisted {
                 step,

@@ -51,6 +51,15 @@ const KIND_MESSAGE: u8 = 1;
 const KIND_DATA: u8 = 2;
 
 /// Messages on the Unix socket between a training process and its sidecar.
+/// `len` bytes of a stored tensor's bytes from byte `offset` on: what a reader that reshards
+/// needs of a rank's file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    pub tensor: String,
+    pub offset: u64,
+    pub len: u64,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum LocalMsg {
@@ -92,10 +101,15 @@ pub enum LocalMsg {
     },
     /// Send me a step (`None`: the newest complete for every rank). `file`: the process can
     /// take a file of the sidecar's disk tier instead of a segment, and verify it itself.
+    /// `regions`: the process reads only these byte ranges of the step's tensors (a load that
+    /// reshards), so a shard fetched from a peer for it may carry only the chunks that hold
+    /// them and the file's header; the other bytes of the segment are then zero.
     Restore {
         step: Option<u64>,
         #[serde(default)]
         file: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        regions: Option<Vec<Region>>,
     },
     /// The step, from where it came and how long the sidecar took; the sealed segment's
     /// descriptor travels with this frame. With `file`, the descriptor is the step's file on
@@ -634,7 +648,8 @@ mod tests {
             asked,
             LocalMsg::Restore {
                 step: Some(3),
-                file: false
+                file: false,
+                regions: None
             }
         ));
         let answer = r#"{"op":"restored","step":3,"source":"disk","manifest":"{}","chunk_sources":["disk"],"seconds":0.5}"#;
@@ -646,6 +661,7 @@ mod tests {
         let json = serde_json::to_string(&LocalMsg::Restore {
             step: None,
             file: true,
+            regions: None,
         })
         .unwrap();
         assert_eq!(json, r#"{"op":"restore","step":null,"file":true}"#);

@@ -73,7 +73,7 @@ pub use auth::{ClusterKey, Identity};
 pub use config::{Settings, SidecarConfig, Token};
 pub use error::{Error, Result};
 pub use lifecycle::State;
-pub use peer::PeerClient;
+pub use peer::{Fetched, PeerClient};
 pub use persist::DrainReport;
 pub use recovery::RecoveryReport;
 pub use wire::{Held, PeerMsg, ShardInfo};

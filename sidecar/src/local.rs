@@ -251,9 +251,14 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     }
                 }
             },
-            LocalMsg::Restore { step, file } => {
+            LocalMsg::Restore {
+                step,
+                file,
+                regions,
+            } => {
                 core.adopting.wait(&who.job, core.cfg.stage_timeout);
-                match core.restore(&who.job, who.rank, who.world_size, step, file) {
+                let asked = regions.as_deref();
+                match core.restore(&who.job, who.rank, who.world_size, step, file, asked) {
                     Ok(served) => {
                         let msg = LocalMsg::Restored {
                             step: served.step,

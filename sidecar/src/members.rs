@@ -20,6 +20,7 @@ use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::peer::PeerClient;
 use hotstart_proto::shm::Segment;
+use hotstart_ckpt::format::Region;
 
 /// A peer as last probed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,15 +218,18 @@ impl Core {
         )
     }
     /// Fetches `key` from the first member that holds it in memory, verified, into a new
-    /// sealed segment (charged to the budget); the shard and who sent it.
+    /// sealed segment (charged to the budget); the shard and who sent it. With `regions`, a
+    /// member may send only the chunks that hold them and the header: those are returned too
+    /// (`None`: the whole shard came), and the segment's other bytes are zero.
     pub(crate) fn fetch_from_peers(
         &self,
         key: &ShardKey,
         members: &[Member],
-    ) -> Option<(Arc<Shard>, String)> {
+        regions: Option<&[Region]>,
+    ) -> Option<(Arc<Shard>, String, Option<Vec<usize>>)> {
         for m in members {
             let res = self.connect(m).and_then(|mut c| {
-                c.fetch(key, self.threads, |info, _| {
+                c.fetch(key, self.threads, regions, |info, _| {
                     let what = format!("{key} from {}", m.id.node);
                     let charge = self
                         .memory
@@ -236,8 +240,8 @@ impl Core {
                 })
             });
             match res {
-                Ok(Some((info, manifest, json, seg))) => {
-                    let sealed = match seg.seal() {
+                Ok(Some(got)) => {
+                    let sealed = match got.mem.seal() {
                         Ok(s) => s,
                         Err(e) => {
                             warn!(shard = %key, error = %e, "cannot seal a fetched shard");
@@ -246,14 +250,14 @@ impl Core {
                     };
                     let shard = Arc::new(Shard {
                         key: key.clone(),
-                        world_size: info.world_size,
-                        origin: info.origin,
-                        manifest,
-                        manifest_json: json,
+                        world_size: got.info.world_size,
+                        origin: got.info.origin,
+                        manifest: got.manifest,
+                        manifest_json: got.json,
                         seg: Arc::new(sealed.into()),
                         committed: Instant::now(),
                     });
-                    return Some((shard, m.id.node.clone()));
+                    return Some((shard, m.id.node.clone(), got.chunks));
                 }
                 Ok(None) => {}
                 Err(e) => {

@@ -8,7 +8,9 @@
 //! Inventory{job}        → Held{shards}                     (memory, and this node's disk)
 //! Push{shard,manifest}  → Ready, data frames →  Stored | Failed{reason}
 //!                       → Failed{reason}                   (no room: the data is not sent)
-//! Fetch{job,rank,step}  → Shard{shard,manifest}, data frames | NotFound
+//! Fetch{job,rank,step[,regions]}
+//!                       → Shard{shard,manifest[,chunks]}, data frames | NotFound
+//! Describe{job,rank,step} → Shard{shard,manifest} | NotFound
 //! ```
 //!
 //! Shard data is sent chunk by chunk (frames never cross a chunk boundary), and the receiver
@@ -32,7 +34,7 @@ use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::tls::{Link, Tls};
 use crate::wire::{Held, PeerMsg, ShardInfo};
-use hotstart_ckpt::format::{self, Manifest};
+use hotstart_ckpt::format::{self, Manifest, Region};
 use hotstart_proto::shm::Segment;
 use hotstart_proto::wire::{Conn, Side};
 
@@ -93,11 +95,14 @@ struct Piece<'a> {
 /// hashed in parallel while the next ones arrive and every byte is copied once, from the
 /// socket to its place. `Ok(None)` when every chunk matches, `Ok(Some(i))` for the first chunk
 /// that does not (the whole stream is read either way, so the connection stays in step).
+/// `only`: the stream carries these chunks (ascending) and no others, which are left as they
+/// are in `dst`.
 pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
     conn: &mut Conn<S>,
     m: &Manifest,
     threads: usize,
     dst: &mut [u8],
+    only: Option<&[usize]>,
 ) -> Result<Option<usize>> {
     let hashes = m.chunk_hashes();
     if (dst.len() as u64) < m.file_len {
@@ -137,8 +142,17 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
             });
         }
         let mut rest = dst;
-        for i in 0..hashes.len() {
+        let mut at = 0;
+        for i in chunk_list(only, hashes.len()) {
             let want = m.chunk_range(i);
+            // To the chunk's place: past the chunks the stream does not carry.
+            let skip = want
+                .start
+                .checked_sub(at)
+                .filter(|_| i < hashes.len())
+                .ok_or_else(|| conn.error(format!("chunk {i} out of order")))?;
+            rest = std::mem::take(&mut rest).split_at_mut(skip as usize).1;
+            at = want.end;
             let chunk_len = (want.end - want.start) as usize;
             let mut done = 0;
             while done < chunk_len {
@@ -179,12 +193,18 @@ fn send_chunks<S: std::io::Read + std::io::Write>(
     Ok(())
 }
 
-/// Sends a shard's bytes from its segment, chunk by chunk (with `sendfile` on a plain link).
-fn send_segment(conn: &mut Conn<Link>, shard: &Shard) -> Result<()> {
-    let len = shard.len() as usize;
-    let step = (shard.manifest.chunk_size as usize).max(1);
-    for at in (0..len).step_by(step) {
-        conn.send_data_from(shard.seg.as_fd(), at as u64, step.min(len - at))?;
+/// The chunks `only` names, or all `n`.
+fn chunk_list(only: Option<&[usize]>, n: usize) -> Vec<usize> {
+    only.map_or_else(|| (0..n).collect(), <[usize]>::to_vec)
+}
+
+/// Sends a shard's bytes from its segment, chunk by chunk (with `sendfile` on a plain link):
+/// every chunk, or those `only` names.
+fn send_segment(conn: &mut Conn<Link>, shard: &Shard, only: Option<&[usize]>) -> Result<()> {
+    let m = &shard.manifest;
+    for i in chunk_list(only, m.chunks.len()) {
+        let r = m.chunk_range(i);
+        conn.send_data_from(shard.seg.as_fd(), r.start, (r.end - r.start) as usize)?;
     }
     Ok(())
 }
@@ -201,7 +221,7 @@ fn receive_shard(
     let name = format!("hotstart-{}-{}-{}", info.job, info.step, info.rank);
     let mut seg = Segment::create_to_fill(&name, info.len as usize, Some(Box::new(charge)))
         .map_err(|e| Error::io("create shared memory", &name, e))?;
-    if let Some(i) = recv_verified(conn, &m, core.threads, seg.bytes_mut())? {
+    if let Some(i) = recv_verified(conn, &m, core.threads, seg.bytes_mut(), None)? {
         core.metrics.failed(Failure::Checksum);
         return Ok(Err(format!("chunk {i} does not match its checksum")));
     }
@@ -298,16 +318,28 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
             PeerMsg::Push { shard, manifest } => {
                 serve_push(&core, &mut conn, &peer, shard, manifest)
             }
-            PeerMsg::Fetch { job, rank, step } => {
+            PeerMsg::Fetch {
+                job,
+                rank,
+                step,
+                regions,
+            } => {
                 let key = ShardKey { job, rank, step };
                 match core.memory.get(&key) {
-                    Some(s) => conn
-                        .send(&PeerMsg::Shard {
+                    Some(s) => {
+                        // Regions this shard does not have get the whole of it: the reader's
+                        // own checks name what is wrong.
+                        let chunks = regions
+                            .and_then(|r| s.manifest.chunks_for(&r).ok())
+                            .filter(|c| c.len() < s.manifest.chunks.len());
+                        conn.send(&PeerMsg::Shard {
                             shard: s.info(),
                             manifest: s.manifest_json.clone(),
+                            chunks: chunks.clone(),
                         })
                         .map_err(Error::from)
-                        .and_then(|()| send_segment(&mut conn, &s)),
+                        .and_then(|()| send_segment(&mut conn, &s, chunks.as_deref()))
+                    }
                     None => conn.send(&PeerMsg::NotFound).map_err(Error::from),
                 }
             }
@@ -317,6 +349,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                     Some(s) => PeerMsg::Shard {
                         shard: s.info(),
                         manifest: s.manifest_json.clone(),
+                        chunks: None,
                     },
                     None => PeerMsg::NotFound,
                 };
@@ -510,21 +543,27 @@ impl PeerClient {
             rank: key.rank,
             step: key.step,
         };
-        Ok(self.ask_shard(ask, key)?.map(|(_, _, json)| json))
+        Ok(self.ask_shard(ask, key, None)?.map(|(_, _, json, _)| json))
     }
 
     /// Sends `ask` (`Describe` or `Fetch` of `key`) and takes the answer: the shard's info and
     /// manifest, checked (a shard of another key, or a manifest that does not parse or does
     /// not describe the announced shard, is a protocol violation), or `None` when the peer does
-    /// not hold it.
+    /// not hold it; and the chunks its data carries when not all of them, which must be those
+    /// that hold `regions` (asked for with `Fetch`) and the header.
     fn ask_shard(
         &mut self,
         ask: PeerMsg,
         key: &ShardKey,
-    ) -> Result<Option<(ShardInfo, Manifest, String)>> {
+        regions: Option<&[Region]>,
+    ) -> Result<Option<(ShardInfo, Manifest, String, Option<Vec<usize>>)>> {
         self.conn.send(&ask)?;
-        let (info, json) = match self.conn.recv()? {
-            PeerMsg::Shard { shard, manifest } => (shard, manifest),
+        let (info, json, chunks) = match self.conn.recv()? {
+            PeerMsg::Shard {
+                shard,
+                manifest,
+                chunks,
+            } => (shard, manifest, chunks),
             PeerMsg::NotFound => return Ok(None),
             other => return Err(self.unexpected(other)),
         };
@@ -536,35 +575,66 @@ impl PeerClient {
         }
         let m = check_manifest(&info, &json, &self.peer.node)
             .map_err(|e| self.conn.violation(e.to_string()))?;
-        Ok(Some((info, m, json)))
+        if let Some(c) = &chunks {
+            // A reader reads exactly these, so fewer would hand it bytes never sent.
+            let need = regions.and_then(|r| m.chunks_for(r).ok());
+            if need.as_ref() != Some(c) {
+                return Err(self
+                    .conn
+                    .violation(format!("{key}: sent chunks {c:?} for {need:?}"))
+                    .into());
+            }
+        }
+        Ok(Some((info, m, json, chunks)))
     }
 
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
     /// manifest; at least the shard's length), every chunk verified. `None` when the peer
-    /// does not hold it.
+    /// does not hold it. With `regions`, the peer may send only the chunks that hold them and
+    /// the header: those are returned too (`None`: every chunk came), and the others are left
+    /// as `alloc` made them.
     pub fn fetch<T: AsMut<[u8]>>(
         &mut self,
         key: &ShardKey,
         threads: usize,
+        regions: Option<&[Region]>,
         alloc: impl FnOnce(&ShardInfo, &Manifest) -> Result<T>,
-    ) -> Result<Option<(ShardInfo, Manifest, String, T)>> {
+    ) -> Result<Option<Fetched<T>>> {
         let ask = PeerMsg::Fetch {
             job: key.job.clone(),
             rank: key.rank,
             step: key.step,
+            regions: regions.map(<[Region]>::to_vec),
         };
-        let Some((info, m, json)) = self.ask_shard(ask, key)? else {
+        let Some((info, m, json, chunks)) = self.ask_shard(ask, key, regions)? else {
             return Ok(None);
         };
         let mut mem = alloc(&info, &m)?;
-        if let Some(i) = recv_verified(&mut self.conn, &m, threads, mem.as_mut())? {
+        let only = chunks.as_deref();
+        if let Some(i) = recv_verified(&mut self.conn, &m, threads, mem.as_mut(), only)? {
             return Err(self
                 .conn
                 .error(format!("{key}: chunk {i} does not match its checksum"))
                 .into());
         }
-        Ok(Some((info, m, json, mem)))
+        Ok(Some(Fetched {
+            info,
+            manifest: m,
+            json,
+            mem,
+            chunks,
+        }))
     }
+}
+
+/// A shard fetched from a peer: what the peer said of it, and its bytes.
+pub struct Fetched<T> {
+    pub info: ShardInfo,
+    pub manifest: Manifest,
+    pub json: String,
+    pub mem: T,
+    /// The chunks that came, when not all (a fetch of regions).
+    pub chunks: Option<Vec<usize>>,
 }
 
 impl Core {
@@ -671,14 +741,14 @@ mod tests {
         let (m, file) = shard();
         let mut dst = vec![0u8; file.len() + 7];
         let mut rx = Conn::new(stream(&file), "t", Side::Peer);
-        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst).unwrap(), None);
+        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap(), None);
         assert!(dst[..file.len()] == file[..], "bytes differ");
         assert_eq!(dst[file.len()..], [0; 7]);
 
         let mut bad = file.clone();
         bad[CHUNK + 5] ^= 1;
         let mut rx = Conn::new(stream(&bad), "t", Side::Peer);
-        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst).unwrap(), Some(1));
+        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap(), Some(1));
         // The whole stream was read: the connection stays in step.
         assert_eq!(
             rx.get_ref().position() as usize,
@@ -686,11 +756,11 @@ mod tests {
         );
 
         let mut rx = Conn::new(stream(&file), "t", Side::Peer);
-        let err = recv_verified(&mut rx, &m, 2, &mut dst[..file.len() - 1]).unwrap_err();
+        let err = recv_verified(&mut rx, &m, 2, &mut dst[..file.len() - 1], None).unwrap_err();
         assert!(err.to_string().contains("bytes of room"), "{err}");
 
         let mut rx = Conn::new(stream(&file[..file.len() - 3]), "t", Side::Peer);
-        let err = recv_verified(&mut rx, &m, 2, &mut dst).unwrap_err();
+        let err = recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap_err();
         assert!(err.to_string().contains("connection closed"), "{err}");
     }
 }

@@ -77,8 +77,8 @@ impl Core {
                     continue;
                 }
                 tried.push(key.clone());
-                match self.fetch_from_peers(&key, &holders) {
-                    Some((shard, from)) => {
+                match self.fetch_from_peers(&key, &holders, None) {
+                    Some((shard, from, _)) => {
                         info!(shard = %key, peer = %from, bytes = shard.len(), "recovered from a peer");
                         self.metrics.recovered(shard.len());
                         report.shards += 1;

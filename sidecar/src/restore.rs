@@ -16,6 +16,14 @@
 //! next restore of the same step is served from memory. The training process receives the
 //! sealed segment and maps it: the restore itself copies nothing more.
 //!
+//! **Regions.** A process that reads only byte ranges of the shard (a load that reshards)
+//! names them. A peer then sends only the chunks that hold them and the file's header, each
+//! verified as it arrives; the segment handed over holds those chunks (its other bytes are
+//! zero), and it does not enter this node's memory tier, which holds only whole shards. A
+//! shard in this node's memory, on its disk or in the store is served as without regions (the
+//! process reads its ranges from it), and one read back from disk or store stays in memory for
+//! the node's other ranks.
+//!
 //! **A file instead of a segment.** A shard in no memory whose nearest tier is a file on this
 //! node (the disk tier, or a store that is a local directory) is handed over as that file,
 //! opened read-only, when the process says it can take one: it reads the file straight into
@@ -37,7 +45,7 @@ use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::wire::{Held, ShardInfo};
 use hotstart_ckpt::Persistence;
-use hotstart_ckpt::format;
+use hotstart_ckpt::format::{self, Region};
 use hotstart_ckpt::index::StepIndex;
 use hotstart_ckpt::tier::{Tier, TierKind};
 use hotstart_proto::shm::Segment;
@@ -273,7 +281,8 @@ impl Core {
 
     /// Serves `step` (or the latest) of `job`'s `rank` from the nearest tier; see the module
     /// docs. [`CkptError::NotFound`] when no tier has it. `file`: the asking process can take
-    /// a file of this node's disk instead of a segment.
+    /// a file of this node's disk instead of a segment. `regions`: the process reads only
+    /// these byte ranges (see the module docs).
     pub(crate) fn restore(
         &self,
         job: &str,
@@ -281,6 +290,7 @@ impl Core {
         world_size: u32,
         step: Option<u64>,
         file: bool,
+        regions: Option<&[Region]>,
     ) -> Result<Served> {
         let started = Instant::now();
         let not_found = |step| CkptError::NotFound {
@@ -303,10 +313,15 @@ impl Core {
         let (shard, source, chunk_sources) = if let Some(s) = in_memory {
             let n = s.manifest.chunks.len();
             (s, TierKind::Memory, vec![TierKind::Memory; n])
-        } else if let Some((s, from)) = self.fetch_from_peers(&key, &self.members.up()) {
-            info!(shard = %key, peer = %from, "fetched from a peer");
-            self.memory.insert(s.clone());
-            let n = s.manifest.chunks.len();
+        } else if let Some((s, from, part)) =
+            self.fetch_from_peers(&key, &self.members.up(), regions)
+        {
+            let n = part.as_ref().map_or(s.manifest.chunks.len(), Vec::len);
+            info!(shard = %key, peer = %from, chunks = n, "fetched from a peer");
+            if part.is_none() {
+                // Whole: the next restore of it on this node is served from memory.
+                self.memory.insert(s.clone());
+            }
             (s, TierKind::Peer, vec![TierKind::Peer; n])
         } else if self.tiers.is_empty() {
             return Err(not_found(Some(step)).into());

@@ -1,6 +1,7 @@
 //! The messages sidecars exchange over their peer links, in the frames of
 //! [`hotstart_proto::wire`] (`docs/PROTOCOL.md`).
 
+use hotstart_ckpt::format::Region;
 use serde::{Deserialize, Serialize};
 
 /// Where a shard is held, as an inventory reports it.
@@ -59,10 +60,23 @@ pub enum PeerMsg {
     Ready,
     /// The pushed shard arrived whole and matches its checksums.
     Stored,
-    /// Send me this shard from your memory.
-    Fetch { job: String, rank: u32, step: u64 },
-    /// The fetched shard; its data follows (none after `Describe`).
-    Shard { shard: ShardInfo, manifest: String },
+    /// Send me this shard from your memory; with `regions`, only the chunks that hold those
+    /// byte ranges of its tensors and the file's header.
+    Fetch {
+        job: String,
+        rank: u32,
+        step: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        regions: Option<Vec<Region>>,
+    },
+    /// The fetched shard; its data follows (none after `Describe`): every chunk, or with
+    /// `chunks` (ascending) those only.
+    Shard {
+        shard: ShardInfo,
+        manifest: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        chunks: Option<Vec<usize>>,
+    },
     /// Describe this shard of your memory: answered with `Shard` and no data, or `NotFound`.
     Describe { job: String, rank: u32, step: u64 },
     /// Not held.

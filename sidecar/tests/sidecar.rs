@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-use hotstart_ckpt::format::{Layout, Manifest};
+use hotstart_ckpt::format::{Layout, Manifest, Region};
 use hotstart_ckpt::{
     Destination, Dtype, Engine, EngineConfig, Error, Phase, StepSel, Tensor, TierKind,
 };
@@ -267,6 +267,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     r.send(&LocalMsg::Restore {
         step: Some(1),
         file: true,
+        regions: None,
     })
     .unwrap();
     assert!(matches!(
@@ -761,6 +762,27 @@ fn a_job_of_another_size_finds_and_reads_the_checkpoint_through_the_sidecars() {
     assert_eq!(m.decode_extras().unwrap(), extras(1));
     assert!(single.manifest(3, 2).unwrap_err().is_not_found());
     assert!(single.manifest(4, 0).unwrap_err().is_not_found());
+    // A reader of part of rank 1's file (a reshard) gets from B only the chunks that hold it
+    // and the header's, verified; a partial shard does not enter A's memory.
+    let big = &sets[1].iter().find(|t| t.0 == "big").unwrap().3;
+    let mut part = vec![0u8; 1000];
+    let at = 600 << 10;
+    let l = attach(&sock_a, 1, 2)
+        .load(
+            StepSel::Step(3),
+            Destination::Regions(vec![("big".into(), Some(at as u64), &mut part[..])]),
+        )
+        .unwrap();
+    assert!(part[..] == big[at..at + 1000]);
+    let wanted = [Region {
+        tensor: "big".into(),
+        offset: at as u64,
+        len: 1000,
+    }];
+    let fetched = m.chunks_for(&wanted).unwrap();
+    assert!(fetched.len() < m.chunks.len(), "{fetched:?}");
+    assert_eq!(l.chunk_sources, vec![TierKind::Peer; fetched.len()]);
+    assert!(l.tensors.is_empty());
     // The saved ranks' bytes, read as those ranks of the saved world size: rank 1's from B.
     for (rank, set) in sets.iter().enumerate() {
         let l = attach(&sock_a, rank as u32, 2)

@@ -210,11 +210,11 @@ fn fetch_step_1(client: &mut PeerClient, job: &str) -> (ShardInfo, Manifest, Vec
         rank: 0,
         step: 1,
     };
-    let (info, manifest, _, bytes) = client
-        .fetch(&key, 2, |info, _| Ok(vec![0u8; info.len as usize]))
+    let got = client
+        .fetch(&key, 2, None, |info, _| Ok(vec![0u8; info.len as usize]))
         .unwrap()
         .expect("the peer holds the step");
-    (info, manifest, bytes)
+    (got.info, got.manifest, got.mem)
 }
 
 fn bytes_hashes(bytes: &[u8], m: &Manifest) -> Vec<blake3::Hash> {

@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use hotstart_ckpt::format::{Layout, Manifest};
+use hotstart_ckpt::format::{Layout, Manifest, Region};
 use hotstart_ckpt::{Dtype, Tensor};
 use hotstart_proto::wire::{self, Conn, Side};
 use hotstart_sidecar::PeerMsg;
@@ -249,11 +249,39 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         rank: 0,
         step: 1,
     };
-    let (_, _, _, back) = good()
-        .fetch(&key, 2, |i, _| Ok(vec![0u8; i.len as usize]))
+    let whole = good()
+        .fetch(&key, 2, None, |i, _| Ok(vec![0u8; i.len as usize]))
         .expect("fetch")
         .expect("held");
-    assert!(back == file);
+    assert!(whole.mem == file && whole.chunks.is_none());
+    // A reader of a byte range gets the chunks that hold it and the header's, and no others.
+    let m = &whole.manifest;
+    let wanted = [Region {
+        tensor: "w".into(),
+        offset: 150_000,
+        len: 1000,
+    }];
+    let part = good()
+        .fetch(&key, 2, Some(&wanted), |i, _| Ok(vec![0u8; i.len as usize]))
+        .expect("fetch")
+        .expect("held");
+    assert_eq!(part.chunks, Some(vec![0, 2]));
+    for i in 0..m.chunks.len() {
+        let r = m.chunk_range(i);
+        let (got, sent) = (&part.mem[r.start as usize..r.end as usize], &file[r.start as usize..r.end as usize]);
+        assert!(if i == 0 || i == 2 { got == sent } else { got.iter().all(|b| *b == 0) }, "chunk {i}");
+    }
+    // A range the shard does not have: the whole shard, for the reader's own checks to name.
+    let past = [Region {
+        tensor: "w".into(),
+        offset: 300 << 10,
+        len: 1,
+    }];
+    let all = good()
+        .fetch(&key, 2, Some(&past), |i, _| Ok(vec![0u8; i.len as usize]))
+        .expect("fetch")
+        .expect("held");
+    assert!(all.mem == file && all.chunks.is_none());
     assert_eq!(
         cluster.ip(0).to_string() + ":" + &PEER_PORT.to_string(),
         n.peer.to_string()

@@ -26,8 +26,9 @@ coordinator's manifest and reads, for each saved rank its plan needs, that rank'
 request covers whole lands straight in the destination tensor (CPU or CUDA, when contiguous),
 and so does a region of it that is one run of its bytes (a shard of its first dimension, as
 FSDP's resharding asks for) into a contiguous CPU tensor; otherwise the stored tensor is read
-into a temporary and the requested region copied out. So
-a checkpoint saved by 2 ranks loads on 1 rank, or on 4.
+into a temporary and the requested region copied out. Into host memory, only the chunks of a
+file that hold what the plan reads (and its header) are read. So a checkpoint saved by 2 ranks
+loads on 1 rank, or on 4.
 
 **Which step.** ``dcp.load`` with a ``checkpoint_id`` loads that step; without one (and no
 ``step=``), the newest complete checkpoint of the job, whatever world size saved it
@@ -432,10 +433,11 @@ class StorageReader(_StorageReader):
 
     ``sidecar`` (default ``HOTSTART_SOCKET``) is the node's ``hotstart serve``: the saved ranks'
     shards this rank needs then come from the nearest holder the sidecar knows, its own memory,
-    a peer's memory, a disk, the store last, every chunk verified; a shard two ranks of the node
-    need is fetched once, and stays in the sidecar's memory. So a job that comes back with
-    another number of ranks reshards from the cluster's memory. :attr:`loaded_from` says where
-    each saved rank's chunks came from.
+    a peer's memory, a disk, the store last, every chunk verified. From a peer's memory only the
+    chunks that hold the ranges this rank reads cross the network; a shard read whole, or from a
+    disk or the store, stays in the sidecar's memory for the node's other ranks. So a job that
+    comes back with another number of ranks reshards from the cluster's memory.
+    :attr:`loaded_from` says where each chunk read of each saved rank came from.
     """
 
     def __init__(

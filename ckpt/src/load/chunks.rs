@@ -45,8 +45,9 @@ impl Persistence {
     /// The verified reader: fills `buf` with the file, chunk by chunk, each from the first of
     /// `tiers` whose bytes match the chunk's hash, except the bytes that `direct` sends to
     /// caller or device buffers (through `gpu`) instead (per chunk: offset in the chunk and
-    /// destination, in order); the tier each chunk came from. Returns once every copy to a
-    /// device is done.
+    /// destination, in order); the tier each chunk came from. With `only` (ascending), just
+    /// those chunks are read, and their tiers returned. Returns once every copy to a device is
+    /// done.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn read_chunks<'t>(
         &self,
@@ -57,13 +58,19 @@ impl Persistence {
         buf: &mut [u8],
         direct: Vec<Vec<(usize, Out<'_>)>>,
         held: bool,
+        only: Option<&[usize]>,
     ) -> Result<Vec<TierKind>> {
         let key = format::data_key(&self.job, step, self.rank);
         let hashes = m.chunk_hashes();
         let chunk_size = m.chunk_size as usize;
         let n = hashes.len();
         let device = device_of(direct.iter().flatten().map(|(_, o)| o));
-        let items = buf.chunks_mut(chunk_size.max(1)).zip(direct).enumerate();
+        let wanted = |i: &usize| only.is_none_or(|o| o.binary_search(i).is_ok());
+        let items = buf
+            .chunks_mut(chunk_size.max(1))
+            .zip(direct)
+            .enumerate()
+            .filter(|(i, _)| wanted(i));
         let results: Mutex<Vec<Option<TierKind>>> = Mutex::new(vec![None; n]);
         // More workers than threads: each one hashes a window while its next one is read, and
         // with many of them the disk always has reads queued while the others hash. Eight per
@@ -72,7 +79,9 @@ impl Persistence {
         // buffers afresh (device loads), or where the kernel's read-ahead does the reading (a
         // held file: eight ran slower there).
         let per_thread = if device.is_some() || held { 4 } else { 8 };
-        let workers = (per_thread * self.threads).clamp(1, 32).min(n.max(1));
+        let workers = (per_thread * self.threads)
+            .clamp(1, 32)
+            .min(only.map_or(n, <[usize]>::len).max(1));
         // Each worker's readers of the tiers, opened on first use, and its bounce buffers.
         let init = || {
             let readers: Readers<'t> = tiers.iter().map(|_| None).collect();
@@ -140,6 +149,7 @@ impl Persistence {
         results
             .into_iter()
             .enumerate()
+            .filter(|(i, _)| wanted(i))
             .map(|(i, k)| {
                 k.ok_or_else(|| Error::Corrupt {
                     step,

@@ -28,6 +28,7 @@ impl Persistence {
             &mut buf.as_mut()[..len],
             direct,
             false,
+            None,
         )?;
         Ok((manifest, buf, sources))
     }

@@ -97,7 +97,9 @@ pub enum Destination<'a> {
     /// its exact length, as [`Destination::Buffers`]); a range must lie within its tensor, and a
     /// tensor may have several. For a reader that needs parts of stored tensors (a load that
     /// reshards): each byte is copied once, straight from the verified chunks into place.
-    /// Tensors that no range touches are returned in [`Loaded::tensors`].
+    /// Only the chunks that hold the ranges and the file's header are read (through a sidecar,
+    /// only those cross the network from a peer), and no tensor is returned in
+    /// [`Loaded::tensors`]; [`Loaded::chunk_sources`] lists the chunks read.
     Regions(Vec<(String, Option<u64>, &'a mut [u8])>),
     /// The whole verified file, header included, read into this caller buffer of the file's
     /// exact length ([`Manifest::file_len`]); each tensor's bytes are then at its
@@ -175,7 +177,8 @@ pub struct Loaded {
     pub extras: Extras,
     /// The safetensors `__metadata__`.
     pub metadata: BTreeMap<String, String>,
-    /// The tier each chunk was read from.
+    /// The tier each chunk was read from, in order (of a [`Destination::Regions`] load: each
+    /// chunk it read).
     pub chunk_sources: Vec<TierKind>,
 }
 
@@ -206,8 +209,12 @@ impl Inner {
                         StepSel::Step(s) => Some(s),
                     };
                     let started = Instant::now();
-                    let restored = sidecar.restore(conn, want, true)?;
-                    return inner.load_restored(sidecar, restored, dest, started);
+                    let regions = match &dest {
+                        Destination::Regions(r) => Some(region_list(r)),
+                        _ => None,
+                    };
+                    let restored = sidecar.restore(conn, want, true, regions.clone())?;
+                    return inner.load_restored(sidecar, restored, dest, regions, started);
                 }
                 Err(e) if inner.core.tiers.is_empty() => return Err(e),
                 Err(e) => {
@@ -343,10 +350,11 @@ impl Inner {
         let near = || tiers.first()?.local_file(&key, reference.file_len);
         let mut targets = targets(step, &reference, dest, &near)?;
         let direct = std::mem::take(&mut targets.direct);
+        let only = targets.only.as_deref();
         if let Some((file, held)) = targets.file.take() {
             let chunk_sources = self
                 .core
-                .read_chunks(&self.gpu, step, &reference, tiers, file, direct, held)?;
+                .read_chunks(&self.gpu, step, &reference, tiers, file, direct, held, only)?;
             return self.finish(step, reference, file, None, targets, chunk_sources);
         }
         let mut buf = AlignedBuf::zeroed(len);
@@ -358,6 +366,7 @@ impl Inner {
             &mut buf[..len],
             direct,
             false,
+            only,
         )?;
         let all = Bytes::from_owner(AlignedOwner(buf, len));
         self.finish(step, reference, &all, Some(&all), targets, chunk_sources)

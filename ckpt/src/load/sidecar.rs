@@ -7,12 +7,14 @@ impl Inner {
     /// Hands out a step the sidecar restored: from its segment ([`Inner::load_segment`]), or
     /// from a file of its disk, loaded as from a tier and verified chunk by chunk; a chunk of
     /// the file that does not match is taken from a segment the sidecar makes of the step after
-    /// all ([`SidecarCopy`]), from its disk and store.
+    /// all ([`SidecarCopy`]), from its disk and store. `regions`: what the restore was asked
+    /// for of a [`Destination::Regions`] load (the fallback asks for the same).
     pub(super) fn load_restored(
         &self,
         sidecar: &Client,
         restored: Restored,
         dest: Destination<'_>,
+        regions: Option<Vec<format::Region>>,
         started: Instant,
     ) -> Result<Loaded> {
         let Restored {
@@ -35,6 +37,7 @@ impl Inner {
                 let copy = SidecarCopy {
                     sidecar,
                     step,
+                    regions,
                     got: OnceLock::new(),
                 };
                 (self.load_from(step, m, &[&file, &copy], dest)?, "file")
@@ -54,7 +57,8 @@ impl Inner {
     /// Hands out a step from the sidecar's sealed segment: caller buffers are filled with one
     /// parallel copy straight from the segment's pages (`pread`, so the mapping's pages are
     /// never faulted in for them); tensors returned owned are views of the mapping itself,
-    /// valid however long they are kept. The bytes are not hashed again (see [`Handed`]).
+    /// valid however long they are kept. The bytes are not hashed again (see [`Handed`]). Of
+    /// a segment restored for regions only the chunks that hold them and the header are read.
     pub(super) fn load_segment(
         &self,
         sidecar: &Client,
@@ -104,6 +108,8 @@ impl AsRef<[u8]> for SealedBytes {
 pub(super) struct SidecarCopy<'a> {
     sidecar: &'a Client,
     step: u64,
+    /// The byte ranges the load reads, when not the whole step.
+    regions: Option<Vec<format::Region>>,
     /// The segment and the tier the sidecar took it from, or why there is none.
     got: OnceLock<std::result::Result<(Arc<Sealed>, TierKind), String>>,
 }
@@ -119,7 +125,9 @@ impl SidecarCopy<'_> {
     pub(super) fn segment(&self) -> Result<&Sealed> {
         let fetch = || -> Result<(Arc<Sealed>, TierKind)> {
             let conn = self.sidecar.connect()?;
-            let restored = self.sidecar.restore(conn, Some(self.step), false)?;
+            let restored = self
+                .sidecar
+                .restore(conn, Some(self.step), false, self.regions.clone())?;
             match restored.handed {
                 Handed::Segment(s) => Ok((s, restored.source)),
                 Handed::File(_) => Err(self.error("handed a file when asked for a segment".into())),

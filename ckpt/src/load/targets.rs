@@ -13,6 +13,9 @@ pub(crate) struct Targets<'a> {
     /// The caller buffer that takes the whole file ([`Destination::File`]), and whether it
     /// already holds the nearest tier's bytes ([`Destination::Held`]).
     pub(super) file: Option<(&'a mut [u8], bool)>,
+    /// The only chunks to read, ascending ([`Destination::Regions`]: the header's and the
+    /// regions'); `None`: every chunk.
+    pub(crate) only: Option<Vec<usize>>,
 }
 
 /// Where a piece of a chunk goes: caller memory, or device memory (copied from a pinned
@@ -86,6 +89,7 @@ pub(super) fn whole_file<'a>(
         direct: (0..reference.chunks.len()).map(|_| Vec::new()).collect(),
         taken: reference.tensors.iter().map(|t| t.name.clone()).collect(),
         file: Some((file, held)),
+        only: None,
     })
 }
 
@@ -99,13 +103,17 @@ pub(crate) fn targets<'a>(
     near: &dyn Fn() -> Option<std::fs::File>,
 ) -> Result<Targets<'a>> {
     let chunk_size = reference.chunk_size as usize;
+    let mut only = None;
     let (regions, device) = match dest {
         Destination::Owned => (Vec::new(), HashMap::new()),
         Destination::Buffers(b) => (
             b.into_iter().map(|(n, buf)| (n, None, buf)).collect(),
             HashMap::new(),
         ),
-        Destination::Regions(r) => (r, HashMap::new()),
+        Destination::Regions(r) => {
+            only = Some(region_list(&r));
+            (r, HashMap::new())
+        }
         Destination::File(file) => return whole_file(step, reference, file, false),
         Destination::Held(file) => return whole_file(step, reference, file, true),
         Destination::Device(d) => {
@@ -203,11 +211,39 @@ pub(crate) fn targets<'a>(
             });
         }
     }
+    let only = match only {
+        None => None,
+        // Only what the regions ask for is read, so no other tensor is handed out.
+        Some(regions) => {
+            taken.extend(reference.tensors.iter().map(|t| t.name.clone()));
+            let chunks = reference
+                .chunks_for(&regions)
+                .map_err(|reason| Error::Destination {
+                    step,
+                    name: "(regions)".into(),
+                    reason,
+                })?;
+            Some(chunks)
+        }
+    };
     Ok(Targets {
         direct,
         taken,
         file: None,
+        only,
     })
+}
+
+/// The byte ranges a [`Destination::Regions`] asks for, as the sidecar is told them.
+pub(crate) fn region_list(regions: &[(String, Option<u64>, &mut [u8])]) -> Vec<format::Region> {
+    regions
+        .iter()
+        .map(|(tensor, offset, buf)| format::Region {
+            tensor: tensor.clone(),
+            offset: offset.unwrap_or(0),
+            len: buf.len() as u64,
+        })
+        .collect()
 }
 
 /// Fills the caller and device buffer pieces of a verified file (per chunk: offset in the chunk
