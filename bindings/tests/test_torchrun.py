@@ -199,10 +199,13 @@ def test_peers_killed_while_a_job_reshards_from_them_leave_it_bit_exact(tmp_path
         args = ["--job", "dying", "--width", "512", "--depth", "2", "--sidecar"]
         three = torchrun(3, [*args, sockets(nodes), "--steps", "4", "--save-every", "2", "--dcp"])
         saved = states(three)[-1]
-        # The job comes back as 1 rank on node 0 and reads old ranks 1 and 2 from the memory of
-        # nodes 1 and 2, which are frozen the moment it starts to load (SIGSTOP: whatever they
-        # were sending stops mid-stream), then killed. Each shard they held comes from the next
-        # holder instead: node 0's replica, else the store; the state is the one saved.
+        # The job comes back as 1 rank on the node that holds the fewest shards in memory (its
+        # own, and the replicas placement gave it), so some old rank's shard is only in the
+        # others' memory. Those two are frozen the moment the rank starts to load (SIGSTOP:
+        # whatever they were sending stops mid-stream), then killed. Each shard they held comes
+        # from the next holder instead (the store, here); the state is the one saved.
+        nodes.sort(key=lambda n: n.metric("hotstart_memory_shards", 'origin="replica"'))
+        assert nodes[0].metric("hotstart_memory_shards", 'origin="replica"') < 4
         (port,) = _free_ports(1)
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
@@ -227,9 +230,10 @@ def test_peers_killed_while_a_job_reshards_from_them_leave_it_bit_exact(tmp_path
         assert job.returncode == 0, f"{text}\n{err}"
         assert resumed(text) == [(4, 1)], text
         assert states(text) == [saved, saved], text
-        # One restore of each saved rank, every one through node 0.
-        served = sum(_restored(nodes[:1], s) for s in ("memory", "peer", "disk", "store"))
-        assert served == 3, text
+        # One restore of each saved rank, every one through the surviving node, some not from its memory.
+        sources = {s: _restored(nodes[:1], s) for s in ("memory", "peer", "disk", "store")}
+        print(f"restores of the saved ranks through the surviving node: {sources}")
+        assert sum(sources.values()) == 3 and sources["memory"] < 3, (sources, text)
     finally:
         for s in nodes:
             s.stop()
