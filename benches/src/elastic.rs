@@ -176,9 +176,7 @@ impl Direction<'_> {
             // fetched shards fit), one replica each, the store behind the link.
             let shard = self.total / u64::from(before.min(after));
             let budget = 5 * shard + (256 << 20);
-            let store = self
-                .remote
-                .url(&format!("hotstart-{before}-{after}-{run}"));
+            let store = self.remote.url(&format!("hotstart-{before}-{after}-{run}"));
             let mut all = Vec::new();
             for i in 0..nodes_n {
                 let mut s = settings(&format!("node-{i}"), &dir, budget)?;
@@ -317,7 +315,14 @@ impl Direction<'_> {
         ];
         for (peer, theirs, target) in loads {
             let theirs = med(theirs, Load::total);
-            report.add(Row::rate(what.clone(), self.total, ours, peer, theirs, target));
+            report.add(Row::rate(
+                what.clone(),
+                self.total,
+                ours,
+                peer,
+                theirs,
+                target,
+            ));
         }
         let what = format!(
             "launch → first resumed step, {before} → {after} ranks from the sidecars' memory"
@@ -330,8 +335,7 @@ impl Direction<'_> {
             let theirs = med(theirs, |l| l.to_step);
             report.add(Row::time(what.clone(), ours, peer, theirs, None));
         }
-        let ms =
-            |v: &[Load], f: fn(&Load) -> f64| format!("{:.0}", med(v, f).as_secs_f64() * 1e3);
+        let ms = |v: &[Load], f: fn(&Load) -> f64| format!("{:.0}", med(v, f).as_secs_f64() * 1e3);
         report.note(format!(
             "{before} → {after}: load phases, medians in ms (read | set_state_dict): same size \
              from memory {} | {}; resharded from memory {} | {}; from the store {} | {}; torch \

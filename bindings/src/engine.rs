@@ -200,7 +200,11 @@ impl Engine {
                         .load(StepSel::Step(step), Destination::Regions(host))
                 })
                 .map_err(to_py)?;
-            return Ok(loaded.chunk_sources.iter().map(TierKind::to_string).collect());
+            return Ok(loaded
+                .chunk_sources
+                .iter()
+                .map(TierKind::to_string)
+                .collect());
         }
         let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_, _| {
             Ok(Answer::Tensors(destinations))

@@ -20,7 +20,7 @@
 //! (whose recursion limit stops deep nesting); nothing panics. The full layout is described in
 //! `docs/FORMAT.md`.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
@@ -580,11 +580,11 @@ impl Manifest {
             }
         };
         cover(0..self.data_offset.min(self.file_len));
+        let by_name: HashMap<&str, &TensorEntry> =
+            self.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         for r in regions {
-            let t = self
-                .tensors
-                .iter()
-                .find(|t| t.name == r.tensor)
+            let t = by_name
+                .get(r.tensor.as_str())
                 .ok_or_else(|| format!("no tensor {:?} in the checkpoint", r.tensor))?;
             let whole = self.tensor_range(t);
             let start = whole.start.checked_add(r.offset);

@@ -6,8 +6,8 @@ mod common;
 use std::path::Path;
 
 use common::*;
-use hotstart_ckpt::{Destination, Dtype, EngineConfig, Error, StepSel, Tensor, TierKind};
 use hotstart_ckpt::format::Region;
+use hotstart_ckpt::{Destination, Dtype, EngineConfig, Error, StepSel, Tensor, TierKind};
 use hotstart_store::Store;
 
 /// Saves two steps, checks status, loads both back bit-exact, checks the files with the
@@ -554,7 +554,7 @@ fn regions_of_tensors_load_into_caller_buffers() {
     std::fs::write(&file, &bytes).unwrap();
     let m = e.manifest(1, 0).unwrap();
     let damaged = at / 4096;
-    let mut head = vec![0u8; 100];
+    let mut head = [0u8; 100];
     let l = e
         .load(
             StepSel::Step(1),
@@ -568,15 +568,21 @@ fn regions_of_tensors_load_into_caller_buffers() {
         len: 100,
     }];
     let read = m.chunks_for(&wanted).unwrap();
-    assert!(!read.contains(&damaged) && read.len() < m.chunks.len(), "{read:?}");
+    assert!(
+        !read.contains(&damaged) && read.len() < m.chunks.len(),
+        "{read:?}"
+    );
     assert_eq!(l.chunk_sources.len(), read.len());
     let data_at = (at as u64 - m.data_offset) as usize;
-    let mut hit = vec![0u8; 10];
+    let mut hit = [0u8; 10];
     let e5 = e
         .load(
             StepSel::Step(1),
             Destination::Regions(vec![("big".into(), Some(data_at as u64), &mut hit[..])]),
         )
         .unwrap_err();
-    assert!(matches!(e5, Error::Corrupt { chunk, .. } if chunk == damaged), "{e5}");
+    assert!(
+        matches!(e5, Error::Corrupt { chunk, .. } if chunk == damaged),
+        "{e5}"
+    );
 }

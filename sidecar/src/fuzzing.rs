@@ -9,7 +9,8 @@ use crate::wire::PeerMsg;
 /// The checks a message from an authenticated peer passes before the sidecar acts on it: a
 /// pushed or fetched shard's manifest must parse and describe the shard it came with.
 pub fn peer_message(msg: &PeerMsg) {
-    if let PeerMsg::Push { shard, manifest } | PeerMsg::Shard {
+    if let PeerMsg::Push { shard, manifest }
+    | PeerMsg::Shard {
         shard, manifest, ..
     } = msg
         && let Ok(m) = peer::check_manifest(shard, manifest, "fuzz")

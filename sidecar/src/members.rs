@@ -19,8 +19,8 @@ use crate::error::{Error, Result};
 use crate::memory::{Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::peer::PeerClient;
-use hotstart_proto::shm::Segment;
 use hotstart_ckpt::format::Region;
+use hotstart_proto::shm::Segment;
 
 /// A peer as last probed.
 #[derive(Debug, Clone, PartialEq, Eq)]

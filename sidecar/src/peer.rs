@@ -543,11 +543,11 @@ impl PeerClient {
             rank: key.rank,
             step: key.step,
         };
-        Ok(self.ask_shard(ask, key, None)?.map(|(_, _, json, _)| json))
+        Ok(self.ask_shard(ask, key, None)?.map(|d| d.json))
     }
 
-    /// Sends `ask` (`Describe` or `Fetch` of `key`) and takes the answer: the shard's info and
-    /// manifest, checked (a shard of another key, or a manifest that does not parse or does
+    /// Sends `ask` (`Describe` or `Fetch` of `key`) and takes the answer (no data yet): the
+    /// shard's info and manifest, checked (a shard of another key, or a manifest that does not parse or does
     /// not describe the announced shard, is a protocol violation), or `None` when the peer does
     /// not hold it; and the chunks its data carries when not all of them, which must be those
     /// that hold `regions` (asked for with `Fetch`) and the header.
@@ -556,7 +556,7 @@ impl PeerClient {
         ask: PeerMsg,
         key: &ShardKey,
         regions: Option<&[Region]>,
-    ) -> Result<Option<(ShardInfo, Manifest, String, Option<Vec<usize>>)>> {
+    ) -> Result<Option<Fetched<()>>> {
         self.conn.send(&ask)?;
         let (info, json, chunks) = match self.conn.recv()? {
             PeerMsg::Shard {
@@ -585,7 +585,13 @@ impl PeerClient {
                     .into());
             }
         }
-        Ok(Some((info, m, json, chunks)))
+        Ok(Some(Fetched {
+            info,
+            manifest: m,
+            json,
+            mem: (),
+            chunks,
+        }))
     }
 
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
@@ -606,23 +612,24 @@ impl PeerClient {
             step: key.step,
             regions: regions.map(<[Region]>::to_vec),
         };
-        let Some((info, m, json, chunks)) = self.ask_shard(ask, key, regions)? else {
+        let Some(got) = self.ask_shard(ask, key, regions)? else {
             return Ok(None);
         };
-        let mut mem = alloc(&info, &m)?;
-        let only = chunks.as_deref();
-        if let Some(i) = recv_verified(&mut self.conn, &m, threads, mem.as_mut(), only)? {
+        let mut mem = alloc(&got.info, &got.manifest)?;
+        let only = got.chunks.as_deref();
+        let bad = recv_verified(&mut self.conn, &got.manifest, threads, mem.as_mut(), only)?;
+        if let Some(i) = bad {
             return Err(self
                 .conn
                 .error(format!("{key}: chunk {i} does not match its checksum"))
                 .into());
         }
         Ok(Some(Fetched {
-            info,
-            manifest: m,
-            json,
+            info: got.info,
+            manifest: got.manifest,
+            json: got.json,
             mem,
-            chunks,
+            chunks: got.chunks,
         }))
     }
 }
@@ -748,7 +755,10 @@ mod tests {
         let mut bad = file.clone();
         bad[CHUNK + 5] ^= 1;
         let mut rx = Conn::new(stream(&bad), "t", Side::Peer);
-        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap(), Some(1));
+        assert_eq!(
+            recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap(),
+            Some(1)
+        );
         // The whole stream was read: the connection stays in step.
         assert_eq!(
             rx.get_ref().position() as usize,

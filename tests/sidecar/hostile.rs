@@ -268,8 +268,18 @@ pub fn tokens_frames_and_checksums_are_enforced() {
     assert_eq!(part.chunks, Some(vec![0, 2]));
     for i in 0..m.chunks.len() {
         let r = m.chunk_range(i);
-        let (got, sent) = (&part.mem[r.start as usize..r.end as usize], &file[r.start as usize..r.end as usize]);
-        assert!(if i == 0 || i == 2 { got == sent } else { got.iter().all(|b| *b == 0) }, "chunk {i}");
+        let (got, sent) = (
+            &part.mem[r.start as usize..r.end as usize],
+            &file[r.start as usize..r.end as usize],
+        );
+        assert!(
+            if i == 0 || i == 2 {
+                got == sent
+            } else {
+                got.iter().all(|b| *b == 0)
+            },
+            "chunk {i}"
+        );
     }
     // A range the shard does not have: the whole shard, for the reader's own checks to name.
     let past = [Region {

@@ -125,9 +125,9 @@ impl SidecarCopy<'_> {
     pub(super) fn segment(&self) -> Result<&Sealed> {
         let fetch = || -> Result<(Arc<Sealed>, TierKind)> {
             let conn = self.sidecar.connect()?;
-            let restored = self
-                .sidecar
-                .restore(conn, Some(self.step), false, self.regions.clone())?;
+            let restored =
+                self.sidecar
+                    .restore(conn, Some(self.step), false, self.regions.clone())?;
             match restored.handed {
                 Handed::Segment(s) => Ok((s, restored.source)),
                 Handed::File(_) => Err(self.error("handed a file when asked for a segment".into())),
