@@ -801,6 +801,18 @@ fn a_job_of_another_size_finds_and_reads_the_checkpoint_through_the_sidecars() {
         );
     }
 
+    // Rank 1 is now whole in A's memory: the same range is read from there, and the load
+    // names the sources of the chunks it read, not of the whole segment.
+    let mut again = vec![0u8; 1000];
+    let l = attach(&sock_a, 1, 2)
+        .load(
+            StepSel::Step(3),
+            Destination::Regions(vec![("big".into(), Some(at as u64), &mut again[..])]),
+        )
+        .unwrap();
+    assert!(again == part);
+    assert_eq!(l.chunk_sources, vec![TierKind::Memory; fetched.len()]);
+
     // Node B goes away, and rank 1 of step 3 with it, except the copy A fetched above: the
     // step is still complete from A alone. Once A restarts too (memory gone, no disk, no
     // store), no tier A can see holds rank 1: no checkpoint, not a made-up one.

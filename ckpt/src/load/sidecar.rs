@@ -90,6 +90,13 @@ impl Inner {
             self.core.threads,
             &self.gpu,
         )?;
+        // A whole segment's sources, of a load that read some of its chunks: those chunks'.
+        let chunk_sources = match &targets.only {
+            Some(only) if chunk_sources.len() == m.chunks.len() => {
+                only.iter().map(|&i| chunk_sources[i]).collect()
+            }
+            _ => chunk_sources,
+        };
         let all = Bytes::from_owner(SealedBytes(segment, len));
         self.finish(step, m, &all, Some(&all), targets, chunk_sources)
     }
