@@ -232,19 +232,19 @@ impl Direction<'_> {
             // Fewer ranks: the last node is lost, its sidecar stopped and its memory gone.
             // More: the nodes that did not save join with empty memory.
             nodes.truncate(after as usize);
-            let peer = |nodes: &[Running], source: &str| -> f64 {
+            let restores = |nodes: &[Running], source: &str| -> f64 {
                 nodes
                     .iter()
                     .map(|n| n.metric(&format!("hotstart_restores_total{{source=\"{source}\"}}")))
                     .sum()
             };
-            let earlier = peer(&nodes, "peer");
+            let earlier = restores(&nodes, "peer");
             let mut moved = common(3, 0);
             moved.extend(["--dcp".into(), "--sidecar".into(), sockets(&nodes)]);
             resharded.push(load(self.python, after, &moved, &saved)?);
-            peer_restores += peer(&nodes, "peer") - earlier;
+            peer_restores += restores(&nodes, "peer") - earlier;
             for source in ["disk", "store"] {
-                let n = peer(&nodes, source);
+                let n = restores(&nodes, source);
                 ensure!(
                     n == 0.0,
                     "the reshard from memory read {n} shards from the {source}"
