@@ -20,7 +20,8 @@ use hotstart_sidecar::config::Size;
     hotstart demo                         # 1 GiB of state per trainer, a local directory as the store\n  \
     hotstart demo --size 256MiB --json    # smaller, with a JSON summary on stdout\n  \
     AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ALLOW_HTTP=true hotstart demo --store s3://ckpt/demo\n  \
-    hotstart demo --chaos 200 --seed 7   # 200 random faults (4 MiB of state, a checkpoint every 10 steps)\n\n\
+    hotstart demo --chaos 200 --seed 7   # 200 random faults (4 MiB of state, a checkpoint every 10 steps)\n  \
+    hotstart demo --elastic               # a node lost for good: the job reshards onto 2 ranks from memory\n\n\
     Each sidecar may hold up to 6 times --size of shared memory (its own rank's newest\n\
     checkpoint and the one being saved, and the same for the replicas it holds), so the default\n\
     1 GiB needs about 20 GiB of memory in all; each checkpoint is also written to the disk tier\n\
@@ -52,6 +53,15 @@ pub struct DemoArgs {
     /// tmpfs of its own); without root that kind is left out and the summary says so.
     #[arg(long, value_name = "N")]
     chaos: Option<usize>,
+    /// Instead of the story's three faults, the elastic story: the trainers hold one embedding
+    /// table of the whole job, its rows split among them; a node is lost and not replaced, and
+    /// the job goes on with one rank fewer, each rank loading the rows it now holds from the
+    /// survivors' memory (byte ranges of the old ranks' checkpoints, nothing from disk or
+    /// store); later a replacement node joins and the job grows back. After each reshard the
+    /// demo proves the state bit-exact (the job's digest, a sum over rows, equal to the one
+    /// saved) and that the steps trained again give the same losses.
+    #[arg(long, conflicts_with = "chaos")]
+    elastic: bool,
     /// Working directory for sockets, disk tiers, logs and the default store [default: a new
     /// temporary directory, removed at the end unless --keep].
     #[arg(long)]
@@ -128,6 +138,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 every: args.every.unwrap_or(100),
                 until: args.until,
                 agreement: args.resume_agreement,
+                elastic: args.elastic,
             },
         )?);
     }
@@ -136,8 +147,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         Trainer::Rust => hotstart_demo::TrainerKind::Rust,
         Trainer::Torch => {
             anyhow::ensure!(
-                args.chaos.is_none(),
-                "--chaos runs the Rust trainers; leave out --trainer torch"
+                args.chaos.is_none() && !args.elastic,
+                "--chaos and --elastic run the Rust trainers; leave out --trainer torch"
             );
             torch_trainer(&args.python)?
         }
@@ -170,6 +181,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         seed: args.seed,
         live: !args.json,
         trainer,
+        elastic: args.elastic,
     };
     if let Some(faults) = args.chaos {
         return chaos(cfg, faults, args.json, args.keep, temp);

@@ -65,3 +65,50 @@ fn demo_recovers_every_fault_bit_exact() {
         assert!(tiers.contains(&tier), "{tiers:?}");
     }
 }
+
+/// `hotstart demo --elastic` at a small size: a node lost for good, the job resharded onto 2
+/// ranks from the survivors' memory, then grown back to 3; every reshard's job digest equal to
+/// the one saved, no chunk read from disk or store.
+#[test]
+fn demo_elastic_reshards_from_memory_bit_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_hotstart"))
+        .args(["demo", "--elastic", "--size", "8MiB", "--every", "50"])
+        .args(["--json", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "hotstart demo --elastic failed:\n{stderr}"
+    );
+    let summary: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("summary is not JSON ({e}):\n{stderr}"));
+    assert_eq!(summary["problems"], Value::Array(vec![]), "{stderr}");
+    let faults = summary["faults"].as_array().unwrap();
+    assert_eq!(faults.len(), 2, "{summary:#}");
+    // Shrunk to 2 ranks, then grown back to 3, each from a newer step.
+    let mut last_step = 0;
+    for (f, ranks) in faults.iter().zip([2, 3]) {
+        assert_eq!(f["exact"], true, "{f:#}");
+        let step = f["step"].as_u64().unwrap();
+        assert!(step > last_step, "{summary:#}");
+        last_step = step;
+        let sources = f["sources"].as_array().unwrap();
+        assert_eq!(sources.len(), ranks, "{f:#}");
+        for s in sources {
+            let s = s.as_str().unwrap();
+            assert!(
+                !s.contains("disk") && !s.contains("store") && s != "nothing",
+                "a reshard read outside the cluster's memory: {f:#}"
+            );
+        }
+    }
+    assert!(
+        faults[0]["fault"]
+            .as_str()
+            .unwrap()
+            .contains("not replaced")
+    );
+}

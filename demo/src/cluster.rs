@@ -48,6 +48,8 @@ pub struct Layout {
     pub faults: FaultSetup,
     /// What the trainers are.
     pub trainer: TrainerKind,
+    /// The trainers train the elastic job's shards ([`crate::shard`]).
+    pub elastic: bool,
 }
 
 /// What a cluster prepares so that faults can be injected into it; nothing by default.
@@ -102,6 +104,9 @@ pub struct Cluster {
     job_starts: u32,
     pub nodes: Vec<Option<Node>>,
     pub trainers: Vec<Option<Trainer>>,
+    /// Ranks of the job the trainers start next, rank `r` on node `r` (every node by default;
+    /// fewer after a node is lost and not replaced).
+    pub world_size: usize,
     /// The peer links' fault proxies, with [`FaultSetup::links`].
     links: Option<Links>,
     /// Disk directories with a tmpfs of their own mounted ([`FaultSetup::disk_bytes`]).
@@ -213,6 +218,7 @@ impl Cluster {
             job_starts: 0,
             nodes: (0..layout.nodes).map(|_| None).collect(),
             trainers: (0..layout.nodes).map(|_| None).collect(),
+            world_size: layout.nodes,
             links,
             mounts: Vec::new(),
             tx,
@@ -414,7 +420,8 @@ impl Cluster {
         self.layout.dir.join(format!("resume-{}", self.job_starts))
     }
 
-    /// Starts rank `rank`'s trainer on its node's sidecar, resuming from the step agreed in
+    /// Starts rank `rank`'s trainer (of a job of [`Cluster::world_size`] ranks) on node
+    /// `rank`'s sidecar, resuming from the step agreed in
     /// `agreement` ([`Cluster::next_job_start`]); it trains until `until` (or until killed).
     pub fn start_trainer(
         &mut self,
@@ -445,7 +452,7 @@ impl Cluster {
             .arg(&socket)
             .args(["--job", &l.job])
             .args(["--rank", &rank.to_string()])
-            .args(["--world-size", &l.nodes.to_string()])
+            .args(["--world-size", &self.world_size.to_string()])
             .args(["--size", &l.state_bytes.to_string()])
             .args(["--seed", &l.seed.to_string()])
             .args(["--every", &l.every.to_string()])
@@ -457,6 +464,9 @@ impl Cluster {
             .stderr(Self::append(&log)?);
         if let Some(u) = until {
             cmd.args(["--until", &u.to_string()]);
+        }
+        if l.elastic {
+            cmd.arg("--elastic");
         }
         // A group of its own: a torchrun agent and its worker are killed and signalled together.
         cmd.process_group(0);

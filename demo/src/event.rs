@@ -19,11 +19,26 @@ pub enum Event {
         seconds: f64,
         hash: String,
     },
-    /// One training step and its loss (the bits of the `f32`, so replays compare exactly).
+    /// State of step `step` (saved by a job of `from_world` ranks) loaded by a rank of a job of
+    /// another size, or of the same (`hotstart demo --elastic`): each row it now holds from the
+    /// old rank that held it. As [`Event::Restored`], with `hash` this rank's part of the job's
+    /// state digest ([`crate::shard`]).
+    Resharded {
+        rank: u32,
+        step: u64,
+        from_world: u32,
+        sources: Vec<String>,
+        seconds: f64,
+        hash: String,
+    },
+    /// One training step and its loss (the bits of the `f32`, so replays compare exactly);
+    /// with `--elastic`, also this rank's part of the job's loss digest of the step.
     Step {
         rank: u32,
         step: u64,
         loss_bits: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        loss_digest: Option<String>,
     },
     /// A checkpoint staged: how long training waited (`save` to `wait_staged`), the part of
     /// that before the copy began (`save` itself: waiting for earlier saves that still persist
@@ -53,6 +68,7 @@ impl Event {
             Event::Started { rank, .. }
             | Event::Fresh { rank }
             | Event::Restored { rank, .. }
+            | Event::Resharded { rank, .. }
             | Event::Step { rank, .. }
             | Event::Saved { rank, .. }
             | Event::Persisted { rank, .. } => *rank,

@@ -15,10 +15,12 @@
 
 pub mod chaos;
 pub mod cluster;
+pub mod elastic;
 pub mod event;
 pub mod link;
 pub mod model;
 pub mod scenario;
+pub mod shard;
 pub mod trainer;
 pub mod view;
 
@@ -47,6 +49,9 @@ pub struct DemoConfig {
     pub live: bool,
     /// The trainers' kind.
     pub trainer: TrainerKind,
+    /// Tell the elastic story instead ([`elastic`]): a node lost and not replaced, the job
+    /// resharded onto fewer ranks, then grown back.
+    pub elastic: bool,
 }
 
 /// Which trainers the demo runs, one per node.

@@ -134,7 +134,7 @@ impl Model {
         };
         Model {
             step: 0,
-            emb: Param::new("emb", vec![rows, DIM], init(1, rows * DIM, 0.5)),
+            emb: Model::new_rows(0..rows, seed),
             w1: Param::new(
                 "mlp.w1",
                 vec![DIM, HIDDEN],
@@ -148,6 +148,17 @@ impl Model {
             ),
             b2: Param::new("mlp.b2", vec![CLASSES], vec![0.0; CLASSES]),
         }
+    }
+
+    /// Rows `rows` of the embedding table a model made from `seed` starts with (row `g` is
+    /// the same wherever the table is cut), with zero moments.
+    pub fn new_rows(rows: std::ops::Range<usize>, seed: u64) -> Param {
+        let first = (rows.start * DIM) as u64;
+        let n = rows.len() * DIM;
+        let value = (first..first + n as u64)
+            .map(|i| uniform(key(&[seed, 1, i]), 0.5))
+            .collect();
+        Param::new("emb", vec![rows.len(), DIM], value)
     }
 
     /// Embedding rows.
@@ -192,6 +203,16 @@ impl Model {
 
     /// Trains one step on `batch`; returns the batch's mean loss before the update.
     pub fn train_step(&mut self, batch: &[(usize, usize)]) -> f32 {
+        let losses = self.step_on(batch, batch.len(), true);
+        losses.iter().sum::<f32>() / batch.len() as f32
+    }
+
+    /// Trains one step on `batch`, a part of a batch of `of` samples (the rest trained
+    /// elsewhere on other rows), updating the MLP too when `dense`; returns each sample's loss
+    /// before the update. Each sample's forward and backward pass reads only its own row and
+    /// the MLP, and each row's gradient is summed in the order of `batch`, so a row's update is
+    /// the same bits however the whole batch is split.
+    pub fn step_on(&mut self, batch: &[(usize, usize)], of: usize, dense: bool) -> Vec<f32> {
         let b = batch.len();
         let t = self.step + 1;
         // Forward.
@@ -205,20 +226,19 @@ impl Model {
         let mut z = matmul(&h, &self.w2.value, b, HIDDEN, CLASSES);
         add_bias(&mut z, &self.b2.value);
         // Softmax cross-entropy; dz = (softmax - onehot) / b.
-        let mut loss = 0f32;
+        let mut losses = Vec::with_capacity(b);
         let mut dz = vec![0f32; b * CLASSES];
         for (k, &(_, y)) in batch.iter().enumerate() {
             let zk = &z[k * CLASSES..(k + 1) * CLASSES];
             let max = zk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let exps: Vec<f32> = zk.iter().map(|v| (v - max).exp()).collect();
             let sum: f32 = exps.iter().sum();
-            loss += sum.ln() - (zk[y] - max);
+            losses.push(sum.ln() - (zk[y] - max));
             for c in 0..CLASSES {
                 let p = exps[c] / sum;
-                dz[k * CLASSES + c] = (p - f32::from(c == y)) / b as f32;
+                dz[k * CLASSES + c] = (p - f32::from(c == y)) / of as f32;
             }
         }
-        loss /= b as f32;
         // Backward.
         let dw2 = matmul_tn(&h, &dz, b, HIDDEN, CLASSES);
         let db2 = column_sums(&dz, CLASSES);
@@ -232,10 +252,12 @@ impl Model {
         let db1 = column_sums(&dh, HIDDEN);
         let dx = matmul_nt(&dh, &self.w1.value, b, HIDDEN, DIM);
         // Updates: dense parameters, then each touched row once with its summed gradient.
-        self.w1.adam(0..DIM * HIDDEN, &dw1, t);
-        self.b1.adam(0..HIDDEN, &db1, t);
-        self.w2.adam(0..HIDDEN * CLASSES, &dw2, t);
-        self.b2.adam(0..CLASSES, &db2, t);
+        if dense {
+            self.w1.adam(0..DIM * HIDDEN, &dw1, t);
+            self.b1.adam(0..HIDDEN, &db1, t);
+            self.w2.adam(0..HIDDEN * CLASSES, &dw2, t);
+            self.b2.adam(0..CLASSES, &db2, t);
+        }
         let mut rows: Vec<(usize, usize)> = batch
             .iter()
             .enumerate()
@@ -256,7 +278,7 @@ impl Model {
             self.emb.adam(row * DIM..(row + 1) * DIM, &g, t);
         }
         self.step = t;
-        loss
+        losses
     }
 }
 

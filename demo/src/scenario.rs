@@ -38,7 +38,7 @@ use crate::{DemoConfig, Error, Result};
 
 pub(crate) const JOB: &str = "demo";
 /// The steps a trainer is past a checkpoint when it is killed.
-const PAST: u64 = 3;
+pub(crate) const PAST: u64 = 3;
 
 /// Medians and extremes of a set of figures.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -190,10 +190,33 @@ impl Demo {
         self.view.ranks.len()
     }
 
-    /// Starts every trainer (to `until`, or until killed).
+    /// Takes in everything the trainers of ranks `0..n` said, up to their stdout closing: once
+    /// they are killed, the view then holds their last words.
+    pub(crate) fn drain(&mut self, n: usize) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while (0..n).any(|r| self.closed[r] < self.cluster.trainer_generation(r)) {
+            match self.cluster.rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(Msg::Event(e)) => self.view.apply(e),
+                Ok(Msg::Closed { rank, generation }) => {
+                    let r = rank as usize;
+                    self.closed[r] = self.closed[r].max(generation);
+                }
+                Err(_) if Instant::now() > deadline => {
+                    return Err(Error::Timeout(
+                        "the killed trainers' output to close".into(),
+                    ));
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts every trainer of a job of [`Cluster::world_size`] ranks (to `until`, or until
+    /// killed).
     pub(crate) fn start_trainers(&mut self, until: Option<u64>) -> Result<()> {
         let agreement = self.cluster.next_job_start();
-        for r in 0..self.ranks() {
+        for r in 0..self.cluster.world_size {
             self.finishing[r] = until.is_some();
             self.cluster.start_trainer(r, until, &agreement)?;
         }
@@ -425,6 +448,7 @@ pub(crate) fn layout(cfg: &DemoConfig) -> crate::cluster::Layout {
         grace: Duration::from_secs(60),
         faults: Default::default(),
         trainer: cfg.trainer.clone(),
+        elastic: cfg.elastic,
     }
 }
 
@@ -443,7 +467,11 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         finishing: vec![false; n],
         closed: vec![0; n],
     };
-    let res = story(&mut demo, cfg);
+    let res = if cfg.elastic {
+        crate::elastic::story(&mut demo, cfg)
+    } else {
+        story(&mut demo, cfg)
+    };
     demo.view.finish();
     res?;
     let v = &demo.view;
@@ -451,7 +479,7 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
     let mut first = Vec::new();
     let mut per_tier: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for r in &v.ranks {
-        for s in r.saved.values() {
+        for s in r.saved.values().chain(&r.retired) {
             if s.first {
                 first.push(s.stall);
             } else {

@@ -18,7 +18,8 @@ use hotstart_ckpt::{
 };
 
 use crate::event::Event;
-use crate::model::{Model, Param};
+use crate::model::{DIM, Model, Param};
+use crate::shard::{self, Shard};
 use crate::{Error, Result};
 
 /// What a trainer process is told.
@@ -39,9 +40,79 @@ pub struct TrainerConfig {
     /// job (see [`restore_agreed`]; `None`: each rank restores the newest step its own sidecar
     /// finds).
     pub agreement: Option<PathBuf>,
+    /// Train the elastic demo's row-sharded job ([`crate::shard`]): every restore reshards
+    /// from the ranks of the job that saved the step, whatever their number.
+    pub elastic: bool,
 }
 
 const STEP_EXTRA: &str = "demo.step";
+/// The elastic job's table rows, in every rank's checkpoint.
+const ROWS_EXTRA: &str = "demo.rows";
+
+/// What a trainer trains: a model of its own, or its shard of the elastic job's table.
+enum State {
+    Own(Model),
+    Shard(Shard),
+}
+
+impl State {
+    fn model(&self) -> &Model {
+        match self {
+            State::Own(m) => m,
+            State::Shard(s) => &s.model,
+        }
+    }
+
+    /// Trains the next step; the event reporting it.
+    fn train(&mut self, cfg: &TrainerConfig) -> Event {
+        let (loss, loss_digest) = match self {
+            State::Own(m) => (m.train_step(&m.batch(cfg.seed, cfg.rank, m.step)), None),
+            State::Shard(s) => {
+                let (loss, digest) = s.train_step(cfg.seed);
+                (loss, Some(shard::hex(digest)))
+            }
+        };
+        Event::Step {
+            rank: cfg.rank,
+            step: self.model().step,
+            loss_bits: loss.to_bits(),
+            loss_digest,
+        }
+    }
+
+    /// What the demo compares after a restore: the blake3 of the model, or the shard's part of
+    /// the job's digest.
+    fn hash(&self) -> String {
+        match self {
+            State::Own(m) => state_hash(m),
+            State::Shard(s) => shard::hex(s.digest()),
+        }
+    }
+
+    fn extras(&self) -> hotstart_ckpt::Extras {
+        let mut extras: hotstart_ckpt::Extras = [(
+            STEP_EXTRA.to_string(),
+            self.model().step.to_le_bytes().to_vec(),
+        )]
+        .into();
+        if let State::Shard(s) = self {
+            extras.insert(
+                ROWS_EXTRA.into(),
+                (s.table_rows as u64).to_le_bytes().to_vec(),
+            );
+        }
+        extras
+    }
+}
+
+/// The u64 extra `name` of step `step`.
+fn extra_u64(extras: &hotstart_ckpt::Extras, name: &str, step: u64) -> Result<u64> {
+    extras
+        .get(name)
+        .and_then(|b| <[u8; 8]>::try_from(&b[..]).ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| Error::Protocol(format!("step {step} has no {name} extra")))
+}
 
 /// The model's bytes as safetensors tensors: every parameter and both its moments.
 fn views(model: &Model) -> Vec<(String, &[f32], Vec<u64>)> {
@@ -122,14 +193,7 @@ fn restore(engine: &Engine, rank: u32, which: StepSel) -> Result<Option<(Model, 
         Err(e) => return Err(e.into()),
     };
     let mut model = model.ok_or_else(|| Error::Protocol("a load without its plan".into()))?;
-    let step = loaded
-        .extras
-        .get(STEP_EXTRA)
-        .and_then(|b| <[u8; 8]>::try_from(&b[..]).ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| {
-            Error::Protocol(format!("step {} has no {STEP_EXTRA} extra", loaded.step))
-        })?;
+    let step = extra_u64(&loaded.extras, STEP_EXTRA, loaded.step)?;
     if step != loaded.step || !loaded.tensors.is_empty() {
         return Err(Error::Protocol(format!(
             "step {} holds the state of step {step} and {} tensors the model does not have",
@@ -153,9 +217,83 @@ fn restore(engine: &Engine, rank: u32, which: StepSel) -> Result<Option<(Model, 
     Ok(Some((model, event)))
 }
 
-/// Starts a checkpoint of `model` and waits until it is staged.
-fn save(engine: &Engine, model: &Model, rank: u32) -> Result<(SaveHandle, Instant)> {
+/// Rank `cfg.rank`'s shard of the elastic job at step `step`, whatever the number of ranks that
+/// saved it: each row it now holds is loaded, as byte ranges of the three tensors the row is
+/// in, from the file of the old rank that held it (through the sidecar: its memory, a peer's,
+/// a disk, the store, whichever is nearest), straight into the shard's memory. `None` when the
+/// step, or an old rank's part of it, is gone.
+fn reshard(engine: &Engine, cfg: &TrainerConfig, step: u64) -> Result<Option<(State, Event)>> {
     let started = Instant::now();
+    let first = match engine.manifest(step, 0) {
+        Err(e) if e.is_not_found() => return Ok(None),
+        m => m?,
+    };
+    let old_world = first.world_size;
+    let extras = first
+        .decode_extras()
+        .map_err(|e| Error::Protocol(format!("step {step}, rank 0: {e}")))?;
+    let table_rows = extra_u64(&extras, ROWS_EXTRA, step)?;
+    let mut shard = Shard::zeroed(table_rows as usize, cfg.rank, cfg.world_size, cfg.seed);
+    shard.model.step = step;
+    let mine = shard.rows();
+    let row_bytes = (DIM * std::mem::size_of::<f32>()) as u64;
+    let mut sources = Vec::new();
+    for old in 0..old_world {
+        let theirs = shard::rows_of(table_rows as usize, old, old_world);
+        let (a, b) = (mine.start.max(theirs.start), mine.end.min(theirs.end));
+        if a >= b {
+            continue;
+        }
+        let at = Some((a - theirs.start) as u64 * row_bytes);
+        let into = (a - mine.start) * DIM..(b - mine.start) * DIM;
+        let Param { value, m, v, .. } = &mut shard.model.emb;
+        let regions = vec![
+            (
+                "emb".to_string(),
+                at,
+                bytes_of_mut(&mut value[into.clone()]),
+            ),
+            (
+                "emb.adam_m".to_string(),
+                at,
+                bytes_of_mut(&mut m[into.clone()]),
+            ),
+            ("emb.adam_v".to_string(), at, bytes_of_mut(&mut v[into])),
+        ];
+        let reader =
+            Engine::new(EngineConfig::new(cfg.job.clone(), old, old_world).sidecar(&cfg.socket))?;
+        let loaded = match reader.load(StepSel::Step(step), Destination::Regions(regions)) {
+            Err(e) if e.is_not_found() => return Ok(None),
+            l => l?,
+        };
+        let (s, rows) = (
+            extra_u64(&loaded.extras, STEP_EXTRA, step)?,
+            extra_u64(&loaded.extras, ROWS_EXTRA, step)?,
+        );
+        if (s, rows) != (step, table_rows) {
+            return Err(Error::Protocol(format!(
+                "step {step}, rank {old} of {old_world}: the state of step {s} of a table of \
+                 {rows} rows, not of step {step} of {table_rows} rows"
+            )));
+        }
+        sources.extend(loaded.chunk_sources.iter().map(TierKind::to_string));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let event = Event::Resharded {
+        rank: cfg.rank,
+        step,
+        from_world: old_world,
+        sources,
+        seconds,
+        hash: shard::hex(shard.digest()),
+    };
+    Ok(Some((State::Shard(shard), event)))
+}
+
+/// Starts a checkpoint of `state` and waits until it is staged.
+fn save(engine: &Engine, state: &State, rank: u32) -> Result<(SaveHandle, Instant)> {
+    let started = Instant::now();
+    let model = state.model();
     let mut tensors = Vec::new();
     for (name, data, shape) in views(model) {
         let bytes = bytes_of(data);
@@ -164,8 +302,7 @@ fn save(engine: &Engine, model: &Model, rank: u32) -> Result<(SaveHandle, Instan
         let t = unsafe { Tensor::from_raw(name, Dtype::F32, shape, bytes.as_ptr(), bytes.len()) }?;
         tensors.push(t);
     }
-    let extras = [(STEP_EXTRA.to_string(), model.step.to_le_bytes().to_vec())].into();
-    let handle = engine.save(model.step, tensors, extras)?;
+    let handle = engine.save(model.step, tensors, state.extras())?;
     let waited = started.elapsed();
     handle.wait_staged()?;
     emit(&Event::Saved {
@@ -173,7 +310,7 @@ fn save(engine: &Engine, model: &Model, rank: u32) -> Result<(SaveHandle, Instan
         step: model.step,
         stall_seconds: started.elapsed().as_secs_f64(),
         wait_seconds: waited.as_secs_f64(),
-        hash: state_hash(model),
+        hash: state.hash(),
     });
     Ok((handle, started))
 }
@@ -224,6 +361,14 @@ impl Pending {
     }
 }
 
+/// The newest step complete for every rank of this job's size, older than `below` if given.
+fn newest_complete(engine: &Engine, below: Option<u64>) -> Result<Option<u64>> {
+    Ok(match below {
+        None => engine.latest_complete_step()?,
+        Some(s) => engine.latest_complete_step_below(s)?,
+    })
+}
+
 /// How long a rank waits for the others in [`restore_agreed`].
 const AGREEMENT_WAIT: Duration = Duration::from_secs(120);
 
@@ -260,11 +405,14 @@ fn await_file(path: &Path, what: &str) -> Result<String> {
 /// could not (its copies corrupt or gone in every tier), the job goes back a step and tries
 /// again, rather than failing the same way at every restart. `None`: no step is left, every
 /// rank starts fresh.
-fn restore_agreed(
-    engine: &Engine,
+///
+/// `propose(below)` is rank 0's choice, `restore(step)` each rank's attempt.
+fn restore_agreed<T>(
     cfg: &TrainerConfig,
     dir: &Path,
-) -> Result<Option<(Model, Event)>> {
+    propose: impl Fn(Option<u64>) -> Result<Option<u64>>,
+    mut restore: impl FnMut(u64) -> Result<Option<T>>,
+) -> Result<Option<T>> {
     if cfg.rank == 0 {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("create the agreement directory", e))?;
     }
@@ -273,10 +421,7 @@ fn restore_agreed(
     loop {
         let at = dir.join(format!("step-{round}"));
         if cfg.rank == 0 {
-            let step = match proposed {
-                None => engine.latest_complete_step()?,
-                Some(s) => engine.latest_complete_step_below(s)?,
-            };
+            let step = propose(proposed)?;
             publish(
                 &at,
                 &step.map_or_else(|| "fresh".to_string(), |s| s.to_string()),
@@ -290,7 +435,7 @@ fn restore_agreed(
             .parse()
             .map_err(|_| Error::Protocol(format!("{}: not a step: {text:?}", at.display())))?;
         proposed = Some(step);
-        let (restored, said) = match restore(engine, cfg.rank, StepSel::Step(step)) {
+        let (restored, said) = match restore(step) {
             Ok(Some(r)) => (Some(r), "ok".to_string()),
             Ok(None) => (None, "not found".to_string()),
             Err(e) => (None, e.to_string()),
@@ -319,46 +464,60 @@ pub fn run(cfg: &TrainerConfig) -> Result<()> {
     let engine = Engine::new(
         EngineConfig::new(cfg.job.clone(), cfg.rank, cfg.world_size).sidecar(&cfg.socket),
     )?;
-    let restored = match &cfg.agreement {
-        None => restore(&engine, cfg.rank, StepSel::Latest)?,
-        Some(dir) => restore_agreed(&engine, cfg, dir)?,
-    };
-    let mut model = match restored {
-        Some((model, event)) => {
-            emit(&Event::Started {
-                rank: cfg.rank,
-                state_bytes: model.state_bytes(),
-            });
-            emit(&event);
-            model
+    let restored = if cfg.elastic {
+        // Any checkpoint of the job, saved by however many ranks.
+        let propose = |below: Option<u64>| -> Result<Option<u64>> {
+            let found = match below {
+                None => engine.latest_checkpoint()?,
+                Some(s) => engine.latest_checkpoint_below(s)?,
+            };
+            Ok(found.map(|(step, _)| step))
+        };
+        match &cfg.agreement {
+            None => match propose(None)? {
+                Some(step) => reshard(&engine, cfg, step)?,
+                None => None,
+            },
+            Some(dir) => restore_agreed(cfg, dir, propose, |step| reshard(&engine, cfg, step))?,
         }
+    } else {
+        let own = |r: Option<(Model, Event)>| r.map(|(m, e)| (State::Own(m), e));
+        match &cfg.agreement {
+            None => own(restore(&engine, cfg.rank, StepSel::Latest)?),
+            Some(dir) => own(restore_agreed(
+                cfg,
+                dir,
+                |below| newest_complete(&engine, below),
+                |step| restore(&engine, cfg.rank, StepSel::Step(step)),
+            )?),
+        }
+    };
+    let (mut state, event) = match restored {
+        Some((state, event)) => (state, event),
         None => {
-            let model = Model::new(
-                Model::rows_for(cfg.state_bytes),
-                cfg.seed ^ u64::from(cfg.rank),
-            );
-            emit(&Event::Started {
-                rank: cfg.rank,
-                state_bytes: model.state_bytes(),
-            });
-            emit(&Event::Fresh { rank: cfg.rank });
-            model
+            let rows = Model::rows_for(cfg.state_bytes);
+            let state = if cfg.elastic {
+                let table = rows * cfg.world_size as usize;
+                State::Shard(Shard::new(table, cfg.rank, cfg.world_size, cfg.seed))
+            } else {
+                State::Own(Model::new(rows, cfg.seed ^ u64::from(cfg.rank)))
+            };
+            (state, Event::Fresh { rank: cfg.rank })
         }
     };
+    emit(&Event::Started {
+        rank: cfg.rank,
+        state_bytes: state.model().state_bytes(),
+    });
+    emit(&event);
     let mut pending: Vec<Pending> = Vec::new();
     loop {
-        if cfg.until.is_some_and(|u| model.step >= u) {
+        if cfg.until.is_some_and(|u| state.model().step >= u) {
             break;
         }
-        let batch = model.batch(cfg.seed, cfg.rank, model.step);
-        let loss = model.train_step(&batch);
-        emit(&Event::Step {
-            rank: cfg.rank,
-            step: model.step,
-            loss_bits: loss.to_bits(),
-        });
-        if model.step.is_multiple_of(cfg.every.max(1)) {
-            let (handle, started) = save(&engine, &model, cfg.rank)?;
+        emit(&state.train(cfg));
+        if state.model().step.is_multiple_of(cfg.every.max(1)) {
+            let (handle, started) = save(&engine, &state, cfg.rank)?;
             pending.push(Pending {
                 handle,
                 started,
@@ -392,13 +551,15 @@ mod tests {
         let mut hashes = Vec::new();
         for rank in 0..2 {
             let e = engine(rank);
-            let mut model = Model::new(Model::rows_for(1 << 20), u64::from(rank));
+            let mut state = State::Own(Model::new(Model::rows_for(1 << 20), u64::from(rank)));
             let mut saved = BTreeMap::new();
             for step in [10, 20] {
-                model.step = step;
-                let (h, _) = save(&e, &model, rank).unwrap();
+                if let State::Own(m) = &mut state {
+                    m.step = step;
+                }
+                let (h, _) = save(&e, &state, rank).unwrap();
                 h.wait().unwrap();
-                saved.insert(step, state_hash(&model));
+                saved.insert(step, state.hash());
             }
             hashes.push(saved);
         }
@@ -423,8 +584,15 @@ mod tests {
                             every: 10,
                             until: None,
                             agreement: Some(agreement.clone()),
+                            elastic: false,
                         };
-                        restore_agreed(&engine, &cfg, &agreement).unwrap()
+                        restore_agreed(
+                            &cfg,
+                            &agreement,
+                            |below| newest_complete(&engine, below),
+                            |step| restore(&engine, rank, StepSel::Step(step)),
+                        )
+                        .unwrap()
                     })
                 })
                 .collect();

@@ -75,6 +75,13 @@ pub struct Rank {
     pub replayed: u64,
     /// The rank's trainer process has saved since it started.
     pub saved_since_start: bool,
+    /// Saves of the rows this rank held before its last reshard (kept for the stall figures).
+    pub retired: Vec<Saved>,
+    /// With `--elastic`: step → this rank's part of the job's loss digest, since its last
+    /// reshard.
+    pub loss_digests: BTreeMap<u64, u128>,
+    /// With `--elastic`: the rank's reshards, each with its part of the job's state digest.
+    pub reshards: Vec<(Restore, u128)>,
 }
 
 impl Rank {
@@ -209,9 +216,50 @@ impl View {
                     exact,
                 });
             }
-            Event::Step {
-                step, loss_bits, ..
+            Event::Resharded {
+                step,
+                sources,
+                seconds,
+                hash,
+                ..
             } => {
+                // The rank now holds other rows: its earlier saves and losses were of those.
+                rank.retired
+                    .extend(std::mem::take(&mut rank.saved).into_values());
+                rank.losses.clear();
+                rank.loss_digests.clear();
+                rank.step = step;
+                let digest = crate::shard::parse(&hash).unwrap_or_else(|| {
+                    self.problems
+                        .push(format!("rank {r}: a reshard's digest is not one: {hash:?}"));
+                    0
+                });
+                // Whether it is exact is for the job as a whole: the sum of every rank's part.
+                let restore = Restore {
+                    step,
+                    sources,
+                    seconds,
+                    at: Instant::now(),
+                    exact: false,
+                };
+                rank.reshards.push((restore, digest));
+            }
+            Event::Step {
+                step,
+                loss_bits,
+                loss_digest,
+                ..
+            } => {
+                if let Some(d) = loss_digest.as_deref() {
+                    match crate::shard::parse(d) {
+                        Some(d) => {
+                            rank.loss_digests.insert(step, d);
+                        }
+                        None => self
+                            .problems
+                            .push(format!("rank {r}: a loss digest is not one: {d:?}")),
+                    }
+                }
                 rank.step = step;
                 rank.loss = f32::from_bits(loss_bits);
                 match rank.losses.get(&step) {

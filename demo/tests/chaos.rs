@@ -40,6 +40,7 @@ fn fixed_seed_campaigns_break_no_invariant() {
                 nodes: 3,
                 state_bytes: 4 << 20,
                 every: 10,
+                elastic: false,
                 seed,
                 live: false,
             },
