@@ -650,8 +650,7 @@ impl Core {
     pub(crate) fn replicate(&self, shard: &Shard) -> Result<Vec<String>> {
         let members = self.members.snapshot();
         let ids: Vec<Identity> = members.iter().map(|m| m.id.clone()).collect();
-        let key = super::placement::key(&shard.key.job, shard.key.rank);
-        let order = super::placement::order(&key, &self.me, &ids);
+        let order = super::placement::order(&self.me, &ids);
         // Peers that answered the last probe first, keeping placement order within each.
         let up = |id: &Identity| members.iter().any(|m| m.id.node == id.node && m.up);
         let order: Vec<&Identity> = order

@@ -1,20 +1,20 @@
-//! Where replicas go: a deterministic ring.
+//! Where replicas go: the node's successors on a ring of nodes.
 //!
-//! Every node sits on a ring of 64-bit positions at [`POINTS`] places (the hashes of
-//! `<id>#0`, `<id>#1`, ...; many points per node spread the ranks evenly); a rank's shards
-//! (key `<job>/<rank>`) start at the hash of the key and walk clockwise, taking each node the
-//! first time the walk meets it. The walk skips this node; when this node has a failure-domain
-//! label, peers with a *different* label (or none) come first and peers in the same domain only
-//! after them, so replicas leave the domain whenever enough peers elsewhere exist. The first
-//! `k` peers of the walk that accept a shard hold it.
+//! Every node sits at one 64-bit position on a ring (the hash of its id). The replicas of every
+//! shard a node holds as origin walk clockwise from that node's own position and take each peer
+//! in the order met: the first replica goes to the node's successor. Successors on a ring are a
+//! one-to-one map, so with one replica each node holds the replicas of exactly one other node
+//! (its predecessor): memory and replication traffic are even whenever nodes run the same
+//! number of ranks, where placing each rank by its own hash gives some node two ranks' replicas
+//! and another none in a small cluster. When this node has a failure-domain label, peers with a
+//! *different* label (or none) come first and peers in the same domain only after them, so
+//! replicas leave the domain whenever enough peers elsewhere exist. The first `k` peers of the
+//! walk that accept a shard hold it.
 //!
-//! The same inputs give the same order on every node, every step of a rank goes to the same
-//! peers, and adding or removing a node moves only the ranks whose walk passed it.
+//! The same inputs give the same order on every node, every step of a node's ranks goes to the
+//! same peers, and adding or removing a node changes only its predecessor's first choice.
 
 use crate::auth::Identity;
-
-/// Ring positions per node.
-pub const POINTS: u32 = 64;
 
 fn position(s: &str) -> u64 {
     let h = blake3::hash(s.as_bytes());
@@ -23,29 +23,17 @@ fn position(s: &str) -> u64 {
     u64::from_le_bytes(b)
 }
 
-/// The placement key of a rank of a job.
-pub fn key(job: &str, rank: u32) -> String {
-    format!("{job}/{rank}")
-}
-
-/// Every peer in the order replicas of `key` should try them (see the module docs).
-pub fn order<'a>(key: &str, me: &Identity, peers: &'a [Identity]) -> Vec<&'a Identity> {
-    let start = position(key);
-    let mut ring: Vec<(u64, &Identity)> = peers
-        .iter()
-        .filter(|p| p.node != me.node)
-        .flat_map(|p| {
-            (0..POINTS).map(move |i| (position(&format!("{}#{i}", p.node)).wrapping_sub(start), p))
-        })
-        .collect();
-    // Ties (equal hashes) are broken by id, so the order is total.
-    ring.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.node.cmp(&b.1.node)));
-    let mut walk: Vec<&Identity> = Vec::new();
-    for (_, p) in ring {
-        if !walk.iter().any(|q| q.node == p.node) {
-            walk.push(p);
-        }
-    }
+/// Every peer in the order replicas of `me`'s shards should try them (see the module docs).
+pub fn order<'a>(me: &Identity, peers: &'a [Identity]) -> Vec<&'a Identity> {
+    let start = position(&me.node);
+    let mut walk: Vec<&Identity> = peers.iter().filter(|p| p.node != me.node).collect();
+    // Clockwise distance from this node; ties (equal hashes) are broken by id, so the order is
+    // total. A peer listed twice is taken once.
+    walk.sort_by(|a, b| {
+        let d = |p: &Identity| position(&p.node).wrapping_sub(start);
+        d(a).cmp(&d(b)).then_with(|| a.node.cmp(&b.node))
+    });
+    walk.dedup_by(|a, b| a.node == b.node);
     let same_domain = |p: &Identity| !me.domain.is_empty() && p.domain == me.domain;
     let (away, near): (Vec<_>, Vec<_>) = walk.into_iter().partition(|p| !same_domain(p));
     away.into_iter().chain(near).collect()
@@ -73,47 +61,44 @@ mod tests {
                 )
             })
             .collect();
-        for rank in 0..50 {
-            let k = key("job", rank);
-            let o = order(&k, &me, &peers);
-            assert_eq!(o.len(), 7, "every peer but me");
-            assert!(o.iter().all(|p| p.node != "n0"));
-            // The four peers of rack-b come before the three others of rack-a.
-            assert!(o[..4].iter().all(|p| p.domain == "rack-b"), "{rank}");
-            assert!(o[4..].iter().all(|p| p.domain == "rack-a"));
-            // Same answer whatever order the peers are listed in.
-            let mut shuffled = peers.clone();
-            shuffled.reverse();
-            let again: Vec<&str> = order(&k, &me, &shuffled)
-                .iter()
-                .map(|p| p.node.as_str())
-                .collect();
-            let first: Vec<&str> = o.iter().map(|p| p.node.as_str()).collect();
-            assert_eq!(first, again);
-        }
+        let o = order(&me, &peers);
+        assert_eq!(o.len(), 7, "every peer but me");
+        assert!(o.iter().all(|p| p.node != "n0"));
+        // The four peers of rack-b come before the three others of rack-a.
+        assert!(o[..4].iter().all(|p| p.domain == "rack-b"), "{o:?}");
+        assert!(o[4..].iter().all(|p| p.domain == "rack-a"));
+        // Same answer whatever order the peers are listed in.
+        let mut shuffled = peers.clone();
+        shuffled.reverse();
+        let again: Vec<&str> = order(&me, &shuffled)
+            .iter()
+            .map(|p| p.node.as_str())
+            .collect();
+        let first: Vec<&str> = o.iter().map(|p| p.node.as_str()).collect();
+        assert_eq!(first, again);
     }
 
+    /// Each node's first choice is a different peer, so with one replica every node holds the
+    /// replicas of exactly one other; a node removed changes only its predecessor's choice.
     #[test]
-    fn ranks_spread_over_peers_and_removal_moves_few() {
-        let me = node("me", "");
-        let peers: Vec<Identity> = (0..5).map(|i| node(&format!("p{i}"), "")).collect();
-        let first = |peers: &[Identity], rank| order(&key("j", rank), &me, peers)[0].node.clone();
-        let mut counts = std::collections::HashMap::new();
-        for rank in 0..500 {
-            *counts.entry(first(&peers, rank)).or_insert(0) += 1;
-        }
-        assert_eq!(counts.len(), 5, "every peer gets some ranks: {counts:?}");
-        assert!(
-            counts.values().all(|&c| (50..=150).contains(&c)),
-            "{counts:?}"
-        );
-        // Without p2, only the ranks that went to p2 move.
-        let fewer: Vec<Identity> = peers.iter().filter(|p| p.node != "p2").cloned().collect();
-        for rank in 0..500 {
-            let before = first(&peers, rank);
-            if before != "p2" {
-                assert_eq!(first(&fewer, rank), before);
+    fn every_node_holds_one_nodes_replicas_and_removal_moves_one() {
+        for n in [2, 3, 5, 16] {
+            let nodes: Vec<Identity> = (0..n).map(|i| node(&format!("node-{i}"), "")).collect();
+            let first = |me: &Identity, all: &[Identity]| order(me, all)[0].node.clone();
+            let chosen: std::collections::BTreeSet<String> =
+                nodes.iter().map(|me| first(me, &nodes)).collect();
+            assert_eq!(chosen.len(), n, "{n} nodes: {chosen:?}");
+            if n < 3 {
+                continue;
             }
+            let gone = &nodes[1].node;
+            let fewer: Vec<Identity> = nodes.iter().filter(|p| &p.node != gone).cloned().collect();
+            let moved: Vec<&Identity> = fewer
+                .iter()
+                .filter(|me| first(me, &nodes) != first(me, &fewer))
+                .collect();
+            assert_eq!(moved.len(), 1, "{n} nodes: {moved:?}");
+            assert_eq!(&first(moved[0], &nodes), gone);
         }
     }
 }
