@@ -35,7 +35,8 @@ pub struct DemoArgs {
     /// 1GiB; 4MiB with --chaos].
     #[arg(long)]
     size: Option<Size>,
-    /// Training steps between checkpoints [default: 100; 10 with --chaos].
+    /// Training steps between checkpoints [default: 2000, about 15 s of training here, longer
+    /// than a step takes to persist to every tier, as in a real job; 10 with --chaos].
     #[arg(long)]
     every: Option<u64>,
     /// Nodes, one sidecar and one trainer each (at least 3: a node is lost and its peers must
@@ -135,7 +136,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 world_size: args.world_size,
                 state_bytes: args.size.map_or(1 << 30, |s| s.0),
                 seed: args.seed,
-                every: args.every.unwrap_or(100),
+                every: args.every.unwrap_or(2000),
                 until: args.until,
                 agreement: args.resume_agreement,
                 elastic: args.elastic,
@@ -155,7 +156,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let (size, every) = match args.chaos {
         Some(_) => (4 << 20, 10),
-        None => (1 << 30, 100),
+        None => (1 << 30, 2000),
     };
     let size = args.size.map_or(size, |s| s.0);
     let every = args.every.unwrap_or(every);

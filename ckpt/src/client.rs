@@ -4,7 +4,7 @@
 //! target and sink.
 //!
 //! **Save.** A save stages into a segment prepared for it ([`Next`]): right after each commit,
-//! a background thread of low priority asks the sidecar for the next save's segment
+//! a background thread asks the sidecar for the next save's segment
 //! (`Stage{ahead}`; in the steady state the segment of an older step, recycled), maps it and
 //! maps every page of it now (`MADV_POPULATE_WRITE`: the pages exist, only the page tables are
 //! filled), registered as pinned memory for the GPU when the last save had device tensors. So
@@ -37,9 +37,9 @@ use crate::format::Manifest;
 use crate::handle::{Phase, Shared};
 use crate::staging::Region;
 use crate::tier::TierKind;
+use hotstart_proto::PROTOCOL_VERSION;
 use hotstart_proto::shm::{self, Mapping, Sealed, Segment};
 use hotstart_proto::wire::{Conn, FdStream, LinkError, LocalMsg, Side};
-use hotstart_proto::{PROTOCOL_VERSION, background_priority};
 
 /// How to reach the sidecar as one rank of one job.
 #[derive(Debug)]
@@ -309,8 +309,9 @@ impl Drop for Promise {
     }
 }
 
-/// Keeps `promise`: prepares the next save's segment in the background, at a lower priority;
-/// see the module docs. `ordinal`: the GPU the last save copied from, to register the segment
+/// Keeps `promise`: prepares the next save's segment in the background, at training's own
+/// priority (the next save waits for it; on cores that training keeps busy a lower one only
+/// postpones the work until that save blocks on it); see the module docs. `ordinal`: the GPU the last save copied from, to register the segment
 /// with.
 fn prepare(
     mut promise: Promise,
@@ -325,7 +326,6 @@ fn prepare(
     };
     let done = next.clone();
     let work = move || {
-        background_priority();
         let slot = dial.stage(step, len, false, true).and_then(|mut slot| {
             slot.map
                 .prepare_for_writes()

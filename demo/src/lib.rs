@@ -136,7 +136,7 @@ pub fn table(s: &Summary) -> String {
         format!(
             "training stall per checkpoint (save → wait_staged), steady state: median {:.0} ms, max {:.0} ms, over {} checkpoints; \
              of it the copy median {:.0} ms, and the wait for the segment prepared after the last commit (an older step's, once its persistence lets go, or new memory) median {:.0} ms, max {:.0} ms; \
-             copy floor {:.0} ms (the same bytes into memory already mapped, one process alone); \
+             copy floor {:.0} ms (the same bytes into memory already mapped, one process alone), {:.0} ms when every trainer copies at once; \
              the first save of each trainer process (it maps memory new to it) median {:.0} ms over {}",
             s.stall_seconds.median * 1e3,
             s.stall_seconds.max * 1e3,
@@ -145,6 +145,7 @@ pub fn table(s: &Summary) -> String {
             s.queued_seconds.median * 1e3,
             s.queued_seconds.max * 1e3,
             s.copy_floor_seconds * 1e3,
+            s.copy_floor_together_seconds * 1e3,
             s.first_stall_seconds.median * 1e3,
             s.first_stall_seconds.count
         ),

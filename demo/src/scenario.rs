@@ -112,6 +112,10 @@ pub struct Summary {
     /// The floor of that wait: one rank's state copied into memory already mapped (a parallel
     /// memcpy over as many threads as a trainer's engine copies with), median of five, seconds.
     pub copy_floor_seconds: f64,
+    /// The same copy made by every trainer at once, as they do when they save the same step
+    /// (each its own bytes; on a machine with fewer cores than the trainers' copy threads,
+    /// the floor of a save the trainers make together).
+    pub copy_floor_together_seconds: f64,
     pub tiers: Vec<TierFigures>,
     pub faults: Vec<FaultReport>,
     pub problems: Vec<String>,
@@ -520,7 +524,8 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
         copy_seconds: Spread::of(copies),
         queued_seconds: Spread::of(queued),
         first_stall_seconds: Spread::of(first),
-        copy_floor_seconds: copy_floor(bytes as usize),
+        copy_floor_seconds: copy_floor(bytes as usize, 1),
+        copy_floor_together_seconds: copy_floor(bytes as usize, n),
         tiers,
         faults: demo.faults.clone(),
         problems: v.problems.clone(),
@@ -528,19 +533,23 @@ pub fn run(cfg: &DemoConfig) -> Result<Summary> {
     })
 }
 
-/// The median time of a parallel copy of `bytes` bytes into pre-faulted memory, over as many
-/// threads as an engine copies with by default (the cores, at most 8).
-fn copy_floor(bytes: usize) -> f64 {
+/// The median time of `copiers` parallel copies at once, each of `bytes` bytes into
+/// pre-faulted memory of its own over as many threads as an engine copies with by default (the
+/// cores, at most 8): one trainer's save alone, or every trainer's at the same step.
+fn copy_floor(bytes: usize, copiers: usize) -> f64 {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 8));
-    let src = vec![1u8; bytes];
-    let mut dst = vec![2u8; bytes];
+    let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = (0..copiers)
+        .map(|_| (vec![1u8; bytes], vec![2u8; bytes]))
+        .collect();
     let piece = bytes.div_ceil(threads).max(1);
     let mut times: Vec<f64> = (0..5)
         .map(|_| {
             let t = Instant::now();
             std::thread::scope(|s| {
-                for (d, from) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
-                    s.spawn(move || d.copy_from_slice(from));
+                for (src, dst) in &mut pairs {
+                    for (d, from) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+                        s.spawn(move || d.copy_from_slice(from));
+                    }
                 }
             });
             t.elapsed().as_secs_f64()

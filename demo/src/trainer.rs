@@ -292,6 +292,9 @@ fn reshard(engine: &Engine, cfg: &TrainerConfig, step: u64) -> Result<Option<(St
 
 /// Starts a checkpoint of `state` and waits until it is staged.
 fn save(engine: &Engine, state: &State, rank: u32) -> Result<(SaveHandle, Instant)> {
+    // Hashed before the save, not after: the step survives from `wait_staged` on, and a trainer
+    // killed while it hashed would have saved a step without telling its hash.
+    let hash = state.hash();
     let started = Instant::now();
     let model = state.model();
     let mut tensors = Vec::new();
@@ -310,7 +313,7 @@ fn save(engine: &Engine, state: &State, rank: u32) -> Result<(SaveHandle, Instan
         step: model.step,
         stall_seconds: started.elapsed().as_secs_f64(),
         wait_seconds: waited.as_secs_f64(),
-        hash: state.hash(),
+        hash,
     });
     Ok((handle, started))
 }

@@ -11,11 +11,13 @@
 //!   created with its pages allocated. `ahead` asks for the *next* save's segment right after a
 //!   commit, so that the training process can map it before it needs it: when the older step
 //!   that may be recycled is still read (its persistence) or not yet superseded (the other
-//!   ranks have not completed a newer step), a new segment is made from free memory or from
-//!   memory freed by evicting other ranks' (and replicas') older steps, and otherwise it is
-//!   waited for (up to `stage_timeout`); with nothing that could be
-//!   recycled, a new one is made as for a save, evicting but never waiting. New segments made
-//!   ahead are allocated at a lower priority. One stage per connection at a time.
+//!   ranks have not completed a newer step), it is waited for during a quarter of the rank's
+//!   last interval between commits (both usually pass within moments, and a recycled segment
+//!   costs nothing where new memory costs its zeroing); after that a new segment is made from
+//!   free memory or from memory freed by evicting other ranks' (and replicas') older steps,
+//!   and otherwise it is waited for (up to `stage_timeout`); with nothing that could be
+//!   recycled, a new one is made as for a save, evicting but never waiting. One stage per
+//!   connection at a time.
 //! - `Filled{manifest}`: every byte of the step is in the segment, laid out as the manifest
 //!   says; its chunk hashes are the sidecar's to compute. No answer. From here the step is the
 //!   sidecar's to finish: should the connection close before `Commit` (the process was killed
@@ -149,6 +151,9 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
         return;
     }
     let mut staged: Option<Staged> = None;
+    // This rank's last commit, and the interval between its last two: how soon its next save
+    // is likely to come.
+    let (mut last_commit, mut interval): (Option<Instant>, Option<Duration>) = (None, None);
     loop {
         let msg = match reader.recv::<LocalMsg>() {
             Ok(m) => m,
@@ -194,7 +199,18 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 len,
                 wait,
                 ahead,
-            } => match stage(&core, &who, step, len, wait, ahead, staged.is_some()) {
+            } => match stage(
+                &core,
+                &who,
+                Ask {
+                    step,
+                    len,
+                    wait,
+                    ahead,
+                    recycle_for: interval.map_or(Duration::ZERO, |i| i / 4),
+                },
+                staged.is_some(),
+            ) {
                 Ok(seg) => {
                     let sent = writer
                         .lock()
@@ -238,6 +254,9 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     };
                     match commit(&core, &who, s) {
                         Ok(shard) => {
+                            let now = Instant::now();
+                            interval = last_commit.map(|t| now - t);
+                            last_commit = Some(now);
                             let sent = send(&LocalMsg::Committed);
                             core.after_commit(shard, Some(writer.clone()), asked);
                             sent
@@ -347,16 +366,26 @@ fn refusal(e: &Error) -> LocalMsg {
     }
 }
 
-/// A segment of `len` bytes for `step` (or the save after it, `ahead`); see the module docs.
-fn stage(
-    core: &Core,
-    who: &Rank,
+/// What a `Stage` asks for.
+struct Ask {
     step: u64,
     len: u64,
     wait: bool,
     ahead: bool,
-    busy: bool,
-) -> Result<Segment> {
+    /// Staged ahead: how long to wait for an older step of the rank to become recyclable
+    /// before new memory is made instead.
+    recycle_for: Duration,
+}
+
+/// A segment of `len` bytes for `step` (or the save after it, `ahead`); see the module docs.
+fn stage(core: &Core, who: &Rank, ask: Ask, busy: bool) -> Result<Segment> {
+    let Ask {
+        step,
+        len,
+        wait,
+        ahead,
+        recycle_for,
+    } = ask;
     if busy {
         return Err(CkptError::Sidecar {
             socket: core.cfg.socket.display().to_string(),
@@ -371,6 +400,7 @@ fn stage(
         reason: "checkpoint larger than the address space".into(),
     })?;
     let deadline = Instant::now() + core.cfg.stage_timeout;
+    let recycle_until = Instant::now() + recycle_for.min(core.cfg.stage_timeout);
     let charge = loop {
         if core.life.get() == State::Draining {
             return Err(CkptError::Sidecar {
@@ -383,6 +413,14 @@ fn stage(
         let complete = core.latest_seen(&who.job, who.world_size, None);
         match core.memory.recycle(&who.job, who.rank, size, complete) {
             Recycled::Taken(seg) => return Ok(seg),
+            Recycled::Busy if ahead && Instant::now() < recycle_until => {
+                // The older step usually becomes recyclable moments after this commit (the
+                // other ranks commit the same step, its persistence lets go), and a recycled
+                // segment costs nothing, where new memory costs its zeroing on cores that
+                // training keeps busy: for a quarter of the rank's interval between saves, the
+                // recycle is waited for.
+                core.memory.wait_freed(Duration::from_millis(50));
+            }
             Recycled::Busy if ahead => {
                 // New memory (free, or freed from other ranks' older steps) rather than a wait
                 // that the next save might share.
@@ -415,23 +453,11 @@ fn stage(
             }
         }
     };
-    let create =
-        || Segment::create(&name, size, Some(Box::new(charge))).and_then(Segment::allocate);
-    let seg = if ahead {
-        // Zeroing new memory is the whole cost, and nobody waits for it yet: on threads of a
-        // lower priority, out of training's way.
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                hotstart_proto::background_priority();
-                create()
-            })
-            .join()
-            .unwrap_or_else(|_| Err(std::io::Error::other("allocating thread panicked")))
-        })
-    } else {
-        create()
-    }
-    .map_err(|e| Error::io("create shared memory", &name, e))?;
+    // Made ahead too at training's own priority: the next save waits for it, and on cores that
+    // training keeps busy a lower priority only postpones the zeroing until that save blocks.
+    let seg = Segment::create(&name, size, Some(Box::new(charge)))
+        .and_then(Segment::allocate)
+        .map_err(|e| Error::io("create shared memory", &name, e))?;
     core.memory.count_created();
     Ok(seg)
 }

@@ -28,7 +28,9 @@
 //!
 //! **Eviction.** Shards are evicted oldest step first (ties: the one committed first), but the
 //! newest committed step of each (job, rank) is never evicted, so every rank this node holds
-//! can always be restored from memory at its latest step. Nothing is evicted when evicting
+//! can always be restored from memory at its latest step; except a rank the job no longer has:
+//! once the job's newest step held here was saved by fewer ranks (it went on with fewer after
+//! a node was lost), the newest step of a rank past them is evicted as any older step. Nothing is evicted when evicting
 //! everything that may go would still not make room. An evicted shard leaves the index at
 //! once; its memory is freed when the last user (a persist, a replication, a restore in
 //! progress) lets go of it.
@@ -428,8 +430,8 @@ impl Memory {
 }
 
 /// Takes shards out of the index, oldest step first, until their charges add up to `want`
-/// bytes; never the newest step of a (job, rank). Takes none when all that may go would not
-/// add up to `want`.
+/// bytes; never the newest step of a (job, rank) that the job's newest step still has. Takes
+/// none when all that may go would not add up to `want`.
 fn evict(s: &mut State, want: u64) -> Vec<Arc<Shard>> {
     evict_but(s, want, None)
 }
@@ -437,14 +439,28 @@ fn evict(s: &mut State, want: u64) -> Vec<Arc<Shard>> {
 /// [`evict`], sparing every shard of `spare`'s (job, rank).
 fn evict_but(s: &mut State, want: u64, spare: Option<(&str, u32)>) -> Vec<Arc<Shard>> {
     let mut newest: BTreeMap<(&str, u32), u64> = BTreeMap::new();
-    for k in s.shards.keys() {
+    // Per job: its newest step held, and the largest world size that step was saved with.
+    let mut world: BTreeMap<&str, (u64, u32)> = BTreeMap::new();
+    for sh in s.shards.values() {
+        let k = &sh.key;
         let n = newest.entry((k.job.as_str(), k.rank)).or_insert(k.step);
         *n = (*n).max(k.step);
+        let w = world
+            .entry(k.job.as_str())
+            .or_insert((k.step, sh.world_size));
+        *w = (*w).max((k.step, sh.world_size));
     }
+    // The newest step of a rank is kept, unless the job's newest step has fewer ranks: the job
+    // went on without that rank (an elastic restart), and no restore takes its step any more.
+    let kept = |sh: &Shard| {
+        let job = sh.key.job.as_str();
+        newest.get(&(job, sh.key.rank)) == Some(&sh.key.step)
+            && world.get(job).is_none_or(|&(_, w)| sh.key.rank < w)
+    };
     let mut candidates: Vec<(u64, Instant, ShardKey)> = s
         .shards
         .values()
-        .filter(|sh| newest.get(&(sh.key.job.as_str(), sh.key.rank)) != Some(&sh.key.step))
+        .filter(|sh| !kept(sh))
         .filter(|sh| spare != Some((sh.key.job.as_str(), sh.key.rank)))
         .map(|sh| (sh.key.step, sh.committed, sh.key.clone()))
         .collect();
@@ -483,9 +499,21 @@ mod tests {
     use hotstart_ckpt::{Dtype, Tensor};
 
     fn shard(mem: &Arc<Memory>, job: &str, rank: u32, step: u64, len: usize) -> Result<Arc<Shard>> {
+        shard_of(mem, job, rank, 2, step, len)
+    }
+
+    /// A shard of rank `rank` of a job of `world` ranks.
+    fn shard_of(
+        mem: &Arc<Memory>,
+        job: &str,
+        rank: u32,
+        world: u32,
+        step: u64,
+        len: usize,
+    ) -> Result<Arc<Shard>> {
         let charge = mem.reserve(len as u64, Duration::ZERO, "test shard")?;
         let t = Tensor::new("w", Dtype::U8, vec![len as u64 - 64], vec![0u8; len - 64]).unwrap();
-        let layout = Layout::new(job, step, rank, 2, &[t]).unwrap();
+        let layout = Layout::new(job, step, rank, world, &[t]).unwrap();
         let seg = Segment::create("t", len, Some(Box::new(charge)))
             .unwrap()
             .commit()
@@ -495,7 +523,7 @@ mod tests {
             job,
             step,
             rank,
-            2,
+            world,
             &layout,
             1 << 20,
             &hashes,
@@ -507,7 +535,7 @@ mod tests {
                 rank,
                 step,
             },
-            world_size: 2,
+            world_size: world,
             origin: if rank == 0 {
                 "me".into()
             } else {
@@ -557,6 +585,35 @@ mod tests {
             .to_string();
         assert!(err.contains("larger than the whole budget"), "{err}");
         assert_eq!(mem.stats().refusals, 2);
+    }
+
+    /// A job of 3 ranks goes on with 2: the newest step of its rank 2, which no restore takes
+    /// any more, makes room; the newest steps of ranks 0 and 1 (saved by the 2) stay.
+    #[test]
+    fn a_rank_the_job_went_on_without_is_evicted_though_newest() {
+        let mem = Memory::new(5 * 8192, "me");
+        for rank in 0..3 {
+            mem.insert(shard_of(&mem, "j", rank, 3, 1, 8192).unwrap());
+        }
+        for rank in 0..2 {
+            mem.insert(shard_of(&mem, "j", rank, 2, 2, 8192).unwrap());
+        }
+        // Step 1 of ranks 0 and 1 go first (older than their newest), then rank 2's.
+        mem.insert(shard_of(&mem, "j", 0, 2, 3, 3 * 8192).unwrap());
+        assert_eq!(steps(&mem, 0), vec![2, 3]);
+        assert_eq!(steps(&mem, 1), vec![2]);
+        assert_eq!(steps(&mem, 2), Vec::<u64>::new());
+        // While the newest step is the 3 ranks', rank 2's newest stays.
+        let mem = Memory::new(4 * 8192, "me");
+        for rank in 0..3 {
+            mem.insert(shard_of(&mem, "j", rank, 3, 1, 8192).unwrap());
+        }
+        mem.insert(shard_of(&mem, "j", 0, 3, 2, 8192).unwrap());
+        let err = shard_of(&mem, "j", 1, 3, 2, 2 * 8192)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("memory budget"), "{err}");
+        assert_eq!(steps(&mem, 2), vec![1]);
     }
 
     #[test]
