@@ -242,13 +242,5 @@ pub(crate) fn story(d: &mut Demo, cfg: &DemoConfig) -> Result<()> {
         },
     )?;
     d.kill_trainers()?;
-    d.view.say("SIGTERM to every sidecar: they drain and exit");
-    for (id, status) in d.cluster.stop_nodes(Duration::from_secs(90))? {
-        if !status.success() {
-            return Err(Error::Check(format!(
-                "sidecar {id} exited with {status} after SIGTERM"
-            )));
-        }
-    }
-    Ok(())
+    d.stop_sidecars()
 }

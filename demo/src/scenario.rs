@@ -316,6 +316,20 @@ impl Demo {
         Ok(())
     }
 
+    /// SIGTERMs every sidecar and checks that each drained and exited cleanly.
+    pub(crate) fn stop_sidecars(&mut self) -> Result<()> {
+        self.view
+            .say("SIGTERM to every sidecar: they drain and exit");
+        for (id, status) in self.cluster.stop_nodes(Duration::from_secs(90))? {
+            if !status.success() {
+                return Err(Error::Check(format!(
+                    "sidecar {id} exited with {status} after SIGTERM"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn steps(&self) -> Vec<u64> {
         self.view.ranks.iter().map(|r| r.step).collect()
     }
@@ -675,13 +689,5 @@ fn story(d: &mut Demo, cfg: &DemoConfig) -> Result<()> {
     for r in 0..n {
         d.cluster.wait_trainer(r, Duration::from_secs(120))?;
     }
-    d.view.say("SIGTERM to every sidecar: they drain and exit");
-    for (id, status) in d.cluster.stop_nodes(Duration::from_secs(90))? {
-        if !status.success() {
-            return Err(Error::Check(format!(
-                "sidecar {id} exited with {status} after SIGTERM"
-            )));
-        }
-    }
-    Ok(())
+    d.stop_sidecars()
 }
