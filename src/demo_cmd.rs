@@ -99,6 +99,10 @@ pub struct DemoArgs {
     resume_agreement: Option<PathBuf>,
 }
 
+/// Steps between checkpoints by default: about 15 s of training here, longer than a step takes
+/// to persist to every tier, as in a real job.
+const DEFAULT_EVERY: u64 = 2000;
+
 /// The demo's trainers, as the command line names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Trainer {
@@ -136,7 +140,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 world_size: args.world_size,
                 state_bytes: args.size.map_or(1 << 30, |s| s.0),
                 seed: args.seed,
-                every: args.every.unwrap_or(2000),
+                every: args.every.unwrap_or(DEFAULT_EVERY),
                 until: args.until,
                 agreement: args.resume_agreement,
                 elastic: args.elastic,
@@ -156,7 +160,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let (size, every) = match args.chaos {
         Some(_) => (4 << 20, 10),
-        None => (1 << 30, 2000),
+        None => (1 << 30, DEFAULT_EVERY),
     };
     let size = args.size.map_or(size, |s| s.0);
     let every = args.every.unwrap_or(every);

@@ -111,4 +111,11 @@ fn demo_elastic_reshards_from_memory_bit_exact() {
             .unwrap()
             .contains("not replaced")
     );
+    // The steps the bigger job trained past the resharded step, trained again with the same
+    // job-wide losses (every rank was a few steps past it when the job restarted).
+    let replayed: u64 = faults
+        .iter()
+        .map(|f| f["replayed_steps"].as_u64().unwrap())
+        .sum();
+    assert!(replayed > 0, "{summary:#}");
 }

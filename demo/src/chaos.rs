@@ -44,7 +44,7 @@ use serde::Serialize;
 pub use check::{RULES, Violation};
 pub use plan::{Fault, FileTier, Moment, Planned};
 
-use crate::cluster::{Cluster, FaultSetup, Msg};
+use crate::cluster::{Cluster, FaultSetup};
 use crate::scenario::{Demo, JOB, flip_byte};
 use crate::view::{TIERS, View};
 use crate::{DemoConfig, Error, Result};
@@ -338,25 +338,9 @@ impl Campaign {
     /// Kills every trainer and takes in what they said up to their end, so that every copy they
     /// reported is in the view before a fault is recorded against it.
     fn stop_trainers(&mut self) -> Step {
-        let gens: Vec<u32> = (0..self.d.ranks())
-            .map(|r| self.d.cluster.trainer_generation(r))
-            .collect();
         self.d.kill_trainers()?;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while (0..gens.len()).any(|r| self.d.closed[r] < gens[r]) {
-            if Instant::now() > deadline {
-                return Err(Error::Timeout("killed trainers' output to end".into()).into());
-            }
-            match self.d.cluster.rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(Msg::Event(e)) => self.d.view.apply(e),
-                Ok(Msg::Closed { rank, generation }) => {
-                    let r = rank as usize;
-                    self.d.closed[r] = self.d.closed[r].max(generation);
-                }
-                Err(_) => {}
-            }
-        }
-        Ok(())
+        let n = self.d.ranks();
+        Ok(self.d.drain(n)?)
     }
 
     /// Restarts the job: every trainer starts again and restores.

@@ -145,13 +145,15 @@ impl Demo {
         )?;
         let again = loss_digests(&self.view, world);
         let mut replayed = 0;
-        for (s, d) in again.range(step + 1..=last) {
-            match losses.get(s) {
-                Some(before) if before == d => replayed += 1,
-                Some(_) => self.view.problems.push(format!(
+        for s in step + 1..=last {
+            match (losses.get(&s), again.get(&s)) {
+                (Some(before), Some(now)) if before == now => replayed += 1,
+                (Some(_), Some(_)) => self.view.problems.push(format!(
                     "step {s} trained again by {world} ranks has other losses than by {from}"
                 )),
-                None => {}
+                _ => self.view.problems.push(format!(
+                    "step {s}: not every rank of {from} and of {world} reported its losses"
+                )),
             }
         }
         if let Some(f) = self.faults.last_mut() {

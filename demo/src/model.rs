@@ -74,6 +74,20 @@ impl Param {
     }
 }
 
+/// The bytes of `x`, as a checkpoint takes them.
+pub(crate) fn bytes_of(x: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte pattern is a valid u8; the slice covers exactly
+    // the same memory, borrowed for the same lifetime.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
+/// The bytes of `x`, writable, for a load to fill.
+pub(crate) fn bytes_of_mut(x: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as in `bytes_of`; every byte pattern is also a valid f32, so writing any bytes
+    // through the returned slice leaves valid floats, and the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
 fn bias_corrections(t: u64) -> (f32, f32) {
     let t = t.min(i32::MAX as u64) as i32;
     (1.0 - BETA1.powi(t), 1.0 - BETA2.powi(t))
@@ -240,19 +254,19 @@ impl Model {
             }
         }
         // Backward.
-        let dw2 = matmul_tn(&h, &dz, b, HIDDEN, CLASSES);
-        let db2 = column_sums(&dz, CLASSES);
         let mut dh = matmul_nt(&dz, &self.w2.value, b, CLASSES, HIDDEN);
         for (d, &hv) in dh.iter_mut().zip(&h) {
             if hv <= 0.0 {
                 *d = 0.0;
             }
         }
-        let dw1 = matmul_tn(&x, &dh, b, DIM, HIDDEN);
-        let db1 = column_sums(&dh, HIDDEN);
         let dx = matmul_nt(&dh, &self.w1.value, b, HIDDEN, DIM);
         // Updates: dense parameters, then each touched row once with its summed gradient.
         if dense {
+            let dw2 = matmul_tn(&h, &dz, b, HIDDEN, CLASSES);
+            let db2 = column_sums(&dz, CLASSES);
+            let dw1 = matmul_tn(&x, &dh, b, DIM, HIDDEN);
+            let db1 = column_sums(&dh, HIDDEN);
             self.w1.adam(0..DIM * HIDDEN, &dw1, t);
             self.b1.adam(0..HIDDEN, &db1, t);
             self.w2.adam(0..HIDDEN * CLASSES, &dw2, t);

@@ -22,7 +22,7 @@
 
 use std::ops::Range;
 
-use crate::model::{BATCH, DIM, Model, label, mix};
+use crate::model::{BATCH, DIM, Model, bytes_of, label, mix};
 
 /// Samples per step of the whole job, split among the ranks by the rows they hold.
 pub const JOB_BATCH: usize = 3 * BATCH;
@@ -57,12 +57,6 @@ fn to_u128(h: blake3::Hash) -> u128 {
     let mut b = [0u8; 16];
     b.copy_from_slice(&h.as_bytes()[..16]);
     u128::from_le_bytes(b)
-}
-
-fn bytes_of(x: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and every byte pattern is a valid u8; same memory, same
-    // lifetime.
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
 impl Shard {

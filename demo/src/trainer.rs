@@ -18,7 +18,7 @@ use hotstart_ckpt::{
 };
 
 use crate::event::Event;
-use crate::model::{DIM, Model, Param};
+use crate::model::{DIM, Model, Param, bytes_of, bytes_of_mut};
 use crate::shard::{self, Shard};
 use crate::{Error, Result};
 
@@ -124,18 +124,6 @@ fn views(model: &Model) -> Vec<(String, &[f32], Vec<u64>)> {
         out.push((format!("{}.adam_v", p.name), &p.v[..], shape));
     }
     out
-}
-
-fn bytes_of(x: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and every byte pattern is a valid u8; the slice covers exactly
-    // the same memory, borrowed for the same lifetime.
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
-}
-
-fn bytes_of_mut(x: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as in `bytes_of`; every byte pattern is also a valid f32, so writing any bytes
-    // through the returned slice leaves valid floats, and the borrow is exclusive.
-    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
 /// blake3 of the whole training state (step, then every tensor in order): what the demo

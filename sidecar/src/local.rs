@@ -11,11 +11,9 @@
 //!   created with its pages allocated. `ahead` asks for the *next* save's segment right after a
 //!   commit, so that the training process can map it before it needs it: when the older step
 //!   that may be recycled is still read (its persistence) or not yet superseded (the other
-//!   ranks have not completed a newer step), it is waited for during a quarter of the rank's
-//!   last interval between commits (both usually pass within moments, and a recycled segment
-//!   costs nothing where new memory costs its zeroing); after that a new segment is made from
-//!   free memory or from memory freed by evicting other ranks' (and replicas') older steps,
-//!   and otherwise it is waited for (up to `stage_timeout`); with nothing that could be
+//!   ranks have not completed a newer step), a new segment is made from free memory or from
+//!   memory freed by evicting other ranks' (and replicas') older steps, and otherwise it is
+//!   waited for (up to `stage_timeout`); with nothing that could be
 //!   recycled, a new one is made as for a save, evicting but never waiting. One stage per
 //!   connection at a time.
 //! - `Filled{manifest}`: every byte of the step is in the segment, laid out as the manifest
@@ -151,9 +149,6 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
         return;
     }
     let mut staged: Option<Staged> = None;
-    // This rank's last commit, and the interval between its last two: how soon its next save
-    // is likely to come.
-    let (mut last_commit, mut interval): (Option<Instant>, Option<Duration>) = (None, None);
     loop {
         let msg = match reader.recv::<LocalMsg>() {
             Ok(m) => m,
@@ -199,18 +194,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 len,
                 wait,
                 ahead,
-            } => match stage(
-                &core,
-                &who,
-                Ask {
-                    step,
-                    len,
-                    wait,
-                    ahead,
-                    recycle_for: interval.map_or(Duration::ZERO, |i| i / 4),
-                },
-                staged.is_some(),
-            ) {
+            } => match stage(&core, &who, step, len, wait, ahead, staged.is_some()) {
                 Ok(seg) => {
                     let sent = writer
                         .lock()
@@ -254,9 +238,6 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     };
                     match commit(&core, &who, s) {
                         Ok(shard) => {
-                            let now = Instant::now();
-                            interval = last_commit.map(|t| now - t);
-                            last_commit = Some(now);
                             let sent = send(&LocalMsg::Committed);
                             core.after_commit(shard, Some(writer.clone()), asked);
                             sent
@@ -366,26 +347,16 @@ fn refusal(e: &Error) -> LocalMsg {
     }
 }
 
-/// What a `Stage` asks for.
-struct Ask {
+/// A segment of `len` bytes for `step` (or the save after it, `ahead`); see the module docs.
+fn stage(
+    core: &Core,
+    who: &Rank,
     step: u64,
     len: u64,
     wait: bool,
     ahead: bool,
-    /// Staged ahead: how long to wait for an older step of the rank to become recyclable
-    /// before new memory is made instead.
-    recycle_for: Duration,
-}
-
-/// A segment of `len` bytes for `step` (or the save after it, `ahead`); see the module docs.
-fn stage(core: &Core, who: &Rank, ask: Ask, busy: bool) -> Result<Segment> {
-    let Ask {
-        step,
-        len,
-        wait,
-        ahead,
-        recycle_for,
-    } = ask;
+    busy: bool,
+) -> Result<Segment> {
     if busy {
         return Err(CkptError::Sidecar {
             socket: core.cfg.socket.display().to_string(),
@@ -400,7 +371,6 @@ fn stage(core: &Core, who: &Rank, ask: Ask, busy: bool) -> Result<Segment> {
         reason: "checkpoint larger than the address space".into(),
     })?;
     let deadline = Instant::now() + core.cfg.stage_timeout;
-    let recycle_until = Instant::now() + recycle_for.min(core.cfg.stage_timeout);
     let charge = loop {
         if core.life.get() == State::Draining {
             return Err(CkptError::Sidecar {
@@ -413,14 +383,6 @@ fn stage(core: &Core, who: &Rank, ask: Ask, busy: bool) -> Result<Segment> {
         let complete = core.latest_seen(&who.job, who.world_size, None);
         match core.memory.recycle(&who.job, who.rank, size, complete) {
             Recycled::Taken(seg) => return Ok(seg),
-            Recycled::Busy if ahead && Instant::now() < recycle_until => {
-                // The older step usually becomes recyclable moments after this commit (the
-                // other ranks commit the same step, its persistence lets go), and a recycled
-                // segment costs nothing, where new memory costs its zeroing on cores that
-                // training keeps busy: for a quarter of the rank's interval between saves, the
-                // recycle is waited for.
-                core.memory.wait_freed(Duration::from_millis(50));
-            }
             Recycled::Busy if ahead => {
                 // New memory (free, or freed from other ranks' older steps) rather than a wait
                 // that the next save might share.

@@ -30,7 +30,10 @@
 //! newest committed step of each (job, rank) is never evicted, so every rank this node holds
 //! can always be restored from memory at its latest step; except a rank the job no longer has:
 //! once the job's newest step held here was saved by fewer ranks (it went on with fewer after
-//! a node was lost), the newest step of a rank past them is evicted as any older step. Nothing is evicted when evicting
+//! a node was lost), the newest step of a rank past them is evicted as any older step. That
+//! goes by the newest step held here, complete or not: should the smaller job die before it
+//! completes one, a restart that goes back to the bigger job's step reads that rank's shard
+//! from a disk or the store instead. Nothing is evicted when evicting
 //! everything that may go would still not make room. An evicted shard leaves the index at
 //! once; its memory is freed when the last user (a persist, a replication, a restore in
 //! progress) lets go of it.
@@ -451,7 +454,8 @@ fn evict_but(s: &mut State, want: u64, spare: Option<(&str, u32)>) -> Vec<Arc<Sh
         *w = (*w).max((k.step, sh.world_size));
     }
     // The newest step of a rank is kept, unless the job's newest step has fewer ranks: the job
-    // went on without that rank (an elastic restart), and no restore takes its step any more.
+    // went on without that rank (an elastic restart), and once the smaller job completes a
+    // step no restore takes the rank's step any more (see the module docs).
     let kept = |sh: &Shard| {
         let job = sh.key.job.as_str();
         newest.get(&(job, sh.key.rank)) == Some(&sh.key.step)

@@ -4,7 +4,8 @@
 //! committed shard somewhere this sidecar can see: in its own memory, in a peer's memory, on
 //! its own disk or a peer's disk (each peer's inventory lists both). Only when no step is
 //! complete there is the object store listed (with a deadline, so a store that is down cannot
-//! stall a restart): memory never evicts a rank's newest step, so the store holds a newer
+//! stall a restart): memory never evicts a rank's newest step (but that of a rank a job went
+//! on without, see `super::memory`), so the store holds a newer
 //! complete step than the peers only when nodes lost memory they had not yet replicated. Every
 //! sidecar asks every peer that answered its last probe (a dead peer is not waited for), so
 //! sidecars that can reach each other agree on the step.
