@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::scenario::{Demo, FaultReport, PAST, describe_sources};
+use crate::scenario::{Demo, FaultReport, PAST, describe_sources, per_rank};
 use crate::view::View;
 use crate::{DemoConfig, Error, Result};
 
@@ -118,12 +118,7 @@ impl Demo {
         self.view.say(format!(
             "resharded in {:.1} s: {world} ranks resumed from step {step} of {from} ({}); the job's digest equal to the one saved: {}",
             recovery.as_secs_f64(),
-            sources
-                .iter()
-                .enumerate()
-                .map(|(r, s)| format!("rank {r}: {s}"))
-                .collect::<Vec<_>>()
-                .join(", "),
+            per_rank(&sources),
             if exact { "yes" } else { "NO" }
         ));
         self.faults.push(FaultReport {

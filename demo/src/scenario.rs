@@ -266,12 +266,7 @@ impl Demo {
         self.view.say(format!(
             "recovered in {:.1} s: every rank resumed from step {step} ({}); state bit-exact: {}",
             recovery.as_secs_f64(),
-            sources
-                .iter()
-                .enumerate()
-                .map(|(r, s)| format!("rank {r}: {s}"))
-                .collect::<Vec<_>>()
-                .join(", "),
+            per_rank(&sources),
             if restores.iter().all(|x| x.exact) {
                 "yes"
             } else {
@@ -333,6 +328,16 @@ impl Demo {
     pub(crate) fn steps(&self) -> Vec<u64> {
         self.view.ranks.iter().map(|r| r.step).collect()
     }
+}
+
+/// Each rank's sources, in words, on one line.
+pub(crate) fn per_rank(sources: &[String]) -> String {
+    sources
+        .iter()
+        .enumerate()
+        .map(|(r, s)| format!("rank {r}: {s}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Where a rank's chunks came from, in words.
