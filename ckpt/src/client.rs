@@ -311,8 +311,8 @@ impl Drop for Promise {
 
 /// Keeps `promise`: prepares the next save's segment in the background, at training's own
 /// priority (the next save waits for it; on cores that training keeps busy a lower one only
-/// postpones the work until that save blocks on it); see the module docs. `ordinal`: the GPU the last save copied from, to register the segment
-/// with.
+/// postpones the work until that save blocks on it); see the module docs. `ordinal`: the GPU
+/// the last save copied from, to register the segment with.
 fn prepare(
     mut promise: Promise,
     gpu: Arc<Gpu>,

@@ -182,16 +182,11 @@ pub(crate) fn story(d: &mut Demo, cfg: &DemoConfig) -> Result<()> {
     let n = d.ranks();
     let e = d.every;
     let lost = n - 1;
-    d.view.say(format!(
-        "starting {n} sidecars (hotstart serve; peers over mutual TLS 1.3) and {n} trainers, one embedding table split among them ({} of state each); a checkpoint every {e} steps; store {}",
+    let store = d.cluster.layout.store.clone();
+    d.start_job(format!(
+        "starting {n} sidecars (hotstart serve; peers over mutual TLS 1.3) and {n} trainers, one embedding table split among them ({} of state each); a checkpoint every {e} steps; store {store}",
         crate::bytes(cfg.state_bytes),
-        d.cluster.layout.store
-    ));
-    for i in 0..n {
-        d.cluster.start_node(i, false)?;
-    }
-    d.cluster.wait_ready(Duration::from_secs(120))?;
-    d.start_trainers(None)?;
+    ))?;
 
     d.view.say(format!(
         "training; node-{lost} is lost once step {} is on the peers",

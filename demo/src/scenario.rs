@@ -311,6 +311,17 @@ impl Demo {
         Ok(())
     }
 
+    /// Says `what` starts, starts every node's sidecar, waits until all are ready and starts
+    /// every trainer.
+    pub(crate) fn start_job(&mut self, what: String) -> Result<()> {
+        self.view.say(what);
+        for i in 0..self.cluster.layout.nodes {
+            self.cluster.start_node(i, false)?;
+        }
+        self.cluster.wait_ready(Duration::from_secs(120))?;
+        self.start_trainers(None)
+    }
+
     /// SIGTERMs every sidecar and checks that each drained and exited cleanly.
     pub(crate) fn stop_sidecars(&mut self) -> Result<()> {
         self.view
@@ -583,16 +594,11 @@ fn story(d: &mut Demo, cfg: &DemoConfig) -> Result<()> {
     let e = d.every;
     let ready = Duration::from_secs(120);
     let long = Duration::from_secs(600);
-    d.view.say(format!(
-        "starting {n} sidecars (hotstart serve; peers over mutual TLS 1.3) and {n} trainers with {} of state each; a checkpoint every {e} steps; store {}",
+    let store = d.cluster.layout.store.clone();
+    d.start_job(format!(
+        "starting {n} sidecars (hotstart serve; peers over mutual TLS 1.3) and {n} trainers with {} of state each; a checkpoint every {e} steps; store {store}",
         crate::bytes(cfg.state_bytes),
-        d.cluster.layout.store
-    ));
-    for i in 0..n {
-        d.cluster.start_node(i, false)?;
-    }
-    d.cluster.wait_ready(ready)?;
-    d.start_trainers(None)?;
+    ))?;
 
     // Fault 1: a training process dies.
     d.view.say(format!(

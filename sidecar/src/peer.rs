@@ -547,8 +547,9 @@ impl PeerClient {
     }
 
     /// Sends `ask` (`Describe` or `Fetch` of `key`) and takes the answer (no data yet): the
-    /// shard's info and manifest, checked (a shard of another key, or a manifest that does not parse or does
-    /// not describe the announced shard, is a protocol violation), or `None` when the peer does
+    /// shard's info and manifest, checked (a shard of another key, or a manifest that does not
+    /// parse or does not describe the announced shard, is a protocol violation), or `None`
+    /// when the peer does
     /// not hold it; and the chunks its data carries when not all of them, which must be those
     /// that hold `regions` (asked for with `Fetch`) and the header.
     fn ask_shard(
