@@ -72,6 +72,7 @@ pub(crate) fn images_at(
         concurrency: concurrency.max(1),
         cache_dir,
         cache_capacity: cache_mib << 20,
+        artifact: "image",
         ..ChunkStoreConfig::default()
     };
     Ok(Images::new(ChunkStore::new(store, cfg)?))

@@ -100,6 +100,14 @@ pub struct ServeArgs {
     /// Threads for checksums and copies; 0 picks the core count, at most 8 [default: 0].
     #[arg(long, env = "HOTSTART_THREADS")]
     threads: Option<usize>,
+    /// Do not share image and environment chunks with peers: this node's processes that ask
+    /// (HOTSTART_SHARE) read the store themselves, and peers that ask are refused.
+    #[arg(long, env = "HOTSTART_NO_SHARE")]
+    no_share: bool,
+    /// Memory kept for shared pieces, to serve this node's processes and its peers
+    /// [default: 1GiB].
+    #[arg(long, env = "HOTSTART_SHARE_CACHE")]
+    share_cache: Option<Size>,
 }
 
 pub(crate) async fn shutdown_signal() {
@@ -153,6 +161,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         probe_interval: args.probe_interval,
         stage_timeout: args.stage_timeout,
         threads: args.threads,
+        share: args.no_share.then_some(false),
+        share_cache: args.share_cache,
         token,
     };
     let cfg = file.merge(flags).resolve()?;

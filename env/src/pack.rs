@@ -274,6 +274,25 @@ pub fn fuzz_index(data: &[u8]) {
     }
 }
 
+/// Holds the frames of `group` that the node's sidecar provides ([`ChunkStore::shared`]), one
+/// piece per run of adjacent frames; how many, or `None` (nothing held) when it did not provide
+/// them all and the caller reads the pack.
+async fn shared(chunks: &ChunkStore, object: &str, group: &[Frame]) -> Option<u64> {
+    let mut got = Vec::new();
+    for run in group.chunk_by(|a, b| a.end() == b.offset) {
+        let ids: Vec<_> = run.iter().map(|f| (f.id, Some(f.len))).collect();
+        let data = chunks.shared(object, run[0].offset, &ids).await?;
+        let start = run[0].offset;
+        got.extend(run.iter().map(|f| {
+            let at = (f.offset - start) as usize;
+            (f.id, data.slice(at..at + f.len as usize))
+        }));
+    }
+    let n = got.len() as u64;
+    chunks.hold(got);
+    Some(n)
+}
+
 /// Neighbouring wanted frames (in pack order), merged into ranges of at most [`RANGE_MAX`]
 /// bytes across gaps of at most [`GAP_MAX`].
 fn ranges(frames: &[Frame]) -> Vec<Vec<Frame>> {
@@ -484,9 +503,13 @@ impl Loading {
         let mut fetches = futures::stream::iter(std::mem::take(&mut self.ranges))
             .map(|group| {
                 let (reader, chunks) = (reader.clone(), self.chunks.clone());
+                let object = self.object.clone();
                 async move {
                     let start = group[0].offset;
                     let len = (group[group.len() - 1].end() - start) as usize;
+                    if let Some(held) = shared(&chunks, &object, &group).await {
+                        return Ok((held, 0));
+                    }
                     match reader.read_at(start, len).await {
                         Ok(data) => {
                             let held = group.len() as u64;

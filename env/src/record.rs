@@ -102,7 +102,8 @@ pub struct EnvStore {
 impl EnvStore {
     /// The environments under `store` (whose URL may carry its own prefix), with chunks cached as
     /// `chunk_cfg` says.
-    pub fn new(store: &Store, chunk_cfg: ChunkStoreConfig) -> Result<EnvStore> {
+    pub fn new(store: &Store, mut chunk_cfg: ChunkStoreConfig) -> Result<EnvStore> {
+        chunk_cfg.artifact = "env";
         let root = store.prefixed(ENV_PREFIX);
         let chunks = ChunkStore::new(root.clone(), chunk_cfg)?;
         Ok(EnvStore { root, chunks })

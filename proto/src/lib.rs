@@ -8,6 +8,7 @@
 
 mod kind;
 pub mod memcopy;
+pub mod share;
 pub mod shm;
 pub mod wire;
 

@@ -160,6 +160,23 @@ pub enum LocalMsg {
     /// A tier the answer depends on cannot be read (the store is down, say), so the sidecar
     /// cannot tell which steps exist: never answered as "none".
     Unavailable { tier: TierKind, reason: String },
+    /// Process → sidecar, first (instead of `Attach`): this connection asks for pieces of
+    /// store objects shared between the job's nodes ([`crate::share`]). Answered with
+    /// `Sharing`, or `Failed` when this sidecar does not share.
+    Share { version: u32 },
+    /// Sharing is on; requests may follow.
+    Sharing { node: String },
+    /// Send me this piece: from the sidecar's cache, a peer that holds or fetches it, or the
+    /// store. Answered with `PieceIs` and its data frames, or `Failed`.
+    Piece { piece: crate::share::Piece },
+    /// The piece (`len` bytes in data frames follow), every frame checked against its id, and
+    /// where it came from (`peer`: which one).
+    PieceIs {
+        len: u64,
+        source: crate::share::PieceSource,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        peer: Option<String>,
+    },
 }
 
 /// Which side of which protocol a connection is, for its errors.

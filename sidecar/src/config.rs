@@ -121,7 +121,15 @@ pub struct SidecarConfig {
     pub stage_timeout: Duration,
     /// Threads for checksums and copies; 0 picks the core count (at most 8).
     pub threads: usize,
+    /// Whether this node shares image, environment and other chunks with its peers
+    /// (`super::share`).
+    pub share: bool,
+    /// Bytes of shared pieces kept in memory to serve this node's processes and its peers.
+    pub share_cache: u64,
 }
+
+/// Bytes of shared pieces a sidecar keeps by default.
+pub const DEFAULT_SHARE_CACHE: u64 = 1 << 30;
 
 /// One source of settings: every field optional. Deserialised from TOML (unknown keys are an
 /// error), or filled from flags and environment by the CLI.
@@ -151,6 +159,8 @@ pub struct Settings {
     pub probe_interval: Option<Seconds>,
     pub stage_timeout: Option<Seconds>,
     pub threads: Option<usize>,
+    pub share: Option<bool>,
+    pub share_cache: Option<Size>,
     /// Set from `HOTSTART_CLUSTER_TOKEN` by the CLI; never from the file.
     #[serde(skip)]
     pub token: Option<Token>,
@@ -301,6 +311,8 @@ impl Settings {
             probe_interval,
             stage_timeout,
             threads,
+            share,
+            share_cache,
             token
         )
     }
@@ -394,6 +406,8 @@ impl Settings {
             probe_interval: self.probe_interval.map_or(Duration::from_secs(5), |s| s.0),
             stage_timeout: self.stage_timeout.map_or(Duration::from_secs(60), |s| s.0),
             threads: self.threads.unwrap_or(0),
+            share: self.share.unwrap_or(true),
+            share_cache: self.share_cache.map_or(DEFAULT_SHARE_CACHE, |s| s.0),
         };
         cfg.check_security()?;
         Ok(cfg)

@@ -53,6 +53,7 @@ mod persist;
 mod placement;
 mod recovery;
 mod restore;
+mod share;
 mod tiers;
 pub mod tls;
 pub mod wire;
@@ -94,6 +95,8 @@ pub(crate) struct Core {
     pub(crate) inflight: persist::Inflight,
     pub(crate) adopting: local::Adopting,
     pub(crate) threads: usize,
+    /// Pieces of images and environments shared with peers.
+    pub(crate) share: share::Share,
     stopped: AtomicBool,
 }
 
@@ -213,6 +216,8 @@ impl Sidecar {
             inflight: persist::Inflight::default(),
             adopting: local::Adopting::default(),
             threads,
+            share: share::Share::new(cfg.share_cache)
+                .map_err(|e| Error::io("start the sharing runtime", "tokio", e))?,
             stopped: AtomicBool::new(false),
             cfg,
         });

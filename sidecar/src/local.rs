@@ -132,6 +132,10 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 world_size,
             }
         }
+        Ok(LocalMsg::Share { version }) => {
+            serve_share(&core, &mut reader, &writer, version);
+            return;
+        }
         Ok(other) => {
             warn!(?other, "local connection did not attach first");
             return;
@@ -326,6 +330,70 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
 
 /// The answer to `Latest` (`below` None) or `LatestBelow`, once the job's pending commits are
 /// in.
+/// A connection of a process that asks for shared pieces (`super::share`): one request at a
+/// time, until it closes.
+fn serve_share(
+    core: &Core,
+    reader: &mut Conn<FdStream>,
+    writer: &Mutex<Conn<FdStream>>,
+    version: u32,
+) {
+    let mut writer = writer
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let refused = if !core.cfg.share {
+        Some("this sidecar does not share (--no-share)".to_string())
+    } else if version != PROTOCOL_VERSION {
+        Some(format!(
+            "protocol version {version}, this sidecar speaks {PROTOCOL_VERSION}"
+        ))
+    } else {
+        None
+    };
+    let hello = match refused {
+        Some(reason) => LocalMsg::Failed { reason },
+        None => LocalMsg::Sharing {
+            node: core.me.node.clone(),
+        },
+    };
+    if writer.send(&hello).is_err() || !matches!(hello, LocalMsg::Sharing { .. }) {
+        return;
+    }
+    loop {
+        let piece = match reader.recv::<LocalMsg>() {
+            Ok(LocalMsg::Piece { piece }) => piece,
+            Ok(other) => {
+                warn!(?other, "unexpected request on a sharing connection");
+                return;
+            }
+            Err(e) => {
+                if reader.violated() {
+                    core.metrics.failed(Failure::Frame);
+                    warn!(error = %e, "sharing connection dropped");
+                }
+                return;
+            }
+        };
+        let sent = match core.piece(&piece, false) {
+            Ok(got) => {
+                core.metrics
+                    .shared(&piece.artifact, got.source.as_str(), got.bytes.len() as u64);
+                writer
+                    .send(&LocalMsg::PieceIs {
+                        len: got.bytes.len() as u64,
+                        source: got.source,
+                        peer: got.peer,
+                    })
+                    .and_then(|()| writer.send_data(&got.bytes))
+            }
+            Err(reason) => writer.send(&LocalMsg::Failed { reason }),
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
+}
+
 fn latest(core: &Core, who: &Rank, below: Option<u64>) -> LocalMsg {
     core.adopting.wait(&who.job, core.cfg.stage_timeout);
     match core.latest(&who.job, who.rank, who.world_size, below) {

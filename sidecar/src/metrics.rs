@@ -2,6 +2,7 @@
 //! counters and histograms are plain atomics, gauges are read when `/metrics` is rendered.
 //! Names follow `hotstart_<what>_<unit>` in base units; counters end in `_total`.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -61,6 +62,15 @@ pub const FAILURES_TOTAL: &str = "hotstart_failures_total";
 pub const STORE_REQUESTS_TOTAL: &str = "hotstart_store_requests_total";
 /// Counter: payload bytes to and from the object store, by `op`.
 pub const STORE_BYTES_TOTAL: &str = "hotstart_store_bytes_total";
+
+/// Counter: bytes of shared pieces this node's processes received, by `artifact` and `source`
+/// (`cache`: this sidecar had it; `peer`; `store`: this sidecar read it).
+pub const SHARE_BYTES_TOTAL: &str = "hotstart_share_bytes_total";
+/// Counter: bytes of shared pieces this sidecar sent to peers, by `artifact`.
+pub const SHARE_SERVED_BYTES_TOTAL: &str = "hotstart_share_served_bytes_total";
+/// Counter: pieces a peer did not provide, by `peer` and `kind` (`corrupt`: a frame did not
+/// match its id, and the peer is avoided; `error`: unreachable, refused or timed out).
+pub const SHARE_PEER_FAILURES_TOTAL: &str = "hotstart_share_peer_failures_total";
 
 /// What failed, as the `kind` label of [`FAILURES_TOTAL`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +196,18 @@ pub struct Metrics {
     failures: [AtomicU64; Failure::ALL.len()],
     recovered_shards: AtomicU64,
     recovered_bytes: AtomicU64,
+    share: std::sync::Mutex<ShareCounts>,
+}
+
+/// The chunk-sharing counters, by their labels.
+#[derive(Debug, Default)]
+struct ShareCounts {
+    /// (artifact, source) → bytes.
+    received: BTreeMap<(String, &'static str), u64>,
+    /// artifact → bytes.
+    served: BTreeMap<String, u64>,
+    /// (peer, kind) → pieces.
+    peer_failures: BTreeMap<(String, &'static str), u64>,
 }
 
 /// Gauges read when metrics are rendered.
@@ -231,6 +253,80 @@ impl Metrics {
     pub fn recovered(&self, bytes: u64) {
         self.recovered_shards.fetch_add(1, Ordering::Relaxed);
         self.recovered_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn share(&self) -> std::sync::MutexGuard<'_, ShareCounts> {
+        self.share
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A shared piece of `bytes` handed to a process of this node, from `source`.
+    pub fn shared(&self, artifact: &str, source: &'static str, bytes: u64) {
+        *self
+            .share()
+            .received
+            .entry((artifact.to_string(), source))
+            .or_default() += bytes;
+    }
+
+    /// A shared piece of `bytes` sent to a peer.
+    pub fn served(&self, artifact: &str, bytes: u64) {
+        *self.share().served.entry(artifact.to_string()).or_default() += bytes;
+    }
+
+    /// A piece `peer` did not provide: `corrupt` or `error`.
+    pub fn share_peer_failed(&self, peer: &str, kind: &'static str) {
+        *self
+            .share()
+            .peer_failures
+            .entry((peer.to_string(), kind))
+            .or_default() += 1;
+    }
+
+    /// Bytes of shared pieces received, by `(artifact, source)`.
+    pub fn shared_bytes(&self) -> BTreeMap<(String, &'static str), u64> {
+        self.share().received.clone()
+    }
+
+    fn render_share(&self, out: &mut String) {
+        let head = |out: &mut String, name: &str, help: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        };
+        let s = self.share();
+        head(
+            out,
+            SHARE_BYTES_TOTAL,
+            "Bytes of shared pieces this node's processes received, by artifact and source.",
+        );
+        for ((artifact, source), v) in &s.received {
+            let _ = writeln!(
+                out,
+                "{SHARE_BYTES_TOTAL}{{artifact=\"{artifact}\",source=\"{source}\"}} {v}"
+            );
+        }
+        head(
+            out,
+            SHARE_SERVED_BYTES_TOTAL,
+            "Bytes of shared pieces sent to peers, by artifact.",
+        );
+        for (artifact, v) in &s.served {
+            let _ = writeln!(
+                out,
+                "{SHARE_SERVED_BYTES_TOTAL}{{artifact=\"{artifact}\"}} {v}"
+            );
+        }
+        head(
+            out,
+            SHARE_PEER_FAILURES_TOTAL,
+            "Shared pieces a peer did not provide, by peer and kind (corrupt, error).",
+        );
+        for ((peer, kind), v) in &s.peer_failures {
+            let _ = writeln!(
+                out,
+                "{SHARE_PEER_FAILURES_TOTAL}{{peer=\"{peer}\",kind=\"{kind}\"}} {v}"
+            );
+        }
     }
 
     /// Everything, in Prometheus text format.
@@ -476,6 +572,7 @@ impl Metrics {
                 );
             }
         }
+        self.render_share(&mut out);
         out
     }
 }
@@ -514,6 +611,10 @@ mod tests {
         m.restored(TierKind::Memory, Duration::from_millis(700));
         m.failed(Failure::Checksum);
         m.saved(TierKind::Store, 1000, Duration::from_secs(2));
+        m.shared("env", "peer", 300);
+        m.shared("env", "peer", 200);
+        m.served("image", 70);
+        m.share_peer_failed("node-b", "corrupt");
         let g = Gauges {
             state: Some(State::Ready),
             memory: MemoryStats {
@@ -528,6 +629,18 @@ mod tests {
         let v = |name: &str| sample(&page, name).unwrap_or_else(|| panic!("{name} in\n{page}"));
         assert_eq!(v("hotstart_restores_total{source=\"memory\"}"), 2.0);
         assert_eq!(v("hotstart_restores_total{source=\"store\"}"), 0.0);
+        assert_eq!(
+            v("hotstart_share_bytes_total{artifact=\"env\",source=\"peer\"}"),
+            500.0
+        );
+        assert_eq!(
+            v("hotstart_share_served_bytes_total{artifact=\"image\"}"),
+            70.0
+        );
+        assert_eq!(
+            v("hotstart_share_peer_failures_total{peer=\"node-b\",kind=\"corrupt\"}"),
+            1.0
+        );
         assert_eq!(
             v("hotstart_restore_duration_seconds_bucket{source=\"memory\",le=\"0.05\"}"),
             1.0

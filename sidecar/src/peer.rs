@@ -11,6 +11,7 @@
 //! Fetch{job,rank,step[,regions]}
 //!                       → Shard{shard,manifest[,chunks]}, data frames | NotFound
 //! Describe{job,rank,step} → Shard{shard,manifest} | NotFound
+//! Piece{piece}          → PieceIs{len}, data frames | Failed{reason}   (`super::share`)
 //! ```
 //!
 //! Shard data is sent chunk by chunk (frames never cross a chunk boundary), and the receiver
@@ -355,6 +356,30 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                 };
                 conn.send(&answer).map_err(Error::from)
             }
+            PeerMsg::Piece { piece } => {
+                let answer = if core.cfg.share {
+                    core.piece(&piece, true)
+                } else {
+                    Err("this node does not share (--no-share)".into())
+                };
+                match answer {
+                    Ok(mut got) => {
+                        if core.share.corrupt_sent {
+                            let mut v = got.bytes.to_vec();
+                            let mid = v.len() / 2;
+                            v[mid] ^= 0x40;
+                            got.bytes = v.into();
+                        }
+                        conn.send(&PeerMsg::PieceIs {
+                            len: got.bytes.len() as u64,
+                        })
+                        .and_then(|()| conn.send_data(&got.bytes))
+                        .map(|()| core.metrics.served(&piece.artifact, got.bytes.len() as u64))
+                        .map_err(Error::from)
+                    }
+                    Err(reason) => conn.send(&PeerMsg::Failed { reason }).map_err(Error::from),
+                }
+            }
             other => Err(conn
                 .violation(format!("unexpected request {other:?}"))
                 .into()),
@@ -500,6 +525,29 @@ impl PeerClient {
                 .violation(format!("unexpected answer {other:?}"))
                 .into(),
         }
+    }
+
+    /// A shared piece, from the peer as its owner (`super::share`): its bytes, not yet
+    /// checked against its frames' ids (the caller does).
+    pub(crate) fn piece(&mut self, piece: &hotstart_proto::share::Piece) -> Result<bytes::Bytes> {
+        self.conn.send(&PeerMsg::Piece {
+            piece: piece.clone(),
+        })?;
+        let len = match self.conn.recv()? {
+            PeerMsg::PieceIs { len } => len,
+            other => return Err(self.unexpected(other)),
+        };
+        let fits =
+            piece.len.is_none_or(|l| l == len) && len <= hotstart_proto::share::MAX_PIECE_LEN;
+        if !fits {
+            return Err(self
+                .conn
+                .violation(format!("a piece of {len} bytes for {}", piece.key))
+                .into());
+        }
+        let mut buf = vec![0u8; len as usize];
+        self.conn.recv_data_exact(&mut buf)?;
+        Ok(bytes::Bytes::from(buf))
     }
 
     /// The shards the peer holds (of `job`, or all).

@@ -79,6 +79,11 @@ pub enum PeerMsg {
     },
     /// Describe this shard of your memory: answered with `Shard` and no data, or `NotFound`.
     Describe { job: String, rank: u32, step: u64 },
+    /// Send me this shared piece, as its owner: from your cache, or read from the store
+    /// (`super::share`).
+    Piece { piece: hotstart_proto::share::Piece },
+    /// The piece: `len` bytes in data frames follow, every frame checked against its id.
+    PieceIs { len: u64 },
     /// Not held.
     NotFound,
     /// The request failed; the connection stays usable.

@@ -20,6 +20,7 @@
 //! compression and hashing run on the blocking pool.
 
 mod cache;
+pub mod share;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -33,6 +34,7 @@ use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 
 pub use cache::ChunkCache;
+pub use share::Share;
 
 use crate::error::{Error, Result};
 use crate::url::Store;
@@ -116,6 +118,11 @@ pub struct ChunkStoreConfig {
     pub zstd_level: i32,
     /// Largest plaintext chunk accepted when decoding (bounds what a hostile frame can allocate).
     pub max_chunk_size: usize,
+    /// The node's sidecar socket to share chunks of a remote store through ([`share`]);
+    /// by default `HOTSTART_SHARE`, or none.
+    pub share: Option<PathBuf>,
+    /// What these chunks are, in the sidecar's metrics: `env`, `image`, ...
+    pub artifact: &'static str,
 }
 
 impl Default for ChunkStoreConfig {
@@ -126,6 +133,8 @@ impl Default for ChunkStoreConfig {
             cache_capacity: 4 << 30,
             zstd_level: 3,
             max_chunk_size: 64 << 20,
+            share: Share::socket_from_env(),
+            artifact: "chunks",
         }
     }
 }
@@ -143,6 +152,8 @@ struct Inner {
     store: Store,
     cfg: ChunkStoreConfig,
     cache: Option<ChunkCache>,
+    /// The node's sidecar, asked before a remote store.
+    share: Option<Share>,
     /// Reads in progress (fetch, decode, cache), so that concurrent readers of a chunk share one.
     fetching: Mutex<HashMap<ChunkId, SharedFetch>>,
     /// GETs of frames in progress, shared by every reader of the chunk, whatever it does with
@@ -181,6 +192,11 @@ pub struct ChunkStats {
     pub cache_hits: u64,
     /// Reads served from chunks held in memory ([`ChunkStore::hold`]).
     pub held_hits: u64,
+    /// Frames and pack ranges the node's sidecar provided (from its cache, a peer or the
+    /// store), instead of this process's own store reads.
+    pub shared: u64,
+    /// Their stored bytes.
+    pub shared_bytes: u64,
     /// Chunks uploaded.
     pub uploaded: u64,
     /// Compressed bytes uploaded.
@@ -205,11 +221,18 @@ impl ChunkStore {
             Some(dir) => Some(ChunkCache::open(dir, cfg.cache_capacity)?),
             None => None,
         };
+        // A local directory is read faster than any peer could send it.
+        let share = cfg
+            .share
+            .as_ref()
+            .filter(|_| !store.is_local())
+            .map(Share::new);
         Ok(ChunkStore {
             inner: Arc::new(Inner {
                 store,
                 cfg,
                 cache,
+                share,
                 fetching: Mutex::new(HashMap::new()),
                 frames: Mutex::new(HashMap::new()),
                 putting: Mutex::new(HashMap::new()),
@@ -552,12 +575,68 @@ impl ChunkStore {
             |i| &i.frames,
             id,
             move |this| async move {
-                let frame = this.inner.store.get(&id.key()).await?;
+                let key = id.key();
+                if let Some(frame) = this.shared(&key, 0, &[(id, None)]).await {
+                    return Ok(frame);
+                }
+                let frame = this.inner.store.get(&key).await?;
                 this.count_fetch(frame.len());
                 Ok(frame)
             },
         )
         .await
+    }
+
+    /// The stored bytes of `key` (of this store) from byte `offset` on, made of the frames
+    /// `frames` (ids and stored lengths, in order), from the node's sidecar ([`share`]): `None`
+    /// when this store does not share or the sidecar did not provide them, and the caller
+    /// reads the store. The sidecar checked every frame against its id; the caller decodes
+    /// (and so checks) them again as it reads them.
+    pub async fn shared(
+        &self,
+        key: &str,
+        offset: u64,
+        frames: &[(ChunkId, Option<u32>)],
+    ) -> Option<Bytes> {
+        self.inner.share.as_ref()?;
+        let len = frames
+            .iter()
+            .map(|(_, l)| l.map(u64::from))
+            .sum::<Option<u64>>();
+        let piece = hotstart_proto::share::Piece {
+            artifact: self.inner.cfg.artifact.to_string(),
+            store: self.inner.store.url().to_string(),
+            key: self.inner.store.opened_key(key),
+            offset,
+            len,
+            frames: frames
+                .iter()
+                .map(|(id, len)| hotstart_proto::share::PieceFrame {
+                    id: id.to_hex(),
+                    len: *len,
+                })
+                .collect(),
+        };
+        let this = self.clone();
+        let got = tokio::task::spawn_blocking(move || {
+            let share = this.inner.share.as_ref()?;
+            match share.piece(&piece) {
+                Ok(got) => got,
+                Err(reason) => {
+                    tracing::warn!(
+                        sidecar = %share.socket().display(), key = %piece.key, %reason,
+                        "the node's sidecar did not share this piece; reading the store"
+                    );
+                    None
+                }
+            }
+        })
+        .await
+        .ok()??;
+        let mut stats = self.inner.stats.lock();
+        stats.shared += 1;
+        stats.shared_bytes += got.bytes.len() as u64;
+        Some(got.bytes)
     }
 
     /// The stored frame of the chunk `data` whose id is `id`: zstd at the configured level.

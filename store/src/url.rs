@@ -139,6 +139,7 @@ impl StoreUrl {
         Ok(Store {
             inner,
             label: label.into(),
+            prefix: "".into(),
             local,
         })
     }
@@ -269,6 +270,8 @@ pub struct ObjectInfo {
 pub struct Store {
     inner: Arc<dyn ObjectStore>,
     label: Arc<str>,
+    /// The key prefix applied since opening ([`Store::prefixed`]), ending in `/` unless empty.
+    prefix: Arc<str>,
     /// The backend when it is a local directory opened from its URL; `None` for remote stores
     /// and wrapped ones (a wrapper sees every read and write).
     local: Option<Local>,
@@ -307,6 +310,7 @@ impl Store {
         Store {
             inner,
             label: label.into().into(),
+            prefix: "".into(),
             local: None,
         }
     }
@@ -316,6 +320,7 @@ impl Store {
         Store {
             inner: f(self.inner.clone()),
             label: self.label.clone(),
+            prefix: self.prefix.clone(),
             local: None,
         }
     }
@@ -326,6 +331,7 @@ impl Store {
         Store {
             inner: Arc::new(PrefixStore::new(self.inner.clone(), prefix)),
             label: self.label.clone(),
+            prefix: format!("{}{prefix}/", self.prefix).into(),
             local: self.local.as_ref().map(|l| Local {
                 fs: l.fs.clone(),
                 prefix: format!("{}{prefix}/", l.prefix),
@@ -342,6 +348,13 @@ impl Store {
     /// The URL (or label) this store was opened from.
     pub fn url(&self) -> &str {
         &self.label
+    }
+
+    /// The key that `key` of this store has in the store its URL opens: the prefixes applied
+    /// since opening ([`Store::prefixed`]) put before it. What another process (a node's
+    /// sidecar fetching for it) opens [`Store::url`] and reads.
+    pub fn opened_key(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
     }
 
     /// Converts a relative key into an object path, refusing empty, `.` and `..` components.
@@ -392,6 +405,15 @@ impl Store {
             .await
             .map_err(|e| Error::store(key, e))?;
         res.bytes().await.map_err(|e| Error::store(key, e))
+    }
+
+    /// Reads `len` bytes of an object from byte `offset` on, in one ranged request.
+    pub async fn get_range(&self, key: &str, offset: u64, len: u64) -> Result<Bytes> {
+        let path = Self::path(key)?;
+        self.inner
+            .get_range(&path, offset..offset + len)
+            .await
+            .map_err(|e| Error::store(key, e))
     }
 
     /// The directory holding this store's objects (its prefix applied) when it is a local

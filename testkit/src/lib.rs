@@ -44,6 +44,7 @@ mod net;
 pub mod oci;
 mod seaweedfs;
 mod spawn;
+pub mod swarm;
 pub mod tree;
 
 pub use containerd::{Containerd, Registry, cri_pull};

@@ -1,0 +1,487 @@
+//! Chunk sharing: the nodes of a job fetch each piece of an image or environment from the
+//! store about once per job, not once per node.
+//!
+//! A process of this node (an environment restore, a lazy image) asks for a **piece**: a byte
+//! range of a store object and the ids of the zstd frames it holds
+//! ([`hotstart_proto::share::Piece`]). Its identity is its content, so every node that wants
+//! the same bytes names the same piece.
+//!
+//! **Who fetches it.** Every piece has an **owner**: of this node and the peers that answered
+//! the last probe (less those avoided, below), the one whose BLAKE3 of (piece id, node id) is
+//! highest (rendezvous hashing). Every node computes the same owner from the same membership,
+//! with no tracker and no announcements; owners spread evenly over the nodes, and a node that
+//! joins or leaves moves only the pieces it owns. A node asks the owner; the owner answers
+//! from its cache or reads the store (once, however many nodes ask: requests for a piece in
+//! flight wait for it), keeps the piece and answers. A node that owns a piece reads the store
+//! itself. So the store sends each piece about once, and each node uploads about a 1/N share
+//! of the artifact to each of the others.
+//!
+//! ```text
+//!  process ──Piece──► sidecar: cache? ──► owner = max_n blake3(piece ‖ n) over up peers + me
+//!                                            │ me: read the store      │ a peer: ask it (Piece)
+//!                                            ▼                         ▼
+//!                                      verify every frame, keep it in the cache, answer
+//! ```
+//!
+//! **Failures.** A peer that cannot be reached, refuses, or does not answer within the peer
+//! timeout is skipped for that piece: the next owner in rendezvous order is asked (a second
+//! node most nodes agree on, so a dead owner's pieces are still read from the store about
+//! once), then the store. A start is so never slower than reading the store alone by more
+//! than two peer timeouts per piece, and only while a dead peer is still counted up (until the
+//! next probe).
+//!
+//! **Trust.** No peer is trusted for content: every frame of a piece that arrives from a peer
+//! or the store is decompressed and checked against its id before it is cached or answered.
+//! A peer that sends a frame that does not match is counted
+//! (`hotstart_share_peer_failures_total{kind="corrupt"}`) and avoided for [`AVOID_FOR`]: it
+//! owns nothing and is asked for nothing. The process checks every frame again as it reads it.
+//!
+//! **Budget.** Pieces are kept in memory, least recently used first out, within
+//! `share_cache` bytes (apart from the memory tier's budget). A piece larger than a quarter of
+//! it is answered and not kept.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tracing::{debug, warn};
+
+use crate::Core;
+use crate::members::Member;
+use crate::peer::PeerClient;
+use hotstart_proto::share::{Piece, PieceSource};
+use hotstart_store::{ChunkId, Store};
+
+/// For fault tests: set to `1`, a sidecar flips one byte of every piece it sends to a peer.
+pub const CORRUPT_SENT_ENV: &str = "HOTSTART_FAULT_CORRUPT_SHARED";
+
+/// How long a peer that sent a corrupt piece is avoided.
+pub const AVOID_FOR: Duration = Duration::from_secs(600);
+
+/// Owners asked for a piece before the store is read.
+const OWNERS_ASKED: usize = 2;
+
+/// Largest plaintext of one frame accepted when checking a piece.
+const MAX_FRAME_PLAINTEXT: usize = 64 << 20;
+
+/// A piece as answered.
+#[derive(Debug, Clone)]
+pub(crate) struct Got {
+    pub bytes: Bytes,
+    pub source: PieceSource,
+    pub peer: Option<String>,
+}
+
+type Answer = std::result::Result<Got, String>;
+
+/// A fetch in progress that later requests for the same piece wait for.
+#[derive(Default)]
+struct Flight {
+    done: Mutex<Option<Answer>>,
+    cv: Condvar,
+}
+
+/// The sharing state of a sidecar.
+pub(crate) struct Share {
+    cache: Mutex<Cache>,
+    flights: Mutex<HashMap<[u8; 32], Arc<Flight>>>,
+    /// Stores opened by URL, for the pieces this node reads.
+    stores: Mutex<HashMap<String, Store>>,
+    /// Peers avoided, until when.
+    avoided: Mutex<HashMap<String, Instant>>,
+    /// Authenticated connections to peers, kept for the next piece.
+    idle: Mutex<HashMap<String, Vec<PeerClient>>>,
+    /// Reads the store; only taken in `drop` (a runtime dropped on another runtime's thread
+    /// would panic, so it is shut down in the background).
+    rt: Option<tokio::runtime::Runtime>,
+    /// [`CORRUPT_SENT_ENV`] is set.
+    pub(crate) corrupt_sent: bool,
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Pieces kept in memory, least recently used first out.
+struct Cache {
+    cap: u64,
+    used: u64,
+    tick: u64,
+    map: HashMap<[u8; 32], (Bytes, u64)>,
+}
+
+impl Cache {
+    fn get(&mut self, id: &[u8; 32]) -> Option<Bytes> {
+        self.tick += 1;
+        let tick = self.tick;
+        self.map.get_mut(id).map(|(b, t)| {
+            *t = tick;
+            b.clone()
+        })
+    }
+
+    fn insert(&mut self, id: [u8; 32], bytes: Bytes) {
+        let n = bytes.len() as u64;
+        if n > self.cap / 4 || self.map.contains_key(&id) {
+            return;
+        }
+        while self.used + n > self.cap {
+            let Some((&old, _)) = self.map.iter().min_by_key(|(_, (_, t))| *t) else {
+                break;
+            };
+            if let Some((b, _)) = self.map.remove(&old) {
+                self.used -= b.len() as u64;
+            }
+        }
+        self.tick += 1;
+        self.used += n;
+        self.map.insert(id, (bytes, self.tick));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Share {
+    pub(crate) fn new(cache_bytes: u64) -> std::io::Result<Share> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("hotstart-share")
+            .enable_all()
+            .build()?;
+        Ok(Share {
+            cache: Mutex::new(Cache {
+                cap: cache_bytes,
+                used: 0,
+                tick: 0,
+                map: HashMap::new(),
+            }),
+            flights: Mutex::new(HashMap::new()),
+            stores: Mutex::new(HashMap::new()),
+            avoided: Mutex::new(HashMap::new()),
+            idle: Mutex::new(HashMap::new()),
+            rt: Some(rt),
+            corrupt_sent: std::env::var(CORRUPT_SENT_ENV).is_ok_and(|v| v == "1"),
+        })
+    }
+
+    fn is_avoided(&self, node: &str) -> bool {
+        let mut avoided = lock(&self.avoided);
+        match avoided.get(node) {
+            Some(until) if Instant::now() < *until => true,
+            Some(_) => {
+                avoided.remove(node);
+                false
+            }
+            None => false,
+        }
+    }
+}
+
+/// Checks every frame of `data` against `piece`'s ids: `Err` names the first that does not
+/// match.
+pub(crate) fn verify(piece: &Piece, data: &[u8]) -> std::result::Result<(), String> {
+    if let Some(len) = piece.len
+        && len != data.len() as u64
+    {
+        return Err(format!("{} bytes where {len} were asked for", data.len()));
+    }
+    let mut at = 0usize;
+    for f in &piece.frames {
+        let id = ChunkId::from_hex(&f.id).map_err(|e| e.to_string())?;
+        let end = match f.len {
+            Some(n) => at + n as usize,
+            None => data.len(),
+        };
+        let frame = data
+            .get(at..end)
+            .ok_or_else(|| format!("frame {id} runs past the end"))?;
+        hotstart_store::chunk::decode_frame(&id, frame, MAX_FRAME_PLAINTEXT)
+            .map_err(|e| e.to_string())?;
+        at = end;
+    }
+    Ok(())
+}
+
+/// The indices of `nodes` in rendezvous order for the piece `id`: highest BLAKE3 of (id, node
+/// id) first. Every node computes the same order from the same names; removing a node moves
+/// only the pieces it was first for.
+pub(crate) fn rendezvous(id: &[u8; 32], nodes: &[String]) -> Vec<usize> {
+    let mut scored: Vec<([u8; 32], usize)> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, node)| {
+            let mut h = blake3::Hasher::new();
+            h.update(id);
+            h.update(node.as_bytes());
+            (*h.finalize().as_bytes(), i)
+        })
+        .collect();
+    scored.sort_by_key(|(score, _)| std::cmp::Reverse(*score));
+    scored.into_iter().map(|(_, i)| i).collect()
+}
+
+impl Core {
+    /// `piece` for a process of this node (`for_peer` false) or for a peer that chose this node
+    /// as its owner (`for_peer` true: this node does not ask further, it reads the store).
+    pub(crate) fn piece(&self, piece: &Piece, for_peer: bool) -> Answer {
+        piece.check()?;
+        let id = piece.content_id();
+        if let Some(bytes) = lock(&self.share.cache).get(&id) {
+            return Ok(Got {
+                bytes,
+                source: PieceSource::Cache,
+                peer: None,
+            });
+        }
+        let (flight, leader) = {
+            let mut flights = lock(&self.share.flights);
+            match flights.get(&id) {
+                Some(f) => (f.clone(), false),
+                None => {
+                    let f = Arc::new(Flight::default());
+                    flights.insert(id, f.clone());
+                    (f, true)
+                }
+            }
+        };
+        if !leader {
+            let mut done = lock(&flight.done);
+            while done.is_none() {
+                done = flight.cv.wait(done).unwrap_or_else(PoisonError::into_inner);
+            }
+            // Whoever waited got it from this node, which had it in hand.
+            return done
+                .clone()
+                .unwrap_or_else(|| Err("no answer".into()))
+                .map(|g| Got {
+                    source: PieceSource::Cache,
+                    peer: None,
+                    ..g
+                });
+        }
+        let answer = self.fetch_piece(piece, &id, for_peer);
+        if let Ok(g) = &answer {
+            lock(&self.share.cache).insert(id, g.bytes.clone());
+        }
+        *lock(&flight.done) = Some(answer.clone());
+        flight.cv.notify_all();
+        lock(&self.share.flights).remove(&id);
+        answer
+    }
+
+    /// The up peers (less those avoided) and this node (`None`), in rendezvous order for
+    /// `id`: the owner first.
+    fn owners(&self, id: &[u8; 32]) -> Vec<Option<Member>> {
+        let mut nodes: Vec<Option<Member>> = self
+            .members
+            .up()
+            .into_iter()
+            .filter(|m| !self.share.is_avoided(&m.id.node))
+            .map(Some)
+            .collect();
+        nodes.push(None);
+        let name = |m: &Option<Member>| {
+            m.as_ref()
+                .map_or(self.me.node.clone(), |m| m.id.node.clone())
+        };
+        let names: Vec<String> = nodes.iter().map(name).collect();
+        let order = rendezvous(id, &names);
+        let mut nodes: Vec<Option<Option<Member>>> = nodes.into_iter().map(Some).collect();
+        order.into_iter().filter_map(|i| nodes[i].take()).collect()
+    }
+
+    fn fetch_piece(&self, piece: &Piece, id: &[u8; 32], for_peer: bool) -> Answer {
+        if !for_peer {
+            for owner in self.owners(id).into_iter().take(OWNERS_ASKED) {
+                let Some(m) = owner else {
+                    break;
+                };
+                let node = m.id.node.clone();
+                match self.ask_peer(&m, piece) {
+                    Ok(bytes) => match verify(piece, &bytes) {
+                        Ok(()) => {
+                            return Ok(Got {
+                                bytes,
+                                source: PieceSource::Peer,
+                                peer: Some(node),
+                            });
+                        }
+                        Err(reason) => {
+                            warn!(peer = %node, key = %piece.key, %reason,
+                                "a peer sent a piece that does not match its ids; avoiding it");
+                            self.metrics.share_peer_failed(&node, "corrupt");
+                            lock(&self.share.avoided).insert(node, Instant::now() + AVOID_FOR);
+                        }
+                    },
+                    Err(reason) => {
+                        debug!(peer = %node, key = %piece.key, %reason, "a peer did not provide a piece");
+                        self.metrics.share_peer_failed(&node, "error");
+                    }
+                }
+            }
+        }
+        let bytes = self.read_store(piece)?;
+        verify(piece, &bytes).map_err(|reason| {
+            format!(
+                "{} in {} does not hold the frames asked for: {reason}",
+                piece.key, piece.store
+            )
+        })?;
+        Ok(Got {
+            bytes,
+            source: PieceSource::Store,
+            peer: None,
+        })
+    }
+
+    fn read_store(&self, piece: &Piece) -> std::result::Result<Bytes, String> {
+        let store = {
+            let mut stores = lock(&self.share.stores);
+            match stores.get(&piece.store) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = Store::open(&piece.store).map_err(|e| e.to_string())?;
+                    stores.insert(piece.store.clone(), s.clone());
+                    s
+                }
+            }
+        };
+        let rt = self.share.rt.as_ref().ok_or("shutting down")?;
+        let (offset, len, key) = (piece.offset, piece.len, piece.key.as_str());
+        rt.block_on(async {
+            match len {
+                Some(len) => store.get_range(key, offset, len).await,
+                None if offset == 0 => store.get(key).await,
+                None => store
+                    .get(key)
+                    .await
+                    .map(|b| b.slice((offset as usize).min(b.len())..)),
+            }
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    /// Asks `m` for `piece` on a kept connection or a new one.
+    fn ask_peer(&self, m: &Member, piece: &Piece) -> std::result::Result<Bytes, String> {
+        let node = &m.id.node;
+        let kept = lock(&self.share.idle).get_mut(node).and_then(Vec::pop);
+        // A kept connection the peer has closed since is replaced by a new one, once.
+        let (client, bytes) = match kept.map(|mut c| (c.piece(piece), c)) {
+            Some((Ok(bytes), c)) => (c, bytes),
+            _ => {
+                let mut c = self.connect(m).map_err(|e| e.to_string())?;
+                let bytes = c.piece(piece).map_err(|e| e.to_string())?;
+                (c, bytes)
+            }
+        };
+        lock(&self.share.idle)
+            .entry(node.clone())
+            .or_default()
+            .push(client);
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hotstart_proto::share::PieceFrame;
+
+    fn frame(data: &[u8]) -> (String, Vec<u8>) {
+        let id = ChunkId::of(data).to_hex();
+        (id, zstd::bulk::compress(data, 3).unwrap())
+    }
+
+    fn piece(frames: &[(String, Vec<u8>)]) -> (Piece, Vec<u8>) {
+        let p = Piece {
+            artifact: "env".into(),
+            store: "s3://b".into(),
+            key: "k".into(),
+            offset: 0,
+            len: Some(frames.iter().map(|(_, f)| f.len() as u64).sum()),
+            frames: frames
+                .iter()
+                .map(|(id, f)| PieceFrame {
+                    id: id.clone(),
+                    len: Some(f.len() as u32),
+                })
+                .collect(),
+        };
+        (p, frames.iter().flat_map(|(_, f)| f.clone()).collect())
+    }
+
+    #[test]
+    fn every_frame_is_checked_against_its_id() {
+        let (p, data) = piece(&[frame(b"first frame"), frame(&[7u8; 5000])]);
+        verify(&p, &data).unwrap();
+        for at in [3, data.len() - 2] {
+            let mut bad = data.clone();
+            bad[at] ^= 1;
+            assert!(verify(&p, &bad).is_err(), "flipped byte {at} passed");
+        }
+        assert!(
+            verify(&p, &data[..data.len() - 1])
+                .unwrap_err()
+                .contains("were asked for")
+        );
+        // The right bytes under the wrong id.
+        let (mut swapped, _) = piece(&[frame(b"first frame"), frame(&[7u8; 5000])]);
+        swapped.frames[0].id = ChunkId::of(b"other").to_hex();
+        assert!(verify(&swapped, &data).is_err());
+    }
+
+    #[test]
+    fn the_cache_keeps_the_recently_used_within_its_bytes() {
+        let mut c = Cache {
+            cap: 400,
+            used: 0,
+            tick: 0,
+            map: HashMap::new(),
+        };
+        let b = |n: usize| Bytes::from(vec![0u8; n]);
+        c.insert([1; 32], b(100));
+        c.insert([2; 32], b(100));
+        c.insert([3; 32], b(100));
+        assert!(c.get(&[1; 32]).is_some());
+        c.insert([4; 32], b(100));
+        c.insert([5; 32], b(100)); // evicts 2, the least recently used
+        assert!(c.get(&[2; 32]).is_none());
+        assert!(c.get(&[1; 32]).is_some() && c.get(&[5; 32]).is_some());
+        assert!(c.used <= c.cap);
+        c.insert([6; 32], b(101)); // over a quarter of the cache: answered, not kept
+        assert!(c.get(&[6; 32]).is_none());
+    }
+
+    #[test]
+    fn owners_spread_evenly_and_a_node_leaving_moves_only_its_pieces() {
+        let nodes: Vec<String> = (0..8).map(|i| format!("node-{i}")).collect();
+        let ids: Vec<[u8; 32]> = (0..8000u32)
+            .map(|i| *blake3::hash(&i.to_le_bytes()).as_bytes())
+            .collect();
+        let mut owned = vec![0usize; nodes.len()];
+        for id in &ids {
+            owned[rendezvous(id, &nodes)[0]] += 1;
+        }
+        for n in &owned {
+            assert!((800..1200).contains(n), "owners: {owned:?}");
+        }
+        let fewer: Vec<String> = nodes.iter().filter(|n| *n != "node-3").cloned().collect();
+        for id in &ids {
+            let before = &nodes[rendezvous(id, &nodes)[0]];
+            let after = &fewer[rendezvous(id, &fewer)[0]];
+            if before != "node-3" {
+                assert_eq!(before, after);
+            } else {
+                // The next in order takes it over: the node most others agree on.
+                assert_eq!(after, &nodes[rendezvous(id, &nodes)[1]]);
+            }
+        }
+    }
+}
