@@ -2,9 +2,10 @@
 //! lazy image) sends its node's sidecar for a piece of a store object, and the same request
 //! between sidecars.
 //!
-//! A **piece** is a byte range of one object of a store (a chunk's object, or a range of an
-//! environment's pack) together with what it must hold: the ids of the zstd frames it is made
-//! of, in order. Its identity is its content ([`Piece::content_id`]), not where it is stored:
+//! A **piece** is a byte range of one object of a store (a chunk's object, a range of an
+//! environment's pack, a chunk of a checkpoint's file) together with what it must hold: the
+//! ids of the frames it is made of, in order (zstd frames of a chunk store, or plaintext
+//! chunks of a checkpoint). Its identity is its content ([`Piece::content_id`]), not where it is stored:
 //! any node that holds those frames may serve it, and whoever receives it decodes every frame
 //! and checks it against its id before using or passing on a byte.
 
@@ -36,6 +37,10 @@ pub struct Piece {
     pub len: Option<u64>,
     /// The frames it is made of, in order.
     pub frames: Vec<PieceFrame>,
+    /// The frames are plaintext, each id the blake3 of its bytes (a checkpoint's chunks),
+    /// rather than zstd frames of a chunk store.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub raw: bool,
 }
 
 /// Where a sidecar found a piece it answers with.
@@ -111,6 +116,7 @@ impl Piece {
     pub fn content_id(&self) -> [u8; 32] {
         let mut h = blake3::Hasher::new();
         h.update(b"hotstart piece v1");
+        h.update(&[u8::from(self.raw)]);
         for f in &self.frames {
             h.update(f.id.as_bytes());
             h.update(&f.len.map_or(u64::MAX, u64::from).to_le_bytes());
@@ -141,6 +147,7 @@ mod tests {
                     len,
                 })
                 .collect(),
+            raw: false,
         }
     }
 

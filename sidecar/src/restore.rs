@@ -420,17 +420,24 @@ impl Core {
     fn read_back(&self, key: &ShardKey, world_size: u32) -> Result<(Arc<Shard>, Vec<TierKind>)> {
         let persistence = self.tiers.rank(&key.job, key.rank, world_size)?;
         let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-        let (manifest, seg, sources) = persistence.read_into(key.step, |len, nearest| {
-            let what = format!("{key} from {nearest}");
-            let charge = self
-                .memory
-                .reserve(len as u64, self.cfg.stage_timeout, &what)
-                .inspect_err(|_| {
-                    self.metrics.failed(Failure::Budget);
-                })?;
-            Segment::create_to_fill(&name, len, Some(Box::new(charge)))
-                .map_err(|e| Error::io("create shared memory", &name, e))
-        })?;
+        let prefill = |m: &format::Manifest, nearest, buf: &mut [u8]| {
+            self.prefill_shared(key, m, nearest, buf)
+        };
+        let (manifest, seg, sources) = persistence.read_into_prefilled(
+            key.step,
+            |len, nearest| {
+                let what = format!("{key} from {nearest}");
+                let charge = self
+                    .memory
+                    .reserve(len as u64, self.cfg.stage_timeout, &what)
+                    .inspect_err(|_| {
+                        self.metrics.failed(Failure::Budget);
+                    })?;
+                Segment::create_to_fill(&name, len, Some(Box::new(charge)))
+                    .map_err(|e| Error::io("create shared memory", &name, e))
+            },
+            prefill,
+        )?;
         let sealed = seg
             .seal()
             .map_err(|e| Error::io("seal shared memory", &name, e))?;

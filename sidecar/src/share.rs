@@ -49,8 +49,11 @@ use tracing::{debug, warn};
 
 use crate::Core;
 use crate::members::Member;
+use crate::memory::ShardKey;
 use crate::peer::PeerClient;
-use hotstart_proto::share::{Piece, PieceSource};
+use hotstart_ckpt::format::{self, Manifest};
+use hotstart_ckpt::tier::TierKind;
+use hotstart_proto::share::{Piece, PieceFrame, PieceSource};
 use hotstart_store::{ChunkId, Store};
 
 /// For fault tests: set to `1`, a sidecar flips one byte of every piece it sends to a peer.
@@ -61,6 +64,9 @@ pub const AVOID_FOR: Duration = Duration::from_secs(600);
 
 /// Owners asked for a piece before the store is read.
 const OWNERS_ASKED: usize = 2;
+
+/// Chunks of a checkpoint asked for at once by one restore.
+const CHUNKS_IN_FLIGHT: usize = 4;
 
 /// Largest plaintext of one frame accepted when checking a piece.
 const MAX_FRAME_PLAINTEXT: usize = 64 << 20;
@@ -202,8 +208,15 @@ pub(crate) fn verify(piece: &Piece, data: &[u8]) -> std::result::Result<(), Stri
         let frame = data
             .get(at..end)
             .ok_or_else(|| format!("frame {id} runs past the end"))?;
-        hotstart_store::chunk::decode_frame(&id, frame, MAX_FRAME_PLAINTEXT)
-            .map_err(|e| e.to_string())?;
+        if piece.raw {
+            let got = ChunkId::of(frame);
+            if got != id {
+                return Err(format!("chunk {id} hashes to {got}"));
+            }
+        } else {
+            hotstart_store::chunk::decode_frame(&id, frame, MAX_FRAME_PLAINTEXT)
+                .map_err(|e| e.to_string())?;
+        }
         at = end;
     }
     Ok(())
@@ -276,6 +289,73 @@ impl Core {
         answer
     }
 
+    /// Fills chunks of `key`'s file (laid out as `m` says) in `buf` from the pieces the job's
+    /// nodes share, when the restore would read them from the store (`nearest`): data-parallel
+    /// ranks hold the same bytes, so each chunk is read from the store by its owner alone.
+    /// For each chunk, where it came from, or `None` (left to the store reader).
+    pub(crate) fn prefill_shared(
+        &self,
+        key: &ShardKey,
+        m: &Manifest,
+        nearest: TierKind,
+        buf: &mut [u8],
+    ) -> Vec<Option<TierKind>> {
+        let Some(store) = self.cfg.store.as_deref() else {
+            return Vec::new();
+        };
+        // Alone, or with a nearer copy, the store reader is the faster way.
+        if !self.cfg.share || nearest != TierKind::Store || self.members.up().is_empty() {
+            return Vec::new();
+        }
+        let hashes = m.chunk_hashes();
+        let data_key = format::data_key(&key.job, key.step, key.rank);
+        let filled = Mutex::new(vec![None; hashes.len()]);
+        let queue = Mutex::new(buf.chunks_mut(m.chunk_size.max(1) as usize).enumerate());
+        std::thread::scope(|scope| {
+            for _ in 0..CHUNKS_IN_FLIGHT.min(hashes.len()) {
+                scope.spawn(|| {
+                    loop {
+                        let Some((i, slice)) = lock(&queue).next() else {
+                            break;
+                        };
+                        let piece = Piece {
+                            artifact: "ckpt".into(),
+                            store: store.to_string(),
+                            key: data_key.clone(),
+                            offset: m.chunk_range(i).start,
+                            len: Some(slice.len() as u64),
+                            frames: vec![PieceFrame {
+                                id: hashes[i].to_hex().to_string(),
+                                len: Some(slice.len() as u32),
+                            }],
+                            raw: true,
+                        };
+                        match self.piece(&piece, false) {
+                            Ok(got) if got.bytes.len() == slice.len() => {
+                                self.metrics.shared(
+                                    "ckpt",
+                                    got.source.as_str(),
+                                    got.bytes.len() as u64,
+                                );
+                                slice.copy_from_slice(&got.bytes);
+                                lock(&filled)[i] = Some(match got.source {
+                                    PieceSource::Cache => TierKind::Memory,
+                                    PieceSource::Peer => TierKind::Peer,
+                                    PieceSource::Store => TierKind::Store,
+                                });
+                            }
+                            Ok(_) => {}
+                            Err(reason) => {
+                                debug!(shard = %key, chunk = i, %reason, "chunk not shared; the store reader reads it");
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        filled.into_inner().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The up peers (less those avoided) and this node (`None`), in rendezvous order for
     /// `id`: the owner first.
     fn owners(&self, id: &[u8; 32]) -> Vec<Option<Member>> {
@@ -342,7 +422,15 @@ impl Core {
     }
 
     fn read_store(&self, piece: &Piece) -> std::result::Result<Bytes, String> {
-        let store = {
+        // The store tier's own store, whose requests `/metrics` counts.
+        let tier_store = self
+            .tiers
+            .remote
+            .as_ref()
+            .filter(|_| self.cfg.store.as_deref() == Some(piece.store.as_str()));
+        let store = if let Some(s) = tier_store {
+            s.clone()
+        } else {
             let mut stores = lock(&self.share.stores);
             match stores.get(&piece.store) {
                 Some(s) => s.clone(),
@@ -413,6 +501,7 @@ mod tests {
                     len: Some(f.len() as u32),
                 })
                 .collect(),
+            raw: false,
         };
         (p, frames.iter().flat_map(|(_, f)| f.clone()).collect())
     }

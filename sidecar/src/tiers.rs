@@ -23,6 +23,8 @@ pub(crate) struct Tiers {
     list: Vec<Arc<dyn Tier>>,
     /// Counts the store's requests, for `/metrics` (a store that is a local directory has none).
     pub(crate) store_counter: Option<Arc<Counter>>,
+    /// The remote store, seen through that counter.
+    pub(crate) remote: Option<Store>,
     /// Complete steps kept per tier by retention.
     keep: usize,
     threads: usize,
@@ -39,6 +41,7 @@ impl Tiers {
             list.push(Arc::new(DiskTier::new(dir.clone(), UringConfig::default())));
         }
         let mut store_counter = None;
+        let mut remote = None;
         if let Some(url) = &cfg.store {
             let store = Store::open(url).map_err(|e| Error::store("open", url.clone(), e))?;
             if let Some(dir) = store.local_dir() {
@@ -52,6 +55,7 @@ impl Tiers {
                 let counter = Arc::new(Counter::default());
                 let store = store.wrap(|inner| counter.clone().wrap(inner));
                 store_counter = Some(counter);
+                remote = Some(store.clone());
                 list.push(Arc::new(StoreTier::new(
                     store,
                     Arc::new(Runtime::new()?),
@@ -64,6 +68,7 @@ impl Tiers {
         Ok(Tiers {
             list,
             store_counter,
+            remote,
             keep: cfg.keep,
             threads: cfg.threads,
             ranks: Mutex::new(HashMap::new()),

@@ -616,6 +616,7 @@ impl ChunkStore {
                     len: *len,
                 })
                 .collect(),
+            raw: false,
         };
         let this = self.clone();
         let got = tokio::task::spawn_blocking(move || {

@@ -167,10 +167,15 @@ impl Cluster {
 
     /// Starts every node (in parallel: they find each other while they recover).
     pub fn start_all(&self) -> Vec<Node> {
+        self.start_all_as(0)
+    }
+
+    /// [`Cluster::start_all`] as generation `generation` (empty disks for a new one).
+    pub fn start_all_as(&self, generation: u32) -> Vec<Node> {
         let nodes: Vec<Node> = (0..self.size)
             .map(|i| {
-                let disk = self.dir.path().join(format!("disk-{i}-0"));
-                self.spawn(i, &self.serve_args(i, &disk), true, 0)
+                let disk = self.dir.path().join(format!("disk-{i}-{generation}"));
+                self.spawn(i, &self.serve_args(i, &disk), true, generation)
             })
             .collect();
         for n in &nodes {

@@ -13,6 +13,7 @@ mod drain;
 mod hostile;
 mod proxy;
 mod restart;
+mod share;
 mod trainer;
 
 use std::process::ExitCode;
@@ -44,6 +45,10 @@ const TESTS: &[Test] = &[
     (
         "budget_evicts_oldest_and_keeps_newest",
         budget::budget_evicts_oldest_and_keeps_newest,
+    ),
+    (
+        "replicas_restore_from_the_store_about_once_for_the_job",
+        share::replicas_restore_from_the_store_about_once_for_the_job,
     ),
     (
         "sigterm_drains_persistence",

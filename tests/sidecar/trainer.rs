@@ -2,9 +2,11 @@
 //! named by `HOTSTART_SOCKET`, or restores the newest step and checks every byte.
 //!
 //! ```text
-//! sidecar trainer save    --job J --rank R --world W --mib M --steps N [--first S] [--wait memory|all] [--hold]
-//! sidecar trainer restore --job J --rank R --world W --mib M [--step S]
+//! sidecar trainer save    --job J --rank R --world W --mib M --steps N [--first S] [--wait memory|all] [--hold] [--replica]
+//! sidecar trainer restore --job J --rank R --world W --mib M [--step S] [--replica]
 //! ```
+//!
+//! `--replica`: every rank's tensors are rank 0's (the replicas of a data-parallel job).
 //!
 //! `save` prints `saved <step>` once each step reached the tiers waited for, then `done`, and
 //! with `--hold` stays alive until killed. `restore` loads into its own buffers (and one tensor
@@ -48,6 +50,14 @@ struct Opts {
     step: Option<u64>,
     wait_all: bool,
     hold: bool,
+    replica: bool,
+}
+
+impl Opts {
+    /// The rank whose tensors this rank holds.
+    fn content_rank(&self) -> u32 {
+        if self.replica { 0 } else { self.rank }
+    }
 }
 
 fn parse(args: &[String]) -> Result<Opts, String> {
@@ -61,6 +71,7 @@ fn parse(args: &[String]) -> Result<Opts, String> {
         step: None,
         wait_all: false,
         hold: false,
+        replica: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -80,6 +91,7 @@ fn parse(args: &[String]) -> Result<Opts, String> {
             "--step" => o.step = Some(num(val()?)?),
             "--wait" => o.wait_all = val()? == "all",
             "--hold" => o.hold = true,
+            "--replica" => o.replica = true,
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -104,7 +116,7 @@ fn say(line: String) {
 fn save(o: &Opts) -> Result<(), String> {
     let engine = engine(o)?;
     for step in o.first..o.first + o.steps {
-        let set = tensors(step, o.rank, o.mib);
+        let set = tensors(step, o.content_rank(), o.mib);
         let ts: Vec<Tensor> = set
             .into_iter()
             .map(|(n, d, s, b)| Tensor::new(n, d, s, b).map_err(|e| e.to_string()))
@@ -141,7 +153,7 @@ fn restore(o: &Opts) -> Result<(), String> {
         .load(which, Destination::Buffers(bufs))
         .map_err(|e| format!("load: {e}"))?;
     let millis = started.elapsed().as_millis();
-    let want = tensors(loaded.step, o.rank, o.mib);
+    let want = tensors(loaded.step, o.content_rank(), o.mib);
     if w != want[0].3 {
         return Err(format!("step {}: tensor w differs", loaded.step));
     }

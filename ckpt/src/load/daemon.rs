@@ -13,23 +13,50 @@ impl Persistence {
         step: u64,
         alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
     ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
+        self.read_into_prefilled(step, alloc, |_, _, _| Vec::new())
+    }
+
+    /// [`Persistence::read_into`], where `prefill` may first fill chunks of the memory from
+    /// elsewhere (told the manifest and the nearest tier): it returns, for each chunk, the
+    /// tier it filled it from after checking it against the manifest, or `None` (a shorter
+    /// list leaves the rest to read). Only the chunks it did not fill are read from the tiers.
+    /// How the sidecar takes a step's chunks from the peers that share them before the store.
+    pub fn read_into_prefilled<B: AsMut<[u8]>, E: From<Error>>(
+        &self,
+        step: u64,
+        alloc: impl FnOnce(usize, TierKind) -> std::result::Result<B, E>,
+        prefill: impl FnOnce(&Manifest, TierKind, &mut [u8]) -> Vec<Option<TierKind>>,
+    ) -> std::result::Result<(Manifest, B, Vec<TierKind>), E> {
         let inner = self;
         let (manifest, tiers) = inner.sources(step)?;
         let tiers = as_sources(&tiers);
         let len = file_len(&manifest)?;
         let mut buf = alloc(len, tiers[0].kind())?;
-        let direct = (0..manifest.chunks.len()).map(|_| Vec::new()).collect();
+        let n = manifest.chunks.len();
+        let mut filled = prefill(&manifest, tiers[0].kind(), &mut buf.as_mut()[..len]);
+        filled.resize(n, None);
+        let rest: Vec<usize> = (0..n).filter(|&i| filled[i].is_none()).collect();
+        let direct = (0..n).map(|_| Vec::new()).collect();
         // Into host memory only: the GPU contexts stay unmade.
-        let sources = inner.read_chunks(
-            &Gpu::new(),
-            step,
-            &manifest,
-            &tiers,
-            &mut buf.as_mut()[..len],
-            direct,
-            false,
-            None,
-        )?;
+        let read = if rest.is_empty() {
+            Vec::new()
+        } else {
+            inner.read_chunks(
+                &Gpu::new(),
+                step,
+                &manifest,
+                &tiers,
+                &mut buf.as_mut()[..len],
+                direct,
+                false,
+                (rest.len() < n).then_some(&rest[..]),
+            )?
+        };
+        let mut read = read.into_iter();
+        let sources = filled
+            .into_iter()
+            .map(|f| f.or_else(|| read.next()).unwrap_or(TierKind::Store))
+            .collect();
         Ok((manifest, buf, sources))
     }
 }

@@ -1,0 +1,83 @@
+//! The replicas of a data-parallel job hold the same bytes: when every node's memory is gone
+//! and the step must come back from the store, the sidecars share its chunks, so the store
+//! sends each about once for the job instead of once per rank.
+
+use hotstart_testkit::SeaweedFs;
+
+use crate::cluster::{Cluster, Node, restore};
+
+const GET_BYTES: &str = "hotstart_store_bytes_total{op=\"get\"}";
+const CKPT_FROM_PEERS: &str = "hotstart_share_bytes_total{artifact=\"ckpt\",source=\"peer\"}";
+const MIB: usize = 8;
+
+pub fn replicas_restore_from_the_store_about_once_for_the_job() {
+    let Some(weed) = SeaweedFs::shared() else {
+        assert!(std::env::var_os("CI").is_none(), "CI needs SeaweedFS");
+        eprintln!("skipping: no SeaweedFS");
+        return;
+    };
+    let mut cluster = Cluster::new(3);
+    cluster.store = Some((
+        format!("{}/ckpt", weed.fresh_bucket("sidecar-share")),
+        weed.env(),
+    ));
+    let args = |verb: &str, rank: usize| -> Vec<String> {
+        let mut a: Vec<String> = [verb, "--job", "dp", "--world", "3", "--replica"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend([
+            "--rank".into(),
+            rank.to_string(),
+            "--mib".into(),
+            MIB.to_string(),
+        ]);
+        a
+    };
+    let strs = |a: &[String]| a.iter().map(String::as_str).collect::<Vec<_>>();
+    let mut nodes = cluster.start_all();
+    wait_peers(&nodes);
+    for (i, n) in nodes.iter().enumerate() {
+        let mut a = args("save", i);
+        a.extend(["--steps".into(), "1".into(), "--wait".into(), "all".into()]);
+        let (status, lines, err) = n.trainer(&strs(&a)).finish();
+        assert!(
+            status.success() && lines.contains(&"saved 1".to_string()),
+            "{err}"
+        );
+    }
+    // Every node loses its memory and its disk: the step is only in the store.
+    for n in &mut nodes {
+        n.sigterm();
+    }
+    drop(nodes);
+    let nodes = cluster.start_all_as(1);
+    wait_peers(&nodes);
+    let before: f64 = nodes.iter().map(|n| n.metric(GET_BYTES)).sum();
+    std::thread::scope(|s| {
+        for (i, n) in nodes.iter().enumerate() {
+            let a = args("restore", i);
+            s.spawn(move || {
+                let (step, source) = restore(n, &strs(&a));
+                assert_eq!(step, 1, "rank {i} restored {source}");
+            });
+        }
+    });
+    let read: f64 = nodes.iter().map(|n| n.metric(GET_BYTES)).sum::<f64>() - before;
+    let from_peers: f64 = nodes.iter().map(|n| n.metric(CKPT_FROM_PEERS)).sum();
+    let shard = (MIB << 20) as f64;
+    eprintln!("3 ranks restored {shard} bytes each: the store sent {read}, peers {from_peers}");
+    // Alone, each rank would read its whole shard from the store (3 × 8 MiB); shared, each
+    // chunk once, but for the first: it holds the file's header, which names the rank.
+    assert!(
+        read < 1.5 * shard,
+        "the store sent {read} bytes for 3 replicas of {shard}"
+    );
+    assert!(from_peers >= shard, "peers sent {from_peers} bytes");
+}
+
+fn wait_peers(nodes: &[Node]) {
+    for n in nodes {
+        n.wait_metric("hotstart_peers{state=\"up\"}", (nodes.len() - 1) as f64);
+    }
+}
