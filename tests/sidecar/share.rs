@@ -34,7 +34,6 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         ]);
         a
     };
-    let strs = |a: &[String]| a.iter().map(String::as_str).collect::<Vec<_>>();
     let mut nodes = cluster.start_all();
     wait_peers(&nodes);
     for (i, n) in nodes.iter().enumerate() {
@@ -74,6 +73,10 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         "the store sent {read} bytes for 3 replicas of {shard}"
     );
     assert!(from_peers >= shard, "peers sent {from_peers} bytes");
+}
+
+fn strs(a: &[String]) -> Vec<&str> {
+    a.iter().map(String::as_str).collect()
 }
 
 fn wait_peers(nodes: &[Node]) {
