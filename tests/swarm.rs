@@ -13,77 +13,36 @@
 //! says why it skips.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hotstart_testkit::swarm::{Shape, SwarmNet};
-use hotstart_testkit::{SeaweedFs, get, spawn_tied, terminate, workspace_root};
+use hotstart_testkit::swarm::{Shape, Sidecars, SwarmNet, env_install_program, file_tree};
+use hotstart_testkit::{SeaweedFs, spawn_tied, workspace_root};
 
 const NODES: usize = 3;
-const PEER_PORT: u16 = 7070;
-const HTTP_PORT: u16 = 7071;
+const ENV_MIB: usize = 16;
+const PEERS_UP: Duration = Duration::from_secs(30);
+const FROM_PEERS: &str = "hotstart_share_bytes_total{artifact=\"env\",source=\"peer\"}";
 
-/// Writes the test environment into `$HOTSTART_ENV_TARGET`: 12 files of 1 MiB and 300 small
-/// ones, random (so compression does not shrink them) from a fixed seed.
-const INSTALL: &str = r#"
-import os, random
-t = os.environ["HOTSTART_ENV_TARGET"]
-r = random.Random(53)
-os.makedirs(os.path.join(t, "lib", "small"), exist_ok=True)
-for i in range(12):
-    with open(os.path.join(t, "lib", f"big{i}.so"), "wb") as f:
-        f.write(r.randbytes(1 << 20))
-for i in range(300):
-    with open(os.path.join(t, "lib", "small", f"m{i}.py"), "wb") as f:
-        f.write(r.randbytes(r.randint(1000, 16000)))
-"#;
+type Tree = BTreeMap<PathBuf, (u32, String)>;
 
 fn python() -> PathBuf {
     workspace_root().unwrap().join(".venv/bin/python")
 }
 
-/// Every file under `dir`: its mode and the BLAKE3 of its bytes.
-fn tree(dir: &Path) -> BTreeMap<PathBuf, (u32, String)> {
-    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, (u32, String)>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            let meta = std::fs::symlink_metadata(&p).unwrap();
-            if meta.is_dir() {
-                walk(root, &p, out);
-            } else {
-                let data = std::fs::read(&p).unwrap();
-                let rel = p.strip_prefix(root).unwrap().to_path_buf();
-                let mode = meta.permissions().mode() & 0o7777;
-                out.insert(rel, (mode, blake3::hash(&data).to_hex().to_string()));
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    walk(dir, dir, &mut out);
-    out
-}
-
-struct Swarm {
-    net: SwarmNet,
-    weed: SeaweedFs,
-    work: tempfile::TempDir,
+struct Job<'n> {
+    net: &'n SwarmNet,
+    weed: &'n SeaweedFs,
+    sidecars: Sidecars<'n>,
+    work: &'n Path,
     store: String,
     lock: PathBuf,
-    sidecars: Vec<Option<Child>>,
+    install: String,
+    reference: Tree,
 }
 
-impl Swarm {
-    fn node_http(&self, i: usize) -> SocketAddr {
-        SocketAddr::from((self.net.node_ip(i), HTTP_PORT))
-    }
-
-    fn socket(&self, i: usize) -> PathBuf {
-        self.work.path().join(format!("n{i}.sock"))
-    }
-
+impl Job<'_> {
     fn hotstart(&self) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_hotstart"));
         c.envs(self.weed.env())
@@ -93,85 +52,9 @@ impl Swarm {
         c
     }
 
-    fn start_sidecar(&mut self, i: usize, corrupt: bool) {
-        let peers: Vec<String> = (0..NODES)
-            .filter(|&j| j != i)
-            .map(|j| format!("n{j}={}:{PEER_PORT}", self.net.node_ip(j)))
-            .collect();
-        let ip = self.net.node_ip(i);
-        let log = std::fs::File::create(self.work.path().join(format!("n{i}.log"))).unwrap();
-        let mut c = self.hotstart();
-        c.args(["serve", "--node-id", &format!("n{i}")])
-            .args(["--listen", &format!("{ip}:{PEER_PORT}")])
-            .args(["--http", &format!("{ip}:{HTTP_PORT}")])
-            .arg("--socket")
-            .arg(self.socket(i))
-            .args(["--peers", &peers.join(",")])
-            .arg("--tls-dir")
-            .arg(self.work.path().join(format!("tls/n{i}")))
-            .arg("--token-file")
-            .arg(self.work.path().join("token"))
-            .args(["--memory-budget", "256MiB", "--probe-interval", "1s"])
-            .args(["--peer-timeout", "5s"])
-            .env("HOTSTART_LOG", "info")
-            .stdout(log.try_clone().unwrap())
-            .stderr(log);
-        if corrupt {
-            c.env("HOTSTART_FAULT_CORRUPT_SHARED", "1");
-        }
-        let child = spawn_tied(c, Some(&self.net.node_ns(i))).unwrap();
-        self.sidecars[i] = Some(child);
-    }
-
-    fn stop_sidecar(&mut self, i: usize, kill: bool) {
-        if let Some(mut c) = self.sidecars[i].take() {
-            if kill {
-                let _ = c.kill();
-                let _ = c.wait();
-            } else {
-                terminate(&mut c, Duration::from_secs(10));
-            }
-        }
-    }
-
-    /// Stops every sidecar and starts it again, empty (node 2's sending corrupt pieces when
-    /// `corrupt`), and waits until they see each other.
-    fn restart_all(&mut self, corrupt: bool) {
-        for i in 0..NODES {
-            self.stop_sidecar(i, false);
-        }
-        for i in 0..NODES {
-            self.start_sidecar(i, corrupt && i == 2);
-        }
-        self.wait_peers();
-    }
-
-    /// A metric of node `i`'s sidecar (0 when absent).
-    fn metric(&self, i: usize, sample: &str) -> f64 {
-        let page = get(self.node_http(i), "/metrics", Duration::from_secs(5))
-            .map(|r| r.text())
-            .unwrap_or_default();
-        page.lines()
-            .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
-            .unwrap_or(0.0)
-    }
-
-    /// Waits until every running sidecar sees every other running one up.
-    fn wait_peers(&self) {
-        let running: Vec<usize> = (0..NODES).filter(|&i| self.sidecars[i].is_some()).collect();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        for &i in &running {
-            while self.metric(i, "hotstart_peers{state=\"up\"}") < (running.len() - 1) as f64 {
-                assert!(Instant::now() < deadline, "n{i} never saw its peers up");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-    }
-
-    /// Starts `hotstart env ensure` on node `i` into a fresh target and cache (`tag` names
-    /// them), sharing through the node's sidecar when `share`.
-    fn ensure(&self, i: usize, tag: &str, share: bool) -> Child {
-        let dir = self.work.path().join(format!("{tag}/n{i}"));
+    /// `hotstart env ensure` into `target`: the install command enters the key, and is the
+    /// capture's (never run on a hit).
+    fn ensure_cmd(&self, target: &Path, cache: &Path) -> Command {
         let mut c = self.hotstart();
         c.args([
             "env",
@@ -184,34 +67,40 @@ impl Swarm {
         .arg("--lock")
         .arg(&self.lock)
         .arg("--target")
-        .arg(dir.join("env"))
+        .arg(target)
         .arg("--cache-dir")
-        .arg(dir.join("cache"))
-        // The install command enters the key: the capture's, never run on a hit.
+        .arg(cache)
         .arg("--")
         .arg(python())
-        .args(["-c", INSTALL])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .args(["-c", &self.install]);
+        c
+    }
+
+    /// Starts an ensure on node `i` into a fresh target and cache under `tag`, sharing through
+    /// the node's sidecar when `share`.
+    fn ensure(&self, i: usize, tag: &str, share: bool) -> Child {
+        let dir = self.work.join(format!("{tag}/n{i}"));
+        let mut c = self.ensure_cmd(&dir.join("env"), &dir.join("cache"));
+        c.stdout(Stdio::piped()).stderr(Stdio::piped());
         if share {
-            c.env("HOTSTART_SHARE", self.socket(i));
+            c.env("HOTSTART_SHARE", self.sidecars.socket(i));
         }
         spawn_tied(c, Some(&self.net.node_ns(i))).unwrap()
     }
 
-    /// Runs ensures on `nodes` at once; the bytes the store's link sent meanwhile.
-    fn round(&self, tag: &str, nodes: &[usize], share: bool, reference: &Tree) -> u64 {
+    /// Ensures on `nodes` at once; the bytes the store's link sent meanwhile.
+    fn round(&self, tag: &str, nodes: &[usize], share: bool) -> u64 {
         let before = self.net.store_sent().unwrap();
-        let children: Vec<(usize, Child)> = nodes
+        let children = nodes
             .iter()
             .map(|&i| (i, self.ensure(i, tag, share)))
             .collect();
-        self.finish(tag, children, reference);
+        self.finish(tag, children);
         self.net.store_sent().unwrap() - before
     }
 
     /// Waits for ensures and checks that each restored the environment whole.
-    fn finish(&self, tag: &str, children: Vec<(usize, Child)>, reference: &Tree) {
+    fn finish(&self, tag: &str, children: Vec<(usize, Child)>) {
         for (i, c) in children {
             let out = c.wait_with_output().unwrap();
             assert!(
@@ -220,13 +109,29 @@ impl Swarm {
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );
-            let got = tree(&self.work.path().join(format!("{tag}/n{i}/env")));
-            assert_eq!(&got, reference, "{tag}: n{i}'s environment differs");
+            let got = file_tree(&self.work.join(format!("{tag}/n{i}/env"))).unwrap();
+            assert_eq!(got, self.reference, "{tag}: n{i}'s environment differs");
         }
     }
-}
 
-type Tree = BTreeMap<PathBuf, (u32, String)>;
+    /// Every sidecar started again, empty (node 2's sending corrupt pieces when `corrupt`).
+    fn restart_sidecars(&mut self, corrupt: bool) {
+        for i in 0..NODES {
+            self.sidecars.stop(i, false);
+        }
+        for i in 0..NODES {
+            let fault: &[(&str, &str)] = if corrupt && i == 2 {
+                &[("HOTSTART_FAULT_CORRUPT_SHARED", "1")]
+            } else {
+                &[]
+            };
+            self.sidecars
+                .start(i, &["--memory-budget", "256MiB"], fault)
+                .unwrap();
+        }
+        self.sidecars.wait_peers(PEERS_UP).unwrap();
+    }
+}
 
 #[test]
 fn nodes_share_an_environment_through_their_sidecars() {
@@ -240,62 +145,32 @@ fn nodes_share_an_environment_through_their_sidecars() {
     }
     // The store sends 200 Mbit/s (25 MB/s): sharing shows in the bytes, and a restore lasts
     // long enough to kill a peer during it.
-    let net = SwarmNet::up(
-        NODES,
-        Shape {
-            store_mbit: Some(200),
-            node_mbit: None,
-        },
-    )
-    .unwrap();
+    let shape = Shape {
+        store_mbit: Some(200),
+        node_mbit: None,
+    };
+    let net = SwarmNet::up(NODES, shape).unwrap();
     let weed = SeaweedFs::start_in_netns(&net.store_ns(), net.store_ip()).unwrap();
-    let store = format!("{}/envs", weed.fresh_bucket("swarm"));
     let work = tempfile::tempdir().unwrap();
     let lock = work.path().join("requirements.txt");
     std::fs::write(&lock, "swarm-test==1\n").unwrap();
-    std::fs::write(
-        work.path().join("token"),
-        "swarm test token 0123456789abcdef",
-    )
-    .unwrap();
-    let nodes: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
-    let tls = Command::new(env!("CARGO_BIN_EXE_hotstart"))
-        .args(["tls", "init"])
-        .arg(work.path().join("tls"))
-        .args(&nodes)
-        .status()
-        .unwrap();
-    assert!(tls.success());
-    let mut s = Swarm {
-        net,
-        weed,
-        work,
-        store,
+    let exe = Path::new(env!("CARGO_BIN_EXE_hotstart"));
+    let (files, install) = env_install_program(ENV_MIB);
+    let mut job = Job {
+        net: &net,
+        weed: &weed,
+        sidecars: Sidecars::new(&net, exe, &work.path().join("sidecars"), weed.env()).unwrap(),
+        work: work.path(),
+        store: format!("{}/envs", weed.fresh_bucket("swarm")),
         lock,
-        sidecars: (0..NODES).map(|_| None).collect(),
+        install,
+        reference: Tree::new(),
     };
 
     // Capture, from this process over the bridge.
-    let capture = s.work.path().join("capture/env");
-    let out = s
-        .hotstart()
-        .args([
-            "env",
-            "ensure",
-            "--relocatable",
-            "--json",
-            "--store",
-            &s.store,
-        ])
-        .arg("--lock")
-        .arg(&s.lock)
-        .arg("--target")
-        .arg(&capture)
-        .arg("--cache-dir")
-        .arg(s.work.path().join("capture/cache"))
-        .arg("--")
-        .arg(python())
-        .args(["-c", INSTALL])
+    let capture = work.path().join("capture");
+    let out = job
+        .ensure_cmd(&capture.join("env"), &capture.join("cache"))
         .output()
         .unwrap();
     assert!(
@@ -303,18 +178,14 @@ fn nodes_share_an_environment_through_their_sidecars() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let reference = tree(&capture);
-    assert_eq!(reference.len(), 312);
-
-    for i in 0..NODES {
-        s.start_sidecar(i, false);
-    }
-    s.wait_peers();
-    let all: Vec<usize> = (0..NODES).collect();
+    job.reference = file_tree(&capture.join("env")).unwrap();
+    assert_eq!(job.reference.len(), files);
 
     // Every node from the store, then every node sharing.
-    let alone = s.round("alone", &all, false, &reference);
-    let shared = s.round("shared", &all, true, &reference);
+    let all: Vec<usize> = (0..NODES).collect();
+    let alone = job.round("alone", &all, false);
+    job.restart_sidecars(false);
+    let shared = job.round("shared", &all, true);
     let one = alone as f64 / NODES as f64;
     eprintln!(
         "store sent {alone} bytes to {NODES} nodes reading alone, {shared} sharing ({:.2}x one node's)",
@@ -324,17 +195,10 @@ fn nodes_share_an_environment_through_their_sidecars() {
         (shared as f64) < 1.25 * one,
         "sharing: the store sent {shared} bytes, one node alone reads {one:.0}"
     );
-    let from_peers: f64 = (0..NODES)
-        .map(|i| {
-            s.metric(
-                i,
-                "hotstart_share_bytes_total{artifact=\"env\",source=\"peer\"}",
-            )
-        })
-        .sum();
-    let served: f64 = (0..NODES)
-        .map(|i| s.metric(i, "hotstart_share_served_bytes_total{artifact=\"env\"}"))
-        .sum();
+    let from_peers = job.sidecars.total(FROM_PEERS);
+    let served = job
+        .sidecars
+        .total("hotstart_share_served_bytes_total{artifact=\"env\"}");
     assert!(
         from_peers > 0.0 && from_peers == served,
         "{from_peers} from peers, {served} served"
@@ -342,27 +206,26 @@ fn nodes_share_an_environment_through_their_sidecars() {
 
     // A peer killed while the others restore: they finish, from the next owner or the store.
     // (Fresh sidecars, so that nothing is cached.)
-    s.restart_all(false);
-    let children: Vec<(usize, Child)> = [0, 1]
+    job.restart_sidecars(false);
+    let children = [0, 1]
         .iter()
-        .map(|&i| (i, s.ensure(i, "kill", true)))
+        .map(|&i| (i, job.ensure(i, "kill", true)))
         .collect();
-    let from_peer = "hotstart_share_bytes_total{artifact=\"env\",source=\"peer\"}";
     let deadline = Instant::now() + Duration::from_secs(30);
-    while s.metric(0, from_peer) == 0.0 && Instant::now() < deadline {
+    while job.sidecars.metric(0, FROM_PEERS) == 0.0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    s.stop_sidecar(2, true);
-    s.finish("kill", children, &reference);
+    job.sidecars.stop(2, true);
+    job.finish("kill", children);
     // A node whose sidecar is gone reads the store itself.
-    let alone_n2 = s.ensure(2, "nosidecar", true);
-    s.finish("nosidecar", vec![(2, alone_n2)], &reference);
+    let orphan = job.ensure(2, "nosidecar", true);
+    job.finish("nosidecar", vec![(2, orphan)]);
 
     // A peer that corrupts every piece it sends: caught, counted, avoided, nothing wrong kept.
-    s.restart_all(true);
-    s.round("corrupt", &[0, 1], true, &reference);
+    job.restart_sidecars(true);
+    job.round("corrupt", &[0, 1], true);
     for i in [0, 1] {
-        let bad = s.metric(
+        let bad = job.sidecars.metric(
             i,
             "hotstart_share_peer_failures_total{peer=\"n2\",kind=\"corrupt\"}",
         );
@@ -372,8 +235,5 @@ fn nodes_share_an_environment_through_their_sidecars() {
             (1.0..=8.0).contains(&bad),
             "n{i} counted {bad} corrupt pieces from n2"
         );
-    }
-    for i in 0..NODES {
-        s.stop_sidecar(i, false);
     }
 }

@@ -20,10 +20,14 @@
 //! Everything is removed when the value is dropped, and anything left by a process that died
 //! is removed by the next [`SwarmNet::up`].
 
+use std::collections::BTreeMap;
 use std::io;
-use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 /// Link shaping, in megabits per second (`None`: unshaped).
 #[derive(Debug, Clone, Copy, Default)]
@@ -266,4 +270,225 @@ fn sweep() {
             let _ = ip(&["link", "del", &format!("{PREFIX}{id}b")]);
         }
     }
+}
+
+/// The peer port of every node's sidecar.
+pub const PEER_PORT: u16 = 7070;
+/// The HTTP port (`/metrics`) of every node's sidecar.
+pub const HTTP_PORT: u16 = 7071;
+
+/// A sidecar (`hotstart serve`) in every node of a [`SwarmNet`], peers of each other over
+/// mutual TLS with a cluster token, as a real deployment runs them.
+#[derive(Debug)]
+pub struct Sidecars<'n> {
+    net: &'n SwarmNet,
+    exe: PathBuf,
+    dir: PathBuf,
+    /// Variables every sidecar gets (the store's credentials, say).
+    env: Vec<(String, String)>,
+    children: Vec<Option<Child>>,
+}
+
+impl<'n> Sidecars<'n> {
+    /// Sidecars of `exe` (the `hotstart` binary) for `net`, with their TLS files, token,
+    /// sockets and logs in `dir`; none is started yet.
+    pub fn new(
+        net: &'n SwarmNet,
+        exe: &Path,
+        dir: &Path,
+        env: Vec<(String, String)>,
+    ) -> io::Result<Sidecars<'n>> {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("token"), "swarm cluster token 0123456789abcdef")?;
+        let nodes: Vec<String> = (0..net.nodes()).map(Sidecars::id).collect();
+        let out = Command::new(exe)
+            .args(["tls", "init"])
+            .arg(dir.join("tls"))
+            .args(&nodes)
+            .output()?;
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "hotstart tls init: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        Ok(Sidecars {
+            net,
+            exe: exe.to_path_buf(),
+            dir: dir.to_path_buf(),
+            env,
+            children: (0..net.nodes()).map(|_| None).collect(),
+        })
+    }
+
+    /// Node `i`'s id.
+    pub fn id(i: usize) -> String {
+        format!("n{i}")
+    }
+
+    /// Node `i`'s sidecar socket (`HOTSTART_SHARE` of its processes).
+    pub fn socket(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("n{i}.sock"))
+    }
+
+    /// Node `i`'s sidecar log (every start appends).
+    pub fn log(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("n{i}.log"))
+    }
+
+    /// Starts node `i`'s sidecar with `args` and `env` beyond the common ones.
+    pub fn start(&mut self, i: usize, args: &[&str], env: &[(&str, &str)]) -> io::Result<()> {
+        let peers: Vec<String> = (0..self.net.nodes())
+            .filter(|&j| j != i)
+            .map(|j| format!("{}={}:{PEER_PORT}", Sidecars::id(j), self.net.node_ip(j)))
+            .collect();
+        let ip = self.net.node_ip(i);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log(i))?;
+        let mut c = Command::new(&self.exe);
+        c.args(["serve", "--node-id", &Sidecars::id(i)])
+            .args(["--listen", &format!("{ip}:{PEER_PORT}")])
+            .args(["--http", &format!("{ip}:{HTTP_PORT}")])
+            .arg("--socket")
+            .arg(self.socket(i))
+            .arg("--tls-dir")
+            .arg(self.dir.join(format!("tls/{}", Sidecars::id(i))))
+            .arg("--token-file")
+            .arg(self.dir.join("token"))
+            .args(["--probe-interval", "1s", "--peer-timeout", "5s"])
+            .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(env.iter().copied())
+            .env_remove("HOTSTART_SHARE")
+            .env("HOTSTART_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if !peers.is_empty() {
+            c.args(["--peers", &peers.join(",")]);
+        }
+        let child = crate::spawn_tied(c, Some(&self.net.node_ns(i)))?;
+        self.children[i] = Some(child);
+        Ok(())
+    }
+
+    /// Stops node `i`'s sidecar: SIGKILL with `kill`, else SIGTERM (and SIGKILL after 10 s).
+    pub fn stop(&mut self, i: usize, kill: bool) {
+        if let Some(mut c) = self.children[i].take() {
+            if kill {
+                let _ = c.kill();
+                let _ = c.wait();
+            } else {
+                crate::terminate(&mut c, Duration::from_secs(10));
+            }
+        }
+    }
+
+    /// Whether node `i`'s sidecar was started and not stopped.
+    pub fn running(&self, i: usize) -> bool {
+        self.children[i].is_some()
+    }
+
+    /// One sample of node `i`'s `/metrics`, e.g. `hotstart_peers{state="up"}` (0 when absent
+    /// or unreachable).
+    pub fn metric(&self, i: usize, sample: &str) -> f64 {
+        let addr = SocketAddr::from((self.net.node_ip(i), HTTP_PORT));
+        let page = crate::get(addr, "/metrics", Duration::from_secs(5))
+            .map(|r| r.text())
+            .unwrap_or_default();
+        page.lines()
+            .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// The sum of a sample over every running sidecar.
+    pub fn total(&self, sample: &str) -> f64 {
+        (0..self.net.nodes())
+            .filter(|&i| self.running(i))
+            .map(|i| self.metric(i, sample))
+            .sum()
+    }
+
+    /// Waits (up to `limit`) until every running sidecar sees every other one up.
+    pub fn wait_peers(&self, limit: Duration) -> io::Result<()> {
+        let running: Vec<usize> = (0..self.net.nodes()).filter(|&i| self.running(i)).collect();
+        let deadline = Instant::now() + limit;
+        for &i in &running {
+            while self.metric(i, "hotstart_peers{state=\"up\"}") < (running.len() - 1) as f64 {
+                if Instant::now() > deadline {
+                    return Err(io::Error::other(format!(
+                        "n{i} never saw its peers up; its log: {}",
+                        self.log(i).display()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Sidecars<'_> {
+    fn drop(&mut self) {
+        for i in 0..self.children.len() {
+            self.stop(i, true);
+        }
+    }
+}
+
+/// Every file under `dir`: its mode and the BLAKE3 of its bytes, to compare restored trees.
+pub fn file_tree(dir: &Path) -> io::Result<BTreeMap<PathBuf, (u32, String)>> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, (u32, String)>) -> io::Result<()> {
+        for e in std::fs::read_dir(dir)? {
+            let p = e?.path();
+            let meta = std::fs::symlink_metadata(&p)?;
+            if meta.is_dir() {
+                walk(root, &p, out)?;
+            } else {
+                let data = if meta.is_symlink() {
+                    std::fs::read_link(&p)?
+                        .into_os_string()
+                        .into_encoded_bytes()
+                } else {
+                    std::fs::read(&p)?
+                };
+                let rel = p
+                    .strip_prefix(root)
+                    .map_err(io::Error::other)?
+                    .to_path_buf();
+                let mode = meta.permissions().mode() & 0o7777;
+                out.insert(rel, (mode, blake3::hash(&data).to_hex().to_string()));
+            }
+        }
+        Ok(())
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out)?;
+    Ok(out)
+}
+
+/// A Python program that writes an environment of about `mib` MiB into `$HOTSTART_ENV_TARGET`
+/// (an install command for `hotstart env ensure`): three quarters in files of 1 MiB, the rest
+/// in small files of 1 to 16 KB, random bytes from a fixed seed (so compression does not
+/// shrink them). `(files, the program)`.
+pub fn env_install_program(mib: usize) -> (usize, String) {
+    let big = (mib * 3 / 4).max(1);
+    let small = ((mib - big.min(mib)) << 20) / 8500;
+    let program = format!(
+        r#"
+import os, random
+t = os.environ["HOTSTART_ENV_TARGET"]
+r = random.Random(53)
+os.makedirs(os.path.join(t, "lib", "small"), exist_ok=True)
+for i in range({big}):
+    with open(os.path.join(t, "lib", f"big{{i}}.so"), "wb") as f:
+        f.write(r.randbytes(1 << 20))
+for i in range({small}):
+    with open(os.path.join(t, "lib", "small", f"m{{i}}.py"), "wb") as f:
+        f.write(r.randbytes(r.randint(1000, 16000)))
+"#
+    );
+    (big + small, program)
 }
