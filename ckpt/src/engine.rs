@@ -259,13 +259,7 @@ impl Engine {
     #[instrument(skip_all, fields(step, rank = self.inner.core.rank))]
     pub fn save(&self, step: u64, tensors: Vec<Tensor>, extras: Extras) -> Result<SaveHandle> {
         let inner = &self.inner;
-        let layout = Layout::new(
-            &inner.core.job,
-            step,
-            inner.core.rank,
-            inner.core.world_size,
-            &tensors,
-        )?;
+        let layout = Layout::new(&inner.core.job, step, inner.core.world_size, &tensors)?;
         let devices: BTreeSet<usize> = tensors.iter().filter_map(Tensor::device).collect();
         let len = usize::try_from(layout.file_len).map_err(|_| Error::Input {
             step,

@@ -181,14 +181,10 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Lays out `tensors` in the order given, with step/rank/world size in `__metadata__`.
-    pub fn new(
-        job: &str,
-        step: u64,
-        rank: u32,
-        world_size: u32,
-        tensors: &[Tensor],
-    ) -> Result<Layout> {
+    /// Lays out `tensors` in the order given, with job, step and world size in `__metadata__`.
+    /// Not the rank: the replicas of a data-parallel job then write byte-identical files, whose
+    /// chunks hash the same, so nodes share them (the rank is in the file's name and manifest).
+    pub fn new(job: &str, step: u64, world_size: u32, tensors: &[Tensor]) -> Result<Layout> {
         let input = |reason: String| Error::Input { step, reason };
         let mut seen = HashSet::with_capacity(tensors.len());
         let mut entries = Vec::with_capacity(tensors.len());
@@ -216,7 +212,6 @@ impl Layout {
             ("hotstart.format_version", FORMAT_VERSION.to_string()),
             ("job", job.to_string()),
             ("step", step.to_string()),
-            ("rank", rank.to_string()),
             ("world_size", world_size.to_string()),
         ];
         for (i, (k, v)) in meta.iter().enumerate() {

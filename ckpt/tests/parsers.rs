@@ -10,7 +10,7 @@ use proptest::prelude::*;
 fn sample_file() -> (Vec<u8>, Vec<u8>) {
     let set = sample_tensors(3, 10_000);
     let tensors = to_tensors(&set);
-    let layout = Layout::new("job", 5, 0, 1, &tensors).unwrap();
+    let layout = Layout::new("job", 5, 1, &tensors).unwrap();
     let mut file = layout.header.clone();
     for (_, _, _, b) in &set {
         file.extend_from_slice(b);

@@ -517,7 +517,7 @@ mod tests {
     ) -> Result<Arc<Shard>> {
         let charge = mem.reserve(len as u64, Duration::ZERO, "test shard")?;
         let t = Tensor::new("w", Dtype::U8, vec![len as u64 - 64], vec![0u8; len - 64]).unwrap();
-        let layout = Layout::new(job, step, rank, world, &[t]).unwrap();
+        let layout = Layout::new(job, step, world, &[t]).unwrap();
         let seg = Segment::create("t", len, Some(Box::new(charge)))
             .unwrap()
             .commit()

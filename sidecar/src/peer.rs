@@ -762,7 +762,7 @@ mod tests {
             .map(|i| (i * 31 + i / 7) as u8)
             .collect();
         let t = Tensor::new("w", Dtype::U8, vec![bytes.len() as u64], bytes.clone()).unwrap();
-        let layout = Layout::new("j", 1, 0, 1, &[t]).unwrap();
+        let layout = Layout::new("j", 1, 1, &[t]).unwrap();
         let mut file = layout.header.clone();
         file.extend_from_slice(&bytes);
         let hashes: Vec<blake3::Hash> = file.chunks(CHUNK).map(blake3::hash).collect();

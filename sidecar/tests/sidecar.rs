@@ -196,7 +196,7 @@ fn a_training_process_that_lies_about_its_segment_is_refused() {
     let sidecar = Running::start(settings("solo", "127.0.0.1", 0, &socket).resolve().unwrap());
     let set = sample_tensors(1, 600 << 10);
     let tensors: Vec<Tensor> = to_tensors(&set);
-    let layout = Layout::new("liar", 1, 0, 1, &tensors).unwrap();
+    let layout = Layout::new("liar", 1, 1, &tensors).unwrap();
     let file = file_of(&layout, &set);
     let chunk = 256 << 10;
     // What `Filled` carries: the layout, the chunk hashes left for the sidecar (all zero).

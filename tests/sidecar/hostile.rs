@@ -64,7 +64,7 @@ fn header(kind: u8, len: u32) -> Vec<u8> {
 fn shard() -> (ShardInfo, String, Vec<u8>) {
     let bytes = pattern(300 << 10, 9);
     let t = Tensor::new("w", Dtype::U8, vec![bytes.len() as u64], bytes.clone()).expect("tensor");
-    let layout = Layout::new("evil", 1, 0, 1, &[t]).expect("layout");
+    let layout = Layout::new("evil", 1, 1, &[t]).expect("layout");
     let mut file = layout.header.clone();
     file.extend_from_slice(&bytes);
     let chunk = 64 << 10;
