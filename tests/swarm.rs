@@ -199,8 +199,10 @@ fn nodes_share_an_environment_through_their_sidecars() {
     let served = job
         .sidecars
         .total("hotstart_share_served_bytes_total{artifact=\"env\"}");
+    // A piece asked of a second owner when the first was late may arrive twice: served
+    // twice, taken once.
     assert!(
-        from_peers > 0.0 && from_peers == served,
+        from_peers > 0.0 && served >= from_peers,
         "{from_peers} from peers, {served} served"
     );
 

@@ -28,6 +28,8 @@ mod restart;
 mod sidecar;
 mod store_striped;
 mod store_uring;
+mod swarm;
+mod swarm_model;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -71,6 +73,16 @@ enum Command {
     /// Every benchmark above (and the Python package's), then benches/results/BENCHMARKS.md,
     /// charts, and the full table in docs/PERFORMANCE.md.
     All(all::AllArgs),
+
+    /// N nodes (network namespaces) starting the same environment and checkpoint at once,
+    /// sharing chunks through their sidecars, against each node reading the store.
+    Swarm(swarm::SwarmArgs),
+    /// The chunk-sharing design at 1,000 and 10,000 nodes: a piece-level simulation fed with
+    /// the rates the swarm benchmark measures.
+    SwarmModel(swarm_model::ModelArgs),
+    /// (internal) A rank of the swarm benchmark's data-parallel job.
+    #[command(hide = true)]
+    SwarmRank(swarm::SwarmRank),
 }
 
 #[derive(Debug, clap::Args)]
@@ -140,6 +152,9 @@ fn main() -> anyhow::Result<()> {
         Command::Container(args) => container::run(&args)?,
         Command::Env(args) => env::run(&args)?,
         Command::All(args) => all::all(&args)?,
+        Command::Swarm(args) => swarm::run(&args)?,
+        Command::SwarmRank(args) => swarm::rank(&args)?,
+        Command::SwarmModel(args) => swarm_model::run(&args)?,
     }
     Ok(())
 }

@@ -169,6 +169,9 @@ pub enum LocalMsg {
     /// Send me this piece: from the sidecar's cache, a peer that holds or fetches it, or the
     /// store. Answered with `PieceIs` and its data frames, or `Failed`.
     Piece { piece: crate::share::Piece },
+    /// This node has no peers to share with, and the piece is not in its cache: read the
+    /// store.
+    NotShared,
     /// The piece (`len` bytes in data frames follow), every frame checked against its id, and
     /// where it came from (`peer`: which one).
     PieceIs {

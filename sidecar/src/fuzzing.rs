@@ -7,8 +7,16 @@ use crate::peer;
 use crate::wire::PeerMsg;
 
 /// The checks a message from an authenticated peer passes before the sidecar acts on it: a
-/// pushed or fetched shard's manifest must parse and describe the shard it came with.
+/// pushed or fetched shard's manifest must parse and describe the shard it came with; a shared
+/// piece asked for must check out before any byte is read for it, and is checked against bytes.
 pub fn peer_message(msg: &PeerMsg) {
+    if let PeerMsg::Piece { piece, .. } = msg
+        && piece.check().is_ok()
+    {
+        let _ = piece.content_id();
+        let junk = vec![0u8; piece.len.unwrap_or(64).min(1 << 16) as usize];
+        let _ = crate::share::verify(piece, &junk);
+    }
     if let PeerMsg::Push { shard, manifest }
     | PeerMsg::Shard {
         shard, manifest, ..

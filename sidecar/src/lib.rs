@@ -221,6 +221,7 @@ impl Sidecar {
             stopped: AtomicBool::new(false),
             cfg,
         });
+        core.share.attach(&core);
         info!(
             node = %core.me.node,
             listen = %peer_addr,

@@ -374,6 +374,12 @@ fn serve_share(
                 return;
             }
         };
+        if core.members.up().is_empty() && !core.share_holds(&piece) {
+            if writer.send(&LocalMsg::NotShared).is_err() {
+                return;
+            }
+            continue;
+        }
         let sent = match core.piece(&piece, false) {
             Ok(got) => {
                 core.metrics

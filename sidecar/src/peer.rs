@@ -11,7 +11,9 @@
 //! Fetch{job,rank,step[,regions]}
 //!                       → Shard{shard,manifest[,chunks]}, data frames | NotFound
 //! Describe{job,rank,step} → Shard{shard,manifest} | NotFound
-//! Piece{piece}          → PieceIs{len}, data frames | Failed{reason}   (`super::share`)
+//! Piece{piece,cached_only,redirect}
+//!                       → PieceIs{len}, data frames | Redirect{node} | NotFound | Failed{reason}
+//!                                                          (`super::share`)
 //! ```
 //!
 //! Shard data is sent chunk by chunk (frames never cross a chunk boundary), and the receiver
@@ -356,30 +358,11 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                 };
                 conn.send(&answer).map_err(Error::from)
             }
-            PeerMsg::Piece { piece } => {
-                let answer = if core.cfg.share {
-                    core.piece(&piece, true)
-                } else {
-                    Err("this node does not share (--no-share)".into())
-                };
-                match answer {
-                    Ok(mut got) => {
-                        if core.share.corrupt_sent {
-                            let mut v = got.bytes.to_vec();
-                            let mid = v.len() / 2;
-                            v[mid] ^= 0x40;
-                            got.bytes = v.into();
-                        }
-                        conn.send(&PeerMsg::PieceIs {
-                            len: got.bytes.len() as u64,
-                        })
-                        .and_then(|()| conn.send_data(&got.bytes))
-                        .map(|()| core.metrics.served(&piece.artifact, got.bytes.len() as u64))
-                        .map_err(Error::from)
-                    }
-                    Err(reason) => conn.send(&PeerMsg::Failed { reason }).map_err(Error::from),
-                }
-            }
+            PeerMsg::Piece {
+                piece,
+                cached_only,
+                redirect,
+            } => serve_piece(&core, &mut conn, &peer, &piece, cached_only, redirect),
             other => Err(conn
                 .violation(format!("unexpected request {other:?}"))
                 .into()),
@@ -391,6 +374,48 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
             warn!(peer = %conn.label(), error = %e, "peer connection dropped");
             return;
         }
+    }
+}
+
+/// Answers a peer's request for a shared piece: its bytes, once an upload slot is free;
+/// `Redirect` to a node that has it when the slots are taken (`super::share`).
+fn serve_piece(
+    core: &Core,
+    conn: &mut Conn<Link>,
+    peer: &Identity,
+    piece: &hotstart_proto::share::Piece,
+    cached_only: bool,
+    redirect: bool,
+) -> Result<()> {
+    use crate::share::ToPeer;
+    let answer = if core.cfg.share {
+        core.piece_for_peer(piece, &peer.node, cached_only, redirect)
+    } else {
+        ToPeer::Failed("this node does not share (--no-share)".into())
+    };
+    match answer {
+        ToPeer::Bytes(bytes, slot) => {
+            let bytes = if core.share.corrupt_sent {
+                let mut v = bytes.to_vec();
+                let mid = v.len() / 2;
+                v[mid] ^= 0x40;
+                v.into()
+            } else {
+                bytes
+            };
+            let sent = conn
+                .send(&PeerMsg::PieceIs {
+                    len: bytes.len() as u64,
+                })
+                .and_then(|()| conn.send_data(&bytes));
+            slot.done(sent.is_ok());
+            sent.map_err(Error::from)?;
+            core.metrics.served(&piece.artifact, bytes.len() as u64);
+            Ok(())
+        }
+        ToPeer::Redirect(node) => conn.send(&PeerMsg::Redirect { node }).map_err(Error::from),
+        ToPeer::NotHeld => conn.send(&PeerMsg::NotFound).map_err(Error::from),
+        ToPeer::Failed(reason) => conn.send(&PeerMsg::Failed { reason }).map_err(Error::from),
     }
 }
 
@@ -527,14 +552,25 @@ impl PeerClient {
         }
     }
 
-    /// A shared piece, from the peer as its owner (`super::share`): its bytes, not yet
-    /// checked against its frames' ids (the caller does).
-    pub(crate) fn piece(&mut self, piece: &hotstart_proto::share::Piece) -> Result<bytes::Bytes> {
+    /// A shared piece from the peer (`super::share`): its bytes, not yet checked against its
+    /// frames' ids (the caller does), or the node it redirects to, or `None` (`cached_only`
+    /// and not held).
+    pub(crate) fn piece(
+        &mut self,
+        piece: &hotstart_proto::share::Piece,
+        cached_only: bool,
+        redirect: bool,
+    ) -> Result<Option<crate::share::FromPeer>> {
+        use crate::share::FromPeer;
         self.conn.send(&PeerMsg::Piece {
             piece: piece.clone(),
+            cached_only,
+            redirect,
         })?;
         let len = match self.conn.recv()? {
             PeerMsg::PieceIs { len } => len,
+            PeerMsg::Redirect { node } => return Ok(Some(FromPeer::Redirect(node))),
+            PeerMsg::NotFound => return Ok(None),
             other => return Err(self.unexpected(other)),
         };
         let fits =
@@ -547,7 +583,7 @@ impl PeerClient {
         }
         let mut buf = vec![0u8; len as usize];
         self.conn.recv_data_exact(&mut buf)?;
-        Ok(bytes::Bytes::from(buf))
+        Ok(Some(FromPeer::Bytes(bytes::Bytes::from(buf))))
     }
 
     /// The shards the peer holds (of `job`, or all).

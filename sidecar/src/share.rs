@@ -41,7 +41,7 @@
 //! it is answered and not kept.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak, mpsc};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -64,6 +64,24 @@ pub const AVOID_FOR: Duration = Duration::from_secs(600);
 
 /// Owners asked for a piece before the store is read.
 const OWNERS_ASKED: usize = 2;
+
+/// Peers a node sends one piece to at once; more are redirected to those it sent it to (so a
+/// piece spreads as a tree, each holder sending it on), or wait.
+const UPLOADS_PER_PIECE: usize = 3;
+/// Redirects followed for one piece.
+const MAX_HOPS: usize = 6;
+
+/// A peer that answers this many pieces in a row after their deadline is avoided...
+const SLOW_STRIKES: u32 = 2;
+/// ... for this long.
+pub const SLOW_AVOID_FOR: Duration = Duration::from_secs(60);
+/// A piece's deadline: this many times the time the peers' recent answers took for its size...
+const HEDGE_FACTOR: f64 = 6.0;
+/// ... and at least this long; before any answer, [`HEDGE_FIRST`] plus its size at
+/// [`HEDGE_FIRST_RATE`] (a node whose cores are busy decompressing answers late, not never).
+const HEDGE_MIN: Duration = Duration::from_millis(500);
+const HEDGE_FIRST: Duration = Duration::from_millis(500);
+const HEDGE_FIRST_RATE: f64 = 20e6;
 
 /// Chunks of a checkpoint asked for at once by one restore.
 const CHUNKS_IN_FLIGHT: usize = 4;
@@ -98,11 +116,21 @@ pub(crate) struct Share {
     avoided: Mutex<HashMap<String, Instant>>,
     /// Authenticated connections to peers, kept for the next piece.
     idle: Mutex<HashMap<String, Vec<PeerClient>>>,
+    /// Each piece's sends to peers, and who it went to.
+    uploads: Mutex<HashMap<[u8; 32], Uploads>>,
+    uploads_changed: Condvar,
     /// Reads the store; only taken in `drop` (a runtime dropped on another runtime's thread
     /// would panic, so it is shut down in the background).
     rt: Option<tokio::runtime::Runtime>,
     /// [`CORRUPT_SENT_ENV`] is set.
     pub(crate) corrupt_sent: bool,
+    /// Seconds per byte of the peers' recent answers (a moving average), for deadlines.
+    pace: Mutex<Option<f64>>,
+    /// Deadlines each peer missed in a row, since its last answer in time (0: its last
+    /// answer was in time; absent: none yet).
+    strikes: Mutex<HashMap<String, u32>>,
+    /// The sidecar, for the threads that ask peers (set once it is made).
+    core: OnceLock<Weak<Core>>,
 }
 
 impl Drop for Share {
@@ -172,9 +200,61 @@ impl Share {
             stores: Mutex::new(HashMap::new()),
             avoided: Mutex::new(HashMap::new()),
             idle: Mutex::new(HashMap::new()),
+            uploads: Mutex::new(HashMap::new()),
+            uploads_changed: Condvar::new(),
             rt: Some(rt),
             corrupt_sent: std::env::var(CORRUPT_SENT_ENV).is_ok_and(|v| v == "1"),
+            pace: Mutex::new(None),
+            strikes: Mutex::new(HashMap::new()),
+            core: OnceLock::new(),
         })
+    }
+
+    /// Lets the threads that ask peers reach the sidecar `core`.
+    pub(crate) fn attach(&self, core: &Arc<Core>) {
+        let _ = self.core.set(Arc::downgrade(core));
+    }
+
+    fn avoid(&self, node: &str, wait: Duration) {
+        lock(&self.avoided).insert(node.to_string(), Instant::now() + wait);
+    }
+
+    /// How long a peer may take to answer a piece of `len` bytes before the next is asked.
+    fn hedge_after(&self, len: u64, limit: Duration) -> Duration {
+        match *lock(&self.pace) {
+            Some(pace) => Duration::from_secs_f64(HEDGE_FACTOR * pace * len as f64)
+                .clamp(HEDGE_MIN, limit.max(HEDGE_MIN)),
+            None => HEDGE_FIRST + Duration::from_secs_f64(len as f64 / HEDGE_FIRST_RATE),
+        }
+    }
+
+    /// `node` answered `len` bytes in `took` (`timely`: within its deadline, which clears its
+    /// strikes).
+    fn answered(&self, node: &str, len: usize, took: Duration, timely: bool) {
+        if timely {
+            let mut strikes = lock(&self.strikes);
+            strikes.insert(node.to_string(), 0);
+        }
+        let pace = took.as_secs_f64() / len.max(1) as f64;
+        let mut p = lock(&self.pace);
+        *p = Some(p.map_or(pace, |old| 0.8 * old + 0.2 * pace));
+    }
+
+    /// `node` missed a deadline. It is avoided once it missed [`SLOW_STRIKES`] in a row while
+    /// another peer's last answer was in time: when no peer answers in time, the slow link is
+    /// this node's own, and avoiding its peers would only send it to the store.
+    fn strike(&self, core: &Core, node: &str) {
+        core.metrics.share_peer_failed(node, "slow");
+        let mut strikes = lock(&self.strikes);
+        let others_fine = strikes.iter().any(|(n, &k)| n != node && k == 0);
+        let k = strikes.entry(node.to_string()).or_default();
+        *k += 1;
+        if *k >= SLOW_STRIKES && others_fine {
+            strikes.remove(node);
+            drop(strikes);
+            warn!(peer = %node, "a peer answers pieces too slowly; avoiding it for a while");
+            self.avoid(node, SLOW_AVOID_FOR);
+        }
     }
 
     fn is_avoided(&self, node: &str) -> bool {
@@ -356,6 +436,13 @@ impl Core {
         filled.into_inner().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Whether this node's cache holds `piece`.
+    pub(crate) fn share_holds(&self, piece: &Piece) -> bool {
+        lock(&self.share.cache)
+            .map
+            .contains_key(&piece.content_id())
+    }
+
     /// The up peers (less those avoided) and this node (`None`), in rendezvous order for
     /// `id`: the owner first.
     fn owners(&self, id: &[u8; 32]) -> Vec<Option<Member>> {
@@ -379,32 +466,15 @@ impl Core {
 
     fn fetch_piece(&self, piece: &Piece, id: &[u8; 32], for_peer: bool) -> Answer {
         if !for_peer {
-            for owner in self.owners(id).into_iter().take(OWNERS_ASKED) {
-                let Some(m) = owner else {
-                    break;
-                };
-                let node = m.id.node.clone();
-                match self.ask_peer(&m, piece) {
-                    Ok(bytes) => match verify(piece, &bytes) {
-                        Ok(()) => {
-                            return Ok(Got {
-                                bytes,
-                                source: PieceSource::Peer,
-                                peer: Some(node),
-                            });
-                        }
-                        Err(reason) => {
-                            warn!(peer = %node, key = %piece.key, %reason,
-                                "a peer sent a piece that does not match its ids; avoiding it");
-                            self.metrics.share_peer_failed(&node, "corrupt");
-                            lock(&self.share.avoided).insert(node, Instant::now() + AVOID_FOR);
-                        }
-                    },
-                    Err(reason) => {
-                        debug!(peer = %node, key = %piece.key, %reason, "a peer did not provide a piece");
-                        self.metrics.share_peer_failed(&node, "error");
-                    }
-                }
+            // The owners ahead of this node, in order (this node itself reads the store).
+            let peers: Vec<Member> = self
+                .owners(id)
+                .into_iter()
+                .take(OWNERS_ASKED)
+                .map_while(|o| o)
+                .collect();
+            if let Some(got) = self.ask_owners(piece, peers) {
+                return Ok(got);
             }
         }
         let bytes = self.read_store(piece)?;
@@ -419,6 +489,83 @@ impl Core {
             source: PieceSource::Store,
             peer: None,
         })
+    }
+
+    /// `piece` from `peers` (its owners, in order), verified; `None` when every one failed
+    /// (the caller reads the store). Each is asked on a thread of its own; one that has not
+    /// answered when its deadline passes ([`Share::hedge_after`]) goes on while the next is
+    /// asked too, the first good answer wins, and the late one gets a strike: a peer late
+    /// [`SLOW_STRIKES`] times in a row while others answer in time is avoided for
+    /// [`SLOW_AVOID_FOR`].
+    fn ask_owners(&self, piece: &Piece, peers: Vec<Member>) -> Option<Got> {
+        let core = self.share.core.get()?.upgrade()?;
+        let len = piece.len.unwrap_or(1 << 20);
+        let (tx, rx) = mpsc::channel();
+        let launch = |m: Member| {
+            let (core, tx, piece) = (core.clone(), tx.clone(), piece.clone());
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                let (node, answer) = match core.ask_peer(&m, &piece) {
+                    Ok((sender, bytes)) => match verify(&piece, &bytes) {
+                        Ok(()) => (sender, Ok(bytes)),
+                        Err(reason) => (sender, Err(("corrupt", reason))),
+                    },
+                    Err(reason) => (m.id.node, Err(("error", reason))),
+                };
+                let _ = tx.send((node, answer, t.elapsed()));
+            });
+        };
+        let mut next = peers.into_iter();
+        let mut asked: Vec<String> = Vec::new();
+        let mut in_flight = 0;
+        let mut deadline = Instant::now();
+        loop {
+            let hedge = self.share.hedge_after(len, self.cfg.peer_timeout);
+            if in_flight == 0 {
+                // Nothing asked yet, or every peer asked failed: the next, else the store.
+                let m = next.next()?;
+                asked.push(m.id.node.clone());
+                launch(m);
+                in_flight += 1;
+                deadline = Instant::now() + hedge;
+            } else if Instant::now() >= deadline {
+                // The one asked last is late: a strike, and the next owner is asked too (never
+                // the store: a late peer is waited for rather than adding store reads).
+                if let Some(slow) = asked.last() {
+                    self.share.strike(self, slow);
+                }
+                if let Some(m) = next.next() {
+                    asked.push(m.id.node.clone());
+                    launch(m);
+                    in_flight += 1;
+                }
+                deadline = Instant::now() + hedge;
+            }
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok((node, Ok(bytes), took)) => {
+                    self.share.answered(&node, bytes.len(), took, took <= hedge);
+                    return Some(Got {
+                        bytes,
+                        source: PieceSource::Peer,
+                        peer: Some(node),
+                    });
+                }
+                Ok((node, Err((kind, reason)), _)) => {
+                    in_flight -= 1;
+                    self.metrics.share_peer_failed(&node, kind);
+                    if kind == "corrupt" {
+                        warn!(peer = %node, key = %piece.key, %reason,
+                            "a peer sent a piece that does not match its ids; avoiding it");
+                        self.share.avoid(&node, AVOID_FOR);
+                    } else {
+                        debug!(peer = %node, key = %piece.key, %reason, "a peer did not provide a piece");
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            }
+        }
     }
 
     fn read_store(&self, piece: &Piece) -> std::result::Result<Bytes, String> {
@@ -456,24 +603,175 @@ impl Core {
         .map_err(|e| e.to_string())
     }
 
-    /// Asks `m` for `piece` on a kept connection or a new one.
-    fn ask_peer(&self, m: &Member, piece: &Piece) -> std::result::Result<Bytes, String> {
+    /// Asks `m` (an owner) for `piece`, following its redirects to the nodes that hold it
+    /// ([`MAX_HOPS`] at most; a holder that no longer has it sends the asker back to the owner,
+    /// which then serves it itself): the bytes and the node that sent them, not yet checked.
+    fn ask_peer(&self, m: &Member, piece: &Piece) -> std::result::Result<(String, Bytes), String> {
+        let (mut target, mut cached_only, mut redirect) = (m.clone(), false, true);
+        for _ in 0..MAX_HOPS {
+            match self.request_piece(&target, piece, cached_only, redirect)? {
+                Some(FromPeer::Bytes(b)) => return Ok((target.id.node, b)),
+                Some(FromPeer::Redirect(node)) => {
+                    let holder = self
+                        .members
+                        .up()
+                        .into_iter()
+                        .find(|x| x.id.node == node && !self.share.is_avoided(&node));
+                    (target, cached_only, redirect) = match holder {
+                        Some(h) => (h, true, true),
+                        None => (m.clone(), false, false),
+                    };
+                }
+                None => (target, cached_only, redirect) = (m.clone(), false, false),
+            }
+        }
+        Err(format!(
+            "more than {MAX_HOPS} redirects for a piece of {}",
+            piece.key
+        ))
+    }
+
+    /// One request for `piece` to `m`, on a kept connection or a new one.
+    fn request_piece(
+        &self,
+        m: &Member,
+        piece: &Piece,
+        cached_only: bool,
+        redirect: bool,
+    ) -> std::result::Result<Option<FromPeer>, String> {
         let node = &m.id.node;
         let kept = lock(&self.share.idle).get_mut(node).and_then(Vec::pop);
+        let ask = |c: &mut PeerClient| c.piece(piece, cached_only, redirect);
         // A kept connection the peer has closed since is replaced by a new one, once.
-        let (client, bytes) = match kept.map(|mut c| (c.piece(piece), c)) {
-            Some((Ok(bytes), c)) => (c, bytes),
+        let (client, answer) = match kept.map(|mut c| (ask(&mut c), c)) {
+            Some((Ok(answer), c)) => (c, answer),
             _ => {
                 let mut c = self.connect(m).map_err(|e| e.to_string())?;
-                let bytes = c.piece(piece).map_err(|e| e.to_string())?;
-                (c, bytes)
+                let answer = ask(&mut c).map_err(|e| e.to_string())?;
+                (c, answer)
             }
         };
         lock(&self.share.idle)
             .entry(node.clone())
             .or_default()
             .push(client);
-        Ok(bytes)
+        Ok(answer)
+    }
+
+    /// What this node sends a peer that asks it for `piece` (`super::peer`): the bytes (from
+    /// the cache; else, unless `cached_only`, as the piece's owner, read from the store once)
+    /// once one of its [`UPLOADS_PER_PIECE`] upload slots is free. While they are taken, a
+    /// peer that takes redirects is sent to a node this one sent the piece to; with none yet,
+    /// it waits for a slot (at most the peer timeout, then it is served anyway).
+    pub(crate) fn piece_for_peer<'a>(
+        &'a self,
+        piece: &Piece,
+        asker: &str,
+        cached_only: bool,
+        redirect: bool,
+    ) -> ToPeer<'a> {
+        if let Err(reason) = piece.check() {
+            return ToPeer::Failed(reason);
+        }
+        let id = piece.content_id();
+        let bytes = if cached_only {
+            match lock(&self.share.cache).get(&id) {
+                Some(b) => b,
+                None => return ToPeer::NotHeld,
+            }
+        } else {
+            match self.piece(piece, true) {
+                Ok(g) => g.bytes,
+                Err(reason) => return ToPeer::Failed(reason),
+            }
+        };
+        let deadline = Instant::now() + self.cfg.peer_timeout;
+        let mut uploads = lock(&self.share.uploads);
+        loop {
+            let u = uploads.entry(id).or_default();
+            let now = Instant::now();
+            if u.active < UPLOADS_PER_PIECE || now >= deadline {
+                u.active += 1;
+                return ToPeer::Bytes(
+                    bytes,
+                    UploadSlot {
+                        share: &self.share,
+                        id,
+                        asker: asker.to_string(),
+                        started: now,
+                    },
+                );
+            }
+            // Only holders that took the piece about as fast as the fastest: one behind a slow
+            // link would pass it on slowly.
+            let fastest = u.holders.iter().map(|h| h.1).fold(f64::INFINITY, f64::min);
+            let holders: Vec<&String> = u
+                .holders
+                .iter()
+                .filter(|h| h.0 != asker && h.1 <= 2.0 * fastest)
+                .map(|h| &h.0)
+                .collect();
+            if redirect && !holders.is_empty() {
+                u.next = u.next.wrapping_add(1);
+                return ToPeer::Redirect(holders[u.next % holders.len()].clone());
+            }
+            uploads = self
+                .share
+                .uploads_changed
+                .wait_timeout(uploads, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+}
+
+/// What a peer sent when asked for a piece.
+pub(crate) enum FromPeer {
+    Bytes(Bytes),
+    /// Ask this node instead.
+    Redirect(String),
+}
+
+/// What to send a peer that asked for a piece.
+pub(crate) enum ToPeer<'a> {
+    /// The bytes; the slot is given back once they are sent.
+    Bytes(Bytes, UploadSlot<'a>),
+    Redirect(String),
+    /// Asked `cached_only`, and not in the cache.
+    NotHeld,
+    Failed(String),
+}
+
+/// The sends of one piece to peers in progress, and the peers it went to (with the seconds
+/// the send took).
+#[derive(Default)]
+struct Uploads {
+    active: usize,
+    holders: Vec<(String, f64)>,
+    next: usize,
+}
+
+/// One of a piece's upload slots, taken.
+pub(crate) struct UploadSlot<'a> {
+    share: &'a Share,
+    id: [u8; 32],
+    asker: String,
+    started: Instant,
+}
+
+impl UploadSlot<'_> {
+    /// The send finished (`sent`: whole, so the asker now holds the piece).
+    pub(crate) fn done(self, sent: bool) {
+        let took = self.started.elapsed().as_secs_f64();
+        let mut uploads = lock(&self.share.uploads);
+        if let Some(u) = uploads.get_mut(&self.id) {
+            u.active = u.active.saturating_sub(1);
+            if sent && !u.holders.iter().any(|h| h.0 == self.asker) {
+                u.holders.push((self.asker.clone(), took));
+            }
+        }
+        drop(uploads);
+        self.share.uploads_changed.notify_all();
     }
 }
 

@@ -79,11 +79,20 @@ pub enum PeerMsg {
     },
     /// Describe this shard of your memory: answered with `Shard` and no data, or `NotFound`.
     Describe { job: String, rank: u32, step: u64 },
-    /// Send me this shared piece, as its owner: from your cache, or read from the store
-    /// (`super::share`).
-    Piece { piece: hotstart_proto::share::Piece },
+    /// Send me this shared piece (`super::share`): as its owner, from your cache or read from
+    /// the store; with `cached_only`, only if your cache holds it (else `NotFound`). With
+    /// `redirect`, a node busy sending it may answer `Redirect` to a node it sent it to.
+    Piece {
+        piece: hotstart_proto::share::Piece,
+        #[serde(default)]
+        cached_only: bool,
+        #[serde(default)]
+        redirect: bool,
+    },
     /// The piece: `len` bytes in data frames follow, every frame checked against its id.
     PieceIs { len: u64 },
+    /// Ask `node` for the piece instead (with `cached_only`): it holds it.
+    Redirect { node: String },
     /// Not held.
     NotFound,
     /// The request failed; the connection stays usable.

@@ -75,19 +75,38 @@ fn in_ns(ns: &str, prog: &str, args: &[&str]) -> io::Result<()> {
     ip(&all)
 }
 
-/// Shapes what `dev` (in `ns`, or the root namespace) sends to `mbit`.
-fn shape(ns: Option<&str>, dev: &str, mbit: u32) -> io::Result<()> {
+/// Shapes what `dev` (in `ns`, or the root namespace) sends to `mbit`; `again`: it was shaped
+/// before, and only the rate changes.
+fn shape(ns: Option<&str>, dev: &str, mbit: u32, again: bool) -> io::Result<()> {
     let rate = format!("{mbit}mbit");
     let burst = format!("{}k", (mbit / 8).max(64));
-    let cmds: [Vec<&str>; 2] = [
-        vec![
-            "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1",
-        ],
-        vec![
-            "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", &rate,
-            "ceil", &rate, "burst", &burst, "cburst", &burst,
-        ],
+    let class: Vec<&str> = vec![
+        "class",
+        if again { "change" } else { "add" },
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "classid",
+        "1:1",
+        "htb",
+        "rate",
+        &rate,
+        "ceil",
+        &rate,
+        "burst",
+        &burst,
+        "cburst",
+        &burst,
     ];
+    let qdisc = vec![
+        "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1",
+    ];
+    let cmds = if again {
+        vec![class]
+    } else {
+        vec![qdisc, class]
+    };
     for args in cmds {
         match ns {
             Some(ns) => in_ns(ns, "tc", &args)?,
@@ -138,14 +157,14 @@ impl SwarmNet {
         ip(&["link", "set", &br, "up"])?;
         net.join(&net.store_ns(), &net.store_dev(), net.store_ip())?;
         if let Some(mbit) = shape_as.store_mbit {
-            shape(Some(&net.store_ns()), "eth0", mbit)?;
+            shape(Some(&net.store_ns()), "eth0", mbit, false)?;
         }
         for i in 0..nodes {
             let (ns, dev) = (net.node_ns(i), net.node_dev(i));
             net.join(&ns, &dev, net.node_ip(i))?;
             if let Some(mbit) = shape_as.node_mbit {
-                shape(Some(&ns), "eth0", mbit)?;
-                shape(None, &dev, mbit)?;
+                shape(Some(&ns), "eth0", mbit, false)?;
+                shape(None, &dev, mbit, false)?;
             }
         }
         Ok(net)
@@ -208,6 +227,12 @@ impl SwarmNet {
     /// This process's address on the bridge.
     pub fn host_ip(&self) -> Ipv4Addr {
         Ipv4Addr::new(198, 19, self.subnet, 254)
+    }
+
+    /// Sets node `i`'s link, each way, to `mbit` (it must have been shaped by [`SwarmNet::up`]).
+    pub fn reshape_node(&self, i: usize, mbit: u32) -> io::Result<()> {
+        shape(Some(&self.node_ns(i)), "eth0", mbit, true)?;
+        shape(None, &self.node_dev(i), mbit, true)
     }
 
     /// Bytes the store's namespace has sent over its link so far (payload and headers).
@@ -411,12 +436,18 @@ impl<'n> Sidecars<'n> {
             .sum()
     }
 
-    /// Waits (up to `limit`) until every running sidecar sees every other one up.
+    /// Waits (up to `limit`) until every running sidecar is ready and sees every other one up.
     pub fn wait_peers(&self, limit: Duration) -> io::Result<()> {
         let running: Vec<usize> = (0..self.net.nodes()).filter(|&i| self.running(i)).collect();
         let deadline = Instant::now() + limit;
+        let ready = |i: usize| {
+            let addr = SocketAddr::from((self.net.node_ip(i), HTTP_PORT));
+            crate::get(addr, "/readyz", Duration::from_secs(5)).is_ok_and(|r| r.status == 200)
+        };
         for &i in &running {
-            while self.metric(i, "hotstart_peers{state=\"up\"}") < (running.len() - 1) as f64 {
+            while !ready(i)
+                || self.metric(i, "hotstart_peers{state=\"up\"}") < (running.len() - 1) as f64
+            {
                 if Instant::now() > deadline {
                     return Err(io::Error::other(format!(
                         "n{i} never saw its peers up; its log: {}",

@@ -77,8 +77,9 @@ impl Share {
     }
 
     /// Asks the sidecar for `piece`, on the calling thread. `Ok(None)` while the sidecar is
-    /// resting after it could not be reached; `Err` says why it did not answer with the piece
-    /// (the caller reads the store).
+    /// resting after it could not be reached, or when it has no peers to share with (and not
+    /// the piece); `Err` says why it did not answer with the piece (the caller reads the
+    /// store either way).
     pub fn piece(&self, piece: &Piece) -> Result<Option<SharedPiece>, String> {
         if self
             .resting
@@ -99,7 +100,7 @@ impl Share {
         };
         let got = ask(&mut conn, piece)?;
         self.idle.lock().push(conn);
-        Ok(Some(got))
+        Ok(got)
     }
 
     fn connect(&self) -> Result<Conn<UnixStream>, String> {
@@ -124,7 +125,8 @@ impl Share {
     }
 }
 
-fn ask(conn: &mut Conn<UnixStream>, piece: &Piece) -> Result<SharedPiece, String> {
+/// `Ok(None)`: the sidecar has no peers and not the piece.
+fn ask(conn: &mut Conn<UnixStream>, piece: &Piece) -> Result<Option<SharedPiece>, String> {
     conn.send(&LocalMsg::Piece {
         piece: piece.clone(),
     })
@@ -141,12 +143,13 @@ fn ask(conn: &mut Conn<UnixStream>, piece: &Piece) -> Result<SharedPiece, String
             }
             let mut buf = vec![0u8; len as usize];
             conn.recv_data_exact(&mut buf).map_err(|e| e.to_string())?;
-            Ok(SharedPiece {
+            Ok(Some(SharedPiece {
                 bytes: Bytes::from(buf),
                 source,
                 peer,
-            })
+            }))
         }
+        LocalMsg::NotShared => Ok(None),
         LocalMsg::Failed { reason } => Err(reason),
         other => Err(format!("the sidecar answered {other:?} to Piece")),
     }

@@ -1,0 +1,610 @@
+//! A job's nodes starting together: N nodes, each a Linux network namespace with its own
+//! sidecar (`hotstart serve`), start the same artifact at the same moment, with and without
+//! sharing, against SeaweedFS in a namespace of its own (testkit's `SwarmNet`: the store's link
+//! and every node's link shaped with `tc`).
+//!
+//! Artifacts, same run:
+//! - **env**: an eager `hotstart env ensure` of an environment snapshot (`--env-mib`, random
+//!   bytes, three quarters in 1 MiB files and the rest in small ones), from a fresh chunk
+//!   cache on every node; ready when `ensure` exits, every node's tree checked file by file.
+//! - **ckpt**: a data-parallel job's step (every rank the same `--ckpt-mib` tensor), in the
+//!   store only (every sidecar restarted empty, no disk tier), restored by every rank at once
+//!   through its sidecar; ready when the rank's tensor is in place and its hash checked.
+//!
+//! For each N: the bytes the store's link sent (its interface counter) divided by what one
+//! node alone makes it send (the artifact, with its metadata and HTTP overhead); p50 and p99
+//! of the time to ready, against N nodes each reading the store (sidecars with `--no-share`,
+//! or no sidecar for `env`) and against one node alone. At the largest N, two faults: one
+//! node's link throttled to a tenth, and one node's sidecar sending corrupt pieces. The floor
+//! of this machine, in the same run: N restores of the env at once from a local-directory copy
+//! of the store (no network at all): every "node" here shares the same cores, so N nodes do N
+//! times the decompressing, hashing and writing of one on them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use hotstart_ckpt::{Destination, Dtype, Engine, EngineConfig, Extras, StepSel, Tensor};
+use hotstart_testkit::swarm::{Shape, Sidecars, SwarmNet, env_install_program, file_tree};
+use hotstart_testkit::{SeaweedFs, pattern, spawn_tied, workspace_root};
+
+use crate::report::median;
+
+#[derive(Debug, clap::Args)]
+pub struct SwarmArgs {
+    /// Node counts, each in a swarm of its own.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+    nodes: Vec<usize>,
+    /// Size of the environment.
+    #[arg(long, default_value_t = 64)]
+    env_mib: usize,
+    /// Size of each rank's checkpoint shard.
+    #[arg(long, default_value_t = 64)]
+    ckpt_mib: usize,
+    /// What the store's link sends, in Mbit/s.
+    #[arg(long, default_value_t = 800)]
+    store_mbit: u32,
+    /// Each node's link, each way, in Mbit/s.
+    #[arg(long, default_value_t = 1000)]
+    node_mbit: u32,
+    /// Write the table here (Markdown).
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+}
+
+/// (internal) A rank of the data-parallel job: saves or restores its step through its sidecar.
+#[derive(Debug, clap::Args)]
+pub struct SwarmRank {
+    #[arg(long)]
+    socket: PathBuf,
+    #[arg(long)]
+    rank: u32,
+    #[arg(long)]
+    world: u32,
+    #[arg(long)]
+    mib: usize,
+    /// Restore instead of saving.
+    #[arg(long)]
+    restore: bool,
+}
+
+const JOB: &str = "swarm";
+const PEERS_UP: Duration = Duration::from_secs(60);
+
+/// Every rank's tensor: the same bytes (data-parallel replicas).
+fn replica(mib: usize) -> Vec<u8> {
+    pattern(mib << 20, 53)
+}
+
+/// The rank process.
+pub fn rank(args: &SwarmRank) -> anyhow::Result<()> {
+    let cfg = EngineConfig::new(JOB, args.rank, args.world).sidecar(&args.socket);
+    let engine = Engine::new(cfg)?;
+    let want = replica(args.mib);
+    if args.restore {
+        let mut buf = vec![0u8; want.len()];
+        let loaded = engine.load(
+            StepSel::Latest,
+            Destination::Buffers([("w".to_string(), &mut buf[..])].into()),
+        )?;
+        ensure!(loaded.step == 1, "restored step {}", loaded.step);
+        ensure!(
+            blake3::hash(&buf) == blake3::hash(&want),
+            "rank {}: the restored bytes differ",
+            args.rank
+        );
+    } else {
+        let t = Tensor::new("w", Dtype::U8, vec![want.len() as u64], want)?;
+        let h = engine.save(1, vec![t], Extras::new())?;
+        h.wait_staged()?;
+        h.wait()?;
+    }
+    Ok(())
+}
+
+/// The `hotstart` binary beside this one, built if it is not there.
+fn hotstart_exe() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?
+        .parent()
+        .context("benchmark binary has no directory")?
+        .join("hotstart");
+    if !exe.exists() {
+        let status = Command::new("cargo")
+            .args([
+                "build",
+                "--profile",
+                "bench",
+                "-p",
+                "hotstart",
+                "--bin",
+                "hotstart",
+            ])
+            .current_dir(workspace_root().context("no workspace root")?)
+            .status()?;
+        ensure!(
+            status.success(),
+            "cargo build of the hotstart binary failed"
+        );
+    }
+    ensure!(exe.exists(), "{} is missing", exe.display());
+    Ok(exe)
+}
+
+/// Times to ready of one round, and the bytes the store sent.
+#[derive(Debug, Clone)]
+struct Round {
+    times: Vec<Duration>,
+    store_bytes: u64,
+}
+
+impl Round {
+    fn p50(&self) -> Duration {
+        median(self.times.clone())
+    }
+
+    /// The 99th percentile (the slowest node, for N ≤ 100).
+    fn p99(&self) -> Duration {
+        let mut t = self.times.clone();
+        t.sort();
+        let i = ((t.len() as f64 * 0.99).ceil() as usize).clamp(1, t.len()) - 1;
+        t[i]
+    }
+}
+
+/// Runs `children` (started at once) to the end; each one's time from `started`, in order.
+fn wait_all(started: Instant, children: Vec<(String, Child)>) -> anyhow::Result<Vec<Duration>> {
+    let waits: Vec<_> = children
+        .into_iter()
+        .map(|(what, c)| {
+            std::thread::spawn(move || -> anyhow::Result<Duration> {
+                let out = c.wait_with_output()?;
+                let took = started.elapsed();
+                ensure!(
+                    out.status.success(),
+                    "{what} failed: {}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                Ok(took)
+            })
+        })
+        .collect();
+    waits
+        .into_iter()
+        .map(|w| {
+            w.join()
+                .map_err(|_| anyhow::anyhow!("a waiting thread panicked"))?
+        })
+        .collect()
+}
+
+/// One swarm of `n` nodes and what it runs.
+struct Swarm<'n> {
+    net: &'n SwarmNet,
+    weed: &'n SeaweedFs,
+    sidecars: Sidecars<'n>,
+    exe: PathBuf,
+    work: PathBuf,
+    bucket: String,
+    lock: PathBuf,
+    install: String,
+    reference: std::collections::BTreeMap<PathBuf, (u32, String)>,
+    ckpt_mib: usize,
+}
+
+impl Swarm<'_> {
+    fn python() -> PathBuf {
+        workspace_root()
+            .map(|r| r.join(".venv/bin/python"))
+            .unwrap_or_else(|| "python3".into())
+    }
+
+    fn env_store(&self) -> String {
+        format!("{}/envs", self.bucket)
+    }
+
+    fn ckpt_store(&self) -> String {
+        format!("{}/ckpt", self.bucket)
+    }
+
+    /// `hotstart env ensure` of the environment into `dir`, from `store`.
+    fn ensure_cmd(&self, store: &str, dir: &Path) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.envs(self.weed.env())
+            .env("HOTSTART_ENV_PYTHON", Swarm::python())
+            .env_remove("HOTSTART_SHARE")
+            .args(["env", "ensure", "--relocatable", "--json", "--store", store])
+            .arg("--lock")
+            .arg(&self.lock)
+            .arg("--target")
+            .arg(dir.join("env"))
+            .arg("--cache-dir")
+            .arg(dir.join("cache"))
+            .arg("--")
+            .arg(Swarm::python())
+            .args(["-c", &self.install])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+
+    /// Every sidecar (re)started empty with `args`, node `odd` (if any) with `odd_env` too.
+    fn restart(
+        &mut self,
+        args: &[&str],
+        odd: Option<(usize, &[(&str, &str)])>,
+    ) -> anyhow::Result<()> {
+        for i in 0..self.net.nodes() {
+            self.sidecars.stop(i, false);
+        }
+        for i in 0..self.net.nodes() {
+            let env = match odd {
+                Some((j, env)) if j == i => env,
+                _ => &[],
+            };
+            self.sidecars.start(i, args, env)?;
+        }
+        self.sidecars.wait_peers(PEERS_UP)?;
+        Ok(())
+    }
+
+    /// Every node ensures the environment at once (`share`: through its sidecar); every tree
+    /// checked.
+    fn env_round(&self, tag: &str, share: bool) -> anyhow::Result<Round> {
+        let n = self.net.nodes();
+        let before = self.net.store_sent()?;
+        let started = Instant::now();
+        let mut children = Vec::new();
+        for i in 0..n {
+            let mut c = self.ensure_cmd(&self.env_store(), &self.work.join(format!("{tag}/n{i}")));
+            if share {
+                c.env("HOTSTART_SHARE", self.sidecars.socket(i));
+            }
+            children.push((
+                format!("env ensure on n{i}"),
+                spawn_tied(c, Some(&self.net.node_ns(i)))?,
+            ));
+        }
+        let times = wait_all(started, children)?;
+        let store_bytes = self.net.store_sent()? - before;
+        for i in 0..n {
+            let dir = self.work.join(format!("{tag}/n{i}"));
+            let got = file_tree(&dir.join("env"))?;
+            ensure!(got == self.reference, "{tag}: n{i}'s environment differs");
+            std::fs::remove_dir_all(&dir)?;
+        }
+        Ok(Round { times, store_bytes })
+    }
+
+    /// The rank processes, one per node, all at once.
+    fn ranks(&self, restore: bool) -> anyhow::Result<Vec<Duration>> {
+        let n = self.net.nodes();
+        let bench = std::env::current_exe()?;
+        let started = Instant::now();
+        let mut children = Vec::new();
+        for i in 0..n {
+            let mut c = Command::new(&bench);
+            c.args([
+                "swarm-rank",
+                "--rank",
+                &i.to_string(),
+                "--world",
+                &n.to_string(),
+            ])
+            .args(["--mib", &self.ckpt_mib.to_string()])
+            .arg("--socket")
+            .arg(self.sidecars.socket(i))
+            .env("HOTSTART_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            if restore {
+                c.arg("--restore");
+            }
+            children.push((
+                format!("rank {i}"),
+                spawn_tied(c, Some(&self.net.node_ns(i)))?,
+            ));
+        }
+        wait_all(started, children)
+    }
+
+    /// The sidecars' arguments for the checkpoint rounds.
+    fn ckpt_args(&self, share: bool) -> Vec<String> {
+        let budget = format!("{}MiB", self.ckpt_mib * 4 + 512);
+        let mut a = vec![
+            "--store".to_string(),
+            self.ckpt_store(),
+            "--memory-budget".into(),
+            budget,
+            "--replicas".into(),
+            "0".into(),
+        ];
+        if !share {
+            a.push("--no-share".into());
+        }
+        a
+    }
+
+    /// Every rank restores the step from the store at once, through sidecars restarted empty.
+    fn ckpt_round(&mut self, share: bool) -> anyhow::Result<Round> {
+        let args = self.ckpt_args(share);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.restart(&refs, None)?;
+        let before = self.net.store_sent()?;
+        let times = self.ranks(true)?;
+        Ok(Round {
+            times,
+            store_bytes: self.net.store_sent()? - before,
+        })
+    }
+}
+
+/// What one N measured.
+#[derive(Debug, Clone)]
+struct Measured {
+    n: usize,
+    env_alone: Round,
+    env_shared: Round,
+    ckpt_alone: Round,
+    ckpt_shared: Round,
+    /// The CPU time of one restore from a local copy of the store: N nodes on these cores
+    /// need N times it, divided among the cores (the floor of this machine).
+    env_cpu_one: Duration,
+    /// At the largest N: one node's link at a tenth, and one node's sidecar corrupting what
+    /// it sends (with the corrupt pieces its peers counted).
+    throttled: Option<Round>,
+    corrupt: Option<(Round, f64)>,
+}
+
+fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Result<Measured> {
+    let shape = Shape {
+        store_mbit: Some(args.store_mbit),
+        node_mbit: Some(args.node_mbit),
+    };
+    let net = SwarmNet::up(n, shape)?;
+    let weed = SeaweedFs::start_in_netns(&net.store_ns(), net.store_ip())?;
+    let tmp = tempfile::Builder::new()
+        .prefix("hotstart-swarm-")
+        .tempdir_in("/var/tmp")?;
+    let work = tmp.path().to_path_buf();
+    // HOTSTART_BENCH_KEEP=1 keeps the work directory (the sidecars' logs) for a look after.
+    let _tmp = if std::env::var_os("HOTSTART_BENCH_KEEP").is_some() {
+        eprintln!("  keeping {}", tmp.keep().display());
+        None
+    } else {
+        Some(tmp)
+    };
+    let lock = work.join("requirements.txt");
+    std::fs::write(&lock, "swarm-bench==1\n")?;
+    let (_, install) = env_install_program(args.env_mib);
+    let sidecars = Sidecars::new(&net, exe, &work.join("sidecars"), weed.env())?;
+    let mut s = Swarm {
+        net: &net,
+        weed: &weed,
+        sidecars,
+        exe: exe.to_path_buf(),
+        work: work.clone(),
+        bucket: weed.fresh_bucket("swarm"),
+        lock,
+        install,
+        reference: Default::default(),
+        ckpt_mib: args.ckpt_mib,
+    };
+    eprintln!("  {n} nodes: capturing the environment");
+    let capture = work.join("capture");
+    let out = s.ensure_cmd(&s.env_store(), &capture).output()?;
+    ensure!(
+        out.status.success(),
+        "capture: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    s.reference = file_tree(&capture.join("env"))?;
+    // The same environment in a local directory, for the floor.
+    let local_store = work.join("local-store").display().to_string();
+    let out = s
+        .ensure_cmd(&local_store, &work.join("capture-local"))
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "local capture: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        file_tree(&work.join("capture-local/env"))? == s.reference,
+        "local capture differs"
+    );
+
+    eprintln!("  {n} nodes: env, each from the store");
+    let env_alone = s.env_round("alone", false)?;
+    eprintln!("  {n} nodes: env, sharing");
+    s.restart(&["--memory-budget", "512MiB"], None)?;
+    let env_shared = s.env_round("shared", true)?;
+    // The floor of this machine: what one restore costs in CPU, from a local copy (no network
+    // at all); N of them need N times that on these cores, however the bytes arrive.
+    eprintln!("  {n} nodes: env, one restore from a local copy (the CPU floor)");
+    let cpu_before = children_cpu();
+    let out = s.ensure_cmd(&local_store, &work.join("local")).output()?;
+    ensure!(
+        out.status.success(),
+        "local: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let env_cpu_one = children_cpu() - cpu_before;
+    ensure!(
+        file_tree(&work.join("local/env"))? == s.reference,
+        "local restore differs"
+    );
+    std::fs::remove_dir_all(work.join("local"))?;
+
+    let (mut throttled, mut corrupt) = (None, None);
+    if faults && n > 2 {
+        eprintln!("  {n} nodes: env, sharing, n1's link at a tenth");
+        s.restart(&["--memory-budget", "512MiB"], None)?;
+        net.reshape_node(1, args.node_mbit / 10)?;
+        let r = s.env_round("throttled", true);
+        net.reshape_node(1, args.node_mbit)?;
+        throttled = Some(r?);
+        eprintln!("  {n} nodes: env, sharing, n1 sending corrupt pieces");
+        let fault: &[(&str, &str)] = &[("HOTSTART_FAULT_CORRUPT_SHARED", "1")];
+        s.restart(&["--memory-budget", "512MiB"], Some((1, fault)))?;
+        let r = s.env_round("corrupt", true)?;
+        let bad = s
+            .sidecars
+            .total("hotstart_share_peer_failures_total{peer=\"n1\",kind=\"corrupt\"}");
+        corrupt = Some((r, bad));
+    }
+
+    eprintln!("  {n} nodes: ckpt, saving");
+    let args_save = s.ckpt_args(true);
+    let refs: Vec<&str> = args_save.iter().map(String::as_str).collect();
+    s.restart(&refs, None)?;
+    s.ranks(false)?;
+    eprintln!("  {n} nodes: ckpt, each from the store");
+    let ckpt_alone = s.ckpt_round(false)?;
+    eprintln!("  {n} nodes: ckpt, sharing");
+    let ckpt_shared = s.ckpt_round(true)?;
+    drop(s);
+    Ok(Measured {
+        n,
+        env_alone,
+        env_shared,
+        ckpt_alone,
+        ckpt_shared,
+        env_cpu_one,
+        throttled,
+        corrupt,
+    })
+}
+
+/// CPU time (user and system) of every child reaped so far.
+fn children_cpu() -> Duration {
+    // SAFETY: getrusage fills the struct it is given; a zeroed rusage is a valid value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable rusage.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64())
+}
+
+pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
+    if let Some(why) = SwarmNet::unavailable() {
+        bail!("the swarm benchmark runs nodes as network namespaces: {why}");
+    }
+    let exe = hotstart_exe()?;
+    let mut nodes = args.nodes.clone();
+    nodes.sort_unstable();
+    nodes.dedup();
+    ensure!(
+        nodes.first() == Some(&1),
+        "--nodes must include 1 (one node alone)"
+    );
+    let largest = *nodes.last().unwrap_or(&1);
+    let mut all = Vec::new();
+    for &n in &nodes {
+        eprintln!("swarm of {n}:");
+        all.push(measure(args, n, &exe, n == largest)?);
+    }
+    let one = &all[0];
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let (env_size, ckpt_size) = (
+        one.env_alone.store_bytes as f64,
+        one.ckpt_alone.store_bytes as f64,
+    );
+    let mut md = format!(
+        "### Chunk sharing: N nodes starting the same artifact at once\n\n\
+         Store link {} Mbit/s, node links {} Mbit/s; env {} MiB, ckpt {} MiB per rank. \
+         Store bytes are the store link's own counter, over what one node alone makes it send \
+         (env {:.1} MB, ckpt {:.1} MB). Times from the start of all N to each node ready, in s.\n\n\
+         | artifact | N | store sent ÷ artifact, sharing | each from the store | p50 / p99 sharing | p50 / p99 each from the store | p99 sharing ÷ one node alone | floor on these cores: N × one restore's CPU ÷ cores, ÷ one node alone |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+        args.store_mbit,
+        args.node_mbit,
+        args.env_mib,
+        args.ckpt_mib,
+        env_size / 1e6,
+        ckpt_size / 1e6
+    );
+    for m in &all {
+        let rows = [
+            (
+                "env",
+                &m.env_shared,
+                &m.env_alone,
+                env_size,
+                one.env_alone.p99(),
+                Some(m.env_cpu_one),
+            ),
+            (
+                "ckpt",
+                &m.ckpt_shared,
+                &m.ckpt_alone,
+                ckpt_size,
+                one.ckpt_alone.p99(),
+                None,
+            ),
+        ];
+        for (what, shared, alone, size, solo, floor) in rows {
+            let floor = floor.map_or("-".to_string(), |cpu: Duration| {
+                let wall = cpu.as_secs_f64() * m.n as f64 / cores;
+                format!("{:.2}", wall / solo.as_secs_f64())
+            });
+            md.push_str(&format!(
+                "| {what} | {} | {:.2} | {:.2} | {} / {} | {} / {} | {:.2} | {floor} |\n",
+                m.n,
+                shared.store_bytes as f64 / size,
+                alone.store_bytes as f64 / size,
+                secs(shared.p50()),
+                secs(shared.p99()),
+                secs(alone.p50()),
+                secs(alone.p99()),
+                shared.p99().as_secs_f64() / solo.as_secs_f64(),
+            ));
+        }
+    }
+    let big = all.last().context("no swarm")?;
+    md.push('\n');
+    if let Some(t) = &big.throttled {
+        // The other nodes: the throttled one's own start is bound by its own link.
+        let others = |r: &Round| Round {
+            times: r
+                .times
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != 1)
+                .map(|(_, t)| *t)
+                .collect(),
+            store_bytes: r.store_bytes,
+        };
+        let (with, without) = (others(t).p99(), others(&big.env_shared).p99());
+        md.push_str(&format!(
+            "- N = {}, node 1's link at a tenth: the other nodes' env p99 {} s against {} s ({:+.0}%; target ≤ +10%); node 1 itself {} s; the store sent {:.2}× the artifact.\n",
+            big.n,
+            secs(with),
+            secs(without),
+            (with.as_secs_f64() / without.as_secs_f64() - 1.0) * 100.0,
+            secs(t.times[1]),
+            t.store_bytes as f64 / env_size
+        ));
+    }
+    if let Some((c, bad)) = &big.corrupt {
+        md.push_str(&format!(
+            "- N = {}, one node's sidecar corrupting every piece it sends: every tree equal to the captured one, {bad} corrupt pieces counted by its {} peers in all, env p99 {} s, the store sent {:.2}× the artifact.\n",
+            big.n,
+            big.n - 1,
+            secs(c.p99()),
+            c.store_bytes as f64 / env_size
+        ));
+    }
+    println!("{md}");
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, &md)?;
+    }
+    Ok(())
+}
