@@ -15,10 +15,9 @@
 //! node alone makes it send (the artifact, with its metadata and HTTP overhead); p50 and p99
 //! of the time to ready, against N nodes each reading the store (sidecars with `--no-share`,
 //! or no sidecar for `env`) and against one node alone. At the largest N, two faults: one
-//! node's link throttled to a tenth, and one node's sidecar sending corrupt pieces. The floor
-//! of this machine, in the same run: N restores of the env at once from a local-directory copy
-//! of the store (no network at all): every "node" here shares the same cores, so N nodes do N
-//! times the decompressing, hashing and writing of one on them.
+//! node's link throttled to a tenth, and one node's sidecar sending corrupt pieces. And how busy
+//! this machine's cores were during each round: every "node" here shares the same cores, so N
+//! nodes do N times the decompressing, hashing, verifying and writing of one on them.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -136,6 +135,31 @@ fn hotstart_exe() -> anyhow::Result<PathBuf> {
 struct Round {
     times: Vec<Duration>,
     store_bytes: u64,
+    /// The share of this machine's CPU time that was busy during the round.
+    busy: f64,
+}
+
+/// This machine's CPU time so far, busy and in all (`/proc/stat`, in clock ticks).
+fn cpu_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let total: u64 = ticks.iter().sum();
+    // idle and iowait
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// The busy share of CPU time between two readings of [`cpu_ticks`].
+fn busy_since(before: (u64, u64)) -> f64 {
+    let now = cpu_ticks();
+    (now.0 - before.0) as f64 / (now.1 - before.1).max(1) as f64
 }
 
 impl Round {
@@ -255,6 +279,7 @@ impl Swarm<'_> {
     fn env_round(&self, tag: &str, share: bool) -> anyhow::Result<Round> {
         let n = self.net.nodes();
         let before = self.net.store_sent()?;
+        let ticks = cpu_ticks();
         let started = Instant::now();
         let mut children = Vec::new();
         for i in 0..n {
@@ -268,6 +293,7 @@ impl Swarm<'_> {
             ));
         }
         let times = wait_all(started, children)?;
+        let busy = busy_since(ticks);
         let store_bytes = self.net.store_sent()? - before;
         for i in 0..n {
             let dir = self.work.join(format!("{tag}/n{i}"));
@@ -275,7 +301,11 @@ impl Swarm<'_> {
             ensure!(got == self.reference, "{tag}: n{i}'s environment differs");
             std::fs::remove_dir_all(&dir)?;
         }
-        Ok(Round { times, store_bytes })
+        Ok(Round {
+            times,
+            store_bytes,
+            busy,
+        })
     }
 
     /// The rank processes, one per node, all at once.
@@ -334,9 +364,11 @@ impl Swarm<'_> {
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         self.restart(&refs, None)?;
         let before = self.net.store_sent()?;
+        let ticks = cpu_ticks();
         let times = self.ranks(true)?;
         Ok(Round {
             times,
+            busy: busy_since(ticks),
             store_bytes: self.net.store_sent()? - before,
         })
     }
@@ -350,9 +382,6 @@ struct Measured {
     env_shared: Round,
     ckpt_alone: Round,
     ckpt_shared: Round,
-    /// The CPU time of one restore from a local copy of the store: N nodes on these cores
-    /// need N times it, divided among the cores (the floor of this machine).
-    env_cpu_one: Duration,
     /// At the largest N: one node's link at a tenth, and one node's sidecar corrupting what
     /// it sends (with the corrupt pieces its peers counted).
     throttled: Option<Round>,
@@ -402,43 +431,12 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
         String::from_utf8_lossy(&out.stderr)
     );
     s.reference = file_tree(&capture.join("env"))?;
-    // The same environment in a local directory, for the floor.
-    let local_store = work.join("local-store").display().to_string();
-    let out = s
-        .ensure_cmd(&local_store, &work.join("capture-local"))
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "local capture: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ensure!(
-        file_tree(&work.join("capture-local/env"))? == s.reference,
-        "local capture differs"
-    );
 
     eprintln!("  {n} nodes: env, each from the store");
     let env_alone = s.env_round("alone", false)?;
     eprintln!("  {n} nodes: env, sharing");
     s.restart(&["--memory-budget", "512MiB"], None)?;
     let env_shared = s.env_round("shared", true)?;
-    // The floor of this machine: what one restore costs in CPU, from a local copy (no network
-    // at all); N of them need N times that on these cores, however the bytes arrive.
-    eprintln!("  {n} nodes: env, one restore from a local copy (the CPU floor)");
-    let cpu_before = children_cpu();
-    let out = s.ensure_cmd(&local_store, &work.join("local")).output()?;
-    ensure!(
-        out.status.success(),
-        "local: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let env_cpu_one = children_cpu() - cpu_before;
-    ensure!(
-        file_tree(&work.join("local/env"))? == s.reference,
-        "local restore differs"
-    );
-    std::fs::remove_dir_all(work.join("local"))?;
-
     let (mut throttled, mut corrupt) = (None, None);
     if faults && n > 2 {
         eprintln!("  {n} nodes: env, sharing, n1's link at a tenth");
@@ -473,20 +471,9 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
         env_shared,
         ckpt_alone,
         ckpt_shared,
-        env_cpu_one,
         throttled,
         corrupt,
     })
-}
-
-/// CPU time (user and system) of every child reaped so far.
-fn children_cpu() -> Duration {
-    // SAFETY: getrusage fills the struct it is given; a zeroed rusage is a valid value.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `u` is a valid, writable rusage.
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(u.ru_utime) + tv(u.ru_stime)
 }
 
 fn secs(d: Duration) -> String {
@@ -512,7 +499,6 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
         all.push(measure(args, n, &exe, n == largest)?);
     }
     let one = &all[0];
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let (env_size, ckpt_size) = (
         one.env_alone.store_bytes as f64,
         one.ckpt_alone.store_bytes as f64,
@@ -522,7 +508,7 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
          Store link {} Mbit/s, node links {} Mbit/s; env {} MiB, ckpt {} MiB per rank. \
          Store bytes are the store link's own counter, over what one node alone makes it send \
          (env {:.1} MB, ckpt {:.1} MB). Times from the start of all N to each node ready, in s.\n\n\
-         | artifact | N | store sent ÷ artifact, sharing | each from the store | p50 / p99 sharing | p50 / p99 each from the store | p99 sharing ÷ one node alone | floor on these cores: N × one restore's CPU ÷ cores, ÷ one node alone |\n\
+         | artifact | N | store sent ÷ artifact, sharing | each from the store | p50 / p99 sharing | p50 / p99 each from the store | p99 sharing ÷ one node alone | CPU busy, sharing · each from the store |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|\n",
         args.store_mbit,
         args.node_mbit,
@@ -539,7 +525,6 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 &m.env_alone,
                 env_size,
                 one.env_alone.p99(),
-                Some(m.env_cpu_one),
             ),
             (
                 "ckpt",
@@ -547,16 +532,11 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 &m.ckpt_alone,
                 ckpt_size,
                 one.ckpt_alone.p99(),
-                None,
             ),
         ];
-        for (what, shared, alone, size, solo, floor) in rows {
-            let floor = floor.map_or("-".to_string(), |cpu: Duration| {
-                let wall = cpu.as_secs_f64() * m.n as f64 / cores;
-                format!("{:.2}", wall / solo.as_secs_f64())
-            });
+        for (what, shared, alone, size, solo) in rows {
             md.push_str(&format!(
-                "| {what} | {} | {:.2} | {:.2} | {} / {} | {} / {} | {:.2} | {floor} |\n",
+                "| {what} | {} | {:.2} | {:.2} | {} / {} | {} / {} | {:.2} | {:.0}% · {:.0}% |\n",
                 m.n,
                 shared.store_bytes as f64 / size,
                 alone.store_bytes as f64 / size,
@@ -565,6 +545,8 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 secs(alone.p50()),
                 secs(alone.p99()),
                 shared.p99().as_secs_f64() / solo.as_secs_f64(),
+                shared.busy * 100.0,
+                alone.busy * 100.0,
             ));
         }
     }
@@ -573,6 +555,7 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
     if let Some(t) = &big.throttled {
         // The other nodes: the throttled one's own start is bound by its own link.
         let others = |r: &Round| Round {
+            busy: r.busy,
             times: r
                 .times
                 .iter()

@@ -1,9 +1,13 @@
 //! The chunk-sharing design at 1,000 and 10,000 nodes, on paper: a piece-level simulation fed
-//! with the rates `hotstart-benches swarm` measures (store link, node links, how fast one node
-//! processes the artifact), checked against the measured small swarms.
+//! with the rates `hotstart-benches swarm` shapes and measures (store link, node links, how
+//! fast one node processes the artifact). Its store bytes agree with the measured swarms; its
+//! times assume every node has cores of its own, which the measured swarms (N nodes on this
+//! machine's two cores) do not have.
 //!
 //! **The design it simulates.** Up to `--cell` nodes, a node knows every other one and asks a
-//! piece's owner (rendezvous over the nodes), as the sidecar does today. Past that, nodes are
+//! piece's owner (rendezvous over the nodes), and every holder passes a piece on to at most
+//! `--fanout` nodes at once (the sidecar's upload slots and redirects), as the sidecar does
+//! today. Past that, nodes are
 //! grouped into cells of `--cell` nodes (probes and connections stay within the cell, plus the
 //! few nodes it reaches in other cells): each piece has a global owner (rendezvous over the
 //! cells, then over that cell's nodes), which alone reads it from the store; the piece's owner
@@ -41,9 +45,10 @@ pub struct ModelArgs {
     /// Each node's link, each way, in MB/s.
     #[arg(long, default_value_t = 125.0)]
     node_mbs: f64,
-    /// How fast one node processes the artifact (decompress, check, write), in MB/s: the
-    /// swarm benchmark's one node restoring from a local copy.
-    #[arg(long, default_value_t = 300.0)]
+    /// How fast one node processes the artifact (decompress, check, write), in MB/s: on this
+    /// machine an environment restore from a local directory runs at about 250 MB/s (502 MB
+    /// in 1.95 s, `hotstart-benches env`).
+    #[arg(long, default_value_t = 250.0)]
     process_mbs: f64,
     /// One-way latency of a link, in ms.
     #[arg(long, default_value_t = 0.5)]

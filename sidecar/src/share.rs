@@ -662,7 +662,7 @@ impl Core {
     /// the cache; else, unless `cached_only`, as the piece's owner, read from the store once)
     /// once one of its [`UPLOADS_PER_PIECE`] upload slots is free. While they are taken, a
     /// peer that takes redirects is sent to a node this one sent the piece to; with none yet,
-    /// it waits for a slot (at most the peer timeout, then it is served anyway).
+    /// it waits for a slot (at most a quarter of the peer timeout, then it is served anyway).
     pub(crate) fn piece_for_peer<'a>(
         &'a self,
         piece: &Piece,
@@ -685,7 +685,8 @@ impl Core {
                 Err(reason) => return ToPeer::Failed(reason),
             }
         };
-        let deadline = Instant::now() + self.cfg.peer_timeout;
+        // Well within the asker's own timeout, which would otherwise give up on this node.
+        let deadline = Instant::now() + self.cfg.peer_timeout / 4;
         let mut uploads = lock(&self.share.uploads);
         loop {
             let u = uploads.entry(id).or_default();

@@ -382,7 +382,7 @@ impl<'n> Sidecars<'n> {
             .arg(self.dir.join(format!("tls/{}", Sidecars::id(i))))
             .arg("--token-file")
             .arg(self.dir.join("token"))
-            .args(["--probe-interval", "1s", "--peer-timeout", "5s"])
+            .args(["--probe-interval", "1s"])
             .args(args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(env.iter().copied())
