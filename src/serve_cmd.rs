@@ -100,8 +100,9 @@ pub struct ServeArgs {
     /// Threads for checksums and copies; 0 picks the core count, at most 8 [default: 0].
     #[arg(long, env = "HOTSTART_THREADS")]
     threads: Option<usize>,
-    /// Do not share image and environment chunks with peers: this node's processes that ask
-    /// (HOTSTART_SHARE) read the store themselves, and peers that ask are refused.
+    /// Do not share chunks with peers (images, environments, checkpoints restored from the
+    /// store): this node's processes that ask (HOTSTART_SHARE) read the store themselves, and
+    /// peers that ask are refused.
     #[arg(long, env = "HOTSTART_NO_SHARE")]
     no_share: bool,
     /// Memory kept for shared pieces, to serve this node's processes and its peers
