@@ -284,11 +284,6 @@ impl Metrics {
             .or_default() += 1;
     }
 
-    /// Bytes of shared pieces received, by `(artifact, source)`.
-    pub fn shared_bytes(&self) -> BTreeMap<(String, &'static str), u64> {
-        self.share().received.clone()
-    }
-
     fn render_share(&self, out: &mut String) {
         let head = |out: &mut String, name: &str, help: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");

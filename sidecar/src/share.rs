@@ -54,7 +54,7 @@ use crate::peer::PeerClient;
 use hotstart_ckpt::format::{self, Manifest};
 use hotstart_ckpt::tier::TierKind;
 use hotstart_proto::share::{Piece, PieceFrame, PieceSource};
-use hotstart_store::{ChunkId, Store};
+use hotstart_store::{ChunkId, LruIndex, Store};
 
 /// For fault tests: set to `1`, a sidecar flips one byte of every piece it sends to a peer.
 pub const CORRUPT_SENT_ENV: &str = "HOTSTART_FAULT_CORRUPT_SHARED";
@@ -144,37 +144,42 @@ impl Drop for Share {
 /// Pieces kept in memory, least recently used first out.
 struct Cache {
     cap: u64,
-    used: u64,
-    tick: u64,
-    map: HashMap<[u8; 32], (Bytes, u64)>,
+    lru: LruIndex<[u8; 32]>,
+    pieces: HashMap<[u8; 32], Bytes>,
 }
 
 impl Cache {
-    fn get(&mut self, id: &[u8; 32]) -> Option<Bytes> {
-        self.tick += 1;
-        let tick = self.tick;
-        self.map.get_mut(id).map(|(b, t)| {
-            *t = tick;
-            b.clone()
-        })
+    fn new(cap: u64) -> Cache {
+        Cache {
+            cap,
+            lru: LruIndex::default(),
+            pieces: HashMap::new(),
+        }
     }
 
-    fn insert(&mut self, id: [u8; 32], bytes: Bytes) {
+    fn get(&mut self, id: &[u8; 32]) -> Option<Bytes> {
+        let bytes = self.pieces.get(id)?.clone();
+        self.lru.use_existing(id);
+        Some(bytes)
+    }
+
+    fn holds(&self, id: &[u8; 32]) -> bool {
+        self.pieces.contains_key(id)
+    }
+
+    /// Keeps `bytes` (unless larger than a quarter of the cache); the pieces evicted for room.
+    fn insert(&mut self, id: [u8; 32], bytes: Bytes) -> Vec<[u8; 32]> {
         let n = bytes.len() as u64;
-        if n > self.cap / 4 || self.map.contains_key(&id) {
-            return;
+        if n > self.cap / 4 || self.holds(&id) {
+            return Vec::new();
         }
-        while self.used + n > self.cap {
-            let Some((&old, _)) = self.map.iter().min_by_key(|(_, (_, t))| *t) else {
-                break;
-            };
-            if let Some((b, _)) = self.map.remove(&old) {
-                self.used -= b.len() as u64;
-            }
+        self.lru.touch(id, n);
+        self.pieces.insert(id, bytes);
+        let evicted = self.lru.evict(self.cap);
+        for old in &evicted {
+            self.pieces.remove(old);
         }
-        self.tick += 1;
-        self.used += n;
-        self.map.insert(id, (bytes, self.tick));
+        evicted
     }
 }
 
@@ -190,12 +195,7 @@ impl Share {
             .enable_all()
             .build()?;
         Ok(Share {
-            cache: Mutex::new(Cache {
-                cap: cache_bytes,
-                used: 0,
-                tick: 0,
-                map: HashMap::new(),
-            }),
+            cache: Mutex::new(Cache::new(cache_bytes)),
             flights: Mutex::new(HashMap::new()),
             stores: Mutex::new(HashMap::new()),
             avoided: Mutex::new(HashMap::new()),
@@ -361,7 +361,14 @@ impl Core {
         }
         let answer = self.fetch_piece(piece, &id, for_peer);
         if let Ok(g) = &answer {
-            lock(&self.share.cache).insert(id, g.bytes.clone());
+            let evicted = lock(&self.share.cache).insert(id, g.bytes.clone());
+            // What this node no longer holds it no longer sends: its sends' records go too.
+            let mut uploads = lock(&self.share.uploads);
+            for old in evicted {
+                if uploads.get(&old).is_some_and(|u| u.active == 0) {
+                    uploads.remove(&old);
+                }
+            }
         }
         *lock(&flight.done) = Some(answer.clone());
         flight.cv.notify_all();
@@ -438,9 +445,7 @@ impl Core {
 
     /// Whether this node's cache holds `piece`.
     pub(crate) fn share_holds(&self, piece: &Piece) -> bool {
-        lock(&self.share.cache)
-            .map
-            .contains_key(&piece.content_id())
+        lock(&self.share.cache).holds(&piece.content_id())
     }
 
     /// The up peers (less those avoided) and this node (`None`), in rendezvous order for
@@ -827,22 +832,18 @@ mod tests {
 
     #[test]
     fn the_cache_keeps_the_recently_used_within_its_bytes() {
-        let mut c = Cache {
-            cap: 400,
-            used: 0,
-            tick: 0,
-            map: HashMap::new(),
-        };
+        let mut c = Cache::new(400);
         let b = |n: usize| Bytes::from(vec![0u8; n]);
         c.insert([1; 32], b(100));
         c.insert([2; 32], b(100));
         c.insert([3; 32], b(100));
         assert!(c.get(&[1; 32]).is_some());
         c.insert([4; 32], b(100));
-        c.insert([5; 32], b(100)); // evicts 2, the least recently used
+        // Evicts 2, the least recently used.
+        assert_eq!(c.insert([5; 32], b(100)), vec![[2; 32]]);
         assert!(c.get(&[2; 32]).is_none());
         assert!(c.get(&[1; 32]).is_some() && c.get(&[5; 32]).is_some());
-        assert!(c.used <= c.cap);
+        assert!(c.lru.bytes() <= c.cap);
         c.insert([6; 32], b(101)); // over a quarter of the cache: answered, not kept
         assert!(c.get(&[6; 32]).is_none());
     }

@@ -247,13 +247,6 @@ impl SwarmNet {
             .map_err(|e| io::Error::other(format!("store link counter: {e}")))
     }
 
-    /// A command run inside node `i`'s namespace.
-    pub fn command_in(&self, i: usize, prog: impl AsRef<std::ffi::OsStr>) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.node_ns(i)]).arg(prog);
-        c
-    }
-
     fn remove(&self) {
         let _ = ip(&["netns", "del", &self.store_ns()]);
         for i in 0..self.nodes {
