@@ -105,8 +105,9 @@ pub struct ServeArgs {
     /// peers that ask are refused.
     #[arg(long, env = "HOTSTART_NO_SHARE")]
     no_share: bool,
-    /// Memory kept for shared pieces, to serve this node's processes and its peers
-    /// [default: 1GiB].
+    /// At most this much memory keeps shared pieces, to serve this node's processes and its
+    /// peers; it is part of --memory-budget, taken only when free and given back before any
+    /// checkpoint is evicted [default: 1GiB].
     #[arg(long, env = "HOTSTART_SHARE_CACHE")]
     share_cache: Option<Size>,
 }

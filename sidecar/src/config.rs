@@ -124,7 +124,8 @@ pub struct SidecarConfig {
     /// Whether this node shares image, environment and other chunks with its peers
     /// (`super::share`).
     pub share: bool,
-    /// Bytes of shared pieces kept in memory to serve this node's processes and its peers.
+    /// At most this many bytes of shared pieces are kept in memory to serve this node's
+    /// processes and its peers, within the memory budget (they give way to checkpoints).
     pub share_cache: u64,
 }
 

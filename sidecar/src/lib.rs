@@ -112,6 +112,7 @@ impl Core {
             replication_lag,
             replication_pending,
             persist_running: self.inflight.running(),
+            share_cache: self.share.cached_bytes(),
         }
     }
 }

@@ -37,9 +37,13 @@
 //! everything that may go would still not make room. An evicted shard leaves the index at
 //! once; its memory is freed when the last user (a persist, a replication, a restore in
 //! progress) lets go of it.
+//!
+//! **Memory lent out.** What the sidecar keeps only while nothing else needs the memory (the
+//! sharing cache's pieces, see `super::share`) is charged to the same budget, and is given back
+//! ([`Memory::on_reclaim`]) before any shard is evicted or a request waits.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use tracing::info;
@@ -179,6 +183,15 @@ pub enum Recycled {
     None,
 }
 
+/// Gives back at least the bytes asked for, if it holds them; returns what it gave back.
+struct Reclaimer(Box<dyn Fn(u64) -> u64 + Send + Sync>);
+
+impl std::fmt::Debug for Reclaimer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reclaimer")
+    }
+}
+
 /// The memory tier of one sidecar.
 #[derive(Debug)]
 pub struct Memory {
@@ -186,6 +199,7 @@ pub struct Memory {
     node: String,
     state: Mutex<State>,
     freed: Condvar,
+    reclaimer: OnceLock<Reclaimer>,
 }
 
 fn pages(len: u64) -> u64 {
@@ -200,7 +214,25 @@ impl Memory {
             node: node.into(),
             state: Mutex::new(State::default()),
             freed: Condvar::new(),
+            reclaimer: OnceLock::new(),
         })
+    }
+
+    /// Sets what gives memory back before any shard is evicted: `f(bytes)` frees at least
+    /// `bytes` of charges if it holds them (dropping them, without holding this tier's lock)
+    /// and returns how many it freed. Set once.
+    pub fn on_reclaim(&self, f: impl Fn(u64) -> u64 + Send + Sync + 'static) {
+        let _ = self.reclaimer.set(Reclaimer(Box::new(f)));
+    }
+
+    /// Bytes of the budget not charged now.
+    pub fn free(&self) -> u64 {
+        self.budget.saturating_sub(self.lock().used)
+    }
+
+    /// Asks the reclaimer for `bytes`; what it freed.
+    fn reclaim(&self, bytes: u64) -> u64 {
+        self.reclaimer.get().map_or(0, |r| (r.0)(bytes))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -243,6 +275,13 @@ impl Memory {
                 continue;
             }
             let short = need.saturating_add(s.used) - self.budget;
+            drop(s);
+            let reclaimed = self.reclaim(short);
+            s = self.lock();
+            if reclaimed > 0 {
+                continue;
+            }
+            let short = need.saturating_add(s.used).saturating_sub(self.budget);
             let victims = evict(&mut s, short);
             if !victims.is_empty() {
                 // Dropped without the lock: the last reference frees the memory, which takes it.
@@ -307,6 +346,14 @@ impl Memory {
     /// restore would pick). Never waits.
     pub fn reserve_sparing(self: &Arc<Self>, len: u64, job: &str, rank: u32) -> Option<Charge> {
         if let Some(c) = self.reserve_free(len) {
+            return Some(c);
+        }
+        let short = pages(len)
+            .saturating_add(self.lock().used)
+            .saturating_sub(self.budget);
+        if self.reclaim(short) > 0
+            && let Some(c) = self.reserve_free(len)
+        {
             return Some(c);
         }
         let victims = {
@@ -558,6 +605,44 @@ mod tests {
             .filter(|s| s.key.rank == rank)
             .map(|s| s.key.step)
             .collect()
+    }
+
+    #[test]
+    fn memory_lent_out_is_given_back_before_any_shard_is_evicted() {
+        let mem = Memory::new(4 * 8192, "me");
+        mem.insert(shard(&mem, "j", 0, 1, 8192).unwrap());
+        mem.insert(shard(&mem, "j", 0, 2, 8192).unwrap());
+        // Two pages lent out (as cached pieces are), given back on request, oldest first.
+        let lent: Arc<Mutex<Vec<Charge>>> = Arc::new(Mutex::new(
+            (0..2).map(|_| mem.reserve_free(8192).unwrap()).collect(),
+        ));
+        let back = lent.clone();
+        mem.on_reclaim(move |want| {
+            let mut lent = back.lock().unwrap();
+            let mut freed = 0;
+            while freed < want && !lent.is_empty() {
+                freed += lent.remove(0).bytes;
+            }
+            freed
+        });
+        assert_eq!(mem.stats().used, 4 * 8192);
+        // One page: one charge lent out goes, step 1 stays.
+        let c = mem.reserve(8192, Duration::ZERO, "t").unwrap();
+        assert_eq!(
+            (lent.lock().unwrap().len(), steps(&mem, 0)),
+            (1, vec![1, 2])
+        );
+        // Two more: the last lent page, then step 1 (the oldest, not the newest) is evicted.
+        mem.insert(shard(&mem, "j", 0, 3, 2 * 8192).unwrap());
+        assert!(lent.lock().unwrap().is_empty());
+        assert_eq!(steps(&mem, 0), vec![2, 3]);
+        assert_eq!(mem.stats().used, 4 * 8192);
+        // Sparing a rank's own steps, memory lent out is still taken back first.
+        drop(c);
+        lent.lock().unwrap().push(mem.reserve_free(8192).unwrap());
+        let _c = mem.reserve_sparing(8192, "j", 0).unwrap();
+        assert!(lent.lock().unwrap().is_empty());
+        assert_eq!(steps(&mem, 0), vec![2, 3]);
     }
 
     #[test]

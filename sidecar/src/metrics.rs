@@ -68,6 +68,9 @@ pub const STORE_BYTES_TOTAL: &str = "hotstart_store_bytes_total";
 pub const SHARE_BYTES_TOTAL: &str = "hotstart_share_bytes_total";
 /// Counter: bytes of shared pieces this sidecar sent to peers, by `artifact`.
 pub const SHARE_SERVED_BYTES_TOTAL: &str = "hotstart_share_served_bytes_total";
+/// Gauge: bytes of shared pieces kept in memory (charged to the memory budget, and given back
+/// before any shard is evicted).
+pub const SHARE_CACHE_BYTES: &str = "hotstart_share_cache_bytes";
 /// Counter: pieces a peer did not provide, by `peer` and `kind` (`corrupt`: a frame did not
 /// match its id, and the peer is avoided; `error`: unreachable, refused or timed out).
 pub const SHARE_PEER_FAILURES_TOTAL: &str = "hotstart_share_peer_failures_total";
@@ -220,6 +223,7 @@ pub struct Gauges {
     pub replication_lag: Duration,
     pub replication_pending: u64,
     pub persist_running: u64,
+    pub share_cache: u64,
 }
 
 impl Metrics {
@@ -500,6 +504,13 @@ impl Metrics {
         let _ = writeln!(out, "{PERSIST_RUNNING_SHARDS} {}", g.persist_running);
         head(
             &mut out,
+            SHARE_CACHE_BYTES,
+            "gauge",
+            "Bytes of shared pieces kept in memory, charged to the memory budget.",
+        );
+        let _ = writeln!(out, "{SHARE_CACHE_BYTES} {}", g.share_cache);
+        head(
+            &mut out,
             RECOVERED_SHARDS_TOTAL,
             "counter",
             "Shards pulled back from peers at start.",
@@ -618,6 +629,7 @@ mod tests {
                 peak: 60,
                 ..MemoryStats::default()
             },
+            share_cache: 24,
             ..Gauges::default()
         };
         let page = m.render(&g, Some(&Counter::default()));
@@ -655,6 +667,7 @@ mod tests {
         assert_eq!(v("hotstart_sidecar_state{state=\"ready\"}"), 1.0);
         assert_eq!(v("hotstart_sidecar_state{state=\"draining\"}"), 0.0);
         assert_eq!(v("hotstart_memory_peak_bytes"), 60.0);
+        assert_eq!(v("hotstart_share_cache_bytes"), 24.0);
         assert_eq!(v("hotstart_persisted_bytes_total{tier=\"store\"}"), 1000.0);
         assert_eq!(v("hotstart_store_requests_total{op=\"get\"}"), 0.0);
         // Every sample belongs to a family with HELP and TYPE.

@@ -37,8 +37,10 @@
 //! owns nothing and is asked for nothing. The process checks every frame again as it reads it.
 //!
 //! **Budget.** Pieces are kept in memory, least recently used first out, within
-//! `share_cache` bytes (apart from the memory tier's budget). A piece larger than a quarter of
-//! it is answered and not kept.
+//! `share_cache` bytes and within the memory tier's budget: each is charged to it while kept,
+//! only from memory free at the time, and the tier takes pieces back (least recently used
+//! first) before it evicts any shard or refuses a save. A piece larger than a quarter of
+//! `share_cache` is answered and not kept.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak, mpsc};
@@ -49,7 +51,7 @@ use tracing::{debug, warn};
 
 use crate::Core;
 use crate::members::Member;
-use crate::memory::ShardKey;
+use crate::memory::{Charge, Memory, ShardKey};
 use crate::peer::PeerClient;
 use hotstart_ckpt::format::{self, Manifest};
 use hotstart_ckpt::tier::TierKind;
@@ -141,11 +143,12 @@ impl Drop for Share {
     }
 }
 
-/// Pieces kept in memory, least recently used first out.
+/// Pieces kept in memory, least recently used first out: within `cap` bytes, and within the
+/// memory tier's budget, charged to it and given back before any shard is evicted.
 struct Cache {
     cap: u64,
     lru: LruIndex<[u8; 32]>,
-    pieces: HashMap<[u8; 32], Bytes>,
+    pieces: HashMap<[u8; 32], (Bytes, Charge)>,
 }
 
 impl Cache {
@@ -158,7 +161,7 @@ impl Cache {
     }
 
     fn get(&mut self, id: &[u8; 32]) -> Option<Bytes> {
-        let bytes = self.pieces.get(id)?.clone();
+        let bytes = self.pieces.get(id)?.0.clone();
         self.lru.use_existing(id);
         Some(bytes)
     }
@@ -167,15 +170,34 @@ impl Cache {
         self.pieces.contains_key(id)
     }
 
-    /// Keeps `bytes` (unless larger than a quarter of the cache); the pieces evicted for room.
-    fn insert(&mut self, id: [u8; 32], bytes: Bytes) -> Vec<[u8; 32]> {
+    /// Keeps `bytes`, unless larger than a quarter of the cache or than what the memory tier
+    /// has free once every older piece is out; the pieces evicted for room.
+    fn insert(&mut self, id: [u8; 32], bytes: Bytes, memory: &Arc<Memory>) -> Vec<[u8; 32]> {
         let n = bytes.len() as u64;
-        if n > self.cap / 4 || self.holds(&id) {
+        if n > self.cap / 4 || self.holds(&id) || n > memory.free() + self.lru.bytes() {
             return Vec::new();
         }
-        self.lru.touch(id, n);
-        self.pieces.insert(id, bytes);
-        let evicted = self.lru.evict(self.cap);
+        let mut evicted = self.evict_to(self.cap - n);
+        let charge = loop {
+            if let Some(c) = memory.reserve_free(n) {
+                break Some(c);
+            }
+            let before = evicted.len();
+            evicted.extend(self.evict_to(self.lru.bytes().saturating_sub(1)));
+            if evicted.len() == before {
+                break None;
+            }
+        };
+        if let Some(charge) = charge {
+            self.lru.touch(id, n);
+            self.pieces.insert(id, (bytes, charge));
+        }
+        evicted
+    }
+
+    /// Evicts the least recently used pieces until at most `bytes` are kept.
+    fn evict_to(&mut self, bytes: u64) -> Vec<[u8; 32]> {
+        let evicted = self.lru.evict(bytes);
         for old in &evicted {
             self.pieces.remove(old);
         }
@@ -210,9 +232,43 @@ impl Share {
         })
     }
 
-    /// Lets the threads that ask peers reach the sidecar `core`.
+    /// Lets the threads that ask peers reach the sidecar `core`,
+    /// and its memory tier take cached pieces back.
     pub(crate) fn attach(&self, core: &Arc<Core>) {
         let _ = self.core.set(Arc::downgrade(core));
+        let weak = Arc::downgrade(core);
+        core.memory
+            .on_reclaim(move |want| weak.upgrade().map_or(0, |c| c.share.give_back(want)));
+    }
+
+    /// Bytes of the pieces kept.
+    pub(crate) fn cached_bytes(&self) -> u64 {
+        lock(&self.cache).lru.bytes()
+    }
+
+    /// Drops the least recently used pieces until at least `want` bytes are given back to the
+    /// memory tier (or none are left); the bytes it gave back.
+    fn give_back(&self, want: u64) -> u64 {
+        let mut cache = lock(&self.cache);
+        let before = cache.lru.bytes();
+        let evicted = cache.evict_to(before.saturating_sub(want));
+        let freed = before - cache.lru.bytes();
+        drop(cache);
+        self.forget_uploads(evicted);
+        freed
+    }
+
+    /// What this node no longer holds it no longer sends: its sends' records go too.
+    fn forget_uploads(&self, evicted: Vec<[u8; 32]>) {
+        if evicted.is_empty() {
+            return;
+        }
+        let mut uploads = lock(&self.uploads);
+        for old in evicted {
+            if uploads.get(&old).is_some_and(|u| u.active == 0) {
+                uploads.remove(&old);
+            }
+        }
     }
 
     fn avoid(&self, node: &str, wait: Duration) {
@@ -361,14 +417,8 @@ impl Core {
         }
         let answer = self.fetch_piece(piece, &id, for_peer);
         if let Ok(g) = &answer {
-            let evicted = lock(&self.share.cache).insert(id, g.bytes.clone());
-            // What this node no longer holds it no longer sends: its sends' records go too.
-            let mut uploads = lock(&self.share.uploads);
-            for old in evicted {
-                if uploads.get(&old).is_some_and(|u| u.active == 0) {
-                    uploads.remove(&old);
-                }
-            }
+            let evicted = lock(&self.share.cache).insert(id, g.bytes.clone(), &self.memory);
+            self.share.forget_uploads(evicted);
         }
         *lock(&flight.done) = Some(answer.clone());
         flight.cv.notify_all();
@@ -831,21 +881,40 @@ mod tests {
     }
 
     #[test]
-    fn the_cache_keeps_the_recently_used_within_its_bytes() {
-        let mut c = Cache::new(400);
+    fn the_cache_keeps_the_recently_used_within_its_bytes_and_the_memory_budget() {
+        let memory = Memory::new(1 << 20, "me");
+        let mut c = Cache::new(4 * 4096);
         let b = |n: usize| Bytes::from(vec![0u8; n]);
-        c.insert([1; 32], b(100));
-        c.insert([2; 32], b(100));
-        c.insert([3; 32], b(100));
+        for i in 1..=3 {
+            c.insert([i; 32], b(4096), &memory);
+        }
         assert!(c.get(&[1; 32]).is_some());
-        c.insert([4; 32], b(100));
+        c.insert([4; 32], b(4096), &memory);
         // Evicts 2, the least recently used.
-        assert_eq!(c.insert([5; 32], b(100)), vec![[2; 32]]);
+        assert_eq!(c.insert([5; 32], b(4096), &memory), vec![[2; 32]]);
         assert!(c.get(&[2; 32]).is_none());
         assert!(c.get(&[1; 32]).is_some() && c.get(&[5; 32]).is_some());
         assert!(c.lru.bytes() <= c.cap);
-        c.insert([6; 32], b(101)); // over a quarter of the cache: answered, not kept
+        assert_eq!(memory.stats().used, 4 * 4096, "every piece kept is charged");
+        c.insert([6; 32], b(4097), &memory); // over a quarter of the cache: answered, not kept
         assert!(c.get(&[6; 32]).is_none());
+
+        // The memory tier has 2 pages: pieces fit in what is free, evicting older pieces.
+        let memory = Memory::new(2 * 4096, "me");
+        let mut c = Cache::new(64 * 4096);
+        c.insert([1; 32], b(4096), &memory);
+        let held = memory.reserve_free(4096).unwrap(); // a shard's page
+        assert_eq!(c.insert([2; 32], b(4096), &memory), vec![[1; 32]]);
+        assert!(c.holds(&[2; 32]) && memory.reserve_free(1).is_none());
+        // A piece that does not fit even with every older one out: answered, not kept, and
+        // the older ones stay.
+        assert!(c.insert([3; 32], b(2 * 4096), &memory).is_empty());
+        assert!(!c.holds(&[3; 32]) && c.holds(&[2; 32]));
+        assert_eq!(memory.stats().used, 2 * 4096);
+        drop(held);
+        assert_eq!(memory.stats().used, 4096);
+        drop(c);
+        assert_eq!(memory.stats().used, 0);
     }
 
     #[test]

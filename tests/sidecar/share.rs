@@ -8,6 +8,8 @@ use crate::cluster::{Cluster, Node, restore};
 
 const GET_BYTES: &str = "hotstart_store_bytes_total{op=\"get\"}";
 const CKPT_FROM_PEERS: &str = "hotstart_share_bytes_total{artifact=\"ckpt\",source=\"peer\"}";
+const CACHE_BYTES: &str = "hotstart_share_cache_bytes";
+const MEMORY_USED: &str = "hotstart_memory_used_bytes";
 const MIB: usize = 8;
 
 pub fn replicas_restore_from_the_store_about_once_for_the_job() {
@@ -73,6 +75,15 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         "the store sent {read} bytes for 3 replicas of {shard}"
     );
     assert!(from_peers >= shard, "peers sent {from_peers} bytes");
+    // The pieces kept to serve peers are charged to the memory budget.
+    let held: Vec<(f64, f64)> = nodes
+        .iter()
+        .map(|n| (n.metric(CACHE_BYTES), n.metric(MEMORY_USED)))
+        .collect();
+    assert!(
+        held.iter().any(|(c, _)| *c >= shard / 2.0) && held.iter().all(|(c, u)| c <= u),
+        "(pieces kept, memory charged) per node: {held:?}"
+    );
 }
 
 fn strs(a: &[String]) -> Vec<&str> {
