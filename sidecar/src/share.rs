@@ -73,8 +73,13 @@ const UPLOADS_PER_PIECE: usize = 3;
 /// Redirects followed for one piece.
 const MAX_HOPS: usize = 6;
 
-/// A peer that answers this many pieces in a row after their deadline is avoided...
+/// A peer that answers this many pieces in a row after their deadline, and whose answers are
+/// this many times slower than the median peer's (for bytes, a moving average of every answer,
+/// late ones too), is avoided: busy cores make every peer late now and then, and avoiding a
+/// peer that is only as slow as the others moves its pieces to their next owner, which reads
+/// them from the store a second time...
 const SLOW_STRIKES: u32 = 2;
+const SLOW_RATIO: f64 = 4.0;
 /// ... for this long.
 pub const SLOW_AVOID_FOR: Duration = Duration::from_secs(60);
 /// A piece's deadline: this many times the time the peers' recent answers took for its size...
@@ -84,6 +89,10 @@ const HEDGE_FACTOR: f64 = 6.0;
 const HEDGE_MIN: Duration = Duration::from_millis(500);
 const HEDGE_FIRST: Duration = Duration::from_millis(500);
 const HEDGE_FIRST_RATE: f64 = 20e6;
+
+/// What a hedge (a request for what a node holds, see `Core::ask_peer`) gets from a node that
+/// does not hold the piece.
+const NOT_HELD: &str = "not held";
 
 /// Chunks of a checkpoint asked for at once by one restore.
 const CHUNKS_IN_FLIGHT: usize = 4;
@@ -128,6 +137,8 @@ pub(crate) struct Share {
     pub(crate) corrupt_sent: bool,
     /// Seconds per byte of the peers' recent answers (a moving average), for deadlines.
     pace: Mutex<Option<f64>>,
+    /// Seconds per byte of each peer's answers (moving averages), late ones included.
+    peer_pace: Mutex<HashMap<String, f64>>,
     /// Deadlines each peer missed in a row, since its last answer in time (0: its last
     /// answer was in time; absent: none yet).
     strikes: Mutex<HashMap<String, u32>>,
@@ -227,6 +238,7 @@ impl Share {
             rt: Some(rt),
             corrupt_sent: std::env::var(CORRUPT_SENT_ENV).is_ok_and(|v| v == "1"),
             pace: Mutex::new(None),
+            peer_pace: Mutex::new(HashMap::new()),
             strikes: Mutex::new(HashMap::new()),
             core: OnceLock::new(),
         })
@@ -296,16 +308,45 @@ impl Share {
         *p = Some(p.map_or(pace, |old| 0.8 * old + 0.2 * pace));
     }
 
+    /// `node` sent `len` bytes, `took` after it was asked (in time or not).
+    fn peer_answered(&self, node: &str, len: usize, took: Duration) {
+        let sample = took.as_secs_f64() / len.max(1) as f64;
+        let mut paces = lock(&self.peer_pace);
+        let p = paces.entry(node.to_string()).or_insert(sample);
+        *p = 0.8 * *p + 0.2 * sample;
+    }
+
+    /// Whether `node`'s answers are [`SLOW_RATIO`] times slower than the median of the other
+    /// peers' (false while either is unknown).
+    fn slower_than_others(&self, node: &str) -> bool {
+        let paces = lock(&self.peer_pace);
+        let Some(&mine) = paces.get(node) else {
+            return false;
+        };
+        let mut others: Vec<f64> = paces
+            .iter()
+            .filter(|(n, _)| *n != node)
+            .map(|(_, &p)| p)
+            .collect();
+        if others.is_empty() {
+            return false;
+        }
+        others.sort_by(f64::total_cmp);
+        mine > SLOW_RATIO * others[others.len() / 2]
+    }
+
     /// `node` missed a deadline. It is avoided once it missed [`SLOW_STRIKES`] in a row while
-    /// another peer's last answer was in time: when no peer answers in time, the slow link is
-    /// this node's own, and avoiding its peers would only send it to the store.
+    /// another peer's last answer was in time, and its answers are [`SLOW_RATIO`] times
+    /// slower than the other peers': when no peer answers in time, the slow link is this
+    /// node's own, and avoiding its peers would only send it to the store.
     fn strike(&self, core: &Core, node: &str) {
         core.metrics.share_peer_failed(node, "slow");
+        let slower = self.slower_than_others(node);
         let mut strikes = lock(&self.strikes);
         let others_fine = strikes.iter().any(|(n, &k)| n != node && k == 0);
         let k = strikes.entry(node.to_string()).or_default();
         *k += 1;
-        if *k >= SLOW_STRIKES && others_fine {
+        if *k >= SLOW_STRIKES && others_fine && slower {
             strikes.remove(node);
             drop(strikes);
             warn!(peer = %node, "a peer answers pieces too slowly; avoiding it for a while");
@@ -547,58 +588,65 @@ impl Core {
     }
 
     /// `piece` from `peers` (its owners, in order), verified; `None` when every one failed
-    /// (the caller reads the store). Each is asked on a thread of its own; one that has not
-    /// answered when its deadline passes ([`Share::hedge_after`]) goes on while the next is
-    /// asked too, the first good answer wins, and the late one gets a strike: a peer late
-    /// [`SLOW_STRIKES`] times in a row while others answer in time is avoided for
-    /// [`SLOW_AVOID_FOR`].
+    /// (the caller reads the store). Each is asked on a thread of its own. One that has not
+    /// answered when its deadline passes ([`Share::hedge_after`]) gets a strike and goes on,
+    /// while the next owner is asked for the piece too if it holds it (a hedge: a late owner is
+    /// waited for rather than adding store reads); the first good answer wins. A peer late
+    /// [`SLOW_STRIKES`] times in a row while others answer in time, and much slower than them,
+    /// is avoided for [`SLOW_AVOID_FOR`]. An owner that did not hold the piece when hedged is
+    /// asked in full once every other owner failed.
     fn ask_owners(&self, piece: &Piece, peers: Vec<Member>) -> Option<Got> {
         let core = self.share.core.get()?.upgrade()?;
         let len = piece.len.unwrap_or(1 << 20);
         let (tx, rx) = mpsc::channel();
-        let launch = |m: Member| {
+        let launch = |m: Member, hedge: bool| {
             let (core, tx, piece) = (core.clone(), tx.clone(), piece.clone());
             std::thread::spawn(move || {
                 let t = Instant::now();
-                let (node, answer) = match core.ask_peer(&m, &piece) {
+                let (node, answer) = match core.ask_peer(&m, &piece, hedge) {
                     Ok((sender, bytes)) => match verify(&piece, &bytes) {
-                        Ok(()) => (sender, Ok(bytes)),
+                        Ok(()) => {
+                            core.share.peer_answered(&sender, bytes.len(), t.elapsed());
+                            (sender, Ok(bytes))
+                        }
                         Err(reason) => (sender, Err(("corrupt", reason))),
                     },
-                    Err(reason) => (m.id.node, Err(("error", reason))),
+                    Err(reason) if hedge && reason == NOT_HELD => {
+                        (m.id.node.clone(), Err(("not_held", reason)))
+                    }
+                    Err(reason) => (m.id.node.clone(), Err(("error", reason))),
                 };
-                let _ = tx.send((node, answer, t.elapsed()));
+                let _ = tx.send((m, node, answer, t.elapsed()));
             });
         };
         let mut next = peers.into_iter();
-        let mut asked: Vec<String> = Vec::new();
+        let mut not_held: Vec<Member> = Vec::new();
+        // The owner asked in full last: the one waited for.
+        let mut waited: Option<String> = None;
         let mut in_flight = 0;
         let mut deadline = Instant::now();
         loop {
             let hedge = self.share.hedge_after(len, self.cfg.peer_timeout);
             if in_flight == 0 {
-                // Nothing asked yet, or every peer asked failed: the next, else the store.
-                let m = next.next()?;
-                asked.push(m.id.node.clone());
-                launch(m);
+                // Nothing asked yet, or every peer asked failed: the next owner, else the store.
+                let m = next.next().or_else(|| not_held.pop())?;
+                waited = Some(m.id.node.clone());
+                launch(m, false);
                 in_flight += 1;
                 deadline = Instant::now() + hedge;
             } else if Instant::now() >= deadline {
-                // The one asked last is late: a strike, and the next owner is asked too (never
-                // the store: a late peer is waited for rather than adding store reads).
-                if let Some(slow) = asked.last() {
+                if let Some(slow) = &waited {
                     self.share.strike(self, slow);
                 }
                 if let Some(m) = next.next() {
-                    asked.push(m.id.node.clone());
-                    launch(m);
+                    launch(m, true);
                     in_flight += 1;
                 }
                 deadline = Instant::now() + hedge;
             }
             let wait = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait) {
-                Ok((node, Ok(bytes), took)) => {
+                Ok((_, node, Ok(bytes), took)) => {
                     self.share.answered(&node, bytes.len(), took, took <= hedge);
                     return Some(Got {
                         bytes,
@@ -606,7 +654,11 @@ impl Core {
                         peer: Some(node),
                     });
                 }
-                Ok((node, Err((kind, reason)), _)) => {
+                Ok((m, _, Err(("not_held", _)), _)) => {
+                    in_flight -= 1;
+                    not_held.push(m);
+                }
+                Ok((_, node, Err((kind, reason)), _)) => {
                     in_flight -= 1;
                     self.metrics.share_peer_failed(&node, kind);
                     if kind == "corrupt" {
@@ -661,8 +713,16 @@ impl Core {
     /// Asks `m` (an owner) for `piece`, following its redirects to the nodes that hold it
     /// ([`MAX_HOPS`] at most; a holder that no longer has it sends the asker back to the owner,
     /// which then serves it itself): the bytes and the node that sent them, not yet checked.
-    fn ask_peer(&self, m: &Member, piece: &Piece) -> std::result::Result<(String, Bytes), String> {
-        let (mut target, mut cached_only, mut redirect) = (m.clone(), false, true);
+    ///
+    /// A `hedge` asks only for what `m` and the nodes it redirects to hold: [`NOT_HELD`] when
+    /// they do not, and `m` reads nothing from the store for it.
+    fn ask_peer(
+        &self,
+        m: &Member,
+        piece: &Piece,
+        hedge: bool,
+    ) -> std::result::Result<(String, Bytes), String> {
+        let (mut target, mut cached_only, mut redirect) = (m.clone(), hedge, true);
         for _ in 0..MAX_HOPS {
             match self.request_piece(&target, piece, cached_only, redirect)? {
                 Some(FromPeer::Bytes(b)) => return Ok((target.id.node, b)),
@@ -674,9 +734,11 @@ impl Core {
                         .find(|x| x.id.node == node && !self.share.is_avoided(&node));
                     (target, cached_only, redirect) = match holder {
                         Some(h) => (h, true, true),
+                        None if hedge => return Err(NOT_HELD.into()),
                         None => (m.clone(), false, false),
                     };
                 }
+                None if hedge => return Err(NOT_HELD.into()),
                 None => (target, cached_only, redirect) = (m.clone(), false, false),
             }
         }
@@ -915,6 +977,33 @@ mod tests {
         assert_eq!(memory.stats().used, 4096);
         drop(c);
         assert_eq!(memory.stats().used, 0);
+    }
+
+    #[test]
+    fn only_a_peer_much_slower_than_the_others_counts_as_slow() {
+        let share = Share::new(1 << 20).unwrap();
+        let mib = 1 << 20;
+        assert!(!share.slower_than_others("a"), "unknown");
+        share.peer_answered("a", mib, Duration::from_millis(300));
+        assert!(
+            !share.slower_than_others("a"),
+            "no other peer to compare with"
+        );
+        // Busy cores: every peer answers late now and then, none stands out.
+        for (node, ms) in [("b", 100), ("c", 250), ("d", 150), ("b", 400)] {
+            share.peer_answered(node, mib, Duration::from_millis(ms));
+        }
+        assert!(
+            ["a", "b", "c", "d"]
+                .iter()
+                .all(|n| !share.slower_than_others(n))
+        );
+        // A link at a tenth of the others'.
+        for _ in 0..3 {
+            share.peer_answered("e", mib, Duration::from_millis(2500));
+        }
+        assert!(share.slower_than_others("e"));
+        assert!(!share.slower_than_others("a"));
     }
 
     #[test]

@@ -380,7 +380,10 @@ impl<'n> Sidecars<'n> {
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(env.iter().copied())
             .env_remove("HOTSTART_SHARE")
-            .env("HOTSTART_LOG", "info")
+            .env(
+                "HOTSTART_LOG",
+                std::env::var("HOTSTART_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
