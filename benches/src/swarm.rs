@@ -17,7 +17,9 @@
 //! or no sidecar for `env`) and against one node alone. At the largest N, two faults: one
 //! node's link throttled to a tenth, and one node's sidecar sending corrupt pieces. And how busy
 //! this machine's cores were during each round: every "node" here shares the same cores, so N
-//! nodes do N times the decompressing, hashing, verifying and writing of one on them.
+//! nodes do N times the decompressing, hashing, verifying and writing of one on them. That is
+//! measured as the floor of the env rows: the same N restores at once from a snapshot in a
+//! local directory (no network, no store, no sharing), the fastest N restores can be here.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -274,16 +276,16 @@ impl Swarm<'_> {
         Ok(())
     }
 
-    /// Every node ensures the environment at once (`share`: through its sidecar); every tree
-    /// checked.
-    fn env_round(&self, tag: &str, share: bool) -> anyhow::Result<Round> {
+    /// Every node ensures the environment at once from `store` (`share`: through its
+    /// sidecar); every tree checked.
+    fn env_round(&self, tag: &str, store: &str, share: bool) -> anyhow::Result<Round> {
         let n = self.net.nodes();
         let before = self.net.store_sent()?;
         let ticks = cpu_ticks();
         let started = Instant::now();
         let mut children = Vec::new();
         for i in 0..n {
-            let mut c = self.ensure_cmd(&self.env_store(), &self.work.join(format!("{tag}/n{i}")));
+            let mut c = self.ensure_cmd(store, &self.work.join(format!("{tag}/n{i}")));
             if share {
                 c.env("HOTSTART_SHARE", self.sidecars.socket(i));
             }
@@ -378,6 +380,8 @@ impl Swarm<'_> {
 #[derive(Debug, Clone)]
 struct Measured {
     n: usize,
+    /// The N restores at once from a local directory.
+    env_floor: Round,
     env_alone: Round,
     env_shared: Round,
     ckpt_alone: Round,
@@ -431,24 +435,35 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
         String::from_utf8_lossy(&out.stderr)
     );
     s.reference = file_tree(&capture.join("env"))?;
+    // The same snapshot in a local directory, for the floor.
+    let local = work.join("local-store");
+    let local = local.to_str().context("work directory path")?;
+    let out = s.ensure_cmd(local, &work.join("capture-local")).output()?;
+    ensure!(
+        out.status.success(),
+        "capture into {local}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
+    eprintln!("  {n} nodes: env, each from a local directory (the floor)");
+    let env_floor = s.env_round("floor", local, false)?;
     eprintln!("  {n} nodes: env, each from the store");
-    let env_alone = s.env_round("alone", false)?;
+    let env_alone = s.env_round("alone", &s.env_store(), false)?;
     eprintln!("  {n} nodes: env, sharing");
     s.restart(&["--memory-budget", "512MiB"], None)?;
-    let env_shared = s.env_round("shared", true)?;
+    let env_shared = s.env_round("shared", &s.env_store(), true)?;
     let (mut throttled, mut corrupt) = (None, None);
     if faults && n > 2 {
         eprintln!("  {n} nodes: env, sharing, n1's link at a tenth");
         s.restart(&["--memory-budget", "512MiB"], None)?;
         net.reshape_node(1, args.node_mbit / 10)?;
-        let r = s.env_round("throttled", true);
+        let r = s.env_round("throttled", &s.env_store(), true);
         net.reshape_node(1, args.node_mbit)?;
         throttled = Some(r?);
         eprintln!("  {n} nodes: env, sharing, n1 sending corrupt pieces");
         let fault: &[(&str, &str)] = &[("HOTSTART_FAULT_CORRUPT_SHARED", "1")];
         s.restart(&["--memory-budget", "512MiB"], Some((1, fault)))?;
-        let r = s.env_round("corrupt", true)?;
+        let r = s.env_round("corrupt", &s.env_store(), true)?;
         let bad = s
             .sidecars
             .total("hotstart_share_peer_failures_total{peer=\"n1\",kind=\"corrupt\"}");
@@ -467,6 +482,7 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     drop(s);
     Ok(Measured {
         n,
+        env_floor,
         env_alone,
         env_shared,
         ckpt_alone,
@@ -507,9 +523,10 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
         "### Chunk sharing: N nodes starting the same artifact at once\n\n\
          Store link {} Mbit/s, node links {} Mbit/s; env {} MiB, ckpt {} MiB per rank. \
          Store bytes are the store link's own counter, over what one node alone makes it send \
-         (env {:.1} MB, ckpt {:.1} MB). Times from the start of all N to each node ready, in s.\n\n\
-         | artifact | N | store sent ÷ artifact, sharing | each from the store | p50 / p99 sharing | p50 / p99 each from the store | p99 sharing ÷ one node alone | CPU busy, sharing · each from the store |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+         (env {:.1} MB, ckpt {:.1} MB). Times from the start of all N to each node ready, in s. \
+         The floor: the same N env restores at once from a local directory, no network.\n\n\
+         | artifact | N | store sent ÷ artifact, sharing | each from the store | p50 / p99 sharing | p50 / p99 each from the store | p99 sharing ÷ one node alone | p99 floor · sharing ÷ floor | CPU busy, sharing · each from the store |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         args.store_mbit,
         args.node_mbit,
         args.env_mib,
@@ -525,6 +542,7 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 &m.env_alone,
                 env_size,
                 one.env_alone.p99(),
+                Some(m.env_floor.p99()),
             ),
             (
                 "ckpt",
@@ -532,11 +550,19 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 &m.ckpt_alone,
                 ckpt_size,
                 one.ckpt_alone.p99(),
+                None,
             ),
         ];
-        for (what, shared, alone, size, solo) in rows {
+        for (what, shared, alone, size, solo, floor) in rows {
+            let floor = floor.map_or("–".to_string(), |f| {
+                format!(
+                    "{} · {:.2}",
+                    secs(f),
+                    shared.p99().as_secs_f64() / f.as_secs_f64()
+                )
+            });
             md.push_str(&format!(
-                "| {what} | {} | {:.2} | {:.2} | {} / {} | {} / {} | {:.2} | {:.0}% · {:.0}% |\n",
+                "| {what} | {} | {:.2} | {:.2} | {} / {} | {} / {} | {:.2} | {floor} | {:.0}% · {:.0}% |\n",
                 m.n,
                 shared.store_bytes as f64 / size,
                 alone.store_bytes as f64 / size,
