@@ -374,7 +374,7 @@ fn serve_share(
                 return;
             }
         };
-        if core.members.up().is_empty() && !core.share_holds(&piece) {
+        if core.members.counts().0 == 0 && !core.share_holds(&piece) {
             if writer.send(&LocalMsg::NotShared).is_err() {
                 return;
             }

@@ -216,6 +216,16 @@ impl Cache {
     }
 }
 
+/// Seconds per byte.
+fn per_byte(took: Duration, len: usize) -> f64 {
+    took.as_secs_f64() / len.max(1) as f64
+}
+
+/// `old` moved a fifth of the way to `sample` (the first sample as it is).
+fn moving_average(old: Option<f64>, sample: f64) -> f64 {
+    old.map_or(sample, |o| 0.8 * o + 0.2 * sample)
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -303,17 +313,15 @@ impl Share {
             let mut strikes = lock(&self.strikes);
             strikes.insert(node.to_string(), 0);
         }
-        let pace = took.as_secs_f64() / len.max(1) as f64;
         let mut p = lock(&self.pace);
-        *p = Some(p.map_or(pace, |old| 0.8 * old + 0.2 * pace));
+        *p = Some(moving_average(*p, per_byte(took, len)));
     }
 
     /// `node` sent `len` bytes, `took` after it was asked (in time or not).
     fn peer_answered(&self, node: &str, len: usize, took: Duration) {
-        let sample = took.as_secs_f64() / len.max(1) as f64;
         let mut paces = lock(&self.peer_pace);
-        let p = paces.entry(node.to_string()).or_insert(sample);
-        *p = 0.8 * *p + 0.2 * sample;
+        let p = paces.get(node).copied();
+        paces.insert(node.to_string(), moving_average(p, per_byte(took, len)));
     }
 
     /// Whether `node`'s answers are [`SLOW_RATIO`] times slower than the median of the other
@@ -482,7 +490,7 @@ impl Core {
             return Vec::new();
         };
         // Alone, or with a nearer copy, the store reader is the faster way.
-        if !self.cfg.share || nearest != TierKind::Store || self.members.up().is_empty() {
+        if !self.cfg.share || nearest != TierKind::Store || self.members.counts().0 == 0 {
             return Vec::new();
         }
         let hashes = m.chunk_hashes();
