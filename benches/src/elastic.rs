@@ -115,7 +115,8 @@ pub(crate) fn run(args: &RestartArgs, python: &Path, remote: &Remote) -> anyhow:
     report.note(
         "Every load's gathered state digest equals the saved one (bit-exact). The loads from \
          memory read no shard from a disk or the store. A rank takes from a peer only the \
-         chunks (64 MiB) that hold the ranges it reads; the store: SeaweedFS behind \
+         64 KiB parts of chunks that hold the ranges it reads, each verified against its \
+         chunk's id; the store: SeaweedFS behind \
          benches/netem.sh (10 ms RTT, 100 MB/s per connection); the peers on loopback, over \
          mutual TLS; gloo on CPU, OMP_NUM_THREADS=1.",
     );

@@ -29,6 +29,14 @@ use crate::error::{Error, Result};
 use crate::tensor::{Dtype, Extras, Tensor, byte_len};
 pub use hotstart_proto::wire::Region;
 
+/// What a reader of some regions needs of one chunk ([`Manifest::parts_for`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Need {
+    pub chunk: usize,
+    /// The chunk's [`crate::parts`] it needs, ascending, when not all of them.
+    pub parts: Option<Vec<usize>>,
+}
+
 /// `format` field of every manifest.
 pub const FORMAT_NAME: &str = "hotstart-ckpt";
 /// Version of the manifest layout this crate writes and reads.
@@ -564,17 +572,33 @@ impl Manifest {
     /// (it is parsed on every load) and those that the regions' bytes lie in. A region of a
     /// tensor the manifest does not list, or past its tensor's end, is an error (the reason).
     pub fn chunks_for(&self, regions: &[Region]) -> std::result::Result<Vec<usize>, String> {
+        Ok(self
+            .parts_for(regions)?
+            .into_iter()
+            .map(|n| n.chunk)
+            .collect())
+    }
+
+    /// What a reader of `regions` needs of each chunk [`Manifest::chunks_for`] names: the whole
+    /// chunk, or only some of its [`crate::parts`] (a chunk of more than one part of which not
+    /// every part holds needed bytes).
+    pub fn parts_for(&self, regions: &[Region]) -> std::result::Result<Vec<Need>, String> {
         let size = self.chunk_size.max(1);
-        let last = self.chunks.len().saturating_sub(1);
-        let mut need: BTreeSet<usize> = BTreeSet::new();
+        let mut need: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
         let mut cover = |range: std::ops::Range<u64>| {
-            if range.start < range.end {
-                let first = (range.start / size) as usize;
-                let end = ((range.end - 1) / size) as usize;
-                need.extend(first.min(last)..=end.min(last));
+            let range = range.start.min(self.file_len)..range.end.min(self.file_len);
+            let mut at = range.start;
+            while at < range.end {
+                let chunk = (at / size) as usize;
+                let start = chunk as u64 * size;
+                let end = (start + size).min(range.end);
+                let first = ((at - start) / crate::parts::PART) as usize;
+                let last = ((end - 1 - start) / crate::parts::PART) as usize;
+                need.entry(chunk).or_default().extend(first..=last);
+                at = end;
             }
         };
-        cover(0..self.data_offset.min(self.file_len));
+        cover(0..self.data_offset);
         let by_name: HashMap<&str, &TensorEntry> =
             self.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         for r in regions {
@@ -596,7 +620,18 @@ impl Manifest {
                 }
             }
         }
-        Ok(need.into_iter().collect())
+        Ok(need
+            .into_iter()
+            .filter(|(chunk, _)| *chunk < self.chunks.len())
+            .map(|(chunk, parts)| {
+                let len = self.chunk_range(chunk).end - self.chunk_range(chunk).start;
+                let all = parts.len() == crate::parts::count(len);
+                Need {
+                    chunk,
+                    parts: (!all).then(|| parts.into_iter().collect()),
+                }
+            })
+            .collect())
     }
 
     /// The extras, decoded.

@@ -533,6 +533,17 @@ impl Staging {
 
 /// blake3 of every `chunk_size` chunk of `data`, spread over `threads`.
 pub fn hash_chunks(data: &[u8], chunk_size: usize, threads: usize) -> Vec<blake3::Hash> {
+    map_chunks(data, chunk_size, threads, blake3::hash)
+}
+
+/// `f` of every `chunk_size` chunk of `data`, in order, spread over `threads` (one thread
+/// for data too small to be worth more).
+pub fn map_chunks<T: Send>(
+    data: &[u8],
+    chunk_size: usize,
+    threads: usize,
+    f: impl Fn(&[u8]) -> T + Sync,
+) -> Vec<T> {
     let chunks: Vec<&[u8]> = data.chunks(chunk_size.max(1)).collect();
     let threads = if data.len() < PARALLEL_MIN {
         1
@@ -540,10 +551,10 @@ pub fn hash_chunks(data: &[u8], chunk_size: usize, threads: usize) -> Vec<blake3
         threads.clamp(1, chunks.len().max(1))
     };
     if threads == 1 {
-        return chunks.iter().map(|c| blake3::hash(c)).collect();
+        return chunks.iter().map(|c| f(c)).collect();
     }
     let next = AtomicUsize::new(0);
-    let mut out = vec![blake3::Hash::from_bytes([0; 32]); chunks.len()];
+    let mut out: Vec<Option<T>> = std::iter::repeat_with(|| None).take(chunks.len()).collect();
     let results = Mutex::new(&mut out);
     std::thread::scope(|scope| {
         for _ in 0..threads {
@@ -551,13 +562,15 @@ pub fn hash_chunks(data: &[u8], chunk_size: usize, threads: usize) -> Vec<blake3
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(c) = chunks.get(i) else { break };
-                    let h = blake3::hash(c);
-                    results.lock().unwrap_or_else(PoisonError::into_inner)[i] = h;
+                    let v = f(c);
+                    results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(v);
                 }
             });
         }
     });
-    out
+    out.into_iter()
+        .map(|v| v.expect("every chunk mapped"))
+        .collect()
 }
 
 /// Threads to use for copies and hashes when the configuration says 0 (automatic).

@@ -50,7 +50,7 @@ use tracing::{debug, info, warn};
 
 use crate::Core;
 use crate::lifecycle::State;
-use crate::memory::{Recycled, Shard, ShardKey};
+use crate::memory::{PartValues, Recycled, Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::restore::ServedBytes;
 use hotstart_proto::PROTOCOL_VERSION;
@@ -59,6 +59,7 @@ use hotstart_proto::wire::{Conn, FdStream, LocalMsg, Side};
 
 use crate::error::{Error, Result};
 use hotstart_ckpt::format::{self, Manifest};
+use hotstart_ckpt::parts;
 
 /// A segment handed out and not yet committed.
 struct Staged {
@@ -544,13 +545,19 @@ fn commit(core: &Core, who: &Rank, mut s: Staged) -> Result<Arc<Shard>> {
         .seg
         .commit()
         .map_err(|e| Error::io("map shared memory", &location, e))?;
-    m.chunks =
-        hotstart_ckpt::hash_chunks(&held.bytes()[..len], m.chunk_size as usize, core.threads)
-            .iter()
-            .map(|h| h.to_hex().to_string())
-            .collect();
+    // The chunks' ids, and their parts' values for a peer's reader that reshards, in one pass.
+    let (ids, values): (Vec<_>, Vec<_>) = hotstart_ckpt::map_chunks(
+        &held.bytes()[..len],
+        m.chunk_size as usize,
+        core.threads,
+        parts::id_and_values,
+    )
+    .into_iter()
+    .unzip();
+    m.chunks = ids.iter().map(|h| h.to_hex().to_string()).collect();
     let manifest = String::from_utf8_lossy(&m.to_json()).into_owned();
-    Ok(install(core, who, asked, m, manifest, held))
+    let parts = PartValues::made(values);
+    Ok(install(core, who, asked, m, manifest, held, parts))
 }
 
 /// Holds a verified step in the memory tier.
@@ -561,6 +568,7 @@ fn install(
     m: Manifest,
     manifest: String,
     held: Committed,
+    parts: PartValues,
 ) -> Arc<Shard> {
     let len = m.file_len;
     let shard = Arc::new(Shard {
@@ -575,6 +583,7 @@ fn install(
         manifest_json: manifest,
         seg: Arc::new(held),
         committed: Instant::now(),
+        parts,
     });
     info!(shard = %shard.key, bytes = len, "committed to memory");
     core.memory.insert(shard.clone());

@@ -256,6 +256,7 @@ impl Core {
                         manifest_json: got.json,
                         seg: Arc::new(sealed.into()),
                         committed: Instant::now(),
+                        parts: Default::default(),
                     });
                     return Some((shard, m.id.node.clone(), got.chunks));
                 }

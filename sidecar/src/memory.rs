@@ -50,7 +50,9 @@ use tracing::info;
 
 use crate::error::{Error, Result};
 use crate::wire::{Held, ShardInfo};
+use blake3::hazmat::ChainingValue;
 use hotstart_ckpt::format::Manifest;
+use hotstart_ckpt::parts;
 use hotstart_proto::shm::{self, Committed, Segment};
 
 /// Charges are rounded up to whole pages of this size.
@@ -86,9 +88,52 @@ pub struct Shard {
     pub manifest_json: String,
     pub seg: Arc<Committed>,
     pub committed: Instant,
+    /// Its chunks' part values, made when a peer first asks for parts of it.
+    pub parts: PartValues,
+}
+
+/// Every chunk's part chaining values ([`hotstart_ckpt::parts`]) of a shard: empty for a
+/// chunk of one part. Made in the pass that hashes its chunks as it comes in (a commit, a
+/// replica), or else once, on all cores, when a peer first asks for parts of it (a reader that
+/// reshards); kept with it: 32 bytes per 64 KiB.
+#[derive(Default)]
+pub struct PartValues(OnceLock<Vec<Vec<ChainingValue>>>);
+
+impl PartValues {
+    /// Values made on the way in (from the pass that hashed the shard's chunks), every chunk's.
+    pub fn made(values: Vec<Vec<ChainingValue>>) -> PartValues {
+        PartValues(OnceLock::from(values))
+    }
+}
+
+impl std::fmt::Debug for PartValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "PartValues(made)"
+        } else {
+            "PartValues(not yet)"
+        })
+    }
 }
 
 impl Shard {
+    /// Chunk `i`'s part values (empty for a chunk of one part), made for every chunk on
+    /// first use over `threads` threads unless they came with the shard.
+    pub fn part_values(&self, i: usize, threads: usize) -> &[ChainingValue] {
+        let all = self.parts.0.get_or_init(|| {
+            let started = Instant::now();
+            let m = &self.manifest;
+            let data = &self.seg.bytes()[..m.file_len as usize];
+            let values = hotstart_ckpt::map_chunks(data, m.chunk_size as usize, threads, |c| {
+                parts::id_and_values(c).1
+            });
+            let seconds = started.elapsed().as_secs_f64();
+            info!(shard = %self.key, seconds, "part values made");
+            values
+        });
+        all.get(i).map_or(&[], Vec::as_slice)
+    }
+
     /// The file's length.
     pub fn len(&self) -> u64 {
         self.manifest.file_len
@@ -596,6 +641,7 @@ mod tests {
             manifest,
             seg: Arc::new(seg),
             committed: Instant::now(),
+            parts: Default::default(),
         }))
     }
 

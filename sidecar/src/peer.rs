@@ -8,8 +8,8 @@
 //! Inventory{job}        → Held{shards}                     (memory, and this node's disk)
 //! Push{shard,manifest}  → Ready, data frames →  Stored | Failed{reason}
 //!                       → Failed{reason}                   (no room: the data is not sent)
-//! Fetch{job,rank,step[,regions]}
-//!                       → Shard{shard,manifest[,chunks]}, data frames | NotFound
+//! Fetch{job,rank,step[,regions,parts]}
+//!                       → Shard{shard,manifest[,chunks,parts]}, data frames | NotFound
 //! Describe{job,rank,step} → Shard{shard,manifest} | NotFound
 //! Piece{piece,cached_only,redirect}
 //!                       → PieceIs{len}, data frames | Redirect{node} | NotFound | Failed{reason}
@@ -33,11 +33,13 @@ use tracing::{debug, info, warn};
 use crate::Core;
 use crate::auth::{self, ClusterKey, Identity};
 use crate::error::{Error, Result};
-use crate::memory::{Shard, ShardKey};
+use crate::memory::{PartValues, Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::tls::{Link, Tls};
 use crate::wire::{Held, PeerMsg, ShardInfo};
-use hotstart_ckpt::format::{self, Manifest, Region};
+use blake3::hazmat::{ChainingValue, HasherExt};
+use hotstart_ckpt::format::{self, Manifest, Need, Region};
+use hotstart_ckpt::parts;
 use hotstart_proto::shm::Segment;
 use hotstart_proto::wire::{Conn, Side};
 
@@ -82,31 +84,116 @@ const PIECE: usize = 1 << 20;
 /// to keep it busy, few enough that it hashes each piece while it is still in cache.
 const QUEUED: usize = 4;
 
-/// A received piece of a shard, on its way to the worker that hashes its chunk.
+/// What one unit of a shard's stream (a whole chunk, or one part of one) is checked against.
+#[derive(Clone, Copy)]
+enum Check {
+    /// A whole chunk of `len` bytes: its id.
+    Chunk { id: blake3::Hash, len: u64 },
+    /// Part `.0` of a chunk: its chaining value, itself checked against the chunk's id.
+    Part(usize, ChainingValue),
+}
+
+/// A unit's hashing in progress.
+enum Hashing {
+    Chunk(parts::ChunkHasher),
+    Part(blake3::Hasher),
+}
+
+impl Check {
+    fn start(self) -> Hashing {
+        match self {
+            Check::Chunk { len, .. } => Hashing::Chunk(parts::ChunkHasher::new(len)),
+            Check::Part(j, _) => Hashing::Part(parts::part_hasher(j)),
+        }
+    }
+}
+
+impl Hashing {
+    fn update(&mut self, data: &[u8]) {
+        match self {
+            Hashing::Chunk(h) => h.update(data),
+            Hashing::Part(h) => drop(h.update(data)),
+        }
+    }
+
+    /// Whether the unit matches `check`, and a whole chunk's part values.
+    fn finish(self, check: Check) -> (bool, Vec<ChainingValue>) {
+        match (self, check) {
+            (Hashing::Chunk(h), Check::Chunk { id, .. }) => {
+                let (got, values) = h.finish();
+                (got == id, values)
+            }
+            (Hashing::Part(h), Check::Part(_, cv)) => (h.finalize_non_root() == cv, Vec::new()),
+            _ => (false, Vec::new()),
+        }
+    }
+}
+
+/// A received piece of a shard, on its way to the worker that hashes its unit.
 struct Piece<'a> {
+    unit: usize,
     chunk: usize,
+    check: Check,
     data: &'a [u8],
     last: bool,
+}
+
+/// What [`recv_verified`] found.
+#[derive(Debug)]
+pub(crate) struct Received {
+    /// The first chunk that does not match, if any.
+    pub bad: Option<usize>,
+    /// The part values of every chunk that came whole and matched (empty for the others).
+    pub values: Vec<Vec<ChainingValue>>,
+}
+
+/// `needs` with every chunk whole.
+fn whole(needs: Vec<Need>) -> Vec<Need> {
+    needs
+        .into_iter()
+        .map(|n| Need { parts: None, ..n })
+        .collect()
+}
+
+/// Whether a need is of some parts of its chunk.
+fn in_parts(n: &Need) -> bool {
+    n.parts.is_some()
+}
+
+/// Every chunk of a shard, whole: what a stream carries when not told otherwise.
+fn every_chunk(m: &Manifest) -> Vec<Need> {
+    (0..m.chunks.len())
+        .map(|chunk| Need { chunk, parts: None })
+        .collect()
+}
+
+/// The file range of part `j` of chunk `r`.
+fn part_range(r: &std::ops::Range<u64>, j: usize) -> std::ops::Range<u64> {
+    let start = r.start + j as u64 * parts::PART;
+    start.min(r.end)..(start + parts::PART).min(r.end)
 }
 
 /// Receives a shard's data (the file `m` describes) straight into `dst`, checking every chunk
 /// against the manifest on the way.
 ///
 /// The calling thread reads the stream in 1 MiB pieces into their place in `dst` and hands
-/// each piece to one of up to `threads` workers: all pieces of chunk `i` go to worker
-/// `i % workers`, in order, which hashes them while they are still in cache, so chunks are
-/// hashed in parallel while the next ones arrive and every byte is copied once, from the
-/// socket to its place. `Ok(None)` when every chunk matches, `Ok(Some(i))` for the first chunk
-/// that does not (the whole stream is read either way, so the connection stays in step).
-/// `only`: the stream carries these chunks (ascending) and no others, which are left as they
-/// are in `dst`.
+/// each piece to one of up to `threads` workers: all pieces of one unit (a chunk, or a part of
+/// one) go to the same worker, in order, which hashes them while they are still in cache, so
+/// units are hashed in parallel while the next ones arrive and every byte is copied once, from
+/// the socket to its place. [`Received::bad`] names the first chunk that does not match, if
+/// any (the whole stream is read either way, so the connection stays in step); a whole chunk
+/// is hashed part by part, so its part values come out of the same pass.
+///
+/// `needs`: what the stream carries (ascending; `None`, every chunk whole). A chunk sent in
+/// parts comes as every part's chaining value, which must merge to its id, then the parts
+/// named, each checked against its value; the bytes not sent are left as they are in `dst`.
 pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
     conn: &mut Conn<S>,
     m: &Manifest,
     threads: usize,
     dst: &mut [u8],
-    only: Option<&[usize]>,
-) -> Result<Option<usize>> {
+    needs: Option<&[Need]>,
+) -> Result<Received> {
     let hashes = m.chunk_hashes();
     if (dst.len() as u64) < m.file_len {
         return Err(conn
@@ -117,71 +204,131 @@ pub(crate) fn recv_verified<S: std::io::Read + std::io::Write>(
             ))
             .into());
     }
+    let all;
+    let needs = match needs {
+        Some(n) => n,
+        None => {
+            all = every_chunk(m);
+            &all
+        }
+    };
     let workers = threads.clamp(1, 8);
     let bad = Mutex::new(None::<usize>);
+    let mark = |c: usize| {
+        let mut b = bad.lock().unwrap_or_else(PoisonError::into_inner);
+        *b = Some(b.map_or(c, |j| j.min(c)));
+    };
+    let values = Mutex::new(vec![Vec::new(); hashes.len()]);
     std::thread::scope(|scope| {
         let mut queues = Vec::with_capacity(workers);
         for _ in 0..workers {
             let (tx, rx) = mpsc::sync_channel::<Piece<'_>>(QUEUED);
             queues.push(tx);
-            let (hashes, bad) = (&hashes, &bad);
+            let (mark, values) = (&mark, &values);
             scope.spawn(move || {
-                let mut hasher: Option<(usize, blake3::Hasher)> = None;
+                let mut hashing: Option<(usize, Hashing)> = None;
                 for p in rx {
-                    if hasher.as_ref().is_none_or(|(c, _)| *c != p.chunk) {
-                        hasher = Some((p.chunk, blake3::Hasher::new()));
+                    if hashing.as_ref().is_none_or(|(u, _)| *u != p.unit) {
+                        hashing = Some((p.unit, p.check.start()));
                     }
-                    if let Some((_, h)) = &mut hasher {
+                    if let Some((_, h)) = &mut hashing {
                         h.update(p.data);
                     }
                     if p.last
-                        && let Some((c, h)) = hasher.take()
-                        && hashes.get(c) != Some(&h.finalize())
+                        && let Some((_, h)) = hashing.take()
                     {
-                        let mut b = bad.lock().unwrap_or_else(PoisonError::into_inner);
-                        *b = Some(b.map_or(c, |j| j.min(c)));
+                        match h.finish(p.check) {
+                            (false, _) => mark(p.chunk),
+                            (true, v) => {
+                                values.lock().unwrap_or_else(PoisonError::into_inner)[p.chunk] = v;
+                            }
+                        }
                     }
                 }
             });
         }
         let mut rest = dst;
         let mut at = 0;
-        for i in chunk_list(only, hashes.len()) {
-            let want = m.chunk_range(i);
-            // To the chunk's place: past the chunks the stream does not carry.
-            let skip = want
-                .start
-                .checked_sub(at)
-                .filter(|_| i < hashes.len())
-                .ok_or_else(|| conn.error(format!("chunk {i} out of order")))?;
-            rest = std::mem::take(&mut rest).split_at_mut(skip as usize).1;
-            at = want.end;
-            let chunk_len = (want.end - want.start) as usize;
-            let mut done = 0;
-            while done < chunk_len {
-                let frame = conn.recv_data_len(chunk_len - done)?;
-                let mut got = 0;
-                while got < frame {
-                    let n = (frame - got).min(PIECE);
-                    let (piece, tail) = std::mem::take(&mut rest).split_at_mut(n);
-                    rest = tail;
-                    conn.read_payload(piece)?;
-                    got += n;
-                    let piece = Piece {
-                        chunk: i,
-                        data: piece,
-                        last: done + got == chunk_len,
-                    };
-                    if queues[i % workers].send(piece).is_err() {
-                        return Err(Error::from(conn.error("receive worker stopped")));
+        let mut unit = 0;
+        for need in needs {
+            let i = need.chunk;
+            let id = *hashes
+                .get(i)
+                .ok_or_else(|| conn.error(format!("no chunk {i}")))?;
+            let r = m.chunk_range(i);
+            let units: Vec<(std::ops::Range<u64>, Check)> = match &need.parts {
+                None => vec![(
+                    r.clone(),
+                    Check::Chunk {
+                        id,
+                        len: r.end - r.start,
+                    },
+                )],
+                Some(js) => {
+                    let mut raw = vec![0; parts::count(r.end - r.start) * parts::CV_LEN];
+                    recv_exact(conn, &mut raw)?;
+                    let cvs = parts::from_bytes(&raw).unwrap_or_default();
+                    if parts::root(&cvs, r.end - r.start) != Some(id) {
+                        mark(i);
                     }
+                    js.iter()
+                        .map(|&j| {
+                            let cv = cvs.get(j).copied().unwrap_or_default();
+                            (part_range(&r, j), Check::Part(j, cv))
+                        })
+                        .collect()
                 }
-                done += frame;
+            };
+            for (want, check) in units {
+                // To the unit's place: past the bytes the stream does not carry.
+                let skip = want
+                    .start
+                    .checked_sub(at)
+                    .ok_or_else(|| conn.error(format!("chunk {i} out of order")))?;
+                rest = std::mem::take(&mut rest).split_at_mut(skip as usize).1;
+                at = want.end;
+                let len = (want.end - want.start) as usize;
+                let mut done = 0;
+                while done < len {
+                    let frame = conn.recv_data_len(len - done)?;
+                    let mut got = 0;
+                    while got < frame {
+                        let n = (frame - got).min(PIECE);
+                        let (piece, tail) = std::mem::take(&mut rest).split_at_mut(n);
+                        rest = tail;
+                        conn.read_payload(piece)?;
+                        got += n;
+                        let piece = Piece {
+                            unit,
+                            chunk: i,
+                            check,
+                            data: piece,
+                            last: done + got == len,
+                        };
+                        if queues[unit % workers].send(piece).is_err() {
+                            return Err(Error::from(conn.error("receive worker stopped")));
+                        }
+                    }
+                    done += frame;
+                }
+                unit += 1;
             }
         }
         Ok(())
     })?;
-    Ok(bad.into_inner().unwrap_or_else(PoisonError::into_inner))
+    Ok(Received {
+        bad: bad.into_inner().unwrap_or_else(PoisonError::into_inner),
+        values: values.into_inner().unwrap_or_else(PoisonError::into_inner),
+    })
+}
+
+/// Reads exactly `buf.len()` bytes of data frames.
+fn recv_exact<S: std::io::Read + std::io::Write>(conn: &mut Conn<S>, buf: &mut [u8]) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        done += conn.recv_data(&mut buf[done..])?;
+    }
+    Ok(())
 }
 
 /// Sends a shard's bytes, chunk by chunk.
@@ -196,18 +343,27 @@ fn send_chunks<S: std::io::Read + std::io::Write>(
     Ok(())
 }
 
-/// The chunks `only` names, or all `n`.
-fn chunk_list(only: Option<&[usize]>, n: usize) -> Vec<usize> {
-    only.map_or_else(|| (0..n).collect(), <[usize]>::to_vec)
-}
-
-/// Sends a shard's bytes from its segment, chunk by chunk (with `sendfile` on a plain link):
-/// every chunk, or those `only` names.
-fn send_segment(conn: &mut Conn<Link>, shard: &Shard, only: Option<&[usize]>) -> Result<()> {
+/// Sends a shard's bytes from its segment (with `sendfile` on a plain link), as
+/// [`recv_verified`] takes them: every chunk, or what `needs` names.
+fn send_segment(
+    conn: &mut Conn<Link>,
+    shard: &Shard,
+    needs: Option<&[Need]>,
+    threads: usize,
+) -> Result<()> {
     let m = &shard.manifest;
-    for i in chunk_list(only, m.chunks.len()) {
-        let r = m.chunk_range(i);
-        conn.send_data_from(shard.seg.as_fd(), r.start, (r.end - r.start) as usize)?;
+    let fd = shard.seg.as_fd();
+    for need in needs.map_or_else(|| every_chunk(m), <[Need]>::to_vec) {
+        let r = m.chunk_range(need.chunk);
+        let Some(js) = &need.parts else {
+            conn.send_data_from(fd, r.start, (r.end - r.start) as usize)?;
+            continue;
+        };
+        conn.send_data(&parts::to_bytes(shard.part_values(need.chunk, threads)))?;
+        for &j in js {
+            let p = part_range(&r, j);
+            conn.send_data_from(fd, p.start, (p.end - p.start) as usize)?;
+        }
     }
     Ok(())
 }
@@ -224,7 +380,8 @@ fn receive_shard(
     let name = format!("hotstart-{}-{}-{}", info.job, info.step, info.rank);
     let mut seg = Segment::create_to_fill(&name, info.len as usize, Some(Box::new(charge)))
         .map_err(|e| Error::io("create shared memory", &name, e))?;
-    if let Some(i) = recv_verified(conn, &m, core.threads, seg.bytes_mut(), None)? {
+    let got = recv_verified(conn, &m, core.threads, seg.bytes_mut(), None)?;
+    if let Some(i) = got.bad {
         core.metrics.failed(Failure::Checksum);
         return Ok(Err(format!("chunk {i} does not match its checksum")));
     }
@@ -243,6 +400,7 @@ fn receive_shard(
         manifest_json,
         seg: Arc::new(sealed.into()),
         committed: Instant::now(),
+        parts: PartValues::made(got.values),
     })))
 }
 
@@ -326,22 +484,26 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                 rank,
                 step,
                 regions,
+                parts,
             } => {
                 let key = ShardKey { job, rank, step };
                 match core.memory.get(&key) {
                     Some(s) => {
+                        let m = &s.manifest;
                         // Regions this shard does not have get the whole of it: the reader's
                         // own checks name what is wrong.
-                        let chunks = regions
-                            .and_then(|r| s.manifest.chunks_for(&r).ok())
-                            .filter(|c| c.len() < s.manifest.chunks.len());
+                        let needs = regions
+                            .and_then(|r| m.parts_for(&r).ok())
+                            .map(|n| if parts { n } else { whole(n) })
+                            .filter(|n| n.len() < m.chunks.len() || n.iter().any(in_parts));
                         conn.send(&PeerMsg::Shard {
                             shard: s.info(),
                             manifest: s.manifest_json.clone(),
-                            chunks: chunks.clone(),
+                            chunks: needs.as_ref().map(|n| n.iter().map(|n| n.chunk).collect()),
+                            parts: needs.iter().flatten().any(in_parts),
                         })
                         .map_err(Error::from)
-                        .and_then(|()| send_segment(&mut conn, &s, chunks.as_deref()))
+                        .and_then(|()| send_segment(&mut conn, &s, needs.as_deref(), core.threads))
                     }
                     None => conn.send(&PeerMsg::NotFound).map_err(Error::from),
                 }
@@ -353,6 +515,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                         shard: s.info(),
                         manifest: s.manifest_json.clone(),
                         chunks: None,
+                        parts: false,
                     },
                     None => PeerMsg::NotFound,
                 };
@@ -633,9 +796,8 @@ impl PeerClient {
     /// Sends `ask` (`Describe` or `Fetch` of `key`) and takes the answer (no data yet): the
     /// shard's info and manifest, checked (a shard of another key, or a manifest that does not
     /// parse or does not describe the announced shard, is a protocol violation), or `None`
-    /// when the peer does
-    /// not hold it; and the chunks its data carries when not all of them, which must be those
-    /// that hold `regions` (asked for with `Fetch`) and the header.
+    /// when the peer does not hold it; and what its data carries when not every chunk whole,
+    /// which must be what `regions` (asked for with `Fetch`) and the header need.
     fn ask_shard(
         &mut self,
         ask: PeerMsg,
@@ -643,12 +805,13 @@ impl PeerClient {
         regions: Option<&[Region]>,
     ) -> Result<Option<Fetched<()>>> {
         self.conn.send(&ask)?;
-        let (info, json, chunks) = match self.conn.recv()? {
+        let (info, json, chunks, in_parts) = match self.conn.recv()? {
             PeerMsg::Shard {
                 shard,
                 manifest,
                 chunks,
-            } => (shard, manifest, chunks),
+                parts,
+            } => (shard, manifest, chunks, parts),
             PeerMsg::NotFound => return Ok(None),
             other => return Err(self.unexpected(other)),
         };
@@ -660,30 +823,47 @@ impl PeerClient {
         }
         let m = check_manifest(&info, &json, &self.peer.node)
             .map_err(|e| self.conn.violation(e.to_string()))?;
-        if let Some(c) = &chunks {
-            // A reader reads exactly these, so fewer would hand it bytes never sent.
-            let need = regions.and_then(|r| m.chunks_for(r).ok());
-            if need.as_ref() != Some(c) {
+        // A reader reads exactly the bytes the regions name, so a stream that carries less
+        // would hand it bytes never sent: what comes must be what the reader reckons itself.
+        let needs = match &chunks {
+            None if in_parts => {
                 return Err(self
                     .conn
-                    .violation(format!("{key}: sent chunks {c:?} for {need:?}"))
+                    .violation(format!("{key}: parts of no chunks"))
                     .into());
             }
-        }
+            None => None,
+            Some(c) => {
+                let need = regions.and_then(|r| m.parts_for(r).ok());
+                if need
+                    .as_ref()
+                    .map(|n| n.iter().map(|n| n.chunk).collect())
+                    .as_ref()
+                    != Some(c)
+                {
+                    return Err(self
+                        .conn
+                        .violation(format!("{key}: sent chunks {c:?} for regions {regions:?}"))
+                        .into());
+                }
+                need.map(|n| if in_parts { n } else { whole(n) })
+            }
+        };
         Ok(Some(Fetched {
             info,
             manifest: m,
             json,
             mem: (),
             chunks,
+            needs,
         }))
     }
 
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
     /// manifest; at least the shard's length), every chunk verified. `None` when the peer
-    /// does not hold it. With `regions`, the peer may send only the chunks that hold them and
-    /// the header: those are returned too (`None`: every chunk came), and the others are left
-    /// as `alloc` made them.
+    /// does not hold it. With `regions`, the peer may send only the chunks, or the parts of
+    /// chunks, that hold them and the header: those are returned too (`None`: every chunk
+    /// came), and the other bytes are left as `alloc` made them.
     pub fn fetch<T: AsMut<[u8]>>(
         &mut self,
         key: &ShardKey,
@@ -696,13 +876,14 @@ impl PeerClient {
             rank: key.rank,
             step: key.step,
             regions: regions.map(<[Region]>::to_vec),
+            parts: regions.is_some(),
         };
         let Some(got) = self.ask_shard(ask, key, regions)? else {
             return Ok(None);
         };
         let mut mem = alloc(&got.info, &got.manifest)?;
-        let only = got.chunks.as_deref();
-        let bad = recv_verified(&mut self.conn, &got.manifest, threads, mem.as_mut(), only)?;
+        let needs = got.needs.as_deref();
+        let bad = recv_verified(&mut self.conn, &got.manifest, threads, mem.as_mut(), needs)?.bad;
         if let Some(i) = bad {
             return Err(self
                 .conn
@@ -715,6 +896,7 @@ impl PeerClient {
             json: got.json,
             mem,
             chunks: got.chunks,
+            needs: got.needs,
         }))
     }
 }
@@ -727,6 +909,8 @@ pub struct Fetched<T> {
     pub mem: T,
     /// The chunks that came, when not all (a fetch of regions).
     pub chunks: Option<Vec<usize>>,
+    /// What came of those chunks: each whole, or some of its parts only.
+    pub needs: Option<Vec<Need>>,
 }
 
 impl Core {
@@ -832,15 +1016,25 @@ mod tests {
         let (m, file) = shard();
         let mut dst = vec![0u8; file.len() + 7];
         let mut rx = Conn::new(stream(&file), "t", Side::Peer);
-        assert_eq!(recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap(), None);
+        let got = recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap();
+        assert_eq!(got.bad, None);
         assert!(dst[..file.len()] == file[..], "bytes differ");
+        // The same pass made every chunk's part values (none for the last, of one part).
+        for (i, c) in file.chunks(CHUNK).enumerate() {
+            let want = if parts::splits(c.len() as u64) {
+                parts::cvs(c)
+            } else {
+                Vec::new()
+            };
+            assert_eq!(got.values[i], want, "chunk {i}");
+        }
         assert_eq!(dst[file.len()..], [0; 7]);
 
         let mut bad = file.clone();
         bad[CHUNK + 5] ^= 1;
         let mut rx = Conn::new(stream(&bad), "t", Side::Peer);
         assert_eq!(
-            recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap(),
+            recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap().bad,
             Some(1)
         );
         // The whole stream was read: the connection stays in step.
@@ -856,5 +1050,147 @@ mod tests {
         let mut rx = Conn::new(stream(&file[..file.len() - 3]), "t", Side::Peer);
         let err = recv_verified(&mut rx, &m, 2, &mut dst, None).unwrap_err();
         assert!(err.to_string().contains("connection closed"), "{err}");
+    }
+
+    /// The data frames a peer sends for `needs` of `file`, as `send_segment` does; `spoil`
+    /// may change a part's value or bytes on the way.
+    fn parts_stream(
+        m: &Manifest,
+        file: &[u8],
+        needs: &[Need],
+        spoil: impl Fn(usize, &mut Vec<ChainingValue>, &mut Vec<u8>),
+    ) -> Cursor<Vec<u8>> {
+        let mut tx = Conn::new(Cursor::new(Vec::new()), "t", Side::Peer);
+        for n in needs {
+            let r = m.chunk_range(n.chunk);
+            let chunk = &file[r.start as usize..r.end as usize];
+            let Some(js) = &n.parts else {
+                tx.send_data(chunk).unwrap();
+                continue;
+            };
+            let mut cvs = parts::cvs(chunk);
+            let mut bytes = file.to_vec();
+            spoil(n.chunk, &mut cvs, &mut bytes);
+            tx.send_data(&parts::to_bytes(&cvs)).unwrap();
+            for &j in js {
+                let p = part_range(&r, j);
+                tx.send_data(&bytes[p.start as usize..p.end as usize])
+                    .unwrap();
+            }
+        }
+        Cursor::new(tx.get_ref().get_ref().clone())
+    }
+
+    #[test]
+    fn parts_land_in_place_and_a_bad_part_or_value_is_named() {
+        let (m, file) = shard();
+        let at = m.data_offset;
+        // Bytes in chunk 0 past its first part, and across the boundary of chunks 1 and 2 (a
+        // chunk of one part, sent whole).
+        let regions = [
+            Region {
+                tensor: "w".into(),
+                offset: 300_000,
+                len: 10,
+            },
+            Region {
+                tensor: "w".into(),
+                offset: 2 * CHUNK as u64 - at - 100_000,
+                len: 112_000,
+            },
+        ];
+        let needs = m.parts_for(&regions).unwrap();
+        let part = parts::PART as usize;
+        let span = |a: usize, b: usize| (a / part..=(b - 1) / part).collect::<Vec<_>>();
+        let header_and_first: Vec<usize> = span(0, at as usize)
+            .into_iter()
+            .chain(span(at as usize + 300_000, at as usize + 300_010))
+            .collect();
+        assert_eq!(
+            needs,
+            vec![
+                Need {
+                    chunk: 0,
+                    parts: Some(header_and_first)
+                },
+                Need {
+                    chunk: 1,
+                    parts: Some(span(CHUNK - 100_000, CHUNK))
+                },
+                Need {
+                    chunk: 2,
+                    parts: None
+                },
+            ]
+        );
+        let mut dst = vec![0u8; file.len()];
+        let mut rx = Conn::new(
+            parts_stream(&m, &file, &needs, |_, _, _| ()),
+            "t",
+            Side::Peer,
+        );
+        assert_eq!(
+            recv_verified(&mut rx, &m, 2, &mut dst, Some(&needs))
+                .unwrap()
+                .bad,
+            None
+        );
+        // Exactly the parts named arrived; every other byte is as it was.
+        for n in &needs {
+            let r = m.chunk_range(n.chunk);
+            let Some(js) = n.parts.as_ref() else {
+                assert!(
+                    dst[r.start as usize..r.end as usize] == file[r.start as usize..r.end as usize]
+                );
+                continue;
+            };
+            for j in 0..parts::count(r.end - r.start) {
+                let p = part_range(&r, j);
+                let (got, sent) = (
+                    &dst[p.start as usize..p.end as usize],
+                    &file[p.start as usize..p.end as usize],
+                );
+                if js.contains(&j) {
+                    assert!(got == sent, "chunk {} part {j}", n.chunk);
+                } else {
+                    assert!(got.iter().all(|b| *b == 0), "chunk {} part {j}", n.chunk);
+                }
+            }
+        }
+        // A flipped byte in a part sent, a value that is not the chunk's, or a part's value
+        // moved to another part's place: the chunk is named, and the stream read to its end.
+        let flip = |c: usize, _: &mut Vec<ChainingValue>, b: &mut Vec<u8>| {
+            if c == 1 {
+                b[CHUNK * 2 - 50_000] ^= 1;
+            }
+        };
+        let lie = |c: usize, v: &mut Vec<ChainingValue>, _: &mut Vec<u8>| {
+            if c == 1 {
+                v[1][0] ^= 1;
+            }
+        };
+        let swap = |c: usize, v: &mut Vec<ChainingValue>, b: &mut Vec<u8>| {
+            if c == 0 {
+                let bytes = b[..part].to_vec();
+                b.copy_within(part..2 * part, 0);
+                b[part..2 * part].copy_from_slice(&bytes);
+                v.swap(0, 1);
+            }
+        };
+        let cases: [(&dyn Fn(usize, &mut Vec<ChainingValue>, &mut Vec<u8>), usize); 3] =
+            [(&flip, 1), (&lie, 1), (&swap, 0)];
+        for (spoil, chunk) in cases {
+            let mut rx = Conn::new(parts_stream(&m, &file, &needs, spoil), "t", Side::Peer);
+            assert_eq!(
+                recv_verified(&mut rx, &m, 2, &mut dst, Some(&needs))
+                    .unwrap()
+                    .bad,
+                Some(chunk)
+            );
+            assert_eq!(
+                rx.get_ref().position() as usize,
+                rx.get_ref().get_ref().len()
+            );
+        }
     }
 }

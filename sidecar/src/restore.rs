@@ -18,8 +18,9 @@
 //! sealed segment and maps it: the restore itself copies nothing more.
 //!
 //! **Regions.** A process that reads only byte ranges of the shard (a load that reshards)
-//! names them. A peer then sends only the chunks that hold them and the file's header, each
-//! verified as it arrives; the segment handed over holds those chunks (its other bytes are
+//! names them. A peer then sends only the 64 KiB parts of chunks that hold them and the
+//! file's header, each verified as it arrives against its chunk's id
+//! ([`hotstart_ckpt::parts`]); the segment handed over holds those bytes (its other bytes are
 //! zero), and it does not enter this node's memory tier, which holds only whole shards. A
 //! shard in this node's memory, on its disk or in the store is served as without regions (the
 //! process reads its ranges from it), and one read back from disk or store stays in memory for
@@ -450,6 +451,7 @@ impl Core {
             manifest_json: json,
             seg: Arc::new(sealed.into()),
             committed: Instant::now(),
+            parts: Default::default(),
         });
         Ok((shard, sources))
     }

@@ -61,21 +61,28 @@ pub enum PeerMsg {
     /// The pushed shard arrived whole and matches its checksums.
     Stored,
     /// Send me this shard from your memory; with `regions`, only the chunks that hold those
-    /// byte ranges of its tensors and the file's header.
+    /// byte ranges of its tensors and the file's header, and with `parts` too, of those chunks
+    /// only the parts that hold them ([`hotstart_ckpt::parts`]).
     Fetch {
         job: String,
         rank: u32,
         step: u64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         regions: Option<Vec<Region>>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        parts: bool,
     },
     /// The fetched shard; its data follows (none after `Describe`): every chunk, or with
-    /// `chunks` (ascending) those only.
+    /// `chunks` (ascending) those only. With `parts`, a chunk of which the regions need only
+    /// some parts ([`hotstart_ckpt::format::Manifest::parts_for`]) comes as every part's
+    /// chaining value, then those parts.
     Shard {
         shard: ShardInfo,
         manifest: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         chunks: Option<Vec<usize>>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        parts: bool,
     },
     /// Describe this shard of your memory: answered with `Shard` and no data, or `NotFound`.
     Describe { job: String, rank: u32, step: u64 },

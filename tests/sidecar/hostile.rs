@@ -62,16 +62,20 @@ fn header(kind: u8, len: u32) -> Vec<u8> {
 
 /// A shard of job `evil`: its file, and the manifest that describes it.
 fn shard() -> (ShardInfo, String, Vec<u8>) {
+    shard_of(1, 64 << 10)
+}
+
+/// Step `step` of job `evil`: one tensor of 300 KiB in chunks of `chunk` bytes.
+fn shard_of(step: u64, chunk: usize) -> (ShardInfo, String, Vec<u8>) {
     let bytes = pattern(300 << 10, 9);
     let t = Tensor::new("w", Dtype::U8, vec![bytes.len() as u64], bytes.clone()).expect("tensor");
     let layout = Layout::new("evil", 1, 1, &[t]).expect("layout");
     let mut file = layout.header.clone();
     file.extend_from_slice(&bytes);
-    let chunk = 64 << 10;
     let hashes: Vec<blake3::Hash> = file.chunks(chunk).map(blake3::hash).collect();
     let m = Manifest::new(
         "evil",
-        1,
+        step,
         0,
         1,
         &layout,
@@ -82,7 +86,7 @@ fn shard() -> (ShardInfo, String, Vec<u8>) {
     let info = ShardInfo {
         job: "evil".into(),
         rank: 0,
-        step: 1,
+        step,
         world_size: 1,
         len: file.len() as u64,
         origin: "tester".into(),
@@ -292,6 +296,31 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         .expect("fetch")
         .expect("held");
     assert!(all.mem == file && all.chunks.is_none());
+    // In chunks of four parts, only the parts that hold the range and the header come, each
+    // checked against the chunk's id through the parts' values the peer sends first.
+    let (info, manifest, file) = shard_of(2, 256 << 10);
+    good()
+        .push(&info, &manifest, &file)
+        .expect("shard in parts");
+    let key = hotstart_sidecar::memory::ShardKey { step: 2, ..key };
+    let got = good()
+        .fetch(&key, 2, Some(&wanted), |i, _| Ok(vec![0u8; i.len as usize]))
+        .expect("fetch")
+        .expect("held");
+    let m = &got.manifest;
+    let start = (m.data_offset + 150_000) as usize;
+    let sent = |p: usize| p == 0 || p == start >> 16;
+    assert_eq!(got.chunks, Some(vec![0]));
+    assert!(got.needs.as_ref().is_some_and(|n| n[0].parts.is_some()));
+    for p in 0..file.len().div_ceil(64 << 10) {
+        let r = p << 16..((p + 1) << 16).min(file.len());
+        let bytes = &got.mem[r.clone()];
+        if sent(p) {
+            assert!(bytes == &file[r], "part {p}");
+        } else {
+            assert!(bytes.iter().all(|b| *b == 0), "part {p}");
+        }
+    }
     assert_eq!(
         cluster.ip(0).to_string() + ":" + &PEER_PORT.to_string(),
         n.peer.to_string()
