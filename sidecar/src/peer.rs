@@ -112,7 +112,9 @@ impl Hashing {
     fn update(&mut self, data: &[u8]) {
         match self {
             Hashing::Chunk(h) => h.update(data),
-            Hashing::Part(h) => drop(h.update(data)),
+            Hashing::Part(h) => {
+                h.update(data);
+            }
         }
     }
 
@@ -1052,13 +1054,16 @@ mod tests {
         assert!(err.to_string().contains("connection closed"), "{err}");
     }
 
+    /// Changes chunk `.0`'s part values or the file's bytes on their way to a reader.
+    type Spoil<'a> = dyn Fn(usize, &mut Vec<ChainingValue>, &mut Vec<u8>) + 'a;
+
     /// The data frames a peer sends for `needs` of `file`, as `send_segment` does; `spoil`
     /// may change a part's value or bytes on the way.
     fn parts_stream(
         m: &Manifest,
         file: &[u8],
         needs: &[Need],
-        spoil: impl Fn(usize, &mut Vec<ChainingValue>, &mut Vec<u8>),
+        spoil: &Spoil<'_>,
     ) -> Cursor<Vec<u8>> {
         let mut tx = Conn::new(Cursor::new(Vec::new()), "t", Side::Peer);
         for n in needs {
@@ -1125,7 +1130,7 @@ mod tests {
         );
         let mut dst = vec![0u8; file.len()];
         let mut rx = Conn::new(
-            parts_stream(&m, &file, &needs, |_, _, _| ()),
+            parts_stream(&m, &file, &needs, &|_, _, _| ()),
             "t",
             Side::Peer,
         );
@@ -1177,8 +1182,7 @@ mod tests {
                 v.swap(0, 1);
             }
         };
-        let cases: [(&dyn Fn(usize, &mut Vec<ChainingValue>, &mut Vec<u8>), usize); 3] =
-            [(&flip, 1), (&lie, 1), (&swap, 0)];
+        let cases: [(&Spoil<'_>, usize); 3] = [(&flip, 1), (&lie, 1), (&swap, 0)];
         for (spoil, chunk) in cases {
             let mut rx = Conn::new(parts_stream(&m, &file, &needs, spoil), "t", Side::Peer);
             assert_eq!(
