@@ -88,7 +88,7 @@ pub struct Shard {
     pub manifest_json: String,
     pub seg: Arc<Committed>,
     pub committed: Instant,
-    /// Its chunks' part values, made when a peer first asks for parts of it.
+    /// Its chunks' part values, for peers that ask for parts of it.
     pub parts: PartValues,
 }
 
