@@ -31,10 +31,7 @@ pub fn splits(len: u64) -> bool {
 
 /// The chaining value of part `i` of a chunk of more than one part, `bytes` being that part.
 pub fn part_cv(i: usize, bytes: &[u8]) -> ChainingValue {
-    blake3::Hasher::new()
-        .set_input_offset(i as u64 * PART)
-        .update(bytes)
-        .finalize_non_root()
+    part_hasher(i).update(bytes).finalize_non_root()
 }
 
 /// A hasher for part `i`, to be fed its bytes in order and finished with
