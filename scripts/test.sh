@@ -9,7 +9,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-section() { printf '\n==== %s ====\n' "$*"; }
+# Each section says how long the one before it took, so a slow CI run shows where its time went.
+start=$SECONDS
+last=$SECONDS
+section() {
+    printf '\n==== %s ==== (previous section %ds, %ds in all)\n' "$*" $((SECONDS - last)) $((SECONDS - start))
+    last=$SECONDS
+}
 
 section "setup"
 bash scripts/setup.sh
@@ -41,6 +47,6 @@ section "python: maturin develop"
 (cd bindings && VIRTUAL_ENV="$ROOT/.venv" PATH="$ROOT/.venv/bin:$PATH" maturin develop)
 
 section "pytest"
-.venv/bin/python -m pytest bindings/tests -q -rs
+.venv/bin/python -m pytest bindings/tests -q -rs --durations=12
 
 section "all checks passed"

@@ -110,6 +110,11 @@ pub struct ServeArgs {
     /// checkpoint is evicted [default: 1GiB].
     #[arg(long, env = "HOTSTART_SHARE_CACHE")]
     share_cache: Option<Size>,
+    /// A checkpoint chunk larger than this, restored from the store by several nodes at once,
+    /// is shared in ranges of this size, each read from the store by one node and sent on by
+    /// it, so the chunk spreads through the job while it is still arriving [default: 4MiB].
+    #[arg(long, env = "HOTSTART_SHARE_PIECE")]
+    share_piece: Option<Size>,
 }
 
 pub(crate) async fn shutdown_signal() {
@@ -165,6 +170,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         threads: args.threads,
         share: args.no_share.then_some(false),
         share_cache: args.share_cache,
+        share_piece: args.share_piece,
         token,
     };
     let cfg = file.merge(flags).resolve()?;

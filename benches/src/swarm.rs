@@ -43,6 +43,9 @@ pub struct SwarmArgs {
     /// Size of each rank's checkpoint shard.
     #[arg(long, default_value_t = 64)]
     ckpt_mib: usize,
+    /// The sidecars' `--share-piece`: the ranges a chunk (64 MiB) is shared in.
+    #[arg(long, default_value = "4MiB")]
+    share_piece: String,
     /// What the store's link sends, in Mbit/s.
     #[arg(long, default_value_t = 800)]
     store_mbit: u32,
@@ -217,6 +220,7 @@ struct Swarm<'n> {
     install: String,
     reference: std::collections::BTreeMap<PathBuf, (u32, String)>,
     ckpt_mib: usize,
+    share_piece: String,
 }
 
 impl Swarm<'_> {
@@ -353,6 +357,8 @@ impl Swarm<'_> {
             budget,
             "--replicas".into(),
             "0".into(),
+            "--share-piece".into(),
+            self.share_piece.clone(),
         ];
         if !share {
             a.push("--no-share".into());
@@ -425,6 +431,7 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
         install,
         reference: Default::default(),
         ckpt_mib: args.ckpt_mib,
+        share_piece: args.share_piece.clone(),
     };
     eprintln!("  {n} nodes: capturing the environment");
     let capture = work.join("capture");
@@ -521,7 +528,7 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
     );
     let mut md = format!(
         "### Chunk sharing: N nodes starting the same artifact at once\n\n\
-         Store link {} Mbit/s, node links {} Mbit/s; env {} MiB, ckpt {} MiB per rank. \
+         Store link {} Mbit/s, node links {} Mbit/s; env {} MiB, ckpt {} MiB per rank in 64 MiB chunks shared in {} ranges. \
          Store bytes are the store link's own counter, over what one node alone makes it send \
          (env {:.1} MB, ckpt {:.1} MB). Times from the start of all N to each node ready, in s. \
          The floor: the same N env restores at once from a local directory, no network.\n\n\
@@ -531,6 +538,7 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
         args.node_mbit,
         args.env_mib,
         args.ckpt_mib,
+        args.share_piece,
         env_size / 1e6,
         ckpt_size / 1e6
     );

@@ -8,6 +8,11 @@
 //! chunks of a checkpoint). Its identity is its content ([`Piece::content_id`]), not where it is stored:
 //! any node that holds those frames may serve it, and whoever receives it decodes every frame
 //! and checks it against its id before using or passing on a byte.
+//!
+//! A piece may also be one range of a single plaintext frame (`within`: a piece of a large
+//! checkpoint chunk, so that a chunk spreads through a job while it is still arriving). Such a
+//! range cannot be checked alone: its receiver checks the whole chunk against its id once every
+//! range of it is in, and keeps or passes on none of them before that.
 
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +46,10 @@ pub struct Piece {
     /// rather than zstd frames of a chunk store.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub raw: bool,
+    /// For a range of one raw frame: where the range starts in the frame. The one frame's
+    /// `id` and `len` are then the whole frame's, `offset` and `len` the range's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub within: Option<u64>,
 }
 
 /// Where a sidecar found a piece it answers with.
@@ -74,11 +83,28 @@ pub const MAX_PIECE_LEN: u64 = 64 << 20;
 impl Piece {
     /// What is wrong with this request, if anything: an artifact name that is not one, no
     /// frames or too many, a length over [`MAX_PIECE_LEN`], frame lengths that do not add up
-    /// to the piece's, an open-ended frame that is not the only one.
+    /// to the piece's, an open-ended frame that is not the only one, a range that is not one
+    /// of a single raw frame of known length.
     pub fn check(&self) -> Result<(), String> {
         let a = &self.artifact;
         if a.is_empty() || a.len() > 16 || !a.bytes().all(|b| b.is_ascii_lowercase()) {
             return Err(format!("artifact {a:?} is not 1 to 16 lowercase letters"));
+        }
+        if let Some(at) = self.within {
+            let (Some(len), [frame], true) = (self.len, &self.frames[..], self.raw) else {
+                return Err("a range must be of one raw frame, with its length".into());
+            };
+            if !is_hex_id(&frame.id) {
+                return Err(format!("frame id {:?} is not 64 hex digits", frame.id));
+            }
+            let whole = frame.len.map_or(0, u64::from);
+            return if len == 0 || len > MAX_PIECE_LEN || at.saturating_add(len) > whole {
+                Err(format!(
+                    "the range {at}+{len} is not within a frame of {whole} bytes"
+                ))
+            } else {
+                Ok(())
+            };
         }
         if self.frames.is_empty() || self.frames.len() > MAX_PIECE_FRAMES {
             return Err(format!(
@@ -121,6 +147,11 @@ impl Piece {
             h.update(f.id.as_bytes());
             h.update(&f.len.map_or(u64::MAX, u64::from).to_le_bytes());
         }
+        if let Some(at) = self.within {
+            h.update(b"within");
+            h.update(&at.to_le_bytes());
+            h.update(&self.len.unwrap_or(u64::MAX).to_le_bytes());
+        }
         *h.finalize().as_bytes()
     }
 }
@@ -148,6 +179,7 @@ mod tests {
                 })
                 .collect(),
             raw: false,
+            within: None,
         }
     }
 
@@ -177,5 +209,32 @@ mod tests {
         assert_eq!(a.content_id(), b.content_id());
         let c = piece(&[('a', Some(4)), ('b', Some(3))], Some(7));
         assert_ne!(a.content_id(), c.content_id());
+    }
+
+    #[test]
+    fn a_range_is_of_one_raw_frame_and_named_by_where_it_lies() {
+        let range = |at: u64, len: u64| {
+            let mut p = piece(&[('a', Some(100))], Some(len));
+            (p.raw, p.within, p.offset) = (true, Some(at), 1000 + at);
+            p
+        };
+        assert!(range(0, 40).check().is_ok());
+        assert!(range(60, 40).check().is_ok());
+        assert!(range(61, 40).check().unwrap_err().contains("not within"));
+        assert!(range(0, 0).check().is_err());
+        let mut not_raw = range(0, 40);
+        not_raw.raw = false;
+        assert!(not_raw.check().is_err());
+        let mut open = range(0, 40);
+        open.frames[0].len = None;
+        assert!(open.check().is_err());
+        let mut two = range(0, 40);
+        two.frames.push(two.frames[0].clone());
+        assert!(two.check().is_err());
+        // Each range its own piece, none the whole frame's.
+        let whole = piece(&[('a', Some(100))], Some(100));
+        let ids = [range(0, 40), range(40, 40), range(0, 20)].map(|p| p.content_id());
+        assert!(ids[0] != ids[1] && ids[0] != ids[2] && ids[1] != ids[2]);
+        assert!(!ids.contains(&whole.content_id()));
     }
 }

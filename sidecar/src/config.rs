@@ -127,10 +127,15 @@ pub struct SidecarConfig {
     /// At most this many bytes of shared pieces are kept in memory to serve this node's
     /// processes and its peers, within the memory budget (they give way to checkpoints).
     pub share_cache: u64,
+    /// A checkpoint chunk restored from the store through sharing is asked for in ranges of
+    /// this many bytes when it is larger, each range from an owner of its own.
+    pub share_piece: u64,
 }
 
 /// Bytes of shared pieces a sidecar keeps by default.
 pub const DEFAULT_SHARE_CACHE: u64 = 1 << 30;
+/// The ranges large checkpoint chunks are shared in, by default.
+pub const DEFAULT_SHARE_PIECE: u64 = 4 << 20;
 
 /// One source of settings: every field optional. Deserialised from TOML (unknown keys are an
 /// error), or filled from flags and environment by the CLI.
@@ -162,6 +167,7 @@ pub struct Settings {
     pub threads: Option<usize>,
     pub share: Option<bool>,
     pub share_cache: Option<Size>,
+    pub share_piece: Option<Size>,
     /// Set from `HOTSTART_CLUSTER_TOKEN` by the CLI; never from the file.
     #[serde(skip)]
     pub token: Option<Token>,
@@ -314,6 +320,7 @@ impl Settings {
             threads,
             share,
             share_cache,
+            share_piece,
             token
         )
     }
@@ -409,7 +416,15 @@ impl Settings {
             threads: self.threads.unwrap_or(0),
             share: self.share.unwrap_or(true),
             share_cache: self.share_cache.map_or(DEFAULT_SHARE_CACHE, |s| s.0),
+            share_piece: self.share_piece.map_or(DEFAULT_SHARE_PIECE, |s| s.0),
         };
+        if !(1 << 10..=hotstart_proto::share::MAX_PIECE_LEN).contains(&cfg.share_piece) {
+            return Err(config(format!(
+                "share_piece {} is not between 1 KiB and {} MiB: pick a size such as 4MiB",
+                cfg.share_piece,
+                hotstart_proto::share::MAX_PIECE_LEN >> 20
+            )));
+        }
         cfg.check_security()?;
         Ok(cfg)
     }

@@ -381,7 +381,13 @@ fn serve_share(
             }
             continue;
         }
-        let sent = match core.piece(&piece, false) {
+        // A range of a frame cannot be checked alone: only between sidecars, which check its
+        // chunk whole before they use or keep it.
+        let answer = match piece.within {
+            Some(_) => Err("a process asks for whole frames, not ranges of one".to_string()),
+            None => core.piece(&piece, false),
+        };
+        let sent = match answer {
             Ok(got) => {
                 core.metrics
                     .shared(&piece.artifact, got.source.as_str(), got.bytes.len() as u64);

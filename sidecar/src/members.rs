@@ -16,7 +16,7 @@ use tracing::{info, warn};
 use crate::Core;
 use crate::auth::Identity;
 use crate::error::{Error, Result};
-use crate::memory::{Shard, ShardKey};
+use crate::memory::{PartValues, Shard, ShardKey};
 use crate::metrics::Failure;
 use crate::peer::PeerClient;
 use hotstart_ckpt::format::Region;
@@ -256,7 +256,12 @@ impl Core {
                         manifest_json: got.json,
                         seg: Arc::new(sealed.into()),
                         committed: Instant::now(),
-                        parts: Default::default(),
+                        // The values were made while the chunks were checked; a shard that
+                        // came in part makes them when a peer first asks.
+                        parts: match got.chunks {
+                            None => PartValues::made(got.values),
+                            Some(_) => Default::default(),
+                        },
                     });
                     return Some((shard, m.id.node.clone(), got.chunks));
                 }

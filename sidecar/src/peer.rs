@@ -858,6 +858,7 @@ impl PeerClient {
             mem: (),
             chunks,
             needs,
+            values: Vec::new(),
         }))
     }
 
@@ -885,8 +886,8 @@ impl PeerClient {
         };
         let mut mem = alloc(&got.info, &got.manifest)?;
         let needs = got.needs.as_deref();
-        let bad = recv_verified(&mut self.conn, &got.manifest, threads, mem.as_mut(), needs)?.bad;
-        if let Some(i) = bad {
+        let received = recv_verified(&mut self.conn, &got.manifest, threads, mem.as_mut(), needs)?;
+        if let Some(i) = received.bad {
             return Err(self
                 .conn
                 .error(format!("{key}: chunk {i} does not match its checksum"))
@@ -899,6 +900,7 @@ impl PeerClient {
             mem,
             chunks: got.chunks,
             needs: got.needs,
+            values: received.values,
         }))
     }
 }
@@ -913,6 +915,8 @@ pub struct Fetched<T> {
     pub chunks: Option<Vec<usize>>,
     /// What came of those chunks: each whole, or some of its parts only.
     pub needs: Option<Vec<Need>>,
+    /// The part values of every chunk that came whole (made while it was checked).
+    pub values: Vec<Vec<ChainingValue>>,
 }
 
 impl Core {

@@ -94,8 +94,10 @@ const HEDGE_FIRST_RATE: f64 = 20e6;
 /// does not hold the piece.
 const NOT_HELD: &str = "not held";
 
-/// Chunks of a checkpoint asked for at once by one restore.
+/// Chunks of a checkpoint asked for at once by one restore...
 const CHUNKS_IN_FLIGHT: usize = 4;
+/// ... or ranges of its chunks, when they are asked for in ranges.
+const RANGES_IN_FLIGHT: usize = 8;
 
 /// Largest plaintext of one frame accepted when checking a piece.
 const MAX_FRAME_PLAINTEXT: usize = 64 << 20;
@@ -115,6 +117,13 @@ type Answer = std::result::Result<Got, String>;
 struct Flight {
     done: Mutex<Option<Answer>>,
     cv: Condvar,
+}
+
+/// A piece of a chunk a restore asked for, landed in its place `dst`.
+struct Landed<'b> {
+    piece: Piece,
+    got: Got,
+    dst: &'b mut [u8],
 }
 
 /// The sharing state of a sidecar.
@@ -376,12 +385,16 @@ impl Share {
 }
 
 /// Checks every frame of `data` against `piece`'s ids: `Err` names the first that does not
-/// match.
+/// match. A range of a frame (`within`) only has its length checked here: its chunk is
+/// checked whole once every range of it is in.
 pub(crate) fn verify(piece: &Piece, data: &[u8]) -> std::result::Result<(), String> {
     if let Some(len) = piece.len
         && len != data.len() as u64
     {
         return Err(format!("{} bytes where {len} were asked for", data.len()));
+    }
+    if piece.within.is_some() {
+        return Ok(());
     }
     let mut at = 0usize;
     for f in &piece.frames {
@@ -465,9 +478,11 @@ impl Core {
                 });
         }
         let answer = self.fetch_piece(piece, &id, for_peer);
-        if let Ok(g) = &answer {
-            let evicted = lock(&self.share.cache).insert(id, g.bytes.clone(), &self.memory);
-            self.share.forget_uploads(evicted);
+        match &answer {
+            // A range from a peer is kept once its chunk is checked (`prefill_shared`).
+            Ok(g) if piece.within.is_some() && g.source == PieceSource::Peer => {}
+            Ok(g) => self.keep(piece, g.bytes.clone()),
+            Err(_) => {}
         }
         *lock(&flight.done) = Some(answer.clone());
         flight.cv.notify_all();
@@ -477,8 +492,16 @@ impl Core {
 
     /// Fills chunks of `key`'s file (laid out as `m` says) in `buf` from the pieces the job's
     /// nodes share, when the restore would read them from the store (`nearest`): data-parallel
-    /// ranks hold the same bytes, so each chunk is read from the store by its owner alone.
+    /// ranks hold the same bytes, so each piece is read from the store by its owner alone.
     /// For each chunk, where it came from, or `None` (left to the store reader).
+    ///
+    /// A chunk larger than `share_piece` is asked for in ranges of that size, each with an
+    /// owner of its own: the owners read their ranges from the store at once and each sends
+    /// its own to the others, so a chunk spreads through the job while it is still arriving,
+    /// not one whole chunk after another. Such a chunk is checked against its id once every
+    /// range is in; its ranges from peers are kept (and passed on) only then. When it does not
+    /// match, this node reads it from the store, and a peer whose range differs from the
+    /// store's is counted corrupt and avoided.
     pub(crate) fn prefill_shared(
         &self,
         key: &ShardKey,
@@ -495,51 +518,166 @@ impl Core {
         }
         let hashes = m.chunk_hashes();
         let data_key = format::data_key(&key.job, key.step, key.rank);
+        let range = (self.cfg.share_piece as usize).max(1);
+        let mut units = Vec::new();
+        for (i, chunk) in buf.chunks_mut(m.chunk_size.max(1) as usize).enumerate() {
+            let (start, len) = (m.chunk_range(i).start, chunk.len());
+            let split = len > range;
+            for (j, dst) in chunk.chunks_mut(range).enumerate() {
+                let at = (j * range) as u64;
+                let piece = Piece {
+                    artifact: "ckpt".into(),
+                    store: store.to_string(),
+                    key: data_key.clone(),
+                    offset: start + at,
+                    len: Some(dst.len() as u64),
+                    frames: vec![PieceFrame {
+                        id: hashes[i].to_hex().to_string(),
+                        len: Some(len as u32),
+                    }],
+                    raw: true,
+                    within: split.then_some(at),
+                };
+                units.push((i, piece, dst));
+            }
+        }
+        // Every node starts at another place, so that the first pieces asked are not the same
+        // few owners' on every node.
+        let first = u64::from_le_bytes(
+            blake3::hash(self.me.node.as_bytes()).as_bytes()[..8]
+                .try_into()
+                .unwrap_or_default(),
+        ) as usize;
+        let n = units.len().max(1);
+        let in_flight = if units.len() > hashes.len() {
+            RANGES_IN_FLIGHT
+        } else {
+            CHUNKS_IN_FLIGHT
+        };
+        units.rotate_left(first % n);
+        let queue = Mutex::new(units.into_iter());
+        let landed: Vec<Mutex<Vec<Landed>>> = hashes.iter().map(|_| Mutex::default()).collect();
         let filled = Mutex::new(vec![None; hashes.len()]);
-        let queue = Mutex::new(buf.chunks_mut(m.chunk_size.max(1) as usize).enumerate());
         std::thread::scope(|scope| {
-            for _ in 0..CHUNKS_IN_FLIGHT.min(hashes.len()) {
+            for _ in 0..in_flight.min(n) {
                 scope.spawn(|| {
                     loop {
-                        let Some((i, slice)) = lock(&queue).next() else {
+                        let Some((i, piece, dst)) = lock(&queue).next() else {
                             break;
                         };
-                        let piece = Piece {
-                            artifact: "ckpt".into(),
-                            store: store.to_string(),
-                            key: data_key.clone(),
-                            offset: m.chunk_range(i).start,
-                            len: Some(slice.len() as u64),
-                            frames: vec![PieceFrame {
-                                id: hashes[i].to_hex().to_string(),
-                                len: Some(slice.len() as u32),
-                            }],
-                            raw: true,
-                        };
-                        match self.piece(&piece, false) {
-                            Ok(got) if got.bytes.len() == slice.len() => {
-                                self.metrics.shared(
-                                    "ckpt",
-                                    got.source.as_str(),
-                                    got.bytes.len() as u64,
-                                );
-                                slice.copy_from_slice(&got.bytes);
-                                lock(&filled)[i] = Some(match got.source {
-                                    PieceSource::Cache => TierKind::Memory,
-                                    PieceSource::Peer => TierKind::Peer,
-                                    PieceSource::Store => TierKind::Store,
-                                });
-                            }
-                            Ok(_) => {}
+                        let got = match self.piece(&piece, false) {
+                            Ok(got) if got.bytes.len() == dst.len() => got,
+                            Ok(_) => continue,
                             Err(reason) => {
                                 debug!(shard = %key, chunk = i, %reason, "chunk not shared; the store reader reads it");
+                                continue;
                             }
+                        };
+                        self.metrics
+                            .shared("ckpt", got.source.as_str(), got.bytes.len() as u64);
+                        dst.copy_from_slice(&got.bytes);
+                        // The worker that lands a chunk's last range settles the chunk.
+                        let r = m.chunk_range(i);
+                        let whole = {
+                            let mut l = lock(&landed[i]);
+                            l.push(Landed { piece, got, dst });
+                            let sum: usize = l.iter().map(|x| x.dst.len()).sum();
+                            (sum as u64 == r.end - r.start).then(|| std::mem::take(&mut *l))
+                        };
+                        if let Some(ranges) = whole {
+                            lock(&filled)[i] = self.settle(&hashes[i], ranges);
                         }
                     }
                 });
             }
         });
+        // A chunk with a range missing is left to the store reader.
         filled.into_inner().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A chunk whose every piece has landed: checked (a whole chunk was as it came, ranges are
+    /// now, as one), its ranges from peers kept, and where it came from. A chunk whose ranges
+    /// do not make its id is read from the store ([`Core::blame_ranges`]); `None` when it
+    /// cannot be, for the store reader.
+    fn settle(&self, id: &blake3::Hash, mut ranges: Vec<Landed>) -> Option<TierKind> {
+        ranges.sort_by_key(|l| l.piece.offset);
+        let checked = ranges.iter().all(|l| l.piece.within.is_none()) || {
+            let mut h = blake3::Hasher::new();
+            for l in &ranges {
+                h.update(&l.got.bytes);
+            }
+            h.finalize() == *id
+        };
+        if !checked {
+            return self
+                .blame_ranges(id, &mut ranges)
+                .then_some(TierKind::Store);
+        }
+        for l in &ranges {
+            if l.piece.within.is_some() && l.got.source == PieceSource::Peer {
+                self.keep(&l.piece, l.got.bytes.clone());
+            }
+        }
+        let has = |s| ranges.iter().any(|l| l.got.source == s);
+        Some(if has(PieceSource::Store) {
+            TierKind::Store
+        } else if has(PieceSource::Peer) {
+            TierKind::Peer
+        } else {
+            TierKind::Memory
+        })
+    }
+
+    /// A chunk whose `ranges` do not make its `id`: its bytes from the store in their place,
+    /// when they match, each range kept, and every peer whose range differs from them counted
+    /// corrupt and avoided (a node passes on only ranges it read from the store or checked, so
+    /// the sender is the culprit). Whether the chunk is now in place.
+    fn blame_ranges(&self, id: &blake3::Hash, ranges: &mut [Landed]) -> bool {
+        let Some(first) = ranges.first() else {
+            return false;
+        };
+        let start = first.piece.offset - first.piece.within.unwrap_or(0);
+        let len: usize = ranges.iter().map(|l| l.dst.len()).sum();
+        let whole = Piece {
+            offset: start,
+            len: Some(len as u64),
+            within: None,
+            ..first.piece.clone()
+        };
+        let bytes = match self.read_store(&whole) {
+            Ok(b) if b.len() == len && blake3::hash(&b) == *id => b,
+            Ok(_) => {
+                warn!(key = %whole.key, chunk = %id, "the store's copy of a chunk does not match its id either");
+                return false;
+            }
+            Err(reason) => {
+                debug!(key = %whole.key, %reason, "a chunk that did not match could not be read again");
+                return false;
+            }
+        };
+        self.metrics
+            .shared("ckpt", PieceSource::Store.as_str(), len as u64);
+        for l in ranges {
+            let at = (l.piece.offset - start) as usize;
+            let right = bytes.slice(at..at + l.dst.len());
+            if let Some(node) = l.got.peer.as_deref()
+                && l.got.bytes != right
+            {
+                warn!(peer = %node, key = %l.piece.key, "a peer sent a range of a chunk that differs from the store's; avoiding it");
+                self.metrics.share_peer_failed(node, "corrupt");
+                self.share.avoid(node, AVOID_FOR);
+            }
+            l.dst.copy_from_slice(&right);
+            self.keep(&l.piece, right);
+        }
+        true
+    }
+
+    /// Keeps `bytes` of `piece` (a range of a chunk that has now been checked whole) to serve
+    /// this node's processes and its peers.
+    fn keep(&self, piece: &Piece, bytes: Bytes) {
+        let evicted = lock(&self.share.cache).insert(piece.content_id(), bytes, &self.memory);
+        self.share.forget_uploads(evicted);
     }
 
     /// Whether this node's cache holds `piece`.
@@ -926,6 +1064,7 @@ mod tests {
                 })
                 .collect(),
             raw: false,
+            within: None,
         };
         (p, frames.iter().flat_map(|(_, f)| f.clone()).collect())
     }

@@ -617,6 +617,7 @@ impl ChunkStore {
                 })
                 .collect(),
             raw: false,
+            within: None,
         };
         let this = self.clone();
         let got = tokio::task::spawn_blocking(move || {

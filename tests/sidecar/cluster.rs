@@ -60,6 +60,8 @@ pub struct Cluster {
     pub args: Vec<String>,
     /// `--memory-budget` of every node.
     pub budget: String,
+    /// Environment variables of one node: (node, name, value).
+    pub node_env: Vec<(usize, String, String)>,
 }
 
 impl Cluster {
@@ -74,6 +76,7 @@ impl Cluster {
             store: None,
             args: Vec::new(),
             budget: "512MiB".into(),
+            node_env: Vec::new(),
         }
     }
 
@@ -154,6 +157,9 @@ impl Cluster {
         }
         if let Some((_, env)) = &self.store {
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        }
+        for (_, k, v) in self.node_env.iter().filter(|e| e.0 == i) {
+            cmd.env(k, v);
         }
         let child = spawn_tied(cmd, None).expect("spawn hotstart serve");
         Node {

@@ -1,16 +1,23 @@
 //! The replicas of a data-parallel job hold the same bytes: when every node's memory is gone
 //! and the step must come back from the store, the sidecars share its chunks, so the store
-//! sends each about once for the job instead of once per rank.
+//! sends each about once for the job instead of once per rank. Chunks larger than
+//! `--share-piece` are shared in ranges, each checked with its chunk: a peer that sends a
+//! corrupt range changes no restored byte and is counted and avoided.
 
+use hotstart_sidecar::metrics;
 use hotstart_testkit::SeaweedFs;
 
 use crate::cluster::{Cluster, Node, restore};
 
 const GET_BYTES: &str = "hotstart_store_bytes_total{op=\"get\"}";
 const CKPT_FROM_PEERS: &str = "hotstart_share_bytes_total{artifact=\"ckpt\",source=\"peer\"}";
+const FAILURES: &str = "hotstart_share_peer_failures_total";
+const CORRUPT_SENT: &str = "HOTSTART_FAULT_CORRUPT_SHARED";
 const CACHE_BYTES: &str = "hotstart_share_cache_bytes";
 const MEMORY_USED: &str = "hotstart_memory_used_bytes";
 const MIB: usize = 8;
+/// A quarter of the trainer's 1 MiB chunks: every chunk is shared in 4 ranges.
+const RANGE: &str = "256KiB";
 
 pub fn replicas_restore_from_the_store_about_once_for_the_job() {
     let Some(weed) = SeaweedFs::shared() else {
@@ -19,6 +26,7 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         return;
     };
     let mut cluster = Cluster::new(3);
+    cluster.args = vec!["--share-piece".into(), RANGE.into()];
     cluster.store = Some((
         format!("{}/ckpt", weed.fresh_bucket("sidecar-share")),
         weed.env(),
@@ -52,18 +60,22 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         n.sigterm();
     }
     drop(nodes);
-    let nodes = cluster.start_all_as(1);
+    let mut nodes = cluster.start_all_as(1);
     wait_peers(&nodes);
+    let restore_all = |nodes: &[Node]| {
+        std::thread::scope(|s| {
+            for (i, n) in nodes.iter().enumerate() {
+                let a = args("restore", i);
+                s.spawn(move || {
+                    // The trainer compares every restored byte with what it saved.
+                    let (step, source) = restore(n, &strs(&a));
+                    assert_eq!(step, 1, "rank {i} restored {source}");
+                });
+            }
+        });
+    };
     let before: f64 = nodes.iter().map(|n| n.metric(GET_BYTES)).sum();
-    std::thread::scope(|s| {
-        for (i, n) in nodes.iter().enumerate() {
-            let a = args("restore", i);
-            s.spawn(move || {
-                let (step, source) = restore(n, &strs(&a));
-                assert_eq!(step, 1, "rank {i} restored {source}");
-            });
-        }
-    });
+    restore_all(&nodes);
     let read: f64 = nodes.iter().map(|n| n.metric(GET_BYTES)).sum::<f64>() - before;
     let from_peers: f64 = nodes.iter().map(|n| n.metric(CKPT_FROM_PEERS)).sum();
     let shard = (MIB << 20) as f64;
@@ -83,6 +95,31 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
     assert!(
         held.iter().any(|(c, _)| *c >= shard / 2.0) && held.iter().all(|(c, u)| c <= u),
         "(pieces kept, memory charged) per node: {held:?}"
+    );
+
+    // Again from the store alone, node 2 flipping a byte of every range it sends: the others
+    // find its ranges do not make their chunk, read that chunk from the store, and count and
+    // avoid node 2. Every rank's bytes are still right (the trainer checks them).
+    for n in &mut nodes {
+        n.sigterm();
+    }
+    drop(nodes);
+    cluster.node_env = vec![(2, CORRUPT_SENT.into(), "1".into())];
+    let nodes = cluster.start_all_as(2);
+    wait_peers(&nodes);
+    restore_all(&nodes);
+    let caught: Vec<f64> = nodes[..2]
+        .iter()
+        .map(|n| {
+            let name = format!("{FAILURES}{{peer=\"{}\",kind=\"corrupt\"}}", Cluster::id(2));
+            metrics::sample(&n.metrics(), &name).unwrap_or(0.0)
+        })
+        .collect();
+    eprintln!("corrupt ranges from node 2 counted by nodes 0 and 1: {caught:?}");
+    assert!(
+        caught.iter().sum::<f64>() >= 1.0,
+        "no node caught node 2's corrupt ranges: {caught:?}\n{}",
+        nodes[0].log()
     );
 }
 
