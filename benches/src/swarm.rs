@@ -15,11 +15,12 @@
 //! node alone makes it send (the artifact, with its metadata and HTTP overhead); p50 and p99
 //! of the time to ready, against N nodes each reading the store (sidecars with `--no-share`,
 //! or no sidecar for `env`) and against one node alone. At the largest N, two faults: one
-//! node's link throttled to a tenth, and one node's sidecar sending corrupt pieces. And how busy
-//! this machine's cores were during each round: every "node" here shares the same cores, so N
-//! nodes do N times the decompressing, hashing, verifying and writing of one on them. That is
-//! measured as the floor of the env rows: the same N restores at once from a snapshot in a
-//! local directory (no network, no store, no sharing), the fastest N restores can be here.
+//! node's link throttled to a tenth, and one node's sidecar sending corrupt pieces, for each
+//! artifact. And how busy this machine's cores were during each round: every "node" here
+//! shares the same cores, so N nodes do N times the decompressing, hashing, verifying and
+//! writing of one on them. That is measured as the floor of the env rows: the same N restores
+//! at once from a snapshot in a local directory (no network, no store, no sharing), the
+//! fastest N restores can be here.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -367,10 +368,14 @@ impl Swarm<'_> {
     }
 
     /// Every rank restores the step from the store at once, through sidecars restarted empty.
-    fn ckpt_round(&mut self, share: bool) -> anyhow::Result<Round> {
+    fn ckpt_round(
+        &mut self,
+        share: bool,
+        odd: Option<(usize, &[(&str, &str)])>,
+    ) -> anyhow::Result<Round> {
         let args = self.ckpt_args(share);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.restart(&refs, None)?;
+        self.restart(&refs, odd)?;
         let before = self.net.store_sent()?;
         let ticks = cpu_ticks();
         let times = self.ranks(true)?;
@@ -382,6 +387,19 @@ impl Swarm<'_> {
     }
 }
 
+/// The faults at the largest N, for one artifact.
+#[derive(Debug, Clone)]
+struct Faults {
+    artifact: &'static str,
+    throttled: Round,
+    corrupt: (Round, f64),
+}
+
+/// Node 1's sidecar sends corrupt pieces.
+const CORRUPT: &[(&str, &str)] = &[("HOTSTART_FAULT_CORRUPT_SHARED", "1")];
+/// The corrupt pieces node 1's peers counted.
+const N1_CORRUPT: &str = "hotstart_share_peer_failures_total{peer=\"n1\",kind=\"corrupt\"}";
+
 /// What one N measured.
 #[derive(Debug, Clone)]
 struct Measured {
@@ -392,10 +410,9 @@ struct Measured {
     env_shared: Round,
     ckpt_alone: Round,
     ckpt_shared: Round,
-    /// At the largest N: one node's link at a tenth, and one node's sidecar corrupting what
-    /// it sends (with the corrupt pieces its peers counted).
-    throttled: Option<Round>,
-    corrupt: Option<(Round, f64)>,
+    /// At the largest N, for env and ckpt: one node's link at a tenth, and one node's sidecar
+    /// corrupting what it sends (with the corrupt pieces its peers counted).
+    faults: Vec<Faults>,
 }
 
 fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Result<Measured> {
@@ -459,22 +476,23 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     eprintln!("  {n} nodes: env, sharing");
     s.restart(&["--memory-budget", "512MiB"], None)?;
     let env_shared = s.env_round("shared", &s.env_store(), true)?;
-    let (mut throttled, mut corrupt) = (None, None);
+    let mut all_faults = Vec::new();
     if faults && n > 2 {
         eprintln!("  {n} nodes: env, sharing, n1's link at a tenth");
         s.restart(&["--memory-budget", "512MiB"], None)?;
         net.reshape_node(1, args.node_mbit / 10)?;
         let r = s.env_round("throttled", &s.env_store(), true);
         net.reshape_node(1, args.node_mbit)?;
-        throttled = Some(r?);
+        let throttled = r?;
         eprintln!("  {n} nodes: env, sharing, n1 sending corrupt pieces");
-        let fault: &[(&str, &str)] = &[("HOTSTART_FAULT_CORRUPT_SHARED", "1")];
-        s.restart(&["--memory-budget", "512MiB"], Some((1, fault)))?;
+        s.restart(&["--memory-budget", "512MiB"], Some((1, CORRUPT)))?;
         let r = s.env_round("corrupt", &s.env_store(), true)?;
-        let bad = s
-            .sidecars
-            .total("hotstart_share_peer_failures_total{peer=\"n1\",kind=\"corrupt\"}");
-        corrupt = Some((r, bad));
+        let bad = s.sidecars.total(N1_CORRUPT);
+        all_faults.push(Faults {
+            artifact: "env",
+            throttled,
+            corrupt: (r, bad),
+        });
     }
 
     eprintln!("  {n} nodes: ckpt, saving");
@@ -483,9 +501,24 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     s.restart(&refs, None)?;
     s.ranks(false)?;
     eprintln!("  {n} nodes: ckpt, each from the store");
-    let ckpt_alone = s.ckpt_round(false)?;
+    let ckpt_alone = s.ckpt_round(false, None)?;
     eprintln!("  {n} nodes: ckpt, sharing");
-    let ckpt_shared = s.ckpt_round(true)?;
+    let ckpt_shared = s.ckpt_round(true, None)?;
+    if faults && n > 2 {
+        eprintln!("  {n} nodes: ckpt, sharing, n1's link at a tenth");
+        net.reshape_node(1, args.node_mbit / 10)?;
+        let r = s.ckpt_round(true, None);
+        net.reshape_node(1, args.node_mbit)?;
+        let throttled = r?;
+        eprintln!("  {n} nodes: ckpt, sharing, n1 sending corrupt pieces");
+        let r = s.ckpt_round(true, Some((1, CORRUPT)))?;
+        let bad = s.sidecars.total(N1_CORRUPT);
+        all_faults.push(Faults {
+            artifact: "ckpt",
+            throttled,
+            corrupt: (r, bad),
+        });
+    }
     drop(s);
     Ok(Measured {
         n,
@@ -494,8 +527,7 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
         env_shared,
         ckpt_alone,
         ckpt_shared,
-        throttled,
-        corrupt,
+        faults: all_faults,
     })
 }
 
@@ -586,7 +618,15 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
     }
     let big = all.last().context("no swarm")?;
     md.push('\n');
-    if let Some(t) = &big.throttled {
+    for f in &big.faults {
+        let (size, shared, intact) = match f.artifact {
+            "env" => (
+                env_size,
+                &big.env_shared,
+                "every tree equal to the captured one",
+            ),
+            _ => (ckpt_size, &big.ckpt_shared, "every rank's bytes checked"),
+        };
         // The other nodes: the throttled one's own start is bound by its own link.
         let others = |r: &Round| Round {
             busy: r.busy,
@@ -599,24 +639,26 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 .collect(),
             store_bytes: r.store_bytes,
         };
-        let (with, without) = (others(t).p99(), others(&big.env_shared).p99());
+        let t = &f.throttled;
+        let (with, without) = (others(t).p99(), others(shared).p99());
         md.push_str(&format!(
-            "- N = {}, node 1's link at a tenth: the other nodes' env p99 {} s against {} s ({:+.0}%; target ≤ +10%); node 1 itself {} s; the store sent {:.2}× the artifact.\n",
+            "- N = {}, {}, node 1's link at a tenth: the other nodes' p99 {} s against {} s ({:+.0}%; target ≤ +10%); node 1 itself {} s; the store sent {:.2}× the artifact.\n",
             big.n,
+            f.artifact,
             secs(with),
             secs(without),
             (with.as_secs_f64() / without.as_secs_f64() - 1.0) * 100.0,
             secs(t.times[1]),
-            t.store_bytes as f64 / env_size
+            t.store_bytes as f64 / size
         ));
-    }
-    if let Some((c, bad)) = &big.corrupt {
+        let (c, bad) = &f.corrupt;
         md.push_str(&format!(
-            "- N = {}, one node's sidecar corrupting every piece it sends: every tree equal to the captured one, {bad} corrupt pieces counted by its {} peers in all, env p99 {} s, the store sent {:.2}× the artifact.\n",
+            "- N = {}, {}, one node's sidecar corrupting every piece it sends: {intact}, {bad} corrupt pieces counted by its {} peers in all, p99 {} s, the store sent {:.2}× the artifact.\n",
             big.n,
+            f.artifact,
             big.n - 1,
             secs(c.p99()),
-            c.store_bytes as f64 / env_size
+            c.store_bytes as f64 / size
         ));
     }
     println!("{md}");

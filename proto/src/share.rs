@@ -10,9 +10,11 @@
 //! and checks it against its id before using or passing on a byte.
 //!
 //! A piece may also be one range of a single plaintext frame (`within`: a piece of a large
-//! checkpoint chunk, so that a chunk spreads through a job while it is still arriving). Such a
-//! range cannot be checked alone: its receiver checks the whole chunk against its id once every
-//! range of it is in, and keeps or passes on none of them before that.
+//! checkpoint chunk, so that a chunk spreads through a job while it is still arriving). A
+//! range starts at a multiple of [`RANGE_PART`], and is answered with the BLAKE3 chaining value
+//! of each of its parts (a subtree of the chunk's hash tree) followed by its bytes: each part is
+//! checked against its value as it arrives, and the values of every range of a chunk against
+//! the chunk's id once all are in. No range is kept or passed on before that.
 
 use serde::{Deserialize, Serialize};
 
@@ -75,6 +77,12 @@ impl PieceSource {
     }
 }
 
+/// A range of a frame starts at a multiple of this many bytes; each such part of it (the last
+/// one possibly shorter) is answered with its 32-byte chaining value.
+pub const RANGE_PART: u64 = 64 << 10;
+/// Bytes of a chaining value.
+pub const RANGE_VALUE_LEN: u64 = 32;
+
 /// Largest number of frames one piece may name.
 pub const MAX_PIECE_FRAMES: usize = 4096;
 /// Largest piece, in stored bytes.
@@ -101,6 +109,10 @@ impl Piece {
             return if len == 0 || len > MAX_PIECE_LEN || at.saturating_add(len) > whole {
                 Err(format!(
                     "the range {at}+{len} is not within a frame of {whole} bytes"
+                ))
+            } else if !at.is_multiple_of(RANGE_PART) || whole <= RANGE_PART {
+                Err(format!(
+                    "a range starts at a multiple of {RANGE_PART} bytes of a larger frame, not {at} of {whole}"
                 ))
             } else {
                 Ok(())
@@ -135,6 +147,16 @@ impl Piece {
             }
             _ => Err("only a piece of one frame may leave its length open".into()),
         }
+    }
+
+    /// How many bytes answer this piece, when known: a range's parts' chaining values, then
+    /// its bytes; any other piece's bytes.
+    pub fn answer_len(&self) -> Option<u64> {
+        let len = self.len?;
+        Some(match self.within {
+            Some(_) => len.div_ceil(RANGE_PART) * RANGE_VALUE_LEN + len,
+            None => len,
+        })
     }
 
     /// The piece's identity: the blake3 of its frames' ids and lengths, in order. Two requests
@@ -213,15 +235,28 @@ mod tests {
 
     #[test]
     fn a_range_is_of_one_raw_frame_and_named_by_where_it_lies() {
+        const K: u64 = RANGE_PART;
         let range = |at: u64, len: u64| {
-            let mut p = piece(&[('a', Some(100))], Some(len));
+            let mut p = piece(&[('a', Some(3 * K as u32))], Some(len));
             (p.raw, p.within, p.offset) = (true, Some(at), 1000 + at);
             p
         };
         assert!(range(0, 40).check().is_ok());
-        assert!(range(60, 40).check().is_ok());
-        assert!(range(61, 40).check().unwrap_err().contains("not within"));
+        assert!(range(2 * K, K).check().is_ok());
+        assert!(
+            range(2 * K, K + 1)
+                .check()
+                .unwrap_err()
+                .contains("not within")
+        );
+        assert!(range(60, 40).check().unwrap_err().contains("multiple"));
         assert!(range(0, 0).check().is_err());
+        let mut small = piece(&[('a', Some(K as u32))], Some(40));
+        (small.raw, small.within) = (true, Some(0));
+        assert!(small.check().unwrap_err().contains("larger frame"));
+        // Answered with a value per part, then the bytes.
+        assert_eq!(range(0, K + 1).answer_len(), Some(2 * 32 + K + 1));
+        assert_eq!(piece(&[('a', Some(7))], Some(7)).answer_len(), Some(7));
         let mut not_raw = range(0, 40);
         not_raw.raw = false;
         assert!(not_raw.check().is_err());
@@ -232,8 +267,8 @@ mod tests {
         two.frames.push(two.frames[0].clone());
         assert!(two.check().is_err());
         // Each range its own piece, none the whole frame's.
-        let whole = piece(&[('a', Some(100))], Some(100));
-        let ids = [range(0, 40), range(40, 40), range(0, 20)].map(|p| p.content_id());
+        let whole = piece(&[('a', Some(3 * K as u32))], Some(3 * K));
+        let ids = [range(0, 40), range(K, 40), range(0, 20)].map(|p| p.content_id());
         assert!(ids[0] != ids[1] && ids[0] != ids[2] && ids[1] != ids[2]);
         assert!(!ids.contains(&whole.content_id()));
     }

@@ -418,9 +418,12 @@ impl Settings {
             share_cache: self.share_cache.map_or(DEFAULT_SHARE_CACHE, |s| s.0),
             share_piece: self.share_piece.map_or(DEFAULT_SHARE_PIECE, |s| s.0),
         };
-        if !(1 << 10..=hotstart_proto::share::MAX_PIECE_LEN).contains(&cfg.share_piece) {
+        let part = hotstart_proto::share::RANGE_PART;
+        if !(part..=hotstart_proto::share::MAX_PIECE_LEN).contains(&cfg.share_piece)
+            || !cfg.share_piece.is_multiple_of(part)
+        {
             return Err(config(format!(
-                "share_piece {} is not between 1 KiB and {} MiB: pick a size such as 4MiB",
+                "share_piece {} is not a multiple of 64 KiB up to {} MiB: pick a size such as 4MiB",
                 cfg.share_piece,
                 hotstart_proto::share::MAX_PIECE_LEN >> 20
             )));

@@ -560,14 +560,7 @@ fn serve_piece(
     };
     match answer {
         ToPeer::Bytes(bytes, slot) => {
-            let bytes = if core.share.corrupt_sent {
-                let mut v = bytes.to_vec();
-                let mid = v.len() / 2;
-                v[mid] ^= 0x40;
-                v.into()
-            } else {
-                bytes
-            };
+            let bytes = core.share.sent(piece, bytes);
             let sent = conn
                 .send(&PeerMsg::PieceIs {
                     len: bytes.len() as u64,
@@ -738,8 +731,11 @@ impl PeerClient {
             PeerMsg::NotFound => return Ok(None),
             other => return Err(self.unexpected(other)),
         };
-        let fits =
-            piece.len.is_none_or(|l| l == len) && len <= hotstart_proto::share::MAX_PIECE_LEN;
+        // A checked piece's answer is no longer than a piece may be, and its values.
+        let fits = match piece.answer_len() {
+            Some(want) => want == len,
+            None => len <= hotstart_proto::share::MAX_PIECE_LEN,
+        };
         if !fits {
             return Err(self
                 .conn

@@ -53,12 +53,16 @@ use crate::Core;
 use crate::members::Member;
 use crate::memory::{Charge, Memory, ShardKey};
 use crate::peer::PeerClient;
+use blake3::hazmat::ChainingValue;
 use hotstart_ckpt::format::{self, Manifest};
+use hotstart_ckpt::parts;
 use hotstart_ckpt::tier::TierKind;
 use hotstart_proto::share::{Piece, PieceFrame, PieceSource};
 use hotstart_store::{ChunkId, LruIndex, Store};
 
-/// For fault tests: set to `1`, a sidecar flips one byte of every piece it sends to a peer.
+/// For fault tests: set to `1`, a sidecar flips one byte of every piece it sends to a peer;
+/// set to `forge`, it also sends a range of a chunk with values made for the flipped bytes, so
+/// that the range passes its own check and only its chunk's does not.
 pub const CORRUPT_SENT_ENV: &str = "HOTSTART_FAULT_CORRUPT_SHARED";
 
 /// How long a peer that sent a corrupt piece is avoided.
@@ -142,8 +146,8 @@ pub(crate) struct Share {
     /// Reads the store; only taken in `drop` (a runtime dropped on another runtime's thread
     /// would panic, so it is shut down in the background).
     rt: Option<tokio::runtime::Runtime>,
-    /// [`CORRUPT_SENT_ENV`] is set.
-    pub(crate) corrupt_sent: bool,
+    /// What [`CORRUPT_SENT_ENV`] asks for: nothing (`None`), or whether to forge values.
+    corrupt_sent: Option<bool>,
     /// Seconds per byte of the peers' recent answers (a moving average), for deadlines.
     pace: Mutex<Option<f64>>,
     /// Seconds per byte of each peer's answers (moving averages), late ones included.
@@ -255,12 +259,33 @@ impl Share {
             uploads: Mutex::new(HashMap::new()),
             uploads_changed: Condvar::new(),
             rt: Some(rt),
-            corrupt_sent: std::env::var(CORRUPT_SENT_ENV).is_ok_and(|v| v == "1"),
+            corrupt_sent: match std::env::var(CORRUPT_SENT_ENV).as_deref() {
+                Ok("1") => Some(false),
+                Ok("forge") => Some(true),
+                _ => None,
+            },
             pace: Mutex::new(None),
             peer_pace: Mutex::new(HashMap::new()),
             strikes: Mutex::new(HashMap::new()),
             core: OnceLock::new(),
         })
+    }
+
+    /// What this node sends a peer for `piece`: `answer`, unless a fault test asks for it to
+    /// be corrupt ([`CORRUPT_SENT_ENV`]).
+    pub(crate) fn sent(&self, piece: &Piece, answer: Bytes) -> Bytes {
+        let Some(forge) = self.corrupt_sent else {
+            return answer;
+        };
+        // A byte in the middle of the bytes (after a range's values).
+        let data = answer.len() - payload(piece, &answer).len();
+        let mut v = answer.to_vec();
+        let mid = data + (v.len() - data) / 2;
+        v[mid] ^= 0x40;
+        match piece.within {
+            Some(at) if forge => with_values(at, &v[data..]),
+            _ => v.into(),
+        }
     }
 
     /// Lets the threads that ask peers reach the sidecar `core`,
@@ -385,15 +410,27 @@ impl Share {
 }
 
 /// Checks every frame of `data` against `piece`'s ids: `Err` names the first that does not
-/// match. A range of a frame (`within`) only has its length checked here: its chunk is
-/// checked whole once every range of it is in.
+/// match. A range of a frame (`within`) has each part checked against the value sent with it
+/// here; those values are checked against the chunk's id once every range of it is in
+/// (`Core::settle`).
 pub(crate) fn verify(piece: &Piece, data: &[u8]) -> std::result::Result<(), String> {
-    if let Some(len) = piece.len
+    if let Some(len) = piece.answer_len()
         && len != data.len() as u64
     {
         return Err(format!("{} bytes where {len} were asked for", data.len()));
     }
-    if piece.within.is_some() {
+    if let Some(at) = piece.within {
+        let (values, bytes) = split_range(piece, data);
+        let first = (at / parts::PART) as usize;
+        for (k, (part, value)) in bytes.chunks(parts::PART as usize).zip(values).enumerate() {
+            if parts::part_cv(first + k, part) != value {
+                return Err(format!(
+                    "part {} of chunk {} does not match the value sent with it",
+                    first + k,
+                    piece.frames[0].id
+                ));
+            }
+        }
         return Ok(());
     }
     let mut at = 0usize;
@@ -418,6 +455,33 @@ pub(crate) fn verify(piece: &Piece, data: &[u8]) -> std::result::Result<(), Stri
         at = end;
     }
     Ok(())
+}
+
+/// A range's answer: the chaining value of each of its parts (the range starting `at` bytes
+/// into its chunk), then its bytes.
+fn with_values(at: u64, bytes: &[u8]) -> Bytes {
+    let first = (at / parts::PART) as usize;
+    let mut out =
+        Vec::with_capacity(parts::count(bytes.len() as u64) * parts::CV_LEN + bytes.len());
+    for (k, part) in bytes.chunks(parts::PART as usize).enumerate() {
+        out.extend_from_slice(&parts::part_cv(first + k, part));
+    }
+    out.extend_from_slice(bytes);
+    out.into()
+}
+
+/// A range's answer of the right length (see [`verify`]) split into its parts' values and its
+/// bytes.
+fn split_range<'a>(piece: &Piece, answer: &'a [u8]) -> (Vec<ChainingValue>, &'a [u8]) {
+    let len = piece.len.unwrap_or(0) as usize;
+    let (values, bytes) = answer.split_at(answer.len().saturating_sub(len));
+    (parts::from_bytes(values).unwrap_or_default(), bytes)
+}
+
+/// The bytes of a piece's answer: a range's without its values.
+fn payload(piece: &Piece, answer: &Bytes) -> Bytes {
+    let len = piece.len.map_or(answer.len(), |l| l as usize);
+    answer.slice(answer.len().saturating_sub(len)..)
 }
 
 /// The indices of `nodes` in rendezvous order for the piece `id`: highest BLAKE3 of (id, node
@@ -566,7 +630,7 @@ impl Core {
                             break;
                         };
                         let got = match self.piece(&piece, false) {
-                            Ok(got) if got.bytes.len() == dst.len() => got,
+                            Ok(got) if payload(&piece, &got.bytes).len() == dst.len() => got,
                             Ok(_) => continue,
                             Err(reason) => {
                                 debug!(shard = %key, chunk = i, %reason, "chunk not shared; the store reader reads it");
@@ -574,8 +638,8 @@ impl Core {
                             }
                         };
                         self.metrics
-                            .shared("ckpt", got.source.as_str(), got.bytes.len() as u64);
-                        dst.copy_from_slice(&got.bytes);
+                            .shared("ckpt", got.source.as_str(), dst.len() as u64);
+                        dst.copy_from_slice(&payload(&piece, &got.bytes));
                         // The worker that lands a chunk's last range settles the chunk.
                         let r = m.chunk_range(i);
                         let whole = {
@@ -595,18 +659,20 @@ impl Core {
         filled.into_inner().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A chunk whose every piece has landed: checked (a whole chunk was as it came, ranges are
-    /// now, as one), its ranges from peers kept, and where it came from. A chunk whose ranges
-    /// do not make its id is read from the store ([`Core::blame_ranges`]); `None` when it
-    /// cannot be, for the store reader.
+    /// A chunk whose every piece has landed: checked (a whole chunk as it came; ranges each
+    /// part against its value as it came, and now their values merged against the chunk's
+    /// id), its ranges from peers kept, and where it came from. A chunk whose ranges' values
+    /// do not make its id (a peer that made up values for bytes it made up) is read from the
+    /// store ([`Core::blame_ranges`]); `None` when it cannot be, for the store reader.
     fn settle(&self, id: &blake3::Hash, mut ranges: Vec<Landed>) -> Option<TierKind> {
         ranges.sort_by_key(|l| l.piece.offset);
         let checked = ranges.iter().all(|l| l.piece.within.is_none()) || {
-            let mut h = blake3::Hasher::new();
-            for l in &ranges {
-                h.update(&l.got.bytes);
-            }
-            h.finalize() == *id
+            let values: Vec<ChainingValue> = ranges
+                .iter()
+                .flat_map(|l| split_range(&l.piece, &l.got.bytes).0)
+                .collect();
+            let len = ranges.iter().map(|l| l.dst.len() as u64).sum();
+            parts::root(&values, len) == Some(*id)
         };
         if !checked {
             return self
@@ -660,15 +726,16 @@ impl Core {
         for l in ranges {
             let at = (l.piece.offset - start) as usize;
             let right = bytes.slice(at..at + l.dst.len());
+            let answer = with_values(at as u64, &right);
             if let Some(node) = l.got.peer.as_deref()
-                && l.got.bytes != right
+                && l.got.bytes != answer
             {
                 warn!(peer = %node, key = %l.piece.key, "a peer sent a range of a chunk that differs from the store's; avoiding it");
                 self.metrics.share_peer_failed(node, "corrupt");
                 self.share.avoid(node, AVOID_FOR);
             }
             l.dst.copy_from_slice(&right);
-            self.keep(&l.piece, right);
+            self.keep(&l.piece, answer);
         }
         true
     }
@@ -719,7 +786,10 @@ impl Core {
                 return Ok(got);
             }
         }
-        let bytes = self.read_store(piece)?;
+        let mut bytes = self.read_store(piece)?;
+        if let Some(at) = piece.within {
+            bytes = with_values(at, &bytes);
+        }
         verify(piece, &bytes).map_err(|reason| {
             format!(
                 "{} in {} does not hold the frames asked for: {reason}",
@@ -1067,6 +1137,56 @@ mod tests {
             within: None,
         };
         (p, frames.iter().flat_map(|(_, f)| f.clone()).collect())
+    }
+
+    #[test]
+    fn a_range_is_checked_part_by_part_and_its_values_against_its_chunk() {
+        const K: usize = parts::PART as usize;
+        let chunk = hotstart_testkit::pattern(3 * K + 100, 9);
+        let id = blake3::hash(&chunk);
+        let range = |at: usize, len: usize| Piece {
+            artifact: "ckpt".into(),
+            store: "s3://b".into(),
+            key: "k".into(),
+            offset: at as u64,
+            len: Some(len as u64),
+            frames: vec![PieceFrame {
+                id: id.to_hex().to_string(),
+                len: Some(chunk.len() as u32),
+            }],
+            raw: true,
+            within: Some(at as u64),
+        };
+        let (a, b) = (range(0, 2 * K), range(2 * K, K + 100));
+        let (ya, yb) = (
+            with_values(0, &chunk[..2 * K]),
+            with_values(2 * K as u64, &chunk[2 * K..]),
+        );
+        verify(&a, &ya).unwrap();
+        verify(&b, &yb).unwrap();
+        assert_eq!(payload(&b, &yb), &chunk[2 * K..]);
+        let values: Vec<ChainingValue> = [(&a, &ya), (&b, &yb)]
+            .iter()
+            .flat_map(|(p, y)| split_range(p, y).0)
+            .collect();
+        assert_eq!(parts::root(&values, chunk.len() as u64), Some(id));
+        // A flipped byte fails its part's value, naming the part.
+        let mut bad = yb.to_vec();
+        bad[2 * 32 + K + 7] ^= 1;
+        assert!(verify(&b, &bad).unwrap_err().contains("part 3 of chunk"));
+        // Values made up for flipped bytes pass the range and fail the chunk.
+        let mut flipped = chunk[2 * K..].to_vec();
+        flipped[K + 7] ^= 1;
+        let forged = with_values(2 * K as u64, &flipped);
+        verify(&b, &forged).unwrap();
+        let values: Vec<ChainingValue> = [(&a, &ya), (&b, &forged)]
+            .iter()
+            .flat_map(|(p, y)| split_range(p, y).0)
+            .collect();
+        assert_ne!(parts::root(&values, chunk.len() as u64), Some(id));
+        // Values of another place in the chunk fail: a part's value depends on where it is.
+        assert!(verify(&b, &with_values(0, &chunk[2 * K..])).is_err());
+        assert!(verify(&b, &yb[1..]).unwrap_err().contains("asked for"));
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The replicas of a data-parallel job hold the same bytes: when every node's memory is gone
 //! and the step must come back from the store, the sidecars share its chunks, so the store
 //! sends each about once for the job instead of once per rank. Chunks larger than
-//! `--share-piece` are shared in ranges, each checked with its chunk: a peer that sends a
-//! corrupt range changes no restored byte and is counted and avoided.
+//! `--share-piece` are shared in ranges, each part checked against a value sent with it and
+//! the values against the chunk's id: a peer that sends a corrupt range, with or without values
+//! made up to match, changes no restored byte and is counted and avoided.
 
 use hotstart_sidecar::metrics;
 use hotstart_testkit::SeaweedFs;
@@ -60,7 +61,7 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         n.sigterm();
     }
     drop(nodes);
-    let mut nodes = cluster.start_all_as(1);
+    nodes = cluster.start_all_as(1);
     wait_peers(&nodes);
     let restore_all = |nodes: &[Node]| {
         std::thread::scope(|s| {
@@ -97,30 +98,33 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         "(pieces kept, memory charged) per node: {held:?}"
     );
 
-    // Again from the store alone, node 2 flipping a byte of every range it sends: the others
-    // find its ranges do not make their chunk, read that chunk from the store, and count and
-    // avoid node 2. Every rank's bytes are still right (the trainer checks them).
-    for n in &mut nodes {
-        n.sigterm();
+    // Again from the store alone, twice, node 2 corrupting every range it sends: first a
+    // flipped byte (its part does not match the value sent with it: caught as it arrives),
+    // then a flipped byte with values made up to match (caught when the chunk's values do not
+    // make its id; the chunk is read from the store and node 2's range found against it).
+    // Either way node 2 is counted and avoided, and every rank's bytes are right (the trainer
+    // checks them).
+    for (generation, fault) in [(2, "1"), (3, "forge")] {
+        for n in &mut nodes {
+            n.sigterm();
+        }
+        drop(nodes);
+        cluster.node_env = vec![(2, CORRUPT_SENT.into(), fault.into())];
+        nodes = cluster.start_all_as(generation);
+        wait_peers(&nodes);
+        restore_all(&nodes);
+        let name = format!("{FAILURES}{{peer=\"{}\",kind=\"corrupt\"}}", Cluster::id(2));
+        let caught: Vec<f64> = nodes[..2]
+            .iter()
+            .map(|n| metrics::sample(&n.metrics(), &name).unwrap_or(0.0))
+            .collect();
+        eprintln!("{fault}: corrupt ranges from node 2 counted by nodes 0 and 1: {caught:?}");
+        assert!(
+            caught.iter().sum::<f64>() >= 1.0,
+            "{fault}: no node caught node 2's corrupt ranges: {caught:?}\n{}",
+            nodes[0].log()
+        );
     }
-    drop(nodes);
-    cluster.node_env = vec![(2, CORRUPT_SENT.into(), "1".into())];
-    let nodes = cluster.start_all_as(2);
-    wait_peers(&nodes);
-    restore_all(&nodes);
-    let caught: Vec<f64> = nodes[..2]
-        .iter()
-        .map(|n| {
-            let name = format!("{FAILURES}{{peer=\"{}\",kind=\"corrupt\"}}", Cluster::id(2));
-            metrics::sample(&n.metrics(), &name).unwrap_or(0.0)
-        })
-        .collect();
-    eprintln!("corrupt ranges from node 2 counted by nodes 0 and 1: {caught:?}");
-    assert!(
-        caught.iter().sum::<f64>() >= 1.0,
-        "no node caught node 2's corrupt ranges: {caught:?}\n{}",
-        nodes[0].log()
-    );
 }
 
 fn strs(a: &[String]) -> Vec<&str> {
