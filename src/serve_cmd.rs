@@ -112,7 +112,8 @@ pub struct ServeArgs {
     share_cache: Option<Size>,
     /// A checkpoint chunk larger than this, restored from the store by several nodes at once,
     /// is shared in ranges of this size, each read from the store by one node and sent on by
-    /// it, so the chunk spreads through the job while it is still arriving [default: 4MiB].
+    /// it, so the chunk spreads through the job while it is still arriving; a multiple of
+    /// 64 KiB [default: 4MiB].
     #[arg(long, env = "HOTSTART_SHARE_PIECE")]
     share_piece: Option<Size>,
 }
