@@ -348,6 +348,46 @@ impl Swarm<'_> {
         wait_all(started, children)
     }
 
+    /// The two faults of `artifact`, each a `round` of sidecars restarted (the odd one with
+    /// its environment): the node that served the most in the round just run with its link at
+    /// a tenth, then sending corrupt pieces.
+    fn faults(
+        &mut self,
+        artifact: &'static str,
+        node_mbit: u32,
+        round: impl Fn(&mut Self, Option<(usize, &[(&str, &str)])>) -> anyhow::Result<Round>,
+    ) -> anyhow::Result<Faults> {
+        let served = format!("hotstart_share_served_bytes_total{{artifact=\"{artifact}\"}}");
+        let n = self.net.nodes();
+        let node = (0..n)
+            .max_by(|&a, &b| {
+                let (a, b) = (
+                    self.sidecars.metric(a, &served),
+                    self.sidecars.metric(b, &served),
+                );
+                a.total_cmp(&b)
+            })
+            .unwrap_or(0);
+        eprintln!("  {n} nodes: {artifact}, sharing, n{node}'s link at a tenth");
+        self.net.reshape_node(node, node_mbit / 10)?;
+        let r = round(self, None);
+        self.net.reshape_node(node, node_mbit)?;
+        let throttled = r?;
+        eprintln!("  {n} nodes: {artifact}, sharing, n{node} sending corrupt pieces");
+        let r = round(self, Some((node, CORRUPT)))?;
+        let id = Sidecars::id(node);
+        let bad = self.sidecars.total(&format!(
+            "hotstart_share_peer_failures_total{{peer=\"{id}\",kind=\"corrupt\"}}"
+        ));
+        let sent = self.sidecars.metric(node, &served);
+        Ok(Faults {
+            artifact,
+            node,
+            throttled,
+            corrupt: (r, bad, sent),
+        })
+    }
+
     /// The sidecars' arguments for the checkpoint rounds.
     fn ckpt_args(&self, share: bool) -> Vec<String> {
         let budget = format!("{}MiB", self.ckpt_mib * 4 + 512);
@@ -391,14 +431,16 @@ impl Swarm<'_> {
 #[derive(Debug, Clone)]
 struct Faults {
     artifact: &'static str,
+    /// The faulty node: the one that served the most in the sharing round, so that it owns
+    /// pieces (an artifact of a few pieces may leave a given node none).
+    node: usize,
     throttled: Round,
-    corrupt: (Round, f64),
+    /// The round, the corrupt pieces its peers counted, and the bytes it served.
+    corrupt: (Round, f64, f64),
 }
 
-/// Node 1's sidecar sends corrupt pieces.
+/// A sidecar that sends corrupt pieces.
 const CORRUPT: &[(&str, &str)] = &[("HOTSTART_FAULT_CORRUPT_SHARED", "1")];
-/// The corrupt pieces node 1's peers counted.
-const N1_CORRUPT: &str = "hotstart_share_peer_failures_total{peer=\"n1\",kind=\"corrupt\"}";
 
 /// What one N measured.
 #[derive(Debug, Clone)]
@@ -478,21 +520,10 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     let env_shared = s.env_round("shared", &s.env_store(), true)?;
     let mut all_faults = Vec::new();
     if faults && n > 2 {
-        eprintln!("  {n} nodes: env, sharing, n1's link at a tenth");
-        s.restart(&["--memory-budget", "512MiB"], None)?;
-        net.reshape_node(1, args.node_mbit / 10)?;
-        let r = s.env_round("throttled", &s.env_store(), true);
-        net.reshape_node(1, args.node_mbit)?;
-        let throttled = r?;
-        eprintln!("  {n} nodes: env, sharing, n1 sending corrupt pieces");
-        s.restart(&["--memory-budget", "512MiB"], Some((1, CORRUPT)))?;
-        let r = s.env_round("corrupt", &s.env_store(), true)?;
-        let bad = s.sidecars.total(N1_CORRUPT);
-        all_faults.push(Faults {
-            artifact: "env",
-            throttled,
-            corrupt: (r, bad),
-        });
+        all_faults.push(s.faults("env", args.node_mbit, |s, odd| {
+            s.restart(&["--memory-budget", "512MiB"], odd)?;
+            s.env_round("fault", &s.env_store(), true)
+        })?);
     }
 
     eprintln!("  {n} nodes: ckpt, saving");
@@ -505,19 +536,7 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     eprintln!("  {n} nodes: ckpt, sharing");
     let ckpt_shared = s.ckpt_round(true, None)?;
     if faults && n > 2 {
-        eprintln!("  {n} nodes: ckpt, sharing, n1's link at a tenth");
-        net.reshape_node(1, args.node_mbit / 10)?;
-        let r = s.ckpt_round(true, None);
-        net.reshape_node(1, args.node_mbit)?;
-        let throttled = r?;
-        eprintln!("  {n} nodes: ckpt, sharing, n1 sending corrupt pieces");
-        let r = s.ckpt_round(true, Some((1, CORRUPT)))?;
-        let bad = s.sidecars.total(N1_CORRUPT);
-        all_faults.push(Faults {
-            artifact: "ckpt",
-            throttled,
-            corrupt: (r, bad),
-        });
+        all_faults.push(s.faults("ckpt", args.node_mbit, |s, odd| s.ckpt_round(true, odd))?);
     }
     drop(s);
     Ok(Measured {
@@ -634,7 +653,7 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 .times
                 .iter()
                 .enumerate()
-                .filter(|(i, _)| *i != 1)
+                .filter(|(i, _)| *i != f.node)
                 .map(|(_, t)| *t)
                 .collect(),
             store_bytes: r.store_bytes,
@@ -642,20 +661,24 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
         let t = &f.throttled;
         let (with, without) = (others(t).p99(), others(shared).p99());
         md.push_str(&format!(
-            "- N = {}, {}, node 1's link at a tenth: the other nodes' p99 {} s against {} s ({:+.0}%; target ≤ +10%); node 1 itself {} s; the store sent {:.2}× the artifact.\n",
+            "- N = {}, {}, node {} (the one that served the most) with its link at a tenth: the other nodes' p99 {} s against {} s ({:+.0}%; target ≤ +10%); node {} itself {} s; the store sent {:.2}× the artifact.\n",
             big.n,
             f.artifact,
+            f.node,
             secs(with),
             secs(without),
             (with.as_secs_f64() / without.as_secs_f64() - 1.0) * 100.0,
-            secs(t.times[1]),
+            f.node,
+            secs(t.times[f.node]),
             t.store_bytes as f64 / size
         ));
-        let (c, bad) = &f.corrupt;
+        let (c, bad, sent) = &f.corrupt;
         md.push_str(&format!(
-            "- N = {}, {}, one node's sidecar corrupting every piece it sends: {intact}, {bad} corrupt pieces counted by its {} peers in all, p99 {} s, the store sent {:.2}× the artifact.\n",
+            "- N = {}, {}, node {}'s sidecar corrupting every piece it sends ({:.1} MB sent): {intact}, {bad} corrupt pieces counted by its {} peers in all, p99 {} s, the store sent {:.2}× the artifact.\n",
             big.n,
             f.artifact,
+            f.node,
+            sent / 1e6,
             big.n - 1,
             secs(c.p99()),
             c.store_bytes as f64 / size

@@ -36,6 +36,13 @@
 //! (`hotstart_share_peer_failures_total{kind="corrupt"}`) and avoided for [`AVOID_FOR`]: it
 //! owns nothing and is asked for nothing. The process checks every frame again as it reads it.
 //!
+//! **Ranges of a chunk.** A checkpoint chunk larger than `share_piece` is shared in ranges,
+//! each a piece with an owner of its own, so that the chunk spreads while it still arrives.
+//! A range comes with the chaining values of its 64 KiB parts (subtrees of the chunk's BLAKE3
+//! tree, [`hotstart_ckpt::parts`]): each part is checked against its value as it arrives, and
+//! the values of all the chunk's ranges against the chunk's id once all are in; a range from a
+//! peer is kept, and so passed on, only then.
+//!
 //! **Budget.** Pieces are kept in memory, least recently used first out, within
 //! `share_cache` bytes and within the memory tier's budget: each is charged to it while kept,
 //! only from memory free at the time, and the tier takes pieces back (least recently used
@@ -562,10 +569,10 @@ impl Core {
     /// A chunk larger than `share_piece` is asked for in ranges of that size, each with an
     /// owner of its own: the owners read their ranges from the store at once and each sends
     /// its own to the others, so a chunk spreads through the job while it is still arriving,
-    /// not one whole chunk after another. Such a chunk is checked against its id once every
-    /// range is in; its ranges from peers are kept (and passed on) only then. When it does not
-    /// match, this node reads it from the store, and a peer whose range differs from the
-    /// store's is counted corrupt and avoided.
+    /// not one whole chunk after another. Each range comes with its parts' values, checked as
+    /// it arrives ([`verify`]); once every range of a chunk is in, the values are checked
+    /// against the chunk's id ([`Core::settle`]) and only then are its ranges from peers kept
+    /// (and passed on).
     pub(crate) fn prefill_shared(
         &self,
         key: &ShardKey,
@@ -740,8 +747,7 @@ impl Core {
         true
     }
 
-    /// Keeps `bytes` of `piece` (a range of a chunk that has now been checked whole) to serve
-    /// this node's processes and its peers.
+    /// Keeps `piece`'s checked answer `bytes` to serve this node's processes and its peers.
     fn keep(&self, piece: &Piece, bytes: Bytes) {
         let evicted = lock(&self.share.cache).insert(piece.content_id(), bytes, &self.memory);
         self.share.forget_uploads(evicted);
