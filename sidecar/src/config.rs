@@ -740,6 +740,20 @@ mod tests {
         let cases: Vec<(Settings, &str)> = vec![
             (
                 Settings {
+                    share_piece: Some(Size(100_000)),
+                    ..base()
+                },
+                "share_piece 100000 is not a multiple of 64 KiB",
+            ),
+            (
+                Settings {
+                    share_piece: Some(Size(128 << 20)),
+                    ..base()
+                },
+                "up to 64 MiB",
+            ),
+            (
+                Settings {
                     node_id: Some("a/b".into()),
                     ..base()
                 },
