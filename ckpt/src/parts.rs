@@ -12,11 +12,11 @@
 
 use blake3::hazmat::{self, ChainingValue, HasherExt, Mode};
 
-/// Bytes of a part.
-pub const PART: u64 = 64 << 10;
+/// Bytes of a part: the parts shared chunks' ranges are checked in on the wire.
+pub const PART: u64 = hotstart_proto::share::RANGE_PART;
 
 /// Bytes of a chaining value.
-pub const CV_LEN: usize = 32;
+pub const CV_LEN: usize = hotstart_proto::share::RANGE_VALUE_LEN as usize;
 
 /// How many parts a chunk of `len` bytes has.
 pub fn count(len: u64) -> usize {

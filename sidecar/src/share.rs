@@ -285,7 +285,7 @@ impl Share {
             return answer;
         };
         // A byte in the middle of the bytes (after a range's values).
-        let data = answer.len() - payload(piece, &answer).len();
+        let data = split_range(piece, &answer).0.len();
         let mut v = answer.to_vec();
         let mid = data + (v.len() - data) / 2;
         v[mid] ^= 0x40;
@@ -428,6 +428,7 @@ pub(crate) fn verify(piece: &Piece, data: &[u8]) -> std::result::Result<(), Stri
     }
     if let Some(at) = piece.within {
         let (values, bytes) = split_range(piece, data);
+        let values = parts::from_bytes(values).unwrap_or_default();
         let first = (at / parts::PART) as usize;
         for (k, (part, value)) in bytes.chunks(parts::PART as usize).zip(values).enumerate() {
             if parts::part_cv(first + k, part) != value {
@@ -477,18 +478,10 @@ fn with_values(at: u64, bytes: &[u8]) -> Bytes {
     out.into()
 }
 
-/// A range's answer of the right length (see [`verify`]) split into its parts' values and its
-/// bytes.
-fn split_range<'a>(piece: &Piece, answer: &'a [u8]) -> (Vec<ChainingValue>, &'a [u8]) {
-    let len = piece.len.unwrap_or(0) as usize;
-    let (values, bytes) = answer.split_at(answer.len().saturating_sub(len));
-    (parts::from_bytes(values).unwrap_or_default(), bytes)
-}
-
-/// The bytes of a piece's answer: a range's without its values.
-fn payload(piece: &Piece, answer: &Bytes) -> Bytes {
+/// A piece's answer split into a range's parts' values (none for other pieces) and its bytes.
+fn split_range<'a>(piece: &Piece, answer: &'a [u8]) -> (&'a [u8], &'a [u8]) {
     let len = piece.len.map_or(answer.len(), |l| l as usize);
-    answer.slice(answer.len().saturating_sub(len)..)
+    answer.split_at(answer.len().saturating_sub(len))
 }
 
 /// The indices of `nodes` in rendezvous order for the piece `id`: highest BLAKE3 of (id, node
@@ -637,7 +630,7 @@ impl Core {
                             break;
                         };
                         let got = match self.piece(&piece, false) {
-                            Ok(got) if payload(&piece, &got.bytes).len() == dst.len() => got,
+                            Ok(got) if split_range(&piece, &got.bytes).1.len() == dst.len() => got,
                             Ok(_) => continue,
                             Err(reason) => {
                                 debug!(shard = %key, chunk = i, %reason, "chunk not shared; the store reader reads it");
@@ -646,7 +639,7 @@ impl Core {
                         };
                         self.metrics
                             .shared("ckpt", got.source.as_str(), dst.len() as u64);
-                        dst.copy_from_slice(&payload(&piece, &got.bytes));
+                        dst.copy_from_slice(split_range(&piece, &got.bytes).1);
                         // The worker that lands a chunk's last range settles the chunk.
                         let r = m.chunk_range(i);
                         let whole = {
@@ -676,7 +669,8 @@ impl Core {
         let checked = ranges.iter().all(|l| l.piece.within.is_none()) || {
             let values: Vec<ChainingValue> = ranges
                 .iter()
-                .flat_map(|l| split_range(&l.piece, &l.got.bytes).0)
+                .flat_map(|l| parts::from_bytes(split_range(&l.piece, &l.got.bytes).0))
+                .flatten()
                 .collect();
             let len = ranges.iter().map(|l| l.dst.len() as u64).sum();
             parts::root(&values, len) == Some(*id)
@@ -1170,10 +1164,11 @@ mod tests {
         );
         verify(&a, &ya).unwrap();
         verify(&b, &yb).unwrap();
-        assert_eq!(payload(&b, &yb), &chunk[2 * K..]);
+        assert_eq!(split_range(&b, &yb).1, &chunk[2 * K..]);
         let values: Vec<ChainingValue> = [(&a, &ya), (&b, &yb)]
             .iter()
-            .flat_map(|(p, y)| split_range(p, y).0)
+            .flat_map(|(p, y)| parts::from_bytes(split_range(p, y).0))
+            .flatten()
             .collect();
         assert_eq!(parts::root(&values, chunk.len() as u64), Some(id));
         // A flipped byte fails its part's value, naming the part.
@@ -1187,7 +1182,8 @@ mod tests {
         verify(&b, &forged).unwrap();
         let values: Vec<ChainingValue> = [(&a, &ya), (&b, &forged)]
             .iter()
-            .flat_map(|(p, y)| split_range(p, y).0)
+            .flat_map(|(p, y)| parts::from_bytes(split_range(p, y).0))
+            .flatten()
             .collect();
         assert_ne!(parts::root(&values, chunk.len() as u64), Some(id));
         // Values of another place in the chunk fail: a part's value depends on where it is.
