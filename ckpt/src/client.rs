@@ -56,6 +56,9 @@ struct Slot {
     // commit on the connection.
     pin: Option<Pinned>,
     map: Arc<Mapping>,
+    /// The segment through a descriptor that cannot write it, kept until the sidecar has
+    /// acknowledged the commit: the bytes to hand to its next life should it go away before.
+    kept: Segment,
     conn: Conn<FdStream>,
 }
 
@@ -279,14 +282,35 @@ impl Dial {
         let map = seg
             .map_writable()
             .map_err(|e| self.error(format!("map shared memory: {e}")))?;
-        // The descriptor is closed here: once unmapped, this process has no way left to write
-        // the segment.
+        // The writable descriptor is closed here: once unmapped, this process has no way left
+        // to write the segment.
+        let kept = seg
+            .read_only()
+            .map_err(|e| self.error(format!("reopen shared memory read-only: {e}")))?;
         drop(seg);
         Ok(Slot {
             pin: None,
             map: Arc::new(map),
+            kept,
             conn,
         })
+    }
+
+    /// A segment of the sidecar that answers now (waiting for it as [`Dial::stage`] does),
+    /// with the `len` bytes of `from` copied in and told filled with `manifest`: a step handed
+    /// again after the sidecar that held it went away (`why`).
+    fn restage(&self, step: u64, from: &[u8], manifest: Option<&str>, why: &Error) -> Result<Slot> {
+        warn!(step, error = %why, "sidecar connection lost before the commit; handing the step to the sidecar again");
+        let mut fresh = self.stage(step, from.len(), true, false)?;
+        // SAFETY: `stage` checked that the new mapping holds at least `from.len()` bytes; it was
+        // just made, so nothing else touches it, and `from` is another segment's memory.
+        unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), fresh.map.ptr(), from.len()) };
+        if let Some(manifest) = manifest {
+            fresh.conn.send(&LocalMsg::Filled {
+                manifest: manifest.to_string(),
+            })?;
+        }
+        Ok(fresh)
     }
 }
 
@@ -646,6 +670,10 @@ pub(crate) struct Restored {
 /// How long a save waits for a sidecar that went away (restarted, say) before it fails.
 pub(crate) const RECONNECT_WAIT: Duration = Duration::from_secs(60);
 
+/// How many times a filled step is handed to a sidecar again after the one before went away
+/// before it acknowledged the commit.
+const HAND_AGAIN: u32 = 3;
+
 /// Whether a failed connect looks like a sidecar between two lives: its socket gone or not
 /// accepting yet.
 fn restarting(e: &std::io::Error) -> bool {
@@ -664,9 +692,10 @@ fn restarting(e: &std::io::Error) -> bool {
 /// come back, up to [`RECONNECT_WAIT`]), copies the file over from the old segment, which this
 /// process still maps, and tells the new one instead: training sees no error. A segment
 /// prepared ahead by a sidecar that has since gone is found out the same way, on its first
-/// message. A sidecar lost after `Filled` and before it acknowledged the commit takes the step
-/// with it (this process no longer maps it): the save fails on its handle, and the next save
-/// goes to the sidecar's new life.
+/// message. A sidecar lost after `Filled` and before it acknowledged the commit (stopped
+/// between its drain and its exit, or crashed) is handled alike, from the read-only descriptor
+/// this process keeps until the acknowledgement: the training process may have reused its
+/// memory by then, but the segment still holds the step.
 pub(crate) struct Lease {
     slot: Slot,
     /// The manifest sent with `Filled`, to send again after a reconnection.
@@ -724,24 +753,16 @@ impl Lease {
     /// The sidecar's connection broke (`why`) before it took the segment: stages the same
     /// bytes into a segment of the sidecar that answers now, and tells it they are filled.
     fn rehome(&mut self, why: &Error) -> Result<()> {
-        warn!(step = self.step, error = %why, "sidecar connection lost before the commit; handing the step to the sidecar again");
-        let fresh = self.dial.stage(self.step, self.len, true, false)?;
-        // SAFETY: both mappings are at least `len` bytes (`stage` checked the new one, the
-        // lease's was checked when it was made); the old one is this lease's, written by no
-        // one any more, and the new one was just made, so nothing else touches either.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.slot.map.ptr().cast_const(),
-                fresh.map.ptr(),
-                self.len,
-            );
-        }
+        // SAFETY: the lease's mapping holds at least `len` bytes (checked when it was made);
+        // it is this lease's, and written by no one any more.
+        let from =
+            unsafe { std::slice::from_raw_parts(self.slot.map.ptr().cast_const(), self.len) };
+        let fresh = self
+            .dial
+            .restage(self.step, from, self.told.as_deref(), why)?;
         // The old mapping stays until the lease ends: its registration, if staging made one,
         // is given back to it (`set_pin`) and must go first.
         self.retired = Some(Box::new(std::mem::replace(&mut self.slot, fresh)));
-        if let Some(manifest) = self.told.clone() {
-            self.slot.conn.send(&LocalMsg::Filled { manifest })?;
-        }
         Ok(())
     }
 
@@ -758,15 +779,49 @@ impl Lease {
             step,
             len,
             ordinal,
+            told,
             ..
         } = self;
         // The pinned registration goes first, then the mapping: this process has no way left
         // to write the segment (the sidecar seals it against writes, which a writable mapping
-        // anywhere would prevent). So a sidecar lost from here on loses the step with it.
-        let Slot { pin, map, mut conn } = slot;
+        // anywhere would prevent); it keeps only a descriptor that cannot write.
+        let Slot {
+            pin,
+            map,
+            mut kept,
+            mut conn,
+        } = slot;
         drop(pin);
         drop(map);
-        let committed = conn.send(&LocalMsg::Commit).and_then(|()| conn.recv());
+        let mut handed = 0;
+        let committed = loop {
+            let why = match conn.send(&LocalMsg::Commit).and_then(|()| conn.recv()) {
+                Err(e) if !conn.violated() && handed < HAND_AGAIN => Error::from(e),
+                answer => break answer.map_err(Error::from),
+            };
+            // The sidecar went away before it acknowledged the commit: its next life gets the
+            // step from the segment this process still holds.
+            handed += 1;
+            let again = kept
+                .map_read_only()
+                .map_err(|e| dial.error(format!("map the filled segment again: {e}")))
+                .and_then(|held| dial.restage(step, &held.bytes()[..len], told.as_deref(), &why));
+            match again {
+                Ok(Slot {
+                    pin,
+                    map,
+                    kept: k,
+                    conn: c,
+                }) => {
+                    drop(pin);
+                    drop(map);
+                    (kept, conn) = (k, c);
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        // Held by the sidecar, or lost: either way no longer this process's to hand over.
+        drop(kept);
         match committed {
             Ok(LocalMsg::Committed) => {
                 // Preparing before the handle says so: a save that follows at once waits for
@@ -792,7 +847,7 @@ impl Lease {
             }
             Err(e) => {
                 error!(step, error = %e, "checkpoint not committed");
-                shared.fail_pending(Arc::new(e.into()));
+                shared.fail_pending(Arc::new(e));
                 return None;
             }
         }

@@ -238,6 +238,22 @@ impl Segment {
         Mapping::new(self.fd.as_fd(), self.len, true)
     }
 
+    /// The same segment through a descriptor of its own that cannot write it, nor map it
+    /// writable: what a training process may keep of a segment it hands over.
+    pub fn read_only(&self) -> io::Result<Segment> {
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        Ok(Segment {
+            fd: std::fs::File::open(&path)?.into(),
+            len: self.len,
+            _charge: None,
+        })
+    }
+
+    /// Maps the whole segment read-only, through a descriptor of its own.
+    pub fn map_read_only(&self) -> io::Result<ReadOnly> {
+        ReadOnly::new(self.read_only()?)
+    }
+
     /// Seals the segment against writes, for good, and maps it read-only. Fails (`EBUSY`) while
     /// any process still has it mapped writable.
     pub fn seal(self) -> io::Result<Sealed> {

@@ -20,9 +20,11 @@
 //!   says; its chunk hashes are the sidecar's to compute. No answer. From here the step is the
 //!   sidecar's to finish: should the connection close before `Commit` (the process was killed
 //!   right after `wait_staged`), it is committed all the same ([`commit`]), so a save survives
-//!   its process from the moment `wait_staged` returns.
-//! - `Commit`: the training process has unmapped the filled segment and closed its descriptor;
-//!   the sidecar maps it read-only, hashes it into the manifest (once: the training process
+//!   its process from the moment `wait_staged` returns. A drain waits for it
+//!   ([`crate::persist::Owed`]).
+//! - `Commit`: the training process has unmapped the filled segment and closed its writable
+//!   descriptor (it keeps a read-only one until `Committed`, to hand the step to this sidecar's
+//!   next life should this one go away first); the sidecar maps it read-only, hashes it into the manifest (once: the training process
 //!   does not hash what goes to a sidecar) and holds it in memory: `Committed`. Persistence and
 //!   replication start, and each of their tiers reports on this connection with
 //!   `Persisted{tier, error}`.
@@ -52,6 +54,7 @@ use crate::Core;
 use crate::lifecycle::State;
 use crate::memory::{PartValues, Recycled, Shard, ShardKey};
 use crate::metrics::Failure;
+use crate::persist::Owed;
 use crate::restore::ServedBytes;
 use hotstart_proto::PROTOCOL_VERSION;
 use hotstart_proto::shm::{Committed, Segment};
@@ -69,6 +72,8 @@ struct Staged {
     asked: Instant,
     /// The manifest sent with `Filled` (hashes still to compute), once every byte is in place.
     filled: Option<String>,
+    /// From `Filled` on, the save is owed: a drain waits until it is committed.
+    owed: Option<Owed>,
 }
 
 /// Who is on the other end.
@@ -161,10 +166,11 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 if reader.violated() {
                     core.metrics.failed(Failure::Frame);
                     warn!(job = %who.job, rank = who.rank, error = %e, "local connection dropped");
-                } else if let Some(s) = staged {
+                } else if let Some(mut s) = staged {
                     match (s.filled.is_some(), s.step) {
                         (true, _) => {
                             let asked = s.asked;
+                            let owed = s.owed.take();
                             let _pending = core.adopting.begin(&who.job);
                             // Nobody waits for this commit until the restarted process asks
                             // for its step; until then it hashes out of the way of that
@@ -174,7 +180,8 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                             match commit(&core, &who, s) {
                                 Ok(shard) => {
                                     info!(shard = %shard.key, "the training process went away after staging; the sidecar committed its save");
-                                    core.after_commit(shard, None, asked)
+                                    core.after_commit(shard, None, asked);
+                                    drop(owed);
                                 }
                                 Err(e) => {
                                     warn!(job = %who.job, rank = who.rank, error = %e, "a filled save whose process went away could not be committed")
@@ -210,6 +217,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                         seg,
                         asked: Instant::now(),
                         filled: None,
+                        owed: None,
                     });
                     sent
                 }
@@ -222,6 +230,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
             LocalMsg::Filled { manifest } => match &mut staged {
                 Some(s) => {
                     s.filled = Some(manifest);
+                    s.owed = Some(Owed::new(&core));
                     Ok(())
                 }
                 None => {
@@ -234,7 +243,10 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                 None => send(&LocalMsg::Failed {
                     reason: "commit without a staged segment".into(),
                 }),
-                Some(s) => {
+                Some(mut s) => {
+                    // Released once persistence is registered (or the commit refused): a
+                    // drain that begins meanwhile waits for this save.
+                    let _owed = s.owed.take();
                     // A segment staged ahead was asked for before its save began.
                     let asked = if s.step.is_some() {
                         s.asked

@@ -33,12 +33,14 @@ pub struct DrainReport {
     pub finished: usize,
     /// Shards still pending at the deadline, with the tiers that never finished.
     pub not_persisted: Vec<(ShardKey, Vec<TierKind>)>,
+    /// Saves filled by their training process and not yet committed at the deadline.
+    pub not_committed: u64,
 }
 
 impl DrainReport {
     /// Whether everything finished.
     pub fn complete(&self) -> bool {
-        self.not_persisted.is_empty()
+        self.not_persisted.is_empty() && self.not_committed == 0
     }
 }
 
@@ -56,6 +58,30 @@ pub(crate) struct Inflight {
     finished: Mutex<usize>,
     /// Shards whose persistence to disk and store, retention included, is still running.
     running: AtomicU64,
+    /// Saves owed: filled by their training process (which may then reuse its memory) and
+    /// not yet committed and added here. The drain waits for them as for pending shards.
+    owed: AtomicU64,
+}
+
+/// A filled save that the sidecar owes its training process, counted from `Filled` until it
+/// is committed and its persistence registered, or refused.
+pub(crate) struct Owed(Arc<Core>);
+
+impl Owed {
+    pub(crate) fn new(core: &Arc<Core>) -> Owed {
+        core.inflight.owed.fetch_add(1, Ordering::AcqRel);
+        Owed(core.clone())
+    }
+}
+
+impl Drop for Owed {
+    fn drop(&mut self) {
+        let inflight = &self.0.inflight;
+        inflight.owed.fetch_sub(1, Ordering::AcqRel);
+        // Under the lock: a drain between its check and its wait cannot miss this.
+        let _p = inflight.lock();
+        inflight.changed.notify_all();
+    }
 }
 
 /// One shard's persistence to disk and store, counted as running until dropped.
@@ -122,10 +148,10 @@ impl Inflight {
         (oldest, n)
     }
 
-    /// Waits until nothing is pending or `deadline`; what is left.
+    /// Waits until nothing is pending or owed, or `deadline`; what is left.
     pub(crate) fn drain(&self, deadline: Instant) -> DrainReport {
         let mut p = self.lock();
-        while !p.is_empty() {
+        while !p.is_empty() || self.owed.load(Ordering::Acquire) > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -142,6 +168,7 @@ impl Inflight {
                 .iter()
                 .map(|(k, e)| (k.clone(), e.tiers.iter().copied().collect()))
                 .collect(),
+            not_committed: self.owed.load(Ordering::Acquire),
         }
     }
 }
@@ -281,7 +308,8 @@ impl Core {
     pub(crate) fn drain(&self) -> DrainReport {
         let deadline = Instant::now() + self.cfg.grace;
         let (_, waiting) = self.inflight.replication();
-        let pending = self.inflight.lock().len();
+        let pending =
+            self.inflight.lock().len() as u64 + self.inflight.owed.load(Ordering::Acquire);
         if pending > 0 {
             info!(pending, waiting_for_peers = waiting, grace = ?self.cfg.grace, "draining: waiting for in-flight persistence");
         }
@@ -289,6 +317,12 @@ impl Core {
         for (key, tiers) in &report.not_persisted {
             let tiers: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
             error!(shard = %key, ?tiers, "not persisted before exit: the grace period ran out");
+        }
+        if report.not_committed > 0 {
+            error!(
+                saves = report.not_committed,
+                "filled saves not committed before exit: the grace period ran out"
+            );
         }
         if report.complete() {
             info!(
