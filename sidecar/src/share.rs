@@ -427,8 +427,8 @@ pub(crate) fn verify(piece: &Piece, data: &[u8]) -> std::result::Result<(), Stri
         return Err(format!("{} bytes where {len} were asked for", data.len()));
     }
     if let Some(at) = piece.within {
-        let (values, bytes) = split_range(piece, data);
-        let values = parts::from_bytes(values).unwrap_or_default();
+        let values = range_values(piece, data);
+        let bytes = split_range(piece, data).1;
         let first = (at / parts::PART) as usize;
         for (k, (part, value)) in bytes.chunks(parts::PART as usize).zip(values).enumerate() {
             if parts::part_cv(first + k, part) != value {
@@ -482,6 +482,11 @@ fn with_values(at: u64, bytes: &[u8]) -> Bytes {
 fn split_range<'a>(piece: &Piece, answer: &'a [u8]) -> (&'a [u8], &'a [u8]) {
     let len = piece.len.map_or(answer.len(), |l| l as usize);
     answer.split_at(answer.len().saturating_sub(len))
+}
+
+/// The parts' values sent with a range's answer (none for other pieces, or if malformed).
+fn range_values(piece: &Piece, answer: &[u8]) -> Vec<ChainingValue> {
+    parts::from_bytes(split_range(piece, answer).0).unwrap_or_default()
 }
 
 /// The indices of `nodes` in rendezvous order for the piece `id`: highest BLAKE3 of (id, node
@@ -669,8 +674,7 @@ impl Core {
         let checked = ranges.iter().all(|l| l.piece.within.is_none()) || {
             let values: Vec<ChainingValue> = ranges
                 .iter()
-                .flat_map(|l| parts::from_bytes(split_range(&l.piece, &l.got.bytes).0))
-                .flatten()
+                .flat_map(|l| range_values(&l.piece, &l.got.bytes))
                 .collect();
             let len = ranges.iter().map(|l| l.dst.len() as u64).sum();
             parts::root(&values, len) == Some(*id)
@@ -1167,8 +1171,7 @@ mod tests {
         assert_eq!(split_range(&b, &yb).1, &chunk[2 * K..]);
         let values: Vec<ChainingValue> = [(&a, &ya), (&b, &yb)]
             .iter()
-            .flat_map(|(p, y)| parts::from_bytes(split_range(p, y).0))
-            .flatten()
+            .flat_map(|(p, y)| range_values(p, y))
             .collect();
         assert_eq!(parts::root(&values, chunk.len() as u64), Some(id));
         // A flipped byte fails its part's value, naming the part.
@@ -1182,8 +1185,7 @@ mod tests {
         verify(&b, &forged).unwrap();
         let values: Vec<ChainingValue> = [(&a, &ya), (&b, &forged)]
             .iter()
-            .flat_map(|(p, y)| parts::from_bytes(split_range(p, y).0))
-            .flatten()
+            .flat_map(|(p, y)| range_values(p, y))
             .collect();
         assert_ne!(parts::root(&values, chunk.len() as u64), Some(id));
         // Values of another place in the chunk fail: a part's value depends on where it is.
