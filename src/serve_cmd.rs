@@ -190,6 +190,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 tiers.join(", ")
             );
         }
+        if report.not_committed > 0 {
+            eprintln!(
+                "hotstart serve: NOT COMMITTED {} filled save(s): a training process still \
+                 running hands its save to the next sidecar on this socket; one that is gone \
+                 lost it",
+                report.not_committed
+            );
+        }
     }
     Ok(())
 }

@@ -24,10 +24,10 @@
 //!   ([`crate::persist::Owed`]).
 //! - `Commit`: the training process has unmapped the filled segment and closed its writable
 //!   descriptor (it keeps a read-only one until `Committed`, to hand the step to this sidecar's
-//!   next life should this one go away first); the sidecar maps it read-only, hashes it into the manifest (once: the training process
-//!   does not hash what goes to a sidecar) and holds it in memory: `Committed`. Persistence and
-//!   replication start, and each of their tiers reports on this connection with
-//!   `Persisted{tier, error}`.
+//!   next life should this one go away first); the sidecar maps it read-only, hashes it into
+//!   the manifest (once: the training process does not hash what goes to a sidecar) and holds
+//!   it in memory: `Committed`. Persistence and replication start, and each of their tiers
+//!   reports on this connection with `Persisted{tier, error}`.
 //! - `Restore{step}`: the step is served from the nearest tier (`super::restore`), sealed for
 //!   good, and its descriptor sent with `Restored`; `NotFound` when no tier has it, `Corrupt`
 //!   when a chunk of it is damaged or gone in every tier.
