@@ -127,6 +127,21 @@ def test_a_second_writer_of_the_same_rank_is_refused_with_the_first_ones_name(tm
     second.close()
 
 
+def test_engines_of_one_process_are_one_writer_and_keep_each_others_steps(tmp_path: Path) -> None:
+    # Two engines of one process for one rank (as a new DCP StorageWriter per save makes them):
+    # the first's retention, after its slow save of step 2, must not take the step 3 that the
+    # second saved meanwhile for a step abandoned by a job that went back.
+    a = hotstart.Checkpointer(local_dir=tmp_path, job="one")
+    b = hotstart.Checkpointer(local_dir=tmp_path, job="one")
+    slow = a.save(2, {"w": np.random.default_rng(2).standard_normal((64, 1 << 20), dtype=np.float32)})
+    b.save(3, state(3)).wait()
+    slow.wait()
+    assert a.steps() == [2, 3]
+    assert np.array_equal(b.load(step=3)["w"], state(3)["w"])
+    a.close()
+    b.close()
+
+
 # --- the sidecar ------------------------------------------------------------------------------
 
 

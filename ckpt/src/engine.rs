@@ -192,7 +192,21 @@ impl Engine {
                 reason: "no sidecar, disk tier or store tier is configured".into(),
             });
         }
-        let core = Arc::new(Persistence::new(&cfg, tiers, false)?);
+        // Where the owner lock lives: the first local place this rank's saves go through.
+        let owner_dir = cfg
+            .disk_dir
+            .clone()
+            .or_else(|| cfg.store.as_ref()?.local_dir().map(Into::into))
+            .or_else(|| {
+                let socket = cfg.sidecar.as_ref()?;
+                Some(socket.parent()?.to_path_buf())
+            });
+        let mut core = Persistence::new(&cfg, tiers, false)?;
+        if let Some(dir) = &owner_dir {
+            // Engines of this process that share the owner lock are one writer.
+            core.writes = crate::owner::writes(dir, &cfg.job, cfg.rank);
+        }
+        let core = Arc::new(core);
         let gpu = Arc::new(Gpu::new());
         let sidecar = match &cfg.sidecar {
             Some(socket) => Some(crate::client::Client::attach(
@@ -204,15 +218,6 @@ impl Engine {
             )?),
             None => None,
         };
-        // Where the owner lock lives: the first local place this rank's saves go through.
-        let owner_dir = cfg
-            .disk_dir
-            .clone()
-            .or_else(|| cfg.store.as_ref()?.local_dir().map(Into::into))
-            .or_else(|| {
-                let socket = cfg.sidecar.as_ref()?;
-                Some(socket.parent()?.to_path_buf())
-            });
         Ok(Engine {
             inner: Arc::new(Inner {
                 core,

@@ -8,7 +8,8 @@
 //! through that sidecar). The lock file names its holder (process id, host, start time), and a
 //! second process's save is refused with [`Error::SecondWriter`] naming it. The lock goes with
 //! the engine, or with the process: a process killed with `kill -9` leaves nothing held, so a
-//! restarted trainer takes it at once. Engines of one process share its lock.
+//! restarted trainer takes it at once. Engines of one process share its lock, and are one writer
+//! to retention: they share the record of its saves ([`writes`]).
 //!
 //! Locks are per node. Two writers on different nodes that share only an object store are not
 //! detected (see docs/SEMANTICS.md).
@@ -22,6 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
+use crate::persistence::Writes;
 
 /// A held owner lock; released when the last engine of this process holding it is dropped
 /// (or when the process ends).
@@ -43,6 +45,24 @@ impl Drop for OwnerLock {
 /// The locks this process holds. Engines of one process share them: a process that opens a
 /// second engine for its rank (a new `StorageWriter` per save, say) is still one writer.
 static HELD: Mutex<BTreeMap<PathBuf, Weak<OwnerLock>>> = Mutex::new(BTreeMap::new());
+
+/// The saves of the writers this process's engines make up, by lock file: engines that share
+/// an owner lock are one writer, and each one's retention must see the others' saves.
+static WRITES: Mutex<BTreeMap<PathBuf, Weak<Writes>>> = Mutex::new(BTreeMap::new());
+
+/// The saves of the writer of `job`'s `rank` under `dir` in this process, shared by every
+/// engine of the process that saves there, as the lock is.
+pub(crate) fn writes(dir: &Path, job: &str, rank: u32) -> Arc<Writes> {
+    let mut all = WRITES.lock().unwrap_or_else(PoisonError::into_inner);
+    all.retain(|_, w| w.strong_count() > 0);
+    let path = lock_path(dir, job, rank);
+    if let Some(w) = all.get(&path).and_then(Weak::upgrade) {
+        return w;
+    }
+    let w = Arc::<Writes>::default();
+    all.insert(path, Arc::downgrade(&w));
+    w
+}
 
 /// The lock file of `job`'s `rank` under `dir`.
 pub(crate) fn lock_path(dir: &Path, job: &str, rank: u32) -> PathBuf {

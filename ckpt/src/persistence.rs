@@ -36,16 +36,26 @@ pub struct Persistence {
     pub(crate) tiers: Vec<Arc<dyn Tier>>,
     /// Retention on the disk tier looks at this rank's files only (see [`Persistence::new`]).
     pub(crate) disk_per_rank: bool,
-    /// Steps with saves running, and how many (a step saved again while its first save's
-    /// thread still runs retention counts twice).
-    pub(crate) persisting: Mutex<BTreeMap<u64, usize>>,
-    /// When each step was last asked to be saved here, in order (a counter and the step's
-    /// number from it): a save of step S asked after one of T > S means the job went back to
-    /// an older step (it restored one) and trains again.
-    pub(crate) asked: Mutex<(u64, BTreeMap<u64, u64>)>,
-    pub(crate) gc_lock: Mutex<()>,
+    /// This rank's writer's saves: shared by every engine of the process that holds the
+    /// rank's owner lock (`crate::owner::writes`), which are one writer.
+    pub(crate) writes: Arc<Writes>,
     /// How local files are read (a step's file handed over, see `open_local_file`).
     pub(crate) uring: UringConfig,
+}
+
+/// What retention needs to know of one writer's saves, whichever of its engines made them: a
+/// step one engine is writing is neither old nor abandoned to another's retention.
+#[derive(Debug, Default)]
+pub(crate) struct Writes {
+    /// Steps with saves running, and how many (a step saved again while its first save's
+    /// thread still runs retention counts twice).
+    persisting: Mutex<BTreeMap<u64, usize>>,
+    /// When each step was last asked to be saved, in order (a counter and the step's number
+    /// from it): a save of step S asked after one of T > S means the job went back to an older
+    /// step (it restored one) and trains again.
+    asked: Mutex<(u64, BTreeMap<u64, u64>)>,
+    /// One retention at a time.
+    gc: Mutex<()>,
 }
 
 impl std::fmt::Debug for Persistence {
@@ -94,9 +104,7 @@ impl Persistence {
             },
             tiers,
             disk_per_rank,
-            persisting: Mutex::new(BTreeMap::new()),
-            asked: Mutex::new((0, BTreeMap::new())),
-            gc_lock: Mutex::new(()),
+            writes: Arc::default(),
             uring: cfg.uring.clone(),
         })
     }
@@ -190,12 +198,17 @@ impl Persistence {
     /// Records that `step` was asked to be saved now.
     pub(crate) fn start_persisting(&self, step: u64) {
         *self
+            .writes
             .persisting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .entry(step)
             .or_default() += 1;
-        let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut asked = self
+            .writes
+            .asked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         asked.0 += 1;
         let n = asked.0;
         asked.1.insert(step, n);
@@ -227,6 +240,7 @@ impl Persistence {
 
     pub(crate) fn done_persisting(&self, step: u64) {
         let mut persisting = self
+            .writes
             .persisting
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
@@ -362,12 +376,17 @@ impl Persistence {
     /// [`retention::plan`] applies to the rest: without this, the newest `keep` steps by number
     /// would be the abandoned ones, and retention would remove the step just saved.
     pub(crate) fn gc_tier(&self, tier: &dyn Tier, saved: Option<u64>) -> Result<Vec<u64>> {
-        let _g = self.gc_lock.lock().unwrap_or_else(PoisonError::into_inner);
+        let _g = self
+            .writes
+            .gc
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if self.keep == 0 {
             return Ok(Vec::new());
         }
         let per_rank = self.disk_per_rank && tier.kind() == TierKind::Disk;
         let busy: BTreeSet<u64> = self
+            .writes
             .persisting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -378,7 +397,11 @@ impl Persistence {
             let Some(saved) = saved.filter(|&saved| s > saved) else {
                 return false;
             };
-            let asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+            let asked = self
+                .writes
+                .asked
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             let order = |step: u64| asked.1.get(&step).copied();
             !busy.contains(&s) && order(s) < order(saved)
         };
