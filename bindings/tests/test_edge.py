@@ -176,39 +176,28 @@ def big_state(seed: int) -> dict:
     return {"w": np.random.default_rng(seed).standard_normal((16, 1 << 20), dtype=np.float32)}
 
 
-def test_a_sidecar_stopped_right_after_wait_staged_persists_the_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lost", ["stopped", "killed"])
+def test_a_sidecar_lost_right_after_wait_staged_costs_no_staged_step(tmp_path: Path,
+                                                                     lost: str) -> None:
     side = Sidecar(tmp_path)
     try:
-        ck = hotstart.Checkpointer(sidecar=side.socket, job="stopped")
+        ck = hotstart.Checkpointer(sidecar=side.socket, job=lost)
         want = big_state(1)
         h = ck.save(1, want)
         h.wait_staged()
-        # SIGTERM while the commit is on its way or being hashed: the drain waits for a save
-        # whose bytes are all in its memory, commits it and persists it before it exits.
-        side.stop()
-        log = side.log.read_text()
-        assert "drained: everything committed is persisted" in log, log
-        assert "NOT PERSISTED" not in log, log
-        h.wait()
-        side = Sidecar(tmp_path)
-        assert ck.latest_step() == 1
-        assert np.array_equal(ck.load()["w"], want["w"])
-        ck.close()
-    finally:
-        side.stop()
-
-
-def test_a_sidecar_killed_right_after_wait_staged_costs_no_staged_step(tmp_path: Path) -> None:
-    side = Sidecar(tmp_path)
-    try:
-        ck = hotstart.Checkpointer(sidecar=side.socket, job="killed")
-        want = big_state(2)
-        h = ck.save(1, want)
-        h.wait_staged()
-        # The training process may now change its tensors. SIGKILL before the sidecar has
-        # acknowledged the commit (it is still hashing): the process hands the step to the
-        # next life from the segment it still holds, read-only.
-        side.kill()
+        # The training process may now change its tensors; the sidecar has not acknowledged
+        # the commit yet (it is still hashing).
+        if lost == "stopped":
+            # SIGTERM: the drain waits for a save whose bytes are all in its memory, commits
+            # it and persists it before it exits.
+            side.stop()
+            log = side.log.read_text()
+            assert "drained: everything committed is persisted" in log, log
+            assert "NOT PERSISTED" not in log and "NOT COMMITTED" not in log, log
+        else:
+            # SIGKILL: the process hands the step to the next life from the segment it still
+            # holds, read-only.
+            side.kill()
         side = Sidecar(tmp_path)
         h.wait()
         assert ck.latest_step() == 1
