@@ -15,6 +15,7 @@
 //! detected (see docs/SEMANTICS.md).
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
 use std::os::fd::AsRawFd;
@@ -29,17 +30,7 @@ use crate::persistence::Writes;
 /// (or when the process ends).
 #[derive(Debug)]
 pub(crate) struct OwnerLock {
-    path: PathBuf,
     _file: File,
-}
-
-impl Drop for OwnerLock {
-    fn drop(&mut self) {
-        let mut held = HELD.lock().unwrap_or_else(PoisonError::into_inner);
-        if held.get(&self.path).is_some_and(|w| w.strong_count() == 0) {
-            held.remove(&self.path);
-        }
-    }
 }
 
 /// The locks this process holds. Engines of one process share them: a process that opens a
@@ -53,15 +44,27 @@ static WRITES: Mutex<BTreeMap<PathBuf, Weak<Writes>>> = Mutex::new(BTreeMap::new
 /// The saves of the writer of `job`'s `rank` under `dir` in this process, shared by every
 /// engine of the process that saves there, as the lock is.
 pub(crate) fn writes(dir: &Path, job: &str, rank: u32) -> Arc<Writes> {
-    let mut all = WRITES.lock().unwrap_or_else(PoisonError::into_inner);
-    all.retain(|_, w| w.strong_count() > 0);
-    let path = lock_path(dir, job, rank);
-    if let Some(w) = all.get(&path).and_then(Weak::upgrade) {
-        return w;
-    }
-    let w = Arc::<Writes>::default();
-    all.insert(path, Arc::downgrade(&w));
+    let Ok(w) = one_per_path(&WRITES, lock_path(dir, job, rank), |_| {
+        Ok::<_, Infallible>(Writes::default())
+    });
     w
+}
+
+/// This process's one `T` for `path` in `all`: the live one, or one made now (and forgotten
+/// once nothing holds it).
+fn one_per_path<T, E>(
+    all: &Mutex<BTreeMap<PathBuf, Weak<T>>>,
+    path: PathBuf,
+    make: impl FnOnce(&PathBuf) -> std::result::Result<T, E>,
+) -> std::result::Result<Arc<T>, E> {
+    let mut all = all.lock().unwrap_or_else(PoisonError::into_inner);
+    all.retain(|_, w| w.strong_count() > 0);
+    if let Some(live) = all.get(&path).and_then(Weak::upgrade) {
+        return Ok(live);
+    }
+    let made = Arc::new(make(&path)?);
+    all.insert(path, Arc::downgrade(&made));
+    Ok(made)
 }
 
 /// The lock file of `job`'s `rank` under `dir`.
@@ -74,14 +77,9 @@ pub(crate) fn lock_path(dir: &Path, job: &str, rank: u32) -> PathBuf {
 /// Takes the owner lock of `job`'s `rank` under `dir` (or shares this process's), or says
 /// who holds it.
 pub(crate) fn acquire(dir: &Path, job: &str, rank: u32) -> Result<Arc<OwnerLock>> {
-    let path = lock_path(dir, job, rank);
-    let mut held = HELD.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(lock) = held.get(&path).and_then(Weak::upgrade) {
-        return Ok(lock);
-    }
-    let lock = Arc::new(take(path.clone(), job, rank)?);
-    held.insert(path, Arc::downgrade(&lock));
-    Ok(lock)
+    one_per_path(&HELD, lock_path(dir, job, rank), |path| {
+        take(path.clone(), job, rank)
+    })
 }
 
 fn take(path: PathBuf, job: &str, rank: u32) -> Result<OwnerLock> {
@@ -129,7 +127,7 @@ fn take(path: PathBuf, job: &str, rank: u32) -> Result<OwnerLock> {
         .and_then(|()| file.rewind())
         .and_then(|()| file.write_all(me.as_bytes()));
     written.map_err(|e| Error::io("write", &path, e))?;
-    Ok(OwnerLock { path, _file: file })
+    Ok(OwnerLock { _file: file })
 }
 
 fn hostname() -> String {
