@@ -5,7 +5,9 @@
 #
 #   scripts/fuzz.sh build                       build every target (target/fuzz)
 #   scripts/fuzz.sh run [SECONDS] [TARGET...]   each target's regressions, then SECONDS (default
-#                                               20) of fuzzing from its seeds; the CI pass
+#                                               20) of fuzzing from its seeds; the CI pass. It
+#                                               builds the `smoke` profile (fuzz/Cargo.toml):
+#                                               half the build time, fewer executions a second
 #   scripts/fuzz.sh campaign [RUNS] [TARGET...] RUNS executions per target (default 10000000),
 #                                               two targets at a time; a summary per target in
 #                                               target/fuzz/campaign/<target>.log
@@ -20,7 +22,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 triple="$(rustc -vV | sed -n 's/^host: //p')"
 out="$root/target/fuzz"
-bin="$out/$triple/release"
+# The cargo profile the targets are built with: `release` (the most executions per second) unless
+# a command or HOTSTART_FUZZ_PROFILE says otherwise.
+profile="${HOTSTART_FUZZ_PROFILE:-}"
+bin() { echo "$out/$triple/${profile:-release}"; }
 targets_all() { ls fuzz/fuzz_targets | sed 's/\.rs$//'; }
 
 build() {
@@ -29,7 +34,7 @@ build() {
     RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions -Coverflow-checks" \
-        cargo build --release --locked --manifest-path fuzz/Cargo.toml --target "$triple" \
+        cargo build --profile "${profile:-release}" --locked --manifest-path fuzz/Cargo.toml --target "$triple" \
         --target-dir "$out" --bins
 }
 
@@ -41,7 +46,7 @@ fuzz_one() {
     mkdir -p "$work" "$art" "fuzz/corpus/$t"
     local max_len=4096
     case "$t" in layer_tar|oci_index|tree|profile|local_frames|peer_messages) max_len=16384 ;; esac
-    "$bin/$t" "$work" "fuzz/corpus/$t" -artifact_prefix="$art/" -max_len="$max_len" \
+    "$(bin)/$t" "$work" "fuzz/corpus/$t" -artifact_prefix="$art/" -max_len="$max_len" \
         -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$@"
 }
 
@@ -49,7 +54,7 @@ fuzz_one() {
 regressions() {
     local t="$1" dir="fuzz/regressions/$1" log="$out/regressions-$1.log"
     compgen -G "$dir/*" >/dev/null || return 0
-    if ! "$bin/$t" -rss_limit_mb=2048 -timeout=10 "$dir"/* >"$log" 2>&1; then
+    if ! "$(bin)/$t" -rss_limit_mb=2048 -timeout=10 "$dir"/* >"$log" 2>&1; then
         tail -40 "$log"
         echo "fuzz target $t failed on an input of $dir" >&2
         return 1
@@ -64,6 +69,7 @@ case "${1:-run}" in
     run)
         shift || true
         seconds="${1:-20}"; shift || true
+        profile="${profile:-smoke}"
         build
         trap cleanup EXIT
         for t in ${@:-$(targets_all)}; do
@@ -83,6 +89,7 @@ case "${1:-run}" in
         build
         trap cleanup EXIT
         mkdir -p "$out/campaign"
+        export HOTSTART_FUZZ_PROFILE="${profile:-release}"
         printf '%s\n' ${@:-$(targets_all)} | xargs -P 2 -I{} sh -c \
             "'$0' one {} -runs=$runs > '$out/campaign/{}.log' 2>&1; echo \"{}: exit \$? \$(grep -E '^#[0-9]+[[:space:]]+DONE|^stat::(number_of_executed_units|peak_rss_mb)' '$out/campaign/{}.log' | tr '\n' ' ')\""
         ;;

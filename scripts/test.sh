@@ -33,8 +33,11 @@ cargo clippy --workspace --all-targets -- -D warnings
 # The GPU path builds everywhere (cudarc loads the driver at run time).
 cargo clippy -p hotstart-ckpt --features cuda --all-targets -- -D warnings
 
+# With the `cuda` feature, as the Python package and the GPU check's bundle are built. Without a
+# driver the code runs as on any machine without a GPU (the CUDA tests skip, saying so), and the
+# GPU check's build in pytest finds the workspace already built instead of compiling it again.
 section "cargo test"
-cargo test --workspace
+cargo test --workspace --features hotstart-ckpt/cuda
 
 # Every parser of bytes from outside the process, fuzzed briefly: its crash regressions, then
 # a few seconds of new inputs from its seed corpus (scripts/fuzz.sh campaign is the long run).

@@ -1,24 +1,10 @@
 //! A short random fault campaign with fixed seeds: the demo's real sidecars and trainers, faults
 //! drawn from each seed, every invariant checked after each fault and at the end.
 //!
-//! The trainers and sidecars are the `hotstart` binary, built first (`cargo build -p hotstart`,
-//! a no-op when it is fresh) into the same target directory as this test.
+//! The trainers and sidecars are this package's `hotstart` binary, the one Cargo builds for
+//! every test of the workspace.
 
 use std::path::PathBuf;
-use std::process::Command;
-
-fn hotstart() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    // target/<profile>/deps/<test> → target/<profile>/hotstart
-    let bin = exe.parent().unwrap().parent().unwrap().join("hotstart");
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "-p", "hotstart", "--bin", "hotstart"])
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .status()
-        .unwrap();
-    assert!(status.success(), "building the hotstart binary failed");
-    bin
-}
 
 /// Seeds 1, 2 and 3, 15 faults each, every invariant checked at least once and every kind of
 /// fault injected by one of them. Seed 1 once saw
@@ -27,7 +13,7 @@ fn hotstart() -> PathBuf {
 /// abandoned at the restore). Replay one with `hotstart demo --chaos 15 --seed S`.
 #[test]
 fn fixed_seed_campaigns_break_no_invariant() {
-    let exe = hotstart();
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_hotstart"));
     let mut kinds = std::collections::BTreeSet::new();
     for seed in [1u64, 2, 3] {
         let dir = tempfile_dir(seed);
