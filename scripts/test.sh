@@ -28,21 +28,28 @@ export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
 section "cargo fmt --check"
 cargo fmt --all -- --check
 
-section "cargo clippy"
-cargo clippy --workspace --all-targets -- -D warnings
-# The GPU path builds everywhere (cudarc loads the driver at run time).
-cargo clippy -p hotstart-ckpt --features cuda --all-targets -- -D warnings
+# Clippy's lints run inside the test build: clippy-driver compiles the workspace's own crates
+# (RUSTC_WORKSPACE_WRAPPER, as `cargo clippy` sets it), so the dependencies are built once rather
+# than checked for clippy and built again for the tests. Exported, so that the later builds of
+# the workspace (maturin, the GPU check's bundle in pytest) find the same artifacts.
+export RUSTC_WORKSPACE_WRAPPER="$(rustc --print sysroot)/bin/clippy-driver"
 
 # With the `cuda` feature, as the Python package and the GPU check's bundle are built. Without a
-# driver the code runs as on any machine without a GPU (the CUDA tests skip, saying so), and the
-# GPU check's build in pytest finds the workspace already built instead of compiling it again.
+# driver the code runs as on any machine without a GPU (the CUDA tests skip, saying so).
+section "cargo test: build, clippy's lints as errors"
+cargo test --workspace --features hotstart-ckpt/cuda --no-run --message-format=json \
+    | python3 scripts/lints.py
+# The code that stands in for the GPU path in a build without the feature.
+cargo clippy -p hotstart-ckpt --all-targets -- -D warnings
+
 section "cargo test"
 cargo test --workspace --features hotstart-ckpt/cuda
 
 # Every parser of bytes from outside the process, fuzzed briefly: its crash regressions, then
 # a few seconds of new inputs from its seed corpus (scripts/fuzz.sh campaign is the long run).
+# The targets are a workspace of their own, instrumented, and compiled by plain rustc.
 section "fuzz: a short pass over every target"
-bash scripts/fuzz.sh run "${HOTSTART_FUZZ_SECONDS:-6}"
+env -u RUSTC_WORKSPACE_WRAPPER bash scripts/fuzz.sh run "${HOTSTART_FUZZ_SECONDS:-6}"
 
 # The Python package: build the extension (with the cuda feature, see bindings/pyproject.toml)
 # into .venv, then run its tests against it. GPU tests skip, saying so, without a GPU.
