@@ -7,7 +7,7 @@
 #   scripts/fuzz.sh run [SECONDS] [TARGET...]   each target's regressions, then SECONDS (default
 #                                               20) of fuzzing from its seeds; the CI pass. It
 #                                               builds the `smoke` profile (fuzz/Cargo.toml):
-#                                               half the build time, fewer executions a second
+#                                               a shorter build, fewer executions a second
 #   scripts/fuzz.sh campaign [RUNS] [TARGET...] RUNS executions per target (default 10000000),
 #                                               two targets at a time; a summary per target in
 #                                               target/fuzz/campaign/<target>.log
