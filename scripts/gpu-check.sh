@@ -50,8 +50,8 @@ build() {
     rm -rf "$out"
     mkdir -p "$out/bin" "$out/wheel"
     # Every part is built with the workspace's feature set, the one `cargo test --workspace`
-    # uses, plus CUDA: the dependencies are compiled once for all of them (and, with the dev
-    # profile, not at all after `cargo test`).
+    # uses, plus CUDA (the wheel through bindings' `workspace-features`): the dependencies are
+    # compiled once for all of them (and, with the dev profile, not at all after `cargo test`).
     local scope=(--profile "$profile" --workspace --features hotstart-ckpt/cuda)
     echo "==> CUDA tests of hotstart-ckpt ($profile, --features cuda)" >&2
     local exe
@@ -72,7 +72,8 @@ for line in sys.stdin:
     echo "==> wheel of the Python package (abi3, CUDA path built in)" >&2
     local maturin="maturin"
     [ -x "$root/.venv/bin/maturin" ] && maturin="$root/.venv/bin/maturin"
-    (cd bindings && "$maturin" build --profile "$profile" --strip --quiet --out "$out/wheel" >&2)
+    (cd bindings && "$maturin" build --profile "$profile" --features cuda,workspace-features \
+        --strip --quiet --out "$out/wheel" >&2)
     cp scripts/gpu_check.py scripts/gpu-check.sh examples/torchrun/train.py "$out/"
     local size
     size="$(du -sb "$out" | cut -f1)"

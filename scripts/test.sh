@@ -53,8 +53,10 @@ env -u RUSTC_WORKSPACE_WRAPPER bash scripts/fuzz.sh run "${HOTSTART_FUZZ_SECONDS
 
 # The Python package: build the extension (with the cuda feature, see bindings/pyproject.toml)
 # into .venv, then run its tests against it. GPU tests skip, saying so, without a GPU.
+# `workspace-features` (bindings/Cargo.toml) lets it reuse the test build's dependencies.
 section "python: maturin develop"
-(cd bindings && VIRTUAL_ENV="$ROOT/.venv" PATH="$ROOT/.venv/bin:$PATH" maturin develop)
+(cd bindings && VIRTUAL_ENV="$ROOT/.venv" PATH="$ROOT/.venv/bin:$PATH" \
+    maturin develop --features cuda,workspace-features)
 
 section "pytest"
 .venv/bin/python -m pytest bindings/tests -q -rs --durations=12
