@@ -76,7 +76,9 @@ pub struct EngineConfig {
     pub uring: UringConfig,
     /// How the store tier stripes uploads and reads.
     pub stripe: StripeConfig,
-    /// Extra attempts after a transient store error.
+    /// Extra attempts after a transient store error: a short read, a local directory's
+    /// interrupted I/O. A remote store's client retries its own requests, within
+    /// [`hotstart_store::REMOTE_RETRY_FOR`]; what fails after that is not retried again.
     pub store_retries: u32,
     /// First delay between store attempts; doubled each time.
     pub retry_backoff: Duration,

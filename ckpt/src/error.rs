@@ -211,7 +211,8 @@ impl Error {
         }
     }
 
-    /// True for store errors that may succeed when retried.
+    /// True for store errors that may succeed when retried
+    /// ([`hotstart_store::Error::is_transient`]).
     pub fn is_transient(&self) -> bool {
         match self.root() {
             Error::Store { source, .. } => source.is_transient(),

@@ -206,6 +206,61 @@ fn transient_failure_is_retried() {
     );
 }
 
+/// A remote store that answers every request with 503: its client retries each request for a
+/// bounded time and the engine does not retry that again, so one listing costs at most
+/// `1 + REMOTE_RETRIES` requests (not that many again per engine retry) and ends in
+/// `Unavailable` naming the store tier.
+#[test]
+fn a_store_outage_is_retried_once_by_its_client_then_reported() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let seen = requests.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                head.push(byte[0]);
+            }
+            if head.starts_with(b"GET ") {
+                seen.fetch_add(1, Ordering::SeqCst);
+            }
+            let _ = conn.write_all(
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+            );
+        }
+    });
+    let option = |k: &str, v: &str| (k.to_string(), v.to_string());
+    let store = Store::open_with(
+        "s3://down/runs",
+        &[
+            option("aws_endpoint", &endpoint),
+            option("aws_allow_http", "true"),
+            option("aws_region", "us-east-1"),
+            option("aws_access_key_id", "k"),
+            option("aws_secret_access_key", "s"),
+        ],
+    )
+    .unwrap();
+    let engine = engine(config("j").store(store));
+    match engine.steps() {
+        Err(Error::Unavailable { tier, .. }) => assert_eq!(tier, TierKind::Store),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // The client stops at REMOTE_RETRIES, or earlier once REMOTE_RETRY_FOR has passed; an
+    // engine that retried the listing too would have sent up to three times as many.
+    let sent = requests.load(Ordering::SeqCst);
+    assert!(
+        (2..=1 + hotstart_store::REMOTE_RETRIES).contains(&sent),
+        "{sent} listing requests"
+    );
+}
+
 #[test]
 fn damaged_manifests_are_not_complete() {
     let disk = tempfile::tempdir().unwrap();

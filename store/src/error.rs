@@ -124,14 +124,18 @@ impl Error {
         matches!(self.root(), Error::NotFound { .. })
     }
 
-    /// True for errors that may succeed when retried (network trouble, throttling, 5xx), false for
-    /// errors that will fail again (not found, corrupt data, bad input).
+    /// True for errors that a caller may retry with success, false for errors that will fail
+    /// again (not found, corrupt data, bad input) and for a remote store's failed requests: its
+    /// client already retried those (network trouble, throttling, 5xx) for as long as
+    /// [`crate::REMOTE_RETRY_FOR`] allows, so retrying them again would only make an outage take
+    /// several times that to surface.
     pub fn is_transient(&self) -> bool {
         match self.root() {
-            Error::Store { source, .. } => matches!(
-                source,
-                object_store::Error::Generic { .. } | object_store::Error::JoinError { .. }
-            ),
+            Error::Store { source, .. } => match source {
+                object_store::Error::Generic { store, .. } => !REMOTE_CLIENTS.contains(store),
+                object_store::Error::JoinError { .. } => true,
+                _ => false,
+            },
             Error::Truncated { .. } => true,
             Error::Io { source, .. } => matches!(
                 source.kind(),
@@ -141,6 +145,9 @@ impl Error {
         }
     }
 }
+
+/// The backends whose client retries its own requests (`object_store`'s names for them).
+const REMOTE_CLIENTS: [&str; 4] = ["S3", "GCS", "MicrosoftAzure", "HTTP"];
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

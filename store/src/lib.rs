@@ -35,7 +35,7 @@ pub use error::{Error, Result};
 pub use lru::LruIndex;
 pub use striped::{StripeConfig, StripedReader, StripedWriter};
 pub use tree::{Entry, EntryKind, MaterializeOptions, MaterializeStats, Tree};
-pub use url::{ObjectInfo, Store, StoreUrl};
+pub use url::{ObjectInfo, REMOTE_MAX_BACKOFF, REMOTE_RETRIES, REMOTE_RETRY_FOR, Store, StoreUrl};
 
 /// Re-exported so that users of this crate name the same `object_store` version.
 pub use object_store;

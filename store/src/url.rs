@@ -184,11 +184,37 @@ fn open_s3(url: &str, bucket: &str, options: &[(String, String)]) -> Result<Arc<
     if !chosen && over_tls(endpoint.as_deref()) {
         builder = builder.with_unsigned_payload(true);
     }
-    let s3 = builder.build().map_err(|e| Error::InvalidUrl {
-        url: url.to_string(),
-        reason: e.to_string(),
-    })?;
+    let s3 = builder
+        .with_retry(remote_retry())
+        .build()
+        .map_err(|e| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
     Ok(Arc::new(s3))
+}
+
+/// A remote store's client retries a request that failed on the way (a refused or dropped
+/// connection, a 5xx, 429 or 408 answer, a read that timed out) at most this many times...
+pub const REMOTE_RETRIES: usize = 10;
+/// ... with jittered backoff that starts at 100 ms and grows to at most this...
+pub const REMOTE_MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
+/// ... and not once this long has passed since its first attempt. What outlasts that reaches
+/// the caller, which does not retry it again ([`Error::is_transient`]): a store that refuses
+/// connections is reported in a few seconds, one that answers errors in at most this plus the
+/// last request's time, never minutes.
+pub const REMOTE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
+fn remote_retry() -> object_store::RetryConfig {
+    object_store::RetryConfig {
+        backoff: object_store::BackoffConfig {
+            max_backoff: REMOTE_MAX_BACKOFF,
+            ..Default::default()
+        },
+        max_retries: REMOTE_RETRIES,
+        retry_timeout: REMOTE_RETRY_FOR,
+    }
 }
 
 /// Whether requests to this S3 endpoint go over TLS (no endpoint: AWS itself, over https).
@@ -216,6 +242,7 @@ fn open_s3(
 fn open_gcs(url: &str, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     let gcs = object_store::gcp::GoogleCloudStorageBuilder::from_env()
         .with_bucket_name(bucket)
+        .with_retry(remote_retry())
         .build()
         .map_err(|e| Error::InvalidUrl {
             url: url.to_string(),
@@ -233,6 +260,7 @@ fn open_gcs(url: &str, _bucket: &str) -> Result<Arc<dyn ObjectStore>> {
 fn open_azure(url: &str, container: &str) -> Result<Arc<dyn ObjectStore>> {
     let az = object_store::azure::MicrosoftAzureBuilder::from_env()
         .with_container_name(container)
+        .with_retry(remote_retry())
         .build()
         .map_err(|e| Error::InvalidUrl {
             url: url.to_string(),

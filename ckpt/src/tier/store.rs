@@ -6,9 +6,12 @@
 //! PUT after the file's upload completed. Both are atomic in the store (a completed multipart
 //! upload or a single PUT), so a reader never sees a torn object.
 //!
-//! Transient errors ([`hotstart_store::Error::is_transient`]) are retried with exponential
-//! backoff: `retries` more attempts, `backoff`, `2 * backoff`, ... between them; each attempt of
-//! the file starts a fresh upload (the failed one is aborted by the writer). Reads are ranged
+//! Transient errors ([`hotstart_store::Error::is_transient`]: a short read, a local directory's
+//! interrupted I/O) are retried with exponential backoff: `retries` more attempts, `backoff`,
+//! `2 * backoff`, ... between them; each attempt of the file starts a fresh upload (the failed
+//! one is aborted by the writer). A remote store's failed requests are not among them: its
+//! client retried each already, and retrying the whole operation again would multiply the time
+//! an outage takes to surface. Reads are ranged
 //! GETs through a [`StripedReader`] of known size, parallel by stripe.
 
 use std::future::Future;
