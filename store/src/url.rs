@@ -184,14 +184,7 @@ fn open_s3(url: &str, bucket: &str, options: &[(String, String)]) -> Result<Arc<
     if !chosen && over_tls(endpoint.as_deref()) {
         builder = builder.with_unsigned_payload(true);
     }
-    let s3 = builder
-        .with_retry(remote_retry())
-        .build()
-        .map_err(|e| Error::InvalidUrl {
-            url: url.to_string(),
-            reason: e.to_string(),
-        })?;
-    Ok(Arc::new(s3))
+    built(url, builder.with_retry(remote_retry()).build())
 }
 
 /// A remote store's client retries a request that failed on the way (a refused or dropped
@@ -204,6 +197,19 @@ pub const REMOTE_MAX_BACKOFF: std::time::Duration = std::time::Duration::from_se
 /// connections is reported in a few seconds, one that answers errors in at most this plus the
 /// last request's time, never minutes.
 pub const REMOTE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A remote store's client as built, or why it could not be.
+#[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
+fn built<S: ObjectStore>(
+    url: &str,
+    client: object_store::Result<S>,
+) -> Result<Arc<dyn ObjectStore>> {
+    let client = client.map_err(|e| Error::InvalidUrl {
+        url: url.to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(Arc::new(client))
+}
 
 #[cfg(any(feature = "aws", feature = "gcp", feature = "azure"))]
 fn remote_retry() -> object_store::RetryConfig {
@@ -243,12 +249,8 @@ fn open_gcs(url: &str, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     let gcs = object_store::gcp::GoogleCloudStorageBuilder::from_env()
         .with_bucket_name(bucket)
         .with_retry(remote_retry())
-        .build()
-        .map_err(|e| Error::InvalidUrl {
-            url: url.to_string(),
-            reason: e.to_string(),
-        })?;
-    Ok(Arc::new(gcs))
+        .build();
+    built(url, gcs)
 }
 
 #[cfg(not(feature = "gcp"))]
@@ -261,12 +263,8 @@ fn open_azure(url: &str, container: &str) -> Result<Arc<dyn ObjectStore>> {
     let az = object_store::azure::MicrosoftAzureBuilder::from_env()
         .with_container_name(container)
         .with_retry(remote_retry())
-        .build()
-        .map_err(|e| Error::InvalidUrl {
-            url: url.to_string(),
-            reason: e.to_string(),
-        })?;
-    Ok(Arc::new(az))
+        .build();
+    built(url, az)
 }
 
 #[cfg(not(feature = "azure"))]
