@@ -335,6 +335,13 @@ class Campaign:
         with hotstart.Checkpointer(job=JOB, **(where or self.where())) as ck:
             return ck.latest_step(below=below)
 
+    def newest_in_files(self) -> Optional[int]:
+        """The newest step whose manifest (the commit) is on the disk or in the store, read from
+        the files themselves rather than through hotstart."""
+        steps = [int(m.parent.name.removeprefix("step-"))
+                 for d in (self.disk, self.store) for m in (d / JOB).glob("step-*/rank-0.manifest.json")]
+        return max(steps, default=None)
+
     def restart(self, expect: Optional[int], *, before: Any = None) -> Dict[str, Any]:
         """Starts the trainer again (after `before`, while it waits) and checks its resume."""
         assert self.trainer is None or self.trainer.proc.poll() is not None
@@ -374,7 +381,13 @@ class Campaign:
 
     def f_kill(self) -> None:
         self.kill()
-        self.restart(self.newest())
+        newest, in_files = self.newest(), self.newest_in_files()
+        # hotstart's answer against the files: the same step with the engine's own tiers; with a
+        # sidecar, whose memory may hold a step it has not persisted yet, never an older one.
+        if in_files is not None and (newest is None or newest < in_files) or (
+                self.mode == "own" and newest != in_files):
+            raise CampaignError(f"latest_step() says {newest}, the files' newest commit is {in_files}")
+        self.restart(newest)
 
     def f_store_outage(self) -> None:
         assert self.trainer is not None
@@ -444,15 +457,17 @@ class Campaign:
     def f_corrupt_one(self) -> None:
         self.kill_all()
         newest = self.newest()
-        f = self.newest_file()
+        step = self.store / JOB / f"step-{newest}"
+        # The disk's copy, mended by the store's where the store got the step; where the disk
+        # missed the step (full), the store's copy, which nothing mends.
+        f = self.newest_file() or step / "rank-0.safetensors"
+        if not f.exists():
+            raise CampaignError(f"step {newest} is the newest, but no tier holds its file")
+        self.flip(f, self.rng.randrange(N * 8 // CHUNK))
         expect = newest
-        if f is not None:
-            self.flip(f, self.rng.randrange(N * 8 // CHUNK))
-            # The store's copy mends the chunk, where the store got the step.
-            good = self.store / JOB / f"step-{newest}" / "rank-0.manifest.json"
-            if not good.exists():
-                expect = self.newest(below=newest)
-                self.report.went_back += 1
+        if f.is_relative_to(self.store) or not (step / "rank-0.manifest.json").exists():
+            expect = self.newest(below=newest)
+            self.report.went_back += 1
         self.restart(expect)
 
     def f_corrupt_all(self) -> None:

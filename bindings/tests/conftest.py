@@ -299,10 +299,16 @@ class Sidecar:
             return False
 
     def metric(self, name: str, labels: str) -> float:
+        """The sample of `name` with `labels`; 0 when that label set has no sample yet, an error
+        when the sidecar exports no such metric at all (a renamed metric must not read as 0)."""
         with urllib.request.urlopen(self.http + "/metrics", timeout=5) as r:
             text = r.read().decode()
         m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
+        if m:
+            return float(m.group(1))
+        if not re.search(rf"^# TYPE {re.escape(name)} ", text, re.M):
+            raise AssertionError(f"the sidecar exports no metric {name}")
+        return 0.0
 
     def again(self, tmp: Path) -> "Sidecar":
         """The same node started anew (its memory empty; its disk kept)."""

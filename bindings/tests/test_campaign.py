@@ -21,5 +21,5 @@ def test_a_campaign_of_faults_through_the_python_api_breaks_no_invariant() -> No
     except campaign.CampaignError as e:
         raise AssertionError(f"campaign with HOTSTART_CAMPAIGN_SEED={seed}: {e}") from e
     print(report.line())
-    assert sum(report.faults.values()) == faults
-    assert report.restarts > 0 and len(report.faults) >= 8, report.line()
+    # Every kind drawn, with its effect: restarts checked, bytes flipped and detected.
+    assert report.restarts > 0 and report.flipped > 0 and len(report.faults) >= 8, report.line()

@@ -216,18 +216,22 @@ def test_peers_killed_while_a_job_reshards_from_them_leave_it_bit_exact(tmp_path
         env["OMP_NUM_THREADS"] = "1"
         job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         out = []
+        killed = False
         assert job.stdout is not None
         for line in job.stdout:
             out.append(line)
-            if line.startswith("at ready "):
+            if line.startswith("at ready ") and not killed:
                 for n in nodes[1:]:
                     n.proc.send_signal(signal.SIGSTOP)
                 time.sleep(1)
                 for n in nodes[1:]:
                     n.kill()
+                killed = True
         _, err = job.communicate(timeout=300)
         text = "".join(out)
         assert job.returncode == 0, f"{text}\n{err}"
+        # The fault happened: both peers were frozen and killed while the rank loaded.
+        assert killed and all(n.proc.returncode == -signal.SIGKILL for n in nodes[1:]), text
         assert resumed(text) == [(4, 1)], text
         assert states(text) == [saved, saved], text
         # One restore of each saved rank, every one through the surviving node, some not from its memory.

@@ -294,24 +294,30 @@ fn borrowed_tensors_and_staging_reuse() {
 fn bad_input_is_refused() {
     let engine = engine(config("job-c").store(Store::open("memory://").unwrap()));
     let t = || Tensor::new("x", Dtype::U8, vec![1], vec![1u8]).unwrap();
-    assert!(engine.save(1, vec![t(), t()], Default::default()).is_err());
-    assert!(Tensor::new("y", Dtype::F32, vec![2], vec![0u8; 7]).is_err());
+    let input = |r: Result<_, Error>, says: &str| match r {
+        Err(Error::Input { step: 1, reason }) => assert!(reason.contains(says), "{reason}"),
+        Err(e) => panic!("expected Input, got {e}"),
+        Ok(_) => panic!("expected Input ({says}), got a save"),
+    };
+    input(
+        engine.save(1, vec![t(), t()], Default::default()),
+        "given twice",
+    );
+    assert!(matches!(
+        Tensor::new("y", Dtype::F32, vec![2], vec![0u8; 7]),
+        Err(Error::Tensor { name, .. }) if name == "y"
+    ));
     assert!(Tensor::new("__metadata__", Dtype::U8, vec![1], vec![0u8]).is_ok());
     let meta = Tensor::new("__metadata__", Dtype::U8, vec![1], vec![0u8]).unwrap();
-    assert!(engine.save(1, vec![meta], Default::default()).is_err());
-    assert!(
-        hotstart_ckpt::Engine::new(
-            EngineConfig::new("../x", 0, 1).store(Store::open("memory://").unwrap())
-        )
-        .is_err()
-    );
-    assert!(
-        hotstart_ckpt::Engine::new(
-            EngineConfig::new("ok", 2, 2).store(Store::open("memory://").unwrap())
-        )
-        .is_err()
-    );
-    assert!(hotstart_ckpt::Engine::new(EngineConfig::new("ok", 0, 1)).is_err());
+    input(engine.save(1, vec![meta], Default::default()), "reserved");
+    let config = |cfg: EngineConfig| match hotstart_ckpt::Engine::new(cfg) {
+        Err(Error::Config { .. }) => {}
+        Err(e) => panic!("expected Config, got {e}"),
+        Ok(_) => panic!("expected Config, got an engine"),
+    };
+    config(EngineConfig::new("../x", 0, 1).store(Store::open("memory://").unwrap()));
+    config(EngineConfig::new("ok", 2, 2).store(Store::open("memory://").unwrap()));
+    config(EngineConfig::new("ok", 0, 1));
 }
 
 /// `Engine::manifest` reads any rank's manifest whatever world size wrote it, which is how a job

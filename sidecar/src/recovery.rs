@@ -7,7 +7,9 @@
 //! holds (verified as it arrives, like every fetch). It is done once every known peer has
 //! answered and every fetch has been tried, or when the recovery timeout runs out (peers that
 //! never answered are logged; their shards are then found at restore time, or on disk or in the
-//! store). A first start, with nothing on any peer, is done as soon as the peers answer.
+//! store). A first start, with nothing on any peer, is done as soon as the peers answer. A
+//! SIGTERM while recovering ends it at once: the sidecar then drains and exits, not waiting for
+//! peers that are not there.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -15,6 +17,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::Core;
+use crate::lifecycle::State;
 use crate::members::Member;
 use crate::memory::ShardKey;
 use crate::metrics::Failure;
@@ -38,6 +41,10 @@ impl Core {
         let mut answered: Vec<String> = Vec::new();
         let mut tried: Vec<ShardKey> = Vec::new();
         loop {
+            if self.life.get() == State::Draining {
+                info!("recovery stopped: the sidecar is shutting down");
+                break;
+            }
             self.probe();
             let members = self.members.up();
             // Newest step held for this node per (job, rank), and who holds it.

@@ -52,5 +52,5 @@ pub use data::pattern;
 pub use http::{Response, get};
 pub use locate::{find_weed, workspace_root};
 pub use net::free_port;
-pub use seaweedfs::{Blob, SeaweedFs};
+pub use seaweedfs::{Blob, SeaweedFs, ci};
 pub use spawn::{run_ok, spawn_tied, terminate};

@@ -134,10 +134,15 @@ impl Cluster {
     /// Starts node `i` (generation `gen` gets a disk directory of its own: a replaced node
     /// starts with an empty disk) and waits until it is ready.
     pub fn start(&self, i: usize, generation: u32) -> Node {
-        let disk = self.dir.path().join(format!("disk-{i}-{generation}"));
-        let node = self.spawn(i, &self.serve_args(i, &disk), true, generation);
+        let node = self.start_unready(i, generation);
         node.wait_ready();
         node
+    }
+
+    /// [`Cluster::start`] without waiting: the node may still be recovering.
+    pub fn start_unready(&self, i: usize, generation: u32) -> Node {
+        let disk = self.dir.path().join(format!("disk-{i}-{generation}"));
+        self.spawn(i, &self.serve_args(i, &disk), true, generation)
     }
 
     /// Spawns `hotstart` with `args` as node `i`; with `token`, in a cluster with the token.
@@ -179,10 +184,7 @@ impl Cluster {
     /// [`Cluster::start_all`] as generation `generation` (empty disks for a new one).
     pub fn start_all_as(&self, generation: u32) -> Vec<Node> {
         let nodes: Vec<Node> = (0..self.size)
-            .map(|i| {
-                let disk = self.dir.path().join(format!("disk-{i}-{generation}"));
-                self.spawn(i, &self.serve_args(i, &disk), true, generation)
-            })
+            .map(|i| self.start_unready(i, generation))
             .collect();
         for n in &nodes {
             n.wait_ready();
@@ -259,7 +261,7 @@ impl Node {
     }
 
     /// SIGTERM, then waits for the exit (watchdog: SIGKILL and panic).
-    pub fn sigterm(&mut self) -> (ExitStatus, Duration) {
+    pub fn sigterm(&mut self) -> ExitStatus {
         let mut c = self.child.take().expect("running");
         let pid = libc::pid_t::try_from(c.id()).expect("pid");
         let t = Instant::now();
@@ -267,7 +269,7 @@ impl Node {
         unsafe { libc::kill(pid, libc::SIGTERM) };
         loop {
             if let Some(status) = c.try_wait().expect("wait") {
-                return (status, t.elapsed());
+                return status;
             }
             if t.elapsed() > WATCHDOG {
                 let _ = c.kill();

@@ -58,6 +58,10 @@ const TESTS: &[Test] = &[
         "sigterm_reports_what_was_not_persisted",
         drain::sigterm_reports_what_was_not_persisted,
     ),
+    (
+        "sigterm_while_recovering_ends_the_recovery",
+        drain::sigterm_while_recovering_ends_the_recovery,
+    ),
 ];
 
 fn main() -> ExitCode {
