@@ -588,6 +588,26 @@ impl Committed {
         seal_for_good(self.0.seg.as_fd())
     }
 
+    /// [`Committed::seal`], waiting up to `wait` for writable mappings to go: a training
+    /// process that was killed right after it committed still maps the segment until the
+    /// kernel has torn its memory down, which can end after its parent reaped it (another
+    /// holder of its address space, such as a reader of its `/proc` files, lets go later).
+    /// A process that keeps the mapping is still refused (`EBUSY`) once `wait` has passed.
+    pub fn seal_within(&self, wait: std::time::Duration) -> io::Result<()> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match self.seal() {
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EBUSY)
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// Whether the segment is sealed for good (and so never recycled).
     pub fn is_sealed(&self) -> bool {
         seals(self.0.seg.as_fd()).is_ok_and(|s| s & SEALED == SEALED)
@@ -766,6 +786,31 @@ mod tests {
         assert!(other.map_writable().is_err());
         let reopened = Sealed::open(other.as_fd().try_clone_to_owned().unwrap(), 3 * 4096).unwrap();
         assert_eq!(reopened.bytes(), sealed.bytes());
+    }
+
+    #[test]
+    fn a_committed_segment_is_sealed_once_its_last_writer_lets_go() {
+        let seg = Segment::create("test", 8192, None).unwrap();
+        let w = seg.map_writable().unwrap();
+        // SAFETY: ours alone.
+        unsafe { std::ptr::write_bytes(w.as_ptr(), 3, 8192) };
+        let committed = seg.commit().unwrap();
+        // A writer that stays: refused once the wait is over.
+        let err = committed
+            .seal_within(std::time::Duration::from_millis(50))
+            .unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EBUSY), "{err}");
+        assert!(!committed.is_sealed());
+        // A writer that lets go within the wait (a killed process torn down): sealed.
+        let gone = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(w);
+        });
+        committed
+            .seal_within(std::time::Duration::from_secs(10))
+            .unwrap();
+        gone.join().unwrap();
+        assert!(committed.is_sealed());
     }
 
     #[test]

@@ -55,6 +55,10 @@ use hotstart_proto::shm::Segment;
 /// How long a restore waits for the object store to list a job.
 const STORE_LIST_DEADLINE: Duration = Duration::from_secs(10);
 
+/// How long a restore waits for a process that still maps a committed segment writable (see
+/// `Core::seal_to_hand_out`).
+const SEAL_WAIT: Duration = Duration::from_secs(5);
+
 /// A restore's answer.
 #[derive(Debug)]
 pub(crate) struct Served {
@@ -398,11 +402,32 @@ impl Core {
     }
 
     /// Seals a shard in memory for good before its segment is handed to a training process
-    /// (see `super::shm`). One that a process still maps writable (it committed without
-    /// unmapping) cannot be trusted: it leaves the memory tier, and the restore goes on to the
-    /// next tier.
+    /// (see `super::shm`). The seal fails (`EBUSY`) while a process maps the segment writable
+    /// (a trainer killed right after its commit, until the kernel has torn it down: its
+    /// replacement often asks sooner) or I/O in flight pins its pages (this sidecar's own
+    /// `O_DIRECT` persistence of the step). So a restore waits: [`SEAL_WAIT`] for the first,
+    /// and for as long as this sidecar's persistence or replication still reads the shard (up
+    /// to `--stage-timeout`). One that keeps a writable mapping (it committed without
+    /// unmapping) cannot be trusted: the shard leaves the memory tier, and the restore goes on
+    /// to the next tier.
     fn seal_to_hand_out(&self, shard: &Arc<Shard>) -> bool {
-        match shard.seg.seal() {
+        let started = Instant::now();
+        // Held besides by the index and this restore: read by a persistence or a replication.
+        let read_here = || Arc::strong_count(shard) > 2 || Arc::strong_count(&shard.seg) > 1;
+        let sealed = loop {
+            match shard.seg.seal_within(SEAL_WAIT) {
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EBUSY)
+                        && read_here()
+                        && started.elapsed() < self.cfg.stage_timeout => {}
+                done => break done,
+            }
+        };
+        if started.elapsed() > Duration::from_millis(100) {
+            info!(shard = %shard.key, seconds = started.elapsed().as_secs_f64(),
+                "the restore waited for the step's segment to be sealed");
+        }
+        match sealed {
             Ok(()) => true,
             Err(e) => {
                 self.metrics.failed(Failure::Restore);
