@@ -27,6 +27,7 @@ pub enum CkptCommand {
     Show {
         #[command(flatten)]
         at: Location,
+        /// The job: the name its trainers gave (`Checkpointer(job=...)`), a folder under STORE.
         #[arg(long)]
         job: String,
         /// The step (default: the newest complete one).
@@ -39,6 +40,7 @@ pub enum CkptCommand {
     Verify {
         #[command(flatten)]
         at: Location,
+        /// The job: the name its trainers gave (`Checkpointer(job=...)`), a folder under STORE.
         #[arg(long)]
         job: String,
         /// Only this step (default: every complete step).
@@ -51,6 +53,7 @@ pub enum CkptCommand {
     Gc {
         #[command(flatten)]
         at: Location,
+        /// The job: the name its trainers gave (`Checkpointer(job=...)`), a folder under STORE.
         #[arg(long)]
         job: String,
         /// Complete steps to keep (0 keeps them all, as everywhere else).
@@ -61,7 +64,9 @@ pub enum CkptCommand {
 
 #[derive(Debug, Args)]
 pub struct Location {
-    /// A store URL (s3://bucket/prefix, file:///path, ...) or a local disk-tier directory.
+    /// A store URL (s3://bucket/prefix, file:///path, ...) or a local disk-tier directory: the
+    /// `--store` or `--disk-dir` the trainers or their sidecar were given, which holds one folder
+    /// per job.
     store: String,
 }
 

@@ -87,6 +87,14 @@ fn progress_bar(total: Option<u64>) -> ProgressBar {
     bar
 }
 
+/// The key of `name` inside the folder `key` ("" is the store's root).
+fn into_folder(key: &str, name: &str) -> String {
+    match key.trim_matches('/') {
+        "" => name.to_string(),
+        folder => format!("{folder}/{name}"),
+    }
+}
+
 fn file_name(path: &str) -> &str {
     path.trim_end_matches('/')
         .rsplit('/')
@@ -100,9 +108,8 @@ async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
         (false, true) => {
             let mut obj = ObjectUrl::parse(dst)?;
             if obj.key.is_empty() || dst.ends_with('/') {
-                obj.key = format!("{}{}", obj.key, file_name(src))
-                    .trim_start_matches('/')
-                    .to_string();
+                // The parsed key of `s3://b/run-42/` has lost its final '/'.
+                obj.key = into_folder(&obj.key, file_name(src));
             }
             let len = std::fs::metadata(src)
                 .with_context(|| format!("cannot read {src}"))?
@@ -134,7 +141,10 @@ async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
             bail!("copy between two stores is not supported; copy through a local file")
         }
         (false, false) => {
-            bail!("neither {src} nor {dst} is a store URL; use cp(1) for local copies")
+            bail!(
+                "neither {src} nor {dst} is a store URL: for a store in a local directory give \
+                 it as file:///absolute/path/, or use cp(1) for a local copy"
+            )
         }
     };
     let secs = start.elapsed().as_secs_f64();
@@ -150,6 +160,12 @@ async fn ls(url: &str) -> anyhow::Result<()> {
         let obj = ObjectUrl::parse(url)?;
         (obj.store, obj.key, obj.base)
     } else {
+        // Opening a directory store creates it: listing one that is not there is a mistake.
+        if !Path::new(url).is_dir() {
+            bail!(
+                "{url} is not a directory; give a store URL (s3://bucket/prefix/) or a directory"
+            );
+        }
         (
             hotstart_store::Store::open(url)?,
             String::new(),

@@ -27,12 +27,29 @@ fn round_trip(base_url: &str, env: &[(String, String)], work: &Path) {
     with_env(&mut up);
     run_ok(&mut up);
 
+    // Into a folder: a URL ending in '/' keeps the file's name, inside that folder.
+    let mut into = hotstart();
+    into.args(["store", "cp"])
+        .arg(&src)
+        .arg(format!("{base_url}/runs/folder/"));
+    with_env(&mut into);
+    run_ok(&mut into);
+
     let mut ls = hotstart();
     ls.args(["store", "ls", &format!("{base_url}/runs/")]);
     with_env(&mut ls);
     let listing = run_ok(&mut ls);
-    assert!(listing.contains("model.bin"), "{listing}");
-    assert!(listing.contains(&data.len().to_string()), "{listing}");
+    let line = |key: &str| {
+        listing
+            .lines()
+            .find(|l| l.ends_with(&format!("/{key}")))
+            .unwrap_or_else(|| panic!("{key} is not listed: {listing}"))
+            .to_string()
+    };
+    for key in ["runs/model.bin", "runs/folder/model.bin"] {
+        assert!(line(key).contains(&data.len().to_string()), "{listing}");
+    }
+    assert_eq!(listing.lines().count(), 2, "{listing}");
 
     let dst = work.join("back.bin");
     let mut down = hotstart();
@@ -100,4 +117,16 @@ fn bad_input_gets_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not found"), "{err}");
     assert!(!work.path().join("x").exists());
+
+    // Listing a directory that is not there is an error, and does not make it.
+    let missing = work.path().join("nowhere");
+    let out = hotstart()
+        .args(["store", "ls"])
+        .arg(&missing)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not a directory"), "{err}");
+    assert!(!missing.exists());
 }
