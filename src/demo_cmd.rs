@@ -1,7 +1,7 @@
 //! `hotstart demo`: the main job. Thin: flags become a `hotstart_demo::DemoConfig` (or, for the
 //! trainer processes the demo starts, a `TrainerConfig`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
@@ -64,7 +64,8 @@ pub struct DemoArgs {
     #[arg(long, conflicts_with = "chaos")]
     elastic: bool,
     /// Working directory for sockets, disk tiers, logs and the default store [default: a new
-    /// temporary directory, removed at the end unless --keep].
+    /// temporary directory, removed at the end unless --keep; one that an interrupted demo
+    /// left behind is removed by the next demo].
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Keep the working directory (logs, disk tiers, store) at the end.
@@ -168,9 +169,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let (dir, temp) = match &args.dir {
         Some(d) => (d.clone(), None),
         None => {
+            let parent = Path::new("/var/tmp");
+            remove_interrupted(parent);
             let t = tempfile::Builder::new()
-                .prefix("hotstart-demo-")
-                .tempdir_in("/var/tmp")
+                .prefix(&format!("{TEMP_PREFIX}{}-", std::process::id()))
+                .tempdir_in(parent)
                 .or_else(|_| tempfile::tempdir())
                 .context("create the demo's working directory")?;
             (t.path().to_path_buf(), Some(t))
@@ -216,6 +219,64 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How the demo's own working directories are named: this, the demo's process id, `-`, and a
+/// random tail.
+const TEMP_PREFIX: &str = "hotstart-demo-";
+
+/// Removes the working directories under `parent` that demos no longer running left behind
+/// (stopped by a signal, which skips the removal at the end), unmounting the disk tiers a
+/// chaos run mounted there first. Each one removed is said on stderr.
+fn remove_interrupted(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for dir in entries.flatten().map(|e| e.path()) {
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let Some(pid) = name
+            .strip_prefix(TEMP_PREFIX)
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: kill(2) with signal 0 only checks that the process exists.
+        let running = unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+        if running || !dir.is_dir() {
+            continue;
+        }
+        for mount in mounts_under(&dir) {
+            if let Ok(target) = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes()) {
+                // SAFETY: a NUL-terminated path that outlives the call.
+                unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => eprintln!(
+                "hotstart demo: removed {}, left by an interrupted demo",
+                dir.display()
+            ),
+            Err(e) => eprintln!(
+                "hotstart demo: cannot remove {}, left by an interrupted demo: {e}",
+                dir.display()
+            ),
+        }
+    }
+}
+
+/// The mount points at or under `dir`, deepest first.
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut found: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    found.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    found
+}
+
 /// `hotstart demo --chaos N`: the campaign, its summary, and a failure naming the seed when an
 /// invariant broke (the working directory is then kept).
 fn chaos(
@@ -259,4 +320,31 @@ fn chaos(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_directories_of_demos_no_longer_running_are_removed() {
+        let parent = tempfile::tempdir().unwrap();
+        let mut exited = std::process::Command::new("true").spawn().unwrap();
+        exited.wait().unwrap();
+        let gone = parent
+            .path()
+            .join(format!("{TEMP_PREFIX}{}-abc", exited.id()));
+        let running = parent
+            .path()
+            .join(format!("{TEMP_PREFIX}{}-def", std::process::id()));
+        let other = parent.path().join("hotstart-demo-notapid");
+        for d in [&gone, &running, &other] {
+            std::fs::create_dir_all(d.join("node-0")).unwrap();
+            std::fs::write(d.join("node-0/log"), b"x").unwrap();
+        }
+        remove_interrupted(parent.path());
+        assert!(!gone.exists());
+        assert!(running.join("node-0/log").is_file());
+        assert!(other.join("node-0/log").is_file());
+    }
 }
