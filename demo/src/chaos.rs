@@ -780,7 +780,7 @@ pub fn table(s: &ChaosSummary) -> String {
             k, f.injected, f.recovered, f.p50_seconds, f.p99_seconds, f.max_seconds
         ));
     }
-    line("(recovery: restarts, from the fault to every rank's state restored; store outage, full disk and partition, from the store's return, the disk freed or the links healed to a newer step in that tier for every rank; slow trainer, from its continuing to a newer step in every rank's memory)".into());
+    line("(recovery: restarts, from the fault to every rank's state restored; store outage, full disk and partition, from the store's return, the disk freed or the links healed to a newer step in that tier for every rank; slow trainer, from its continuing to a newer step in every rank's memory; a fault whose restart the next fault struck at once has no recovery of its own, hence recovered < injected: the next one's covers both)".into());
     for (k, why) in &s.not_drawn {
         line(format!("not drawn: {k} ({why})"));
     }
