@@ -194,7 +194,7 @@ pub fn table(s: &Summary) -> String {
                 if f.exact { "yes" } else { "NO" },
                 if f.replayed_steps > 0 {
                     format!(
-                        "; {} steps trained again, every loss equal",
+                        "; {} steps trained again, summed over the ranks, every loss equal",
                         f.replayed_steps
                     )
                 } else {

@@ -84,7 +84,8 @@ pub struct FaultReport {
     /// Every restored state equals the state saved, and every step trained again gave the same
     /// loss.
     pub exact: bool,
-    /// Losses of steps trained again after this restore, all compared bit for bit.
+    /// Losses of steps trained again after this restore, summed over the ranks, all compared
+    /// bit for bit.
     pub replayed_steps: u64,
 }
 
@@ -306,7 +307,8 @@ impl Demo {
             f.replayed_steps = replayed;
         }
         self.view.say(format!(
-            "{replayed} steps trained again after the restore: every loss equal to the bit"
+            "{replayed} steps trained again after the restore (summed over the ranks): every loss \
+             equal to the bit"
         ));
         Ok(())
     }
