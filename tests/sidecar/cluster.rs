@@ -211,6 +211,19 @@ impl Node {
         hotstart_testkit::get(self.http, path, Duration::from_secs(10))
     }
 
+    /// Waits until the log holds `what`; panics with the log if the watchdog fires.
+    pub fn wait_for_log(&self, what: &str) {
+        let deadline = Instant::now() + WATCHDOG;
+        while !self.log().contains(what) {
+            assert!(
+                Instant::now() < deadline,
+                "no {what:?} in the log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Waits for `/readyz`; panics with the log if the process exits or the watchdog fires.
     pub fn wait_ready(&self) {
         let deadline = Instant::now() + WATCHDOG;

@@ -3,13 +3,12 @@
 //! shard as not persisted, and nothing torn reaches the store.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use hotstart_ckpt::{Destination, Engine, EngineConfig, StepSel};
 use hotstart_store::Store;
 use hotstart_testkit::SeaweedFs;
 
-use crate::cluster::{Cluster, WATCHDOG};
+use crate::cluster::Cluster;
 use crate::proxy::{self, Mode};
 use crate::trainer::tensors;
 
@@ -106,11 +105,7 @@ pub fn sigterm_reports_what_was_not_persisted() {
 pub fn sigterm_while_recovering_ends_the_recovery() {
     let cluster = Cluster::new(3);
     let mut node = cluster.start_unready(0, 0);
-    let deadline = Instant::now() + WATCHDOG;
-    while !node.log().contains("to=recovering") {
-        assert!(Instant::now() < deadline, "{}", node.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    node.wait_for_log("to=recovering");
     let status = node.sigterm();
     let log = node.log();
     assert!(status.success(), "{log}");

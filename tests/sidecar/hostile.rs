@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hotstart_ckpt::format::{Layout, Manifest, Region};
 use hotstart_ckpt::{Dtype, Tensor};
@@ -13,7 +13,7 @@ use hotstart_sidecar::PeerMsg;
 use hotstart_sidecar::{ClusterKey, Held, Identity, PeerClient, ShardInfo, auth};
 use hotstart_testkit::pattern;
 
-use crate::cluster::{Cluster, Node, PEER_PORT, TOKEN, WATCHDOG};
+use crate::cluster::{Cluster, Node, PEER_PORT, TOKEN};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -21,18 +21,6 @@ fn tester() -> Identity {
     Identity {
         node: "tester".into(),
         domain: String::new(),
-    }
-}
-
-fn wait_for_log(n: &Node, what: &str) {
-    let deadline = Instant::now() + WATCHDOG;
-    while !n.log().contains(what) {
-        assert!(
-            Instant::now() < deadline,
-            "no {what:?} in the log:\n{}",
-            n.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -124,7 +112,7 @@ pub fn tokens_frames_and_checksums_are_enforced() {
     .expect_err("another token")
     .to_string();
     assert!(err.contains("does not know the cluster token"), "{err}");
-    wait_for_log(n, "peer connection refused");
+    n.wait_for_log("peer connection refused");
     // A client that answers the challenge with a made-up proof is told so.
     let mut c = Conn::new(
         TcpStream::connect(n.peer).expect("connect"),
@@ -150,7 +138,7 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         PeerMsg::Refused { reason } => assert!(reason.contains("token"), "{reason}"),
         other => panic!("{other:?}"),
     }
-    wait_for_log(n, "\"intruder\" does not know the cluster token");
+    n.wait_for_log("\"intruder\" does not know the cluster token");
     // No token at all: a request without the handshake.
     let mut c = Conn::new(
         TcpStream::connect(n.peer).expect("connect"),
@@ -228,7 +216,7 @@ pub fn tokens_frames_and_checksums_are_enforced() {
             .expect("inventory")
             .is_empty()
     );
-    wait_for_log(n, "replica rejected");
+    n.wait_for_log("replica rejected");
     // A manifest that does not describe the shard announced: a protocol violation.
     let mut lying = info.clone();
     lying.len += 1;
