@@ -39,6 +39,7 @@
 
 use std::ffi::CString;
 use std::io;
+use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
@@ -178,10 +179,25 @@ impl Segment {
     /// the node allows, so the copy that fills it takes no page faults and running out of
     /// memory is an error here.
     pub fn create_to_fill(name: &str, len: usize, charge: Option<Charge>) -> io::Result<Filling> {
+        Segment::create_to_fill_ranges(name, len, std::slice::from_ref(&(0..len)), charge)
+    }
+
+    /// [`Segment::create_to_fill`] for a segment of which only `ranges` will be filled (the
+    /// parts of a shard a reader asked a peer for): only their pages are allocated now, and
+    /// the rest stays a hole that costs no memory.
+    pub fn create_to_fill_ranges(
+        name: &str,
+        len: usize,
+        ranges: &[Range<usize>],
+        charge: Option<Charge>,
+    ) -> io::Result<Filling> {
         let seg = Segment::create(name, len, charge)?;
         let map = seg.map_writable()?;
-        if !populate(&map)? {
-            seg.fallocate()?;
+        let ranges = page_ranges(ranges, seg.len);
+        if !populate_over(&map, &ranges, populate_threads())? {
+            for r in &ranges {
+                seg.fallocate(r.clone())?;
+            }
         }
         Ok(Filling { seg, map })
     }
@@ -193,16 +209,24 @@ impl Segment {
         if huge_pages() == HugePages::Advise && populate(&self.map_writable()?)? {
             return Ok(self);
         }
-        self.fallocate()?;
+        self.fallocate(0..self.len)?;
         Ok(self)
     }
 
-    /// Allocates every page with `fallocate` (in small pages under `advise`).
-    fn fallocate(&self) -> io::Result<()> {
-        let size = libc::off_t::try_from(self.len)
-            .map_err(|_| io::Error::other("segment larger than off_t"))?;
+    /// Allocates the pages of `range` with `fallocate` (in small pages under `advise`).
+    fn fallocate(&self, range: Range<usize>) -> io::Result<()> {
+        let off = |n: usize| {
+            libc::off_t::try_from(n).map_err(|_| io::Error::other("segment larger than off_t"))
+        };
         // SAFETY: fallocate on a descriptor this segment owns.
-        cvt(unsafe { libc::fallocate(self.fd.as_raw_fd(), 0, 0, size) })?;
+        cvt(unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                0,
+                off(range.start)?,
+                off(range.end - range.start)?,
+            )
+        })?;
         Ok(())
     }
 
@@ -299,32 +323,64 @@ const POPULATE_BLOCK: usize = 32 << 20;
 fn populate(map: &Mapping) -> io::Result<bool> {
     populate_over(
         map,
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
+        std::slice::from_ref(&(0..map.len())),
+        populate_threads(),
     )
 }
 
-/// [`populate`] over `threads` threads.
-fn populate_over(map: &Mapping, threads: usize) -> io::Result<bool> {
-    let blocks = map.len().div_ceil(POPULATE_BLOCK);
+fn populate_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// `ranges` (ascending, of a segment of `len` bytes) widened to whole pages and merged where
+/// they then meet, as the kernel allocates them.
+fn page_ranges(ranges: &[Range<usize>], len: usize) -> Vec<Range<usize>> {
+    const PAGE: usize = 4096;
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for r in ranges.iter().filter(|r| r.start < r.end.min(len)) {
+        let (start, end) = (
+            r.start / PAGE * PAGE,
+            r.end.min(len).next_multiple_of(PAGE).min(len),
+        );
+        match out.last_mut() {
+            Some(last) if start <= last.end => last.end = last.end.max(end),
+            _ => out.push(start..end),
+        }
+    }
+    out
+}
+
+/// [`populate`] of `ranges` of `map` (page-aligned starts) over `threads` threads.
+fn populate_over(map: &Mapping, ranges: &[Range<usize>], threads: usize) -> io::Result<bool> {
+    let blocks: Vec<(usize, usize)> = ranges
+        .iter()
+        .flat_map(|r| {
+            let end = r.end.min(map.len());
+            (r.start..end)
+                .step_by(POPULATE_BLOCK)
+                .map(move |at| (at, POPULATE_BLOCK.min(end - at)))
+        })
+        .collect();
     let next = AtomicUsize::new(0);
     let start = map.as_ptr() as usize;
     let work = || -> io::Result<bool> {
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= blocks {
+            let Some(&(at, len)) = blocks.get(i) else {
                 return Ok(true);
-            }
-            let at = i * POPULATE_BLOCK;
-            let done = populate_range(start + at, POPULATE_BLOCK.min(map.len() - at));
+            };
+            let done = populate_range(start + at, len);
             if !matches!(done, Ok(true)) {
                 // Nobody goes on after a failure.
-                next.store(blocks, Ordering::Relaxed);
+                next.store(blocks.len(), Ordering::Relaxed);
                 return done;
             }
         }
     };
     std::thread::scope(|s| {
-        let others: Vec<_> = (1..threads.min(blocks)).map(|_| s.spawn(work)).collect();
+        let others: Vec<_> = (1..threads.min(blocks.len()))
+            .map(|_| s.spawn(work))
+            .collect();
         others.into_iter().fold(work(), |all, h| {
             let r = h
                 .join()
@@ -421,7 +477,7 @@ impl Mapping {
     pub fn prepare_for_writes(&self) -> io::Result<bool> {
         // SAFETY: advice on this mapping, which this value owns; no byte changes.
         cvt(unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_DONTFORK) })?;
-        populate_over(self, 1)
+        populate_over(self, std::slice::from_ref(&(0..self.len)), 1)
     }
 
     /// The start of the mapping. Writing through it is up to the caller: only into a writable
@@ -829,6 +885,47 @@ mod tests {
 
     fn allocated_bytes(fd: BorrowedFd<'_>) -> u64 {
         fstat(fd).unwrap().st_blocks as u64 * 512
+    }
+
+    #[test]
+    fn ranges_widen_to_pages_and_merge() {
+        let r = page_ranges(
+            &[5..10, 4000..4097, 9000..9001, 20000..30000, 40000..50000],
+            41000,
+        );
+        assert_eq!(r, vec![0..12288, 16384..32768, 36864..41000]);
+        assert!(page_ranges(&[100..100, 50000..60000], 41000).is_empty());
+    }
+
+    /// A peer's answer to a resharding reader fills a few ranges of a large shard: only those
+    /// are allocated; the rest reads as zeros and costs nothing.
+    #[test]
+    fn a_segment_filled_in_ranges_allocates_only_them() {
+        let len = 64 << 20;
+        let ranges = [3 * 4096 + 5..5 * 4096, (32 << 20)..(33 << 20) + 17];
+        let mut f = Segment::create_to_fill_ranges("test", len, &ranges, None).unwrap();
+        let allocated = allocated_bytes(f.seg.as_fd());
+        // Whole pages of each range; at most a huge page around each where the node uses them.
+        assert!(allocated >= (1 << 20) + 2 * 4096, "{allocated}");
+        assert!(allocated <= 6 << 20, "{allocated} of {len} bytes allocated");
+        let bytes = f.bytes_mut();
+        for r in &ranges {
+            for (i, b) in bytes[r.clone()].iter_mut().enumerate() {
+                *b = (i % 251) as u8 + 1;
+            }
+        }
+        let sealed = f.seal().unwrap();
+        let got = sealed.bytes();
+        for r in &ranges {
+            assert!(
+                got[r.clone()]
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == (i % 251) as u8 + 1)
+            );
+        }
+        assert!(got[..ranges[0].start].iter().all(|&b| b == 0));
+        assert!(got[ranges[0].end..ranges[1].start].iter().all(|&b| b == 0));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::net::ToSocketAddrs;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -18,7 +19,7 @@ use crate::auth::Identity;
 use crate::error::{Error, Result};
 use crate::memory::{PartValues, Shard, ShardKey};
 use crate::metrics::Failure;
-use crate::peer::PeerClient;
+use crate::peer::{PeerClient, need_ranges};
 use hotstart_ckpt::format::Region;
 use hotstart_proto::shm::Segment;
 
@@ -229,13 +230,21 @@ impl Core {
     ) -> Option<(Arc<Shard>, String, Option<Vec<usize>>)> {
         for m in members {
             let res = self.connect(m).and_then(|mut c| {
-                c.fetch(key, self.threads, regions, |info, _| {
+                c.fetch(key, self.threads, regions, |info, manifest, needs| {
+                    // Of a shard that comes in part, only the parts that come take memory.
+                    let ranges: Vec<Range<usize>> = match needs {
+                        Some(n) => need_ranges(manifest, n)
+                            .into_iter()
+                            .map(|r| r.start as usize..r.end as usize)
+                            .collect(),
+                        None => std::iter::once(0..info.len as usize).collect(),
+                    };
+                    let bytes = ranges.iter().map(|r| (r.end - r.start) as u64).sum();
                     let what = format!("{key} from {}", m.id.node);
-                    let charge = self
-                        .memory
-                        .reserve(info.len, self.cfg.stage_timeout, &what)?;
+                    let charge = self.memory.reserve(bytes, self.cfg.stage_timeout, &what)?;
                     let name = format!("hotstart-{}-{}-{}", key.job, key.step, key.rank);
-                    Segment::create_to_fill(&name, info.len as usize, Some(Box::new(charge)))
+                    let len = info.len as usize;
+                    Segment::create_to_fill_ranges(&name, len, &ranges, Some(Box::new(charge)))
                         .map_err(|e| Error::io("create shared memory", &name, e))
                 })
             });

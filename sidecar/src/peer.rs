@@ -170,6 +170,20 @@ fn every_chunk(m: &Manifest) -> Vec<Need> {
 }
 
 /// The file range of part `j` of chunk `r`.
+/// The bytes of the shard file `m` that a stream carrying `needs` fills, ascending.
+pub fn need_ranges(m: &Manifest, needs: &[Need]) -> Vec<std::ops::Range<u64>> {
+    needs
+        .iter()
+        .flat_map(|n| {
+            let r = m.chunk_range(n.chunk);
+            match &n.parts {
+                None => vec![r],
+                Some(js) => js.iter().map(|&j| part_range(&r, j)).collect(),
+            }
+        })
+        .collect()
+}
+
 fn part_range(r: &std::ops::Range<u64>, j: usize) -> std::ops::Range<u64> {
     let start = r.start + j as u64 * parts::PART;
     start.min(r.end)..(start + parts::PART).min(r.end)
@@ -859,7 +873,8 @@ impl PeerClient {
     }
 
     /// Fetches a shard from the peer's memory into memory made by `alloc` (given the checked
-    /// manifest; at least the shard's length), every chunk verified. `None` when the peer
+    /// manifest and what will come, `None` for every chunk whole, as [`need_ranges`] places
+    /// it; at least the shard's length), every chunk verified. `None` when the peer
     /// does not hold it. With `regions`, the peer may send only the chunks, or the parts of
     /// chunks, that hold them and the header: those are returned too (`None`: every chunk
     /// came), and the other bytes are left as `alloc` made them.
@@ -868,7 +883,7 @@ impl PeerClient {
         key: &ShardKey,
         threads: usize,
         regions: Option<&[Region]>,
-        alloc: impl FnOnce(&ShardInfo, &Manifest) -> Result<T>,
+        alloc: impl FnOnce(&ShardInfo, &Manifest, Option<&[Need]>) -> Result<T>,
     ) -> Result<Option<Fetched<T>>> {
         let ask = PeerMsg::Fetch {
             job: key.job.clone(),
@@ -880,8 +895,8 @@ impl PeerClient {
         let Some(got) = self.ask_shard(ask, key, regions)? else {
             return Ok(None);
         };
-        let mut mem = alloc(&got.info, &got.manifest)?;
         let needs = got.needs.as_deref();
+        let mut mem = alloc(&got.info, &got.manifest, needs)?;
         let received = recv_verified(&mut self.conn, &got.manifest, threads, mem.as_mut(), needs)?;
         if let Some(i) = received.bad {
             return Err(self

@@ -211,7 +211,7 @@ fn fetch_step_1(client: &mut PeerClient, job: &str) -> (ShardInfo, Manifest, Vec
         step: 1,
     };
     let got = client
-        .fetch(&key, 2, None, |info, _| Ok(vec![0u8; info.len as usize]))
+        .fetch(&key, 2, None, |info, _, _| Ok(vec![0u8; info.len as usize]))
         .unwrap()
         .expect("the peer holds the step");
     (got.info, got.manifest, got.mem)

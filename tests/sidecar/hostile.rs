@@ -237,7 +237,7 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         step: 1,
     };
     let whole = good()
-        .fetch(&key, 2, None, |i, _| Ok(vec![0u8; i.len as usize]))
+        .fetch(&key, 2, None, |i, _, _| Ok(vec![0u8; i.len as usize]))
         .expect("fetch")
         .expect("held");
     assert!(whole.mem == file && whole.chunks.is_none());
@@ -249,7 +249,9 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         len: 1000,
     }];
     let part = good()
-        .fetch(&key, 2, Some(&wanted), |i, _| Ok(vec![0u8; i.len as usize]))
+        .fetch(&key, 2, Some(&wanted), |i, _, _| {
+            Ok(vec![0u8; i.len as usize])
+        })
         .expect("fetch")
         .expect("held");
     assert_eq!(part.chunks, Some(vec![0, 2]));
@@ -275,7 +277,9 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         len: 1,
     }];
     let all = good()
-        .fetch(&key, 2, Some(&past), |i, _| Ok(vec![0u8; i.len as usize]))
+        .fetch(&key, 2, Some(&past), |i, _, _| {
+            Ok(vec![0u8; i.len as usize])
+        })
         .expect("fetch")
         .expect("held");
     assert!(all.mem == file && all.chunks.is_none());
@@ -287,7 +291,9 @@ pub fn tokens_frames_and_checksums_are_enforced() {
         .expect("shard in parts");
     let key = hotstart_sidecar::memory::ShardKey { step: 2, ..key };
     let got = good()
-        .fetch(&key, 2, Some(&wanted), |i, _| Ok(vec![0u8; i.len as usize]))
+        .fetch(&key, 2, Some(&wanted), |i, _, _| {
+            Ok(vec![0u8; i.len as usize])
+        })
         .expect("fetch")
         .expect("held");
     let m = &got.manifest;
