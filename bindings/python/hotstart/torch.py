@@ -28,7 +28,9 @@ and so does a region of it that is one run of its bytes (a shard of its first di
 FSDP's resharding asks for) into a contiguous CPU tensor; otherwise the stored tensor is read
 into a temporary and the requested region copied out. Into host memory, only the chunks of a
 file that hold what the plan reads (and its header) are read. So a checkpoint saved by 2 ranks
-loads on 1 rank, or on 4.
+loads on 1 rank, or on 4. Into host memory, the saved ranks a plan needs are read at once,
+each on a thread of its own: a rank that takes one saved rank's part from a peer reads
+another's from its own node meanwhile.
 
 **Which step.** ``dcp.load`` with a ``checkpoint_id`` loads that step; without one (and no
 ``step=``), the newest complete checkpoint of the job, whatever world size saved it
@@ -45,6 +47,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -77,6 +80,10 @@ METADATA_KEY = "hotstart.dcp.metadata"
 """The coordinator's extra holding DCP's pickled Metadata."""
 
 CheckpointId = Union[int, str, "os.PathLike[str]"]
+
+READ_THREADS = 8
+"""At most this many saved ranks' shards are read at once by one rank's load (into host
+memory)."""
 
 
 @dataclass(frozen=True)
@@ -512,13 +519,28 @@ class StorageReader(_StorageReader):
             if not isinstance(info, StoredItem):
                 raise CorruptCheckpoint(f"step {self.step}: no stored item for {req.storage_index}")
             by_rank.setdefault(info.rank, []).append(req)
-        for rank, reqs in sorted(by_rank.items()):
-            self._read_rank(rank, reqs, planner)
+        staged = [self._stage(rank, reqs, planner) for rank, reqs in sorted(by_rank.items())]
+        readers = [self._reader(s.rank) for s in staged]
+        # Into host memory, each saved rank on a thread of its own (the engine lets go of the
+        # GIL while it reads): a rank that takes one saved rank's part from a peer reads
+        # another's from its own node meanwhile. Into device memory, one at a time.
+        host = not any(s.plan.cuda_devices for s in staged)
+        at_once = max(1, min(len(staged), READ_THREADS)) if host else 1
+        with futures.ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="hotstart-dcp-read") as pool:
+            reads = [pool.submit(_load_rank, r, self.step, s.plan) for r, s in zip(readers, staged)]
+        # Every read has ended (the pool's exit waits for them all): none writes into a
+        # destination once this raises.
+        for s, read in zip(staged, reads):
+            self.loaded_from[s.rank] = read.result()
+        for s in staged:
+            self._finish(s, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_rank(self, rank: int, reqs: List[ReadItem], planner: LoadPlanner) -> None:
+    def _stage(self, rank: int, reqs: List[ReadItem], planner: LoadPlanner) -> "_RankRead":
+        """Where ``reqs`` (items of saved rank ``rank``) land: in place, or in temporaries the
+        requested regions are copied out of once read."""
         users: Dict[str, int] = {}
         for req in reqs:
             name = self._storage[req.storage_index].name
@@ -557,19 +579,21 @@ class StorageReader(_StorageReader):
             finish.append((req, target))
         for name, t in temps.items():
             plan.into(name, _state._dest_mem(t))
-        _sync(plan.cuda_devices)
-        assert self.step is not None
-        self.loaded_from[rank] = self._reader(rank).load(self.step, plan.dests)
+        return _RankRead(rank, plan, temps, finish)
+
+    def _finish(self, staged: "_RankRead", planner: LoadPlanner) -> None:
+        """Hands ``staged``'s items, read, to ``planner``: bytes, the regions read into
+        temporaries, and every tensor committed."""
         from torch.distributed._shard._utils import narrow_tensor_by_index
 
-        for req, dst in finish:
+        for req, dst in staged.finish:
             info = self._storage[req.storage_index]
             if dst is None:
-                planner.load_bytes(req, io.BytesIO(temps[info.name].numpy().tobytes()))
+                planner.load_bytes(req, io.BytesIO(staged.temps[info.name].numpy().tobytes()))
                 continue
             target = dst
-            if info.name in temps:
-                src: torch.Tensor = narrow_tensor_by_index(temps[info.name], req.storage_offsets, req.lengths)
+            if info.name in staged.temps:
+                src: torch.Tensor = narrow_tensor_by_index(staged.temps[info.name], req.storage_offsets, req.lengths)
                 if src.size() != target.size():
                     raise CorruptCheckpoint(
                         f"step {self.step}: {req.storage_index.fqn}: stored region {tuple(src.size())} "
@@ -577,3 +601,19 @@ class StorageReader(_StorageReader):
                     )
                 target.copy_(src)
             planner.commit_tensor(req, target)
+
+
+@dataclass
+class _RankRead:
+    """One saved rank's part of a load plan: its destinations, the temporaries among them, and
+    each item with the tensor it is committed as (``None``: bytes)."""
+
+    rank: int
+    plan: "_state.Plan"
+    temps: Dict[str, torch.Tensor]
+    finish: List[Tuple[ReadItem, Optional[torch.Tensor]]]
+
+
+def _load_rank(reader: _core.Engine, step: int, plan: "_state.Plan") -> List[str]:
+    _sync(plan.cuda_devices)
+    return reader.load(step, plan.dests)
