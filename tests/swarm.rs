@@ -6,8 +6,9 @@
 //! about one node's reads, against three without; every node's environment equals the one
 //! captured, file by file. Then the faults: a peer killed while the others restore (they finish
 //! from the next owner or the store, equal), a node whose sidecar is gone (it reads the store
-//! itself), and a peer that sends corrupt pieces (caught, counted, avoided after its first bad
-//! piece, nothing wrong written anywhere).
+//! itself), a peer frozen while the others restore (its pieces go to their next owner long
+//! before the peer timeout), and a peer that sends corrupt pieces (caught, counted, avoided
+//! after its first bad piece, nothing wrong written anywhere).
 //!
 //! Needs root and iproute2 for the namespaces (CI runs as root and must run it); elsewhere it
 //! says why it skips.
@@ -23,6 +24,8 @@ use hotstart_testkit::{SeaweedFs, spawn_tied, workspace_root};
 const NODES: usize = 3;
 const ENV_MIB: usize = 16;
 const PEERS_UP: Duration = Duration::from_secs(30);
+/// The sidecars' peer timeout: a request to a frozen peer fails only after it.
+const PEER_TIMEOUT: &str = "300s";
 const FROM_PEERS: &str = "hotstart_share_bytes_total{artifact=\"env\",source=\"peer\"}";
 
 type Tree = BTreeMap<PathBuf, (u32, String)>;
@@ -114,6 +117,19 @@ impl Job<'_> {
         }
     }
 
+    /// Bytes of pieces node `i`'s sidecar answered its processes, from every source.
+    fn answered(&self, i: usize) -> f64 {
+        ["peer", "store", "cache"]
+            .iter()
+            .map(|s| {
+                self.sidecars.metric(
+                    i,
+                    &format!("hotstart_share_bytes_total{{artifact=\"env\",source=\"{s}\"}}"),
+                )
+            })
+            .sum()
+    }
+
     /// Every sidecar started again, empty (node 2's sending corrupt pieces when `corrupt`).
     fn restart_sidecars(&mut self, corrupt: bool) {
         for i in 0..NODES {
@@ -126,7 +142,11 @@ impl Job<'_> {
                 &[]
             };
             self.sidecars
-                .start(i, &["--memory-budget", "256MiB"], fault)
+                .start(
+                    i,
+                    &["--memory-budget", "256MiB", "--peer-timeout", PEER_TIMEOUT],
+                    fault,
+                )
                 .unwrap();
         }
         self.sidecars.wait_peers(PEERS_UP).unwrap();
@@ -195,6 +215,9 @@ fn nodes_share_an_environment_through_their_sidecars() {
         (shared as f64) < 1.25 * one,
         "sharing: the store sent {shared} bytes, one node alone reads {one:.0}"
     );
+    // What a node's sidecar answers for the whole environment, from wherever it came.
+    let whole = job.answered(0);
+    assert_eq!(job.answered(1), whole);
     let from_peers = job.sidecars.total(FROM_PEERS);
     let served = job
         .sidecars
@@ -226,6 +249,40 @@ fn nodes_share_an_environment_through_their_sidecars() {
     // A node whose sidecar is gone reads the store itself.
     let orphan = job.ensure(2, "nosidecar", true);
     job.finish("nosidecar", vec![(2, orphan)]);
+
+    // A peer frozen (SIGSTOP) as the others start: its connections stay open and nothing
+    // answers. They do not wait out the peer timeout on it (five minutes; a process gives up
+    // on its sidecar after one and reads the store itself, which the bytes its sidecar
+    // answered would show): once it is late twice in a row and far slower than the other
+    // peer, the pieces asked of it go to their next owner.
+    job.restart_sidecars(false);
+    job.sidecars.freeze(2, true);
+    let children = [0, 1]
+        .iter()
+        .map(|&i| (i, job.ensure(i, "frozen", true)))
+        .collect();
+    job.finish("frozen", children);
+    for i in [0, 1] {
+        let n2 = |kind: &str| {
+            job.sidecars.metric(
+                i,
+                &format!("hotstart_share_peer_failures_total{{peer=\"n2\",kind=\"{kind}\"}}"),
+            )
+        };
+        let late = n2("slow");
+        assert!(
+            late >= 2.0,
+            "n{i} found n2 late {late} times: it was not asked"
+        );
+        // Every piece answered by the sidecar within the round: none left to the process's
+        // own store read after it gave up on its sidecar, none still waiting for n2.
+        assert_eq!(
+            job.answered(i),
+            whole,
+            "n{i}: bytes of the environment its sidecar answered"
+        );
+    }
+    job.sidecars.freeze(2, false);
 
     // A peer that corrupts every piece it sends: caught, counted, avoided, nothing wrong kept.
     job.restart_sidecars(true);

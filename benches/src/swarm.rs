@@ -15,8 +15,8 @@
 //! node alone makes it send (the artifact, with its metadata and HTTP overhead); p50 and p99
 //! of the time to ready, against N nodes each reading the store (sidecars with `--no-share`,
 //! or no sidecar for `env`) and against one node alone. At the largest N, two faults: one
-//! node's link throttled to a tenth, and one node's sidecar sending corrupt pieces, for each
-//! artifact. And how busy this machine's cores were during each round: every "node" here
+//! node's link throttled to a tenth (`--fault-runs` times, each against a round without it run
+//! just before), and one node's sidecar sending corrupt pieces, for each artifact. And how busy this machine's cores were during each round: every "node" here
 //! shares the same cores, so N nodes do N times the decompressing, hashing, verifying and
 //! writing of one on them. That is measured as the floor of the env rows: the same N restores
 //! at once from a snapshot in a local directory (no network, no store, no sharing), the
@@ -56,6 +56,12 @@ pub struct SwarmArgs {
     /// Each node's link, each way, in Mbit/s.
     #[arg(long, default_value_t = 1000)]
     node_mbit: u32,
+    /// At the largest N, how many times the throttled-peer comparison runs: each time a
+    /// sharing round without the fault, then one with it (the first without is the table's own
+    /// sharing round). These cores make one round's p99 move by tens of percent from run to
+    /// run; the ratios of the pairs and their median are reported.
+    #[arg(long, default_value_t = 1)]
+    fault_runs: usize,
     /// Write the table here (Markdown).
     #[arg(long)]
     markdown: Option<PathBuf>,
@@ -352,12 +358,14 @@ impl Swarm<'_> {
     }
 
     /// The two faults of `artifact`, each a `round` of sidecars restarted (the odd one with
-    /// its environment): the node that served the most in the round just run with its link at
-    /// a tenth, then sending corrupt pieces.
+    /// its environment): the node that served the most in the sharing round just run
+    /// (`shared`) with its link at a tenth (`runs` times, each after a round without the
+    /// fault, the first of which is `shared`), then sending corrupt pieces.
     fn faults(
         &mut self,
         artifact: &'static str,
         node_mbit: u32,
+        (shared, runs): (&Round, usize),
         round: impl Fn(&mut Self, Option<(usize, &[(&str, &str)])>) -> anyhow::Result<Round>,
     ) -> anyhow::Result<Faults> {
         let served = format!("hotstart_share_served_bytes_total{{artifact=\"{artifact}\"}}");
@@ -371,11 +379,21 @@ impl Swarm<'_> {
                 a.total_cmp(&b)
             })
             .unwrap_or(0);
-        eprintln!("  {n} nodes: {artifact}, sharing, n{node}'s link at a tenth");
-        self.net.reshape_node(node, node_mbit / 10)?;
-        let r = round(self, None);
-        self.net.reshape_node(node, node_mbit)?;
-        let throttled = r?;
+        let mut throttled = Vec::new();
+        for k in 0..runs.max(1) {
+            let without = match k {
+                0 => shared.clone(),
+                _ => {
+                    eprintln!("  {n} nodes: {artifact}, sharing ({})", k + 1);
+                    round(self, None)?
+                }
+            };
+            eprintln!("  {n} nodes: {artifact}, sharing, n{node}'s link at a tenth");
+            self.net.reshape_node(node, node_mbit / 10)?;
+            let r = round(self, None);
+            self.net.reshape_node(node, node_mbit)?;
+            throttled.push((without, r?));
+        }
         eprintln!("  {n} nodes: {artifact}, sharing, n{node} sending corrupt pieces");
         let r = round(self, Some((node, CORRUPT)))?;
         let id = Sidecars::id(node);
@@ -437,7 +455,8 @@ struct Faults {
     /// The faulty node: the one that served the most in the sharing round, so that it owns
     /// pieces (an artifact of a few pieces may leave a given node none).
     node: usize,
-    throttled: Round,
+    /// Sharing rounds without the fault and with the node's link at a tenth, in pairs.
+    throttled: Vec<(Round, Round)>,
     /// The round, the corrupt pieces its peers counted, and the bytes it served.
     corrupt: (Round, f64, f64),
 }
@@ -523,7 +542,8 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     let env_shared = s.env_round("shared", &s.env_store(), true)?;
     let mut all_faults = Vec::new();
     if faults && n > 2 {
-        all_faults.push(s.faults("env", args.node_mbit, |s, odd| {
+        let shared = (&env_shared, args.fault_runs);
+        all_faults.push(s.faults("env", args.node_mbit, shared, |s, odd| {
             s.restart(&["--memory-budget", "512MiB"], odd)?;
             s.env_round("fault", &s.env_store(), true)
         })?);
@@ -539,7 +559,10 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     eprintln!("  {n} nodes: ckpt, sharing");
     let ckpt_shared = s.ckpt_round(true, None)?;
     if faults && n > 2 {
-        all_faults.push(s.faults("ckpt", args.node_mbit, |s, odd| s.ckpt_round(true, odd))?);
+        let shared = (&ckpt_shared, args.fault_runs);
+        all_faults.push(s.faults("ckpt", args.node_mbit, shared, |s, odd| {
+            s.ckpt_round(true, odd)
+        })?);
     }
     drop(s);
     Ok(Measured {
@@ -646,13 +669,9 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
     let big = all.last().context("no swarm")?;
     md.push('\n');
     for f in &big.faults {
-        let (size, shared, intact) = match f.artifact {
-            "env" => (
-                env_size,
-                &big.env_shared,
-                "every tree equal to the captured one",
-            ),
-            _ => (ckpt_size, &big.ckpt_shared, "every rank's bytes checked"),
+        let (size, intact) = match f.artifact {
+            "env" => (env_size, "every tree equal to the captured one"),
+            _ => (ckpt_size, "every rank's bytes checked"),
         };
         // The other nodes: the throttled one's own start is bound by its own link.
         let others = |r: &Round| Round {
@@ -666,19 +685,40 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
                 .collect(),
             store_bytes: r.store_bytes,
         };
-        let t = &f.throttled;
-        let (with, without) = (others(t).p99(), others(shared).p99());
+        let change = |(without, with): &(Round, Round)| {
+            others(with).p99().as_secs_f64() / others(without).p99().as_secs_f64() - 1.0
+        };
+        let pairs: Vec<String> = f
+            .throttled
+            .iter()
+            .map(|pair| {
+                format!(
+                    "{} · {} s ({:+.0}%)",
+                    secs(others(&pair.0).p99()),
+                    secs(others(&pair.1).p99()),
+                    change(pair) * 100.0
+                )
+            })
+            .collect();
+        let mut changes: Vec<f64> = f.throttled.iter().map(change).collect();
+        changes.sort_by(f64::total_cmp);
+        let list = |v: Vec<String>| v.join(", ");
         md.push_str(&format!(
-            "- N = {}, {}, node {} (the one that served the most) with its link at a tenth: the other nodes' p99 {} s against {} s ({:+.0}%; target ≤ +10%); node {} itself {} s; the store sent {:.2}× the artifact.\n",
+            "- N = {}, {}, node {} (the one that served the most) with its link at a tenth, in {} pairs of rounds: the other nodes' p99 without · with the fault {}; median {:+.0}% (target ≤ +10%); node {} itself {} s; the store sent {}× the artifact.\n",
             big.n,
             f.artifact,
             f.node,
-            secs(with),
-            secs(without),
-            (with.as_secs_f64() / without.as_secs_f64() - 1.0) * 100.0,
+            f.throttled.len(),
+            list(pairs),
+            changes[changes.len() / 2] * 100.0,
             f.node,
-            secs(t.times[f.node]),
-            t.store_bytes as f64 / size
+            list(f.throttled.iter().map(|p| secs(p.1.times[f.node])).collect()),
+            list(
+                f.throttled
+                    .iter()
+                    .map(|p| format!("{:.2}", p.1.store_bytes as f64 / size))
+                    .collect()
+            ),
         ));
         let (c, bad, sent) = &f.corrupt;
         md.push_str(&format!(

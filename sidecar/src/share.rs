@@ -28,7 +28,10 @@
 //! node most nodes agree on, so a dead owner's pieces are still read from the store about
 //! once), then the store. A start is so never slower than reading the store alone by more
 //! than two peer timeouts per piece, and only while a dead peer is still counted up (until the
-//! next probe).
+//! next probe). A peer that is late, not dead (a slow link, a frozen process), is not waited
+//! for that long: one late twice in a row, much slower than the others (its answer still
+//! pending counts as at least as slow as it has taken so far), is avoided, and the piece
+//! waited for goes to its next owner as its other pieces do.
 //!
 //! **Trust.** No peer is trusted for content: every frame of a piece that arrives from a peer
 //! or the store is decompressed and checked against its id before it is cached or answered.
@@ -236,9 +239,15 @@ impl Cache {
     }
 }
 
-/// Seconds per byte.
+/// An answer smaller than this is costed as this many bytes: its time is the round trip and
+/// the sender's turn, not its bytes. (Costed by its own size, one answer of a few hundred
+/// bytes in 30 ms made every deadline of a 4 MiB range the peer timeout.)
+const PACE_MIN_BYTES: usize = 1 << 20;
+
+/// Seconds per byte of an answer of `len` bytes that took `took`, small ones costed as
+/// [`PACE_MIN_BYTES`].
 fn per_byte(took: Duration, len: usize) -> f64 {
-    took.as_secs_f64() / len.max(1) as f64
+    took.as_secs_f64() / len.max(PACE_MIN_BYTES) as f64
 }
 
 /// `old` moved a fifth of the way to `sample` (the first sample as it is).
@@ -341,8 +350,10 @@ impl Share {
     /// How long a peer may take to answer a piece of `len` bytes before the next is asked.
     fn hedge_after(&self, len: u64, limit: Duration) -> Duration {
         match *lock(&self.pace) {
-            Some(pace) => Duration::from_secs_f64(HEDGE_FACTOR * pace * len as f64)
-                .clamp(HEDGE_MIN, limit.max(HEDGE_MIN)),
+            Some(pace) => {
+                Duration::from_secs_f64(HEDGE_FACTOR * pace * len.max(PACE_MIN_BYTES as u64) as f64)
+                    .clamp(HEDGE_MIN, limit.max(HEDGE_MIN))
+            }
             None => HEDGE_FIRST + Duration::from_secs_f64(len as f64 / HEDGE_FIRST_RATE),
         }
     }
@@ -366,10 +377,12 @@ impl Share {
     }
 
     /// Whether `node`'s answers are [`SLOW_RATIO`] times slower than the median of the other
-    /// peers' (false while either is unknown).
-    fn slower_than_others(&self, node: &str) -> bool {
+    /// peers' (false while either is unknown). `pending`: seconds per byte an answer of
+    /// `node` not yet in has already taken, at least as slow as that answer will be.
+    fn slower_than_others(&self, node: &str, pending: Option<f64>) -> bool {
         let paces = lock(&self.peer_pace);
-        let Some(&mine) = paces.get(node) else {
+        let known = paces.get(node).copied();
+        let Some(mine) = [known, pending].into_iter().flatten().reduce(f64::max) else {
             return false;
         };
         let mut others: Vec<f64> = paces
@@ -384,13 +397,14 @@ impl Share {
         mine > SLOW_RATIO * others[others.len() / 2]
     }
 
-    /// `node` missed a deadline. It is avoided once it missed [`SLOW_STRIKES`] in a row while
-    /// another peer's last answer was in time, and its answers are [`SLOW_RATIO`] times
-    /// slower than the other peers': when no peer answers in time, the slow link is this
-    /// node's own, and avoiding its peers would only send it to the store.
-    fn strike(&self, core: &Core, node: &str) {
+    /// `node` missed a deadline, with an answer `pending` seconds per byte so far. It is
+    /// avoided once it missed [`SLOW_STRIKES`] in a row while another peer's last answer was
+    /// in time, and its answers are [`SLOW_RATIO`] times slower than the other peers': when no
+    /// peer answers in time, the slow link is this node's own, and avoiding its peers would
+    /// only send it to the store.
+    fn strike(&self, core: &Core, node: &str, pending: f64) {
         core.metrics.share_peer_failed(node, "slow");
-        let slower = self.slower_than_others(node);
+        let slower = self.slower_than_others(node, Some(pending));
         let mut strikes = lock(&self.strikes);
         let others_fine = strikes.iter().any(|(n, &k)| n != node && k == 0);
         let k = strikes.entry(node.to_string()).or_default();
@@ -813,8 +827,12 @@ impl Core {
     /// while the next owner is asked for the piece too if it holds it (a hedge: a late owner is
     /// waited for rather than adding store reads); the first good answer wins. A peer late
     /// [`SLOW_STRIKES`] times in a row while others answer in time, and much slower than them,
-    /// is avoided for [`SLOW_AVOID_FOR`]. An owner that did not hold the piece when hedged is
-    /// asked in full once every other owner failed.
+    /// is avoided for [`SLOW_AVOID_FOR`], and loses the piece waited for too, as it loses the
+    /// pieces it owns: the next owner that did not hold the piece when hedged is asked in full
+    /// (every node that gives up on the same owner asks the same next one, which reads the
+    /// piece from the store once), or, when this node is next in order, `None` (it reads the
+    /// store). An owner that did not hold the piece when hedged is also asked in full once
+    /// every other owner failed.
     fn ask_owners(&self, piece: &Piece, peers: Vec<Member>) -> Option<Got> {
         let core = self.share.core.get()?.upgrade()?;
         let len = piece.len.unwrap_or(1 << 20);
@@ -841,8 +859,8 @@ impl Core {
         };
         let mut next = peers.into_iter();
         let mut not_held: Vec<Member> = Vec::new();
-        // The owner asked in full last: the one waited for.
-        let mut waited: Option<String> = None;
+        // The owner asked in full last, the one waited for, and when it was asked.
+        let mut waited: Option<(String, Instant)> = None;
         let mut in_flight = 0;
         let mut deadline = Instant::now();
         loop {
@@ -850,23 +868,42 @@ impl Core {
             if in_flight == 0 {
                 // Nothing asked yet, or every peer asked failed: the next owner, else the store.
                 let m = next.next().or_else(|| not_held.pop())?;
-                waited = Some(m.id.node.clone());
+                waited = Some((m.id.node.clone(), Instant::now()));
                 launch(m, false);
                 in_flight += 1;
                 deadline = Instant::now() + hedge;
             } else if Instant::now() >= deadline {
-                if let Some(slow) = &waited {
-                    self.share.strike(self, slow);
+                if let Some((slow, asked)) = &waited {
+                    let pending = per_byte(asked.elapsed(), len as usize);
+                    self.share.strike(self, slow, pending);
                 }
+                let given_up = waited
+                    .as_ref()
+                    .is_some_and(|(slow, _)| self.share.is_avoided(slow));
                 if let Some(m) = next.next() {
                     launch(m, true);
                     in_flight += 1;
+                } else if given_up {
+                    match not_held.pop() {
+                        Some(m) => {
+                            waited = Some((m.id.node.clone(), Instant::now()));
+                            launch(m, false);
+                            in_flight += 1;
+                        }
+                        // This node is next in order (no hedge is out), or every other
+                        // owner failed: it reads the store.
+                        None if in_flight <= 1 => return None,
+                        None => {}
+                    }
                 }
                 deadline = Instant::now() + hedge;
             }
             let wait = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait) {
                 Ok((_, node, Ok(bytes), took)) => {
+                    debug!(peer = %node, key = %piece.key, offset = piece.offset, len = bytes.len(),
+                        took_ms = took.as_millis() as u64, deadline_ms = hedge.as_millis() as u64,
+                        "a peer answered a piece");
                     self.share.answered(&node, bytes.len(), took, took <= hedge);
                     return Some(Got {
                         bytes,
@@ -1254,10 +1291,10 @@ mod tests {
     fn only_a_peer_much_slower_than_the_others_counts_as_slow() {
         let share = Share::new(1 << 20).unwrap();
         let mib = 1 << 20;
-        assert!(!share.slower_than_others("a"), "unknown");
+        assert!(!share.slower_than_others("a", None), "unknown");
         share.peer_answered("a", mib, Duration::from_millis(300));
         assert!(
-            !share.slower_than_others("a"),
+            !share.slower_than_others("a", None),
             "no other peer to compare with"
         );
         // Busy cores: every peer answers late now and then, none stands out.
@@ -1267,14 +1304,18 @@ mod tests {
         assert!(
             ["a", "b", "c", "d"]
                 .iter()
-                .all(|n| !share.slower_than_others(n))
+                .all(|n| !share.slower_than_others(n, None))
         );
         // A link at a tenth of the others'.
         for _ in 0..3 {
             share.peer_answered("e", mib, Duration::from_millis(2500));
         }
-        assert!(share.slower_than_others("e"));
-        assert!(!share.slower_than_others("a"));
+        assert!(share.slower_than_others("e", None));
+        // A peer with no answer in yet, whose first has taken ten times the others' so far.
+        assert!(!share.slower_than_others("f", None));
+        assert!(share.slower_than_others("f", Some(2.5 / mib as f64)));
+        assert!(!share.slower_than_others("f", Some(0.3 / mib as f64)));
+        assert!(!share.slower_than_others("a", None));
     }
 
     #[test]

@@ -407,6 +407,19 @@ impl<'n> Sidecars<'n> {
         }
     }
 
+    /// Freezes node `i`'s sidecar (SIGSTOP: its connections stay open and nothing answers on
+    /// them), or thaws it (SIGCONT).
+    pub fn freeze(&self, i: usize, frozen: bool) {
+        if let Some(c) = &self.children[i] {
+            let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+            let pid = libc::pid_t::try_from(c.id()).unwrap_or(0);
+            if pid > 0 {
+                // SAFETY: a signal to a child this process started and has not reaped.
+                unsafe { libc::kill(pid, signal) };
+            }
+        }
+    }
+
     /// Whether node `i`'s sidecar was started and not stopped.
     pub fn running(&self, i: usize) -> bool {
         self.children[i].is_some()
