@@ -1319,6 +1319,21 @@ mod tests {
     }
 
     #[test]
+    fn a_small_answer_does_not_stretch_the_deadline_of_a_large_piece() {
+        let share = Share::new(1 << 20).unwrap();
+        let (range, limit) = (4 << 20, Duration::from_secs(30));
+        share.answered("a", range, Duration::from_millis(400), true);
+        // A rank's small second chunk: a round trip, not bytes.
+        share.answered("b", 184, Duration::from_millis(30), true);
+        let deadline = share.hedge_after(range as u64, limit);
+        assert!(
+            deadline < Duration::from_secs(3),
+            "a 4 MiB range's deadline: {deadline:?}"
+        );
+        assert!(deadline >= HEDGE_MIN);
+    }
+
+    #[test]
     fn owners_spread_evenly_and_a_node_leaving_moves_only_its_pieces() {
         let nodes: Vec<String> = (0..8).map(|i| format!("node-{i}")).collect();
         let ids: Vec<[u8; 32]> = (0..8000u32)
