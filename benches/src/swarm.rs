@@ -16,14 +16,15 @@
 //! of the time to ready, against N nodes each reading the store (sidecars with `--no-share`,
 //! or no sidecar for `env`) and against one node alone. At the largest N, two faults: one
 //! node's link throttled to a tenth (`--fault-runs` times, each against a round without it run
-//! just before), and one node's sidecar sending corrupt pieces, for each artifact. And how busy this machine's cores were during each round: every "node" here
-//! shares the same cores, so N nodes do N times the decompressing, hashing, verifying and
-//! writing of one on them. That is measured as the floor of the env rows: the same N restores
-//! at once from a snapshot in a local directory (no network, no store, no sharing), the
-//! fastest N restores can be here. The checkpoint rows' floor is reckoned, not run: the CPU
-//! time one node alone's checkpoint restore took, N times over, spread on this machine's cores
-//! (what N nodes need if each spends what one node does; with sharing each also sends its
-//! share of the pieces to the others, so the floor is low).
+//! just before), and one node's sidecar sending corrupt pieces, for each artifact. And how
+//! busy this machine's cores were during each round: every "node" here shares the same cores,
+//! so N nodes do N times the decompressing, hashing, verifying and writing of one on them.
+//! That is measured as the floor of the env rows: the same N restores at once from a snapshot
+//! in a local directory (no network, no store, no sharing), the fastest N restores can be
+//! here. The checkpoint rows' floor is reckoned, not run: the CPU time one node alone's
+//! checkpoint restore took, N times over, spread on this machine's cores (what N nodes need if
+//! each spends what one node does; with sharing each also sends its share of the pieces to the
+//! others, so the floor is low).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
