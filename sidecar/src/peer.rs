@@ -169,7 +169,6 @@ fn every_chunk(m: &Manifest) -> Vec<Need> {
         .collect()
 }
 
-/// The file range of part `j` of chunk `r`.
 /// The bytes of the shard file `m` that a stream carrying `needs` fills, ascending.
 pub fn need_ranges(m: &Manifest, needs: &[Need]) -> Vec<std::ops::Range<u64>> {
     needs
@@ -184,6 +183,7 @@ pub fn need_ranges(m: &Manifest, needs: &[Need]) -> Vec<std::ops::Range<u64>> {
         .collect()
 }
 
+/// The file range of part `j` of chunk `r`.
 fn part_range(r: &std::ops::Range<u64>, j: usize) -> std::ops::Range<u64> {
     let start = r.start + j as u64 * parts::PART;
     start.min(r.end)..(start + parts::PART).min(r.end)
