@@ -153,10 +153,14 @@ impl Piece {
     /// its bytes; any other piece's bytes.
     pub fn answer_len(&self) -> Option<u64> {
         let len = self.len?;
-        Some(match self.within {
-            Some(_) => len.div_ceil(RANGE_PART) * RANGE_VALUE_LEN + len,
-            None => len,
-        })
+        Some(self.values_len().unwrap_or(0) + len)
+    }
+
+    /// For a range of a frame: the length of its parts' chaining values, which its answer
+    /// starts with. `None` for other pieces.
+    pub fn values_len(&self) -> Option<u64> {
+        self.within?;
+        Some(self.len?.div_ceil(RANGE_PART) * RANGE_VALUE_LEN)
     }
 
     /// The piece's identity: the blake3 of its frames' ids and lengths, in order. Two requests

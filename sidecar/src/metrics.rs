@@ -74,6 +74,10 @@ pub const SHARE_CACHE_BYTES: &str = "hotstart_share_cache_bytes";
 /// Counter: pieces a peer did not provide, by `peer` and `kind` (`corrupt`: a frame did not
 /// match its id, and the peer is avoided; `error`: unreachable, refused or timed out).
 pub const SHARE_PEER_FAILURES_TOTAL: &str = "hotstart_share_peer_failures_total";
+/// Counter: ranges of checkpoint chunks from peers kept (and so passed on), by `when`
+/// (`on_arrival`: checked against the chunk's parts' values verified beforehand;
+/// `with_chunk`: once every range of the chunk was in).
+pub const SHARE_RANGES_KEPT_TOTAL: &str = "hotstart_share_ranges_kept_total";
 
 /// What failed, as the `kind` label of [`FAILURES_TOTAL`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,6 +215,8 @@ struct ShareCounts {
     served: BTreeMap<String, u64>,
     /// (peer, kind) → pieces.
     peer_failures: BTreeMap<(String, &'static str), u64>,
+    /// when → ranges.
+    ranges_kept: BTreeMap<&'static str, u64>,
 }
 
 /// Gauges read when metrics are rendered.
@@ -288,6 +294,11 @@ impl Metrics {
             .or_default() += 1;
     }
 
+    /// A range of a checkpoint chunk from a peer kept: `on_arrival` or `with_chunk`.
+    pub fn range_kept(&self, when: &'static str) {
+        *self.share().ranges_kept.entry(when).or_default() += 1;
+    }
+
     fn render_share(&self, out: &mut String) {
         let head = |out: &mut String, name: &str, help: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
@@ -325,6 +336,15 @@ impl Metrics {
                 out,
                 "{SHARE_PEER_FAILURES_TOTAL}{{peer=\"{peer}\",kind=\"{kind}\"}} {v}"
             );
+        }
+        head(
+            out,
+            SHARE_RANGES_KEPT_TOTAL,
+            "Ranges of checkpoint chunks from peers kept and passed on, by when they were \
+             checked (on_arrival, with_chunk).",
+        );
+        for (when, v) in &s.ranges_kept {
+            let _ = writeln!(out, "{SHARE_RANGES_KEPT_TOTAL}{{when=\"{when}\"}} {v}");
         }
     }
 
@@ -621,6 +641,7 @@ mod tests {
         m.shared("env", "peer", 200);
         m.served("image", 70);
         m.share_peer_failed("node-b", "corrupt");
+        m.range_kept("on_arrival");
         let g = Gauges {
             state: Some(State::Ready),
             memory: MemoryStats {
@@ -646,6 +667,10 @@ mod tests {
         );
         assert_eq!(
             v("hotstart_share_peer_failures_total{peer=\"node-b\",kind=\"corrupt\"}"),
+            1.0
+        );
+        assert_eq!(
+            v("hotstart_share_ranges_kept_total{when=\"on_arrival\"}"),
             1.0
         );
         assert_eq!(

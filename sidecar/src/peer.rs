@@ -14,6 +14,7 @@
 //! Piece{piece,cached_only,redirect}
 //!                       → PieceIs{len}, data frames | Redirect{node} | NotFound | Failed{reason}
 //!                                                          (`super::share`)
+//! Piece{piece,values_only} → PieceIs{len}, data frames (a range's parts' values) | Failed{reason}
 //! ```
 //!
 //! Shard data is sent chunk by chunk (frames never cross a chunk boundary), and the receiver
@@ -539,8 +540,14 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
             }
             PeerMsg::Piece {
                 piece,
+                values_only: true,
+                ..
+            } => serve_values(&core, &mut conn, &piece),
+            PeerMsg::Piece {
+                piece,
                 cached_only,
                 redirect,
+                values_only: false,
             } => serve_piece(&core, &mut conn, &peer, &piece, cached_only, redirect),
             other => Err(conn
                 .violation(format!("unexpected request {other:?}"))
@@ -588,6 +595,30 @@ fn serve_piece(
         ToPeer::Redirect(node) => conn.send(&PeerMsg::Redirect { node }).map_err(Error::from),
         ToPeer::NotHeld => conn.send(&PeerMsg::NotFound).map_err(Error::from),
         ToPeer::Failed(reason) => conn.send(&PeerMsg::Failed { reason }).map_err(Error::from),
+    }
+}
+
+/// Answers a peer's request for the values of a range's parts (`super::share`): small, so sent
+/// at once, with no upload slot.
+fn serve_values(
+    core: &Core,
+    conn: &mut Conn<Link>,
+    piece: &hotstart_proto::share::Piece,
+) -> Result<()> {
+    let answer = if core.cfg.share {
+        core.values_for_peer(piece)
+    } else {
+        Err("this node does not share (--no-share)".into())
+    };
+    match answer {
+        Ok(values) => {
+            conn.send(&PeerMsg::PieceIs {
+                len: values.len() as u64,
+            })?;
+            conn.send_data(&values)?;
+            Ok(())
+        }
+        Err(reason) => conn.send(&PeerMsg::Failed { reason }).map_err(Error::from),
     }
 }
 
@@ -738,6 +769,7 @@ impl PeerClient {
             piece: piece.clone(),
             cached_only,
             redirect,
+            values_only: false,
         })?;
         let len = match self.conn.recv()? {
             PeerMsg::PieceIs { len } => len,
@@ -759,6 +791,33 @@ impl PeerClient {
         let mut buf = vec![0u8; len as usize];
         self.conn.recv_data_exact(&mut buf)?;
         Ok(Some(FromPeer::Bytes(bytes::Bytes::from(buf))))
+    }
+
+    /// The chaining values of the parts of `piece`, a range of a chunk (`super::share`), as
+    /// the peer holds them or reads them from the store as the range's owner; not yet checked.
+    pub(crate) fn range_values(&mut self, piece: &hotstart_proto::share::Piece) -> Result<Vec<u8>> {
+        self.conn.send(&PeerMsg::Piece {
+            piece: piece.clone(),
+            cached_only: false,
+            redirect: false,
+            values_only: true,
+        })?;
+        let len = match self.conn.recv()? {
+            PeerMsg::PieceIs { len } => len,
+            other => return Err(self.unexpected(other)),
+        };
+        if Some(len) != piece.values_len() {
+            return Err(self
+                .conn
+                .violation(format!(
+                    "{len} bytes of values for a range of {}",
+                    piece.key
+                ))
+                .into());
+        }
+        let mut buf = vec![0u8; len as usize];
+        self.conn.recv_data_exact(&mut buf)?;
+        Ok(buf)
     }
 
     /// The shards the peer holds (of `job`, or all).

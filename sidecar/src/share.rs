@@ -53,6 +53,7 @@
 //! `share_cache` is answered and not kept.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak, mpsc};
 use std::time::{Duration, Instant};
 
@@ -138,6 +139,16 @@ struct Landed<'b> {
     piece: Piece,
     got: Got,
     dst: &'b mut [u8],
+}
+
+/// A chunk shared in ranges, as its ranges from peers land: kept at once once the values of
+/// its parts are verified against its id ([`Core::chunk_values`]), held back until then.
+#[derive(Default)]
+struct Early {
+    /// The chunk's parts' values, verified.
+    values: Option<Arc<Vec<ChainingValue>>>,
+    /// Ranges from peers (each with its answer) that landed before them.
+    pending: Vec<(Piece, Bytes)>,
 }
 
 /// The sharing state of a sidecar.
@@ -638,6 +649,35 @@ impl Core {
             CHUNKS_IN_FLIGHT
         };
         units.rotate_left(first % n);
+        // The values of the parts of the chunks shared in ranges, gathered in the background
+        // in the order the ranges are asked for: a range that lands once they are verified is
+        // kept, and passed on, at once rather than once its whole chunk is in.
+        let early: Arc<Vec<Mutex<Early>>> =
+            Arc::new(hashes.iter().map(|_| Mutex::default()).collect());
+        let mut split: Vec<(usize, blake3::Hash, Vec<Piece>)> = Vec::new();
+        for (i, piece, _) in units.iter().filter(|u| u.1.within.is_some()) {
+            match split.iter_mut().find(|c| c.0 == *i) {
+                Some(c) => c.2.push(piece.clone()),
+                None => split.push((*i, hashes[*i], vec![piece.clone()])),
+            }
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        if let Some(core) = self.share.core.get().and_then(Weak::upgrade)
+            && !split.is_empty()
+        {
+            let (early, done) = (early.clone(), done.clone());
+            std::thread::spawn(move || {
+                for (i, id, mut ranges) in split {
+                    if done.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    ranges.sort_by_key(|p| p.offset);
+                    if let Some(values) = core.chunk_values(&id, &ranges) {
+                        core.values_verified(&early[i], values);
+                    }
+                }
+            });
+        }
         let queue = Mutex::new(units.into_iter());
         let landed: Vec<Mutex<Vec<Landed>>> = hashes.iter().map(|_| Mutex::default()).collect();
         let filled = Mutex::new(vec![None; hashes.len()]);
@@ -659,6 +699,9 @@ impl Core {
                         self.metrics
                             .shared("ckpt", got.source.as_str(), dst.len() as u64);
                         dst.copy_from_slice(split_range(&piece, &got.bytes).1);
+                        if piece.within.is_some() && got.source == PieceSource::Peer {
+                            self.land_early(&early[i], &piece, &got.bytes);
+                        }
                         // The worker that lands a chunk's last range settles the chunk.
                         let r = m.chunk_range(i);
                         let whole = {
@@ -674,8 +717,49 @@ impl Core {
                 });
             }
         });
+        done.store(true, Ordering::Relaxed);
         // A chunk with a range missing is left to the store reader.
         filled.into_inner().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A range `piece` of a chunk landed from a peer (`answer`: its parts' values, each part
+    /// checked against its value as it arrived, then its bytes): kept at once when its values
+    /// are those verified for the chunk, held back while they are not yet known.
+    fn land_early(&self, early: &Mutex<Early>, piece: &Piece, answer: &Bytes) {
+        let mut e = lock(early);
+        match e.values.clone() {
+            Some(values) => {
+                drop(e);
+                self.keep_checked(&values, piece, answer.clone());
+            }
+            None => e.pending.push((piece.clone(), answer.clone())),
+        }
+    }
+
+    /// The values of a chunk's parts, verified against its id: the ranges of it held back
+    /// until now are kept (those that match), and those that land later at once.
+    fn values_verified(&self, early: &Mutex<Early>, values: Vec<ChainingValue>) {
+        let values = Arc::new(values);
+        let pending = {
+            let mut e = lock(early);
+            e.values = Some(values.clone());
+            std::mem::take(&mut e.pending)
+        };
+        for (piece, answer) in pending {
+            self.keep_checked(&values, &piece, answer);
+        }
+    }
+
+    /// Keeps a range from a peer whose parts' values (each part checked against its own as it
+    /// arrived, [`verify`]) are the chunk's verified `values`. One whose values differ is left
+    /// to its chunk's check, which finds its sender ([`Core::settle`]).
+    fn keep_checked(&self, values: &[ChainingValue], piece: &Piece, answer: Bytes) {
+        let sent = range_values(piece, &answer);
+        let first = (piece.within.unwrap_or(0) / parts::PART) as usize;
+        if !sent.is_empty() && values.get(first..first + sent.len()) == Some(&sent[..]) {
+            self.metrics.range_kept("on_arrival");
+            self.keep(piece, answer);
+        }
     }
 
     /// A chunk whose every piece has landed: checked (a whole chunk as it came; ranges each
@@ -699,7 +783,11 @@ impl Core {
                 .then_some(TierKind::Store);
         }
         for l in &ranges {
-            if l.piece.within.is_some() && l.got.source == PieceSource::Peer {
+            if l.piece.within.is_some()
+                && l.got.source == PieceSource::Peer
+                && !self.share_holds(&l.piece)
+            {
+                self.metrics.range_kept("with_chunk");
                 self.keep(&l.piece, l.got.bytes.clone());
             }
         }
@@ -1013,10 +1101,18 @@ impl Core {
         cached_only: bool,
         redirect: bool,
     ) -> std::result::Result<Option<FromPeer>, String> {
+        self.with_client(m, |c| c.piece(piece, cached_only, redirect))
+    }
+
+    /// `ask` on a connection to `m`: a kept one, or a new one (also when the peer has closed
+    /// the kept one since), kept afterwards for the next request.
+    fn with_client<T>(
+        &self,
+        m: &Member,
+        ask: impl Fn(&mut PeerClient) -> crate::error::Result<T>,
+    ) -> std::result::Result<T, String> {
         let node = &m.id.node;
         let kept = lock(&self.share.idle).get_mut(node).and_then(Vec::pop);
-        let ask = |c: &mut PeerClient| c.piece(piece, cached_only, redirect);
-        // A kept connection the peer has closed since is replaced by a new one, once.
         let (client, answer) = match kept.map(|mut c| (ask(&mut c), c)) {
             Some((Ok(answer), c)) => (c, answer),
             _ => {
@@ -1032,11 +1128,89 @@ impl Core {
         Ok(answer)
     }
 
+    /// The values of the parts of `piece`, a range of a chunk, for a peer that asks
+    /// (`super::peer`): from this node's cache, else as the range's owner, read from the store
+    /// once (as for [`Core::piece_for_peer`]). Small, so sent at once, with no upload slot.
+    pub(crate) fn values_for_peer(&self, piece: &Piece) -> std::result::Result<Bytes, String> {
+        piece.check()?;
+        if piece.within.is_none() {
+            return Err("values are kept only for a range of a chunk".into());
+        }
+        let cached = lock(&self.share.cache).get(&piece.content_id());
+        let bytes = match cached {
+            Some(b) => b,
+            None => self.piece(piece, true)?.bytes,
+        };
+        let bytes = self.share.sent(piece, bytes);
+        let values = bytes.slice(..split_range(piece, &bytes).0.len());
+        self.metrics.served(&piece.artifact, values.len() as u64);
+        Ok(values)
+    }
+
+    /// The values of the parts of `piece`, a range of a chunk, not yet checked: from this
+    /// node's cache, else from the range's owners, in order; this node, when it is one, fetches
+    /// the range itself (joining the fetch in flight, if any).
+    fn range_values_of(&self, piece: &Piece) -> std::result::Result<Vec<ChainingValue>, String> {
+        let id = piece.content_id();
+        if let Some(b) = lock(&self.share.cache).get(&id) {
+            return Ok(range_values(piece, &b));
+        }
+        let mut failed = String::from("no owner to ask");
+        for owner in self.owners(&id).into_iter().take(OWNERS_ASKED) {
+            let Some(m) = owner else {
+                return Ok(range_values(piece, &self.piece(piece, false)?.bytes));
+            };
+            match self.with_client(&m, |c| c.range_values(piece)) {
+                Ok(raw) => match parts::from_bytes(&raw) {
+                    Some(values) => return Ok(values),
+                    None => failed = format!("{} sent malformed values", m.id.node),
+                },
+                Err(reason) => failed = reason,
+            }
+        }
+        Err(failed)
+    }
+
+    /// The values of every part of a chunk `id` shared in `ranges` (in order), gathered from
+    /// the ranges' owners at once and checked against `id`: `None` when one could not be had
+    /// or they do not make `id` (the ranges are then checked once all are in, [`Core::settle`]).
+    fn chunk_values(&self, id: &blake3::Hash, ranges: &[Piece]) -> Option<Vec<ChainingValue>> {
+        let got: Vec<_> = std::thread::scope(|s| {
+            let asks: Vec<_> = ranges
+                .iter()
+                .map(|p| s.spawn(move || self.range_values_of(p)))
+                .collect();
+            asks.into_iter()
+                .map(|a| a.join().unwrap_or_else(|_| Err("panicked".into())))
+                .collect()
+        });
+        let mut values = Vec::new();
+        for (p, v) in ranges.iter().zip(got) {
+            match v {
+                Ok(v) if Some(v.len() as u64 * parts::CV_LEN as u64) == p.values_len() => {
+                    values.extend(v)
+                }
+                Ok(_) => return None,
+                Err(reason) => {
+                    debug!(key = %p.key, offset = p.offset, %reason, "the values of a range could not be had");
+                    return None;
+                }
+            }
+        }
+        let len = ranges.iter().filter_map(|p| p.len).sum();
+        if parts::root(&values, len) != Some(*id) {
+            debug!(chunk = %id, "the values of a chunk's ranges do not make its id");
+            return None;
+        }
+        Some(values)
+    }
+
     /// What this node sends a peer that asks it for `piece` (`super::peer`): the bytes (from
     /// the cache; else, unless `cached_only`, as the piece's owner, read from the store once)
     /// once one of its [`UPLOADS_PER_PIECE`] upload slots is free. While they are taken, a
     /// peer that takes redirects is sent to a node this one sent the piece to; with none yet,
-    /// it waits for a slot (at most a quarter of the peer timeout, then it is served anyway).
+    /// it waits for a slot (at most a quarter of the peer timeout, then it is served anyway),
+    /// or for such a node, whichever comes first.
     pub(crate) fn piece_for_peer<'a>(
         &'a self,
         piece: &Piece,
@@ -1062,10 +1236,27 @@ impl Core {
         // Well within the asker's own timeout, which would otherwise give up on this node.
         let deadline = Instant::now() + self.cfg.peer_timeout / 4;
         let mut uploads = lock(&self.share.uploads);
+        let mut waited = false;
         loop {
             let u = uploads.entry(id).or_default();
             let now = Instant::now();
-            if u.active < UPLOADS_PER_PIECE || now >= deadline {
+            // Only holders that took the piece about as fast as the fastest: one behind a slow
+            // link would pass it on slowly.
+            let fastest = u.holders.iter().map(|h| h.1).fold(f64::INFINITY, f64::min);
+            let holders: Vec<&String> = u
+                .holders
+                .iter()
+                .filter(|h| h.0 != asker && h.1 <= 2.0 * fastest)
+                .map(|h| &h.0)
+                .collect();
+            let busy = u.active >= UPLOADS_PER_PIECE;
+            // A peer that waited for a slot is sent to a node that took the piece meanwhile,
+            // rather than take the slot: this node's link is the one in demand.
+            if redirect && !holders.is_empty() && (busy || waited) {
+                u.next = u.next.wrapping_add(1);
+                return ToPeer::Redirect(holders[u.next % holders.len()].clone());
+            }
+            if !busy || now >= deadline {
                 u.active += 1;
                 return ToPeer::Bytes(
                     bytes,
@@ -1077,25 +1268,13 @@ impl Core {
                     },
                 );
             }
-            // Only holders that took the piece about as fast as the fastest: one behind a slow
-            // link would pass it on slowly.
-            let fastest = u.holders.iter().map(|h| h.1).fold(f64::INFINITY, f64::min);
-            let holders: Vec<&String> = u
-                .holders
-                .iter()
-                .filter(|h| h.0 != asker && h.1 <= 2.0 * fastest)
-                .map(|h| &h.0)
-                .collect();
-            if redirect && !holders.is_empty() {
-                u.next = u.next.wrapping_add(1);
-                return ToPeer::Redirect(holders[u.next % holders.len()].clone());
-            }
             uploads = self
                 .share
                 .uploads_changed
                 .wait_timeout(uploads, deadline - now)
                 .map(|(g, _)| g)
                 .unwrap_or_else(|e| e.into_inner().0);
+            waited = true;
         }
     }
 }

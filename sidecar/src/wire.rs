@@ -88,13 +88,16 @@ pub enum PeerMsg {
     Describe { job: String, rank: u32, step: u64 },
     /// Send me this shared piece (`super::share`): as its owner, from your cache or read from
     /// the store; with `cached_only`, only if your cache holds it (else `NotFound`). With
-    /// `redirect`, a node busy sending it may answer `Redirect` to a node it sent it to.
+    /// `redirect`, a node busy sending it may answer `Redirect` to a node it sent it to. With
+    /// `values_only` (a range of a chunk), only the chaining values of its parts, not its bytes.
     Piece {
         piece: hotstart_proto::share::Piece,
         #[serde(default)]
         cached_only: bool,
         #[serde(default)]
         redirect: bool,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        values_only: bool,
     },
     /// The piece: `len` bytes in data frames follow, every frame checked against its id.
     PieceIs { len: u64 },

@@ -14,6 +14,7 @@ const GET_BYTES: &str = "hotstart_store_bytes_total{op=\"get\"}";
 const CKPT_FROM_PEERS: &str = "hotstart_share_bytes_total{artifact=\"ckpt\",source=\"peer\"}";
 const FAILURES: &str = "hotstart_share_peer_failures_total";
 const CORRUPT_SENT: &str = "HOTSTART_FAULT_CORRUPT_SHARED";
+const KEPT_ON_ARRIVAL: &str = "hotstart_share_ranges_kept_total{when=\"on_arrival\"}";
 const CACHE_BYTES: &str = "hotstart_share_cache_bytes";
 const MEMORY_USED: &str = "hotstart_memory_used_bytes";
 const MIB: usize = 8;
@@ -88,6 +89,15 @@ pub fn replicas_restore_from_the_store_about_once_for_the_job() {
         "the store sent {read} bytes for 3 replicas of {shard}"
     );
     assert!(from_peers >= shard, "peers sent {from_peers} bytes");
+    // The values of each chunk's parts are gathered from the ranges' owners while the ranges
+    // arrive: once verified against the chunk's id, a range is kept (and passed on) as it
+    // lands, not once its whole chunk is in.
+    let early: f64 = nodes
+        .iter()
+        .map(|n| metrics::sample(&n.metrics(), KEPT_ON_ARRIVAL).unwrap_or(0.0))
+        .sum();
+    eprintln!("ranges from peers kept on arrival: {early}");
+    assert!(early >= 1.0, "no range was kept on arrival");
     // The pieces kept to serve peers are charged to the memory budget.
     let held: Vec<(f64, f64)> = nodes
         .iter()
