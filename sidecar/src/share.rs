@@ -42,9 +42,11 @@
 //! **Ranges of a chunk.** A checkpoint chunk larger than `share_piece` is shared in ranges,
 //! each a piece with an owner of its own, so that the chunk spreads while it still arrives.
 //! A range comes with the chaining values of its 64 KiB parts (subtrees of the chunk's BLAKE3
-//! tree, [`hotstart_ckpt::parts`]): each part is checked against its value as it arrives, and
-//! the values of all the chunk's ranges against the chunk's id once all are in; a range from a
-//! peer is kept, and so passed on, only then.
+//! tree, [`hotstart_ckpt::parts`]): each part is checked against its value as it arrives. A
+//! range from a peer is kept, and so passed on, once its values are known to make the chunk's
+//! id: the values of every range, gathered from the ranges' owners while the ranges are asked
+//! for and checked against the id, or, when they could not be had, the values of all the
+//! chunk's ranges once all are in.
 //!
 //! **Budget.** Pieces are kept in memory, least recently used first out, within
 //! `share_cache` bytes and within the memory tier's budget: each is charged to it while kept,
@@ -141,14 +143,17 @@ struct Landed<'b> {
     dst: &'b mut [u8],
 }
 
-/// A chunk shared in ranges, as its ranges from peers land: kept at once once the values of
-/// its parts are verified against its id ([`Core::chunk_values`]), held back until then.
+/// A chunk a restore asks for in ranges, as its ranges from peers land: kept at once once the
+/// values of its parts are verified against its id ([`Core::chunk_values`]), held back until
+/// then.
 #[derive(Default)]
 struct Early {
     /// The chunk's parts' values, verified.
     values: Option<Arc<Vec<ChainingValue>>>,
     /// Ranges from peers (each with its answer) that landed before them.
     pending: Vec<(Piece, Bytes)>,
+    /// Restores asking for the chunk.
+    users: usize,
 }
 
 /// The sharing state of a sidecar.
@@ -164,6 +169,10 @@ pub(crate) struct Share {
     /// Each piece's sends to peers, and who it went to.
     uploads: Mutex<HashMap<[u8; 32], Uploads>>,
     uploads_changed: Condvar,
+    /// Chunks asked for in ranges, by id.
+    early: Mutex<HashMap<[u8; 32], Early>>,
+    /// Ranges held back in `early` were kept, or will not be.
+    early_changed: Condvar,
     /// Reads the store; only taken in `drop` (a runtime dropped on another runtime's thread
     /// would panic, so it is shut down in the background).
     rt: Option<tokio::runtime::Runtime>,
@@ -285,6 +294,8 @@ impl Share {
             idle: Mutex::new(HashMap::new()),
             uploads: Mutex::new(HashMap::new()),
             uploads_changed: Condvar::new(),
+            early: Mutex::new(HashMap::new()),
+            early_changed: Condvar::new(),
             rt: Some(rt),
             corrupt_sent: match std::env::var(CORRUPT_SENT_ENV).as_deref() {
                 Ok("1") => Some(false),
@@ -573,8 +584,10 @@ impl Core {
         }
         let answer = self.fetch_piece(piece, &id, for_peer);
         match &answer {
-            // A range from a peer is kept once its chunk is checked (`prefill_shared`).
-            Ok(g) if piece.within.is_some() && g.source == PieceSource::Peer => {}
+            // A range from a peer is kept once its values are known to make its chunk's id.
+            Ok(g) if piece.within.is_some() && g.source == PieceSource::Peer => {
+                self.land_early(piece, &g.bytes)
+            }
             Ok(g) => self.keep(piece, g.bytes.clone()),
             Err(_) => {}
         }
@@ -593,9 +606,11 @@ impl Core {
     /// owner of its own: the owners read their ranges from the store at once and each sends
     /// its own to the others, so a chunk spreads through the job while it is still arriving,
     /// not one whole chunk after another. Each range comes with its parts' values, checked as
-    /// it arrives ([`verify`]); once every range of a chunk is in, the values are checked
-    /// against the chunk's id ([`Core::settle`]) and only then are its ranges from peers kept
-    /// (and passed on).
+    /// it arrives ([`verify`]). In the background, the values of every range of a chunk are
+    /// gathered from their owners and checked against the chunk's id ([`Core::chunk_values`]):
+    /// a range from a peer whose values are those is kept, and passed on, as it lands. Once
+    /// every range of a chunk is in, the values are checked against the chunk's id
+    /// ([`Core::settle`]), and the ranges not yet kept are kept.
     pub(crate) fn prefill_shared(
         &self,
         key: &ShardKey,
@@ -652,28 +667,30 @@ impl Core {
         // The values of the parts of the chunks shared in ranges, gathered in the background
         // in the order the ranges are asked for: a range that lands once they are verified is
         // kept, and passed on, at once rather than once its whole chunk is in.
-        let early: Arc<Vec<Mutex<Early>>> =
-            Arc::new(hashes.iter().map(|_| Mutex::default()).collect());
-        let mut split: Vec<(usize, blake3::Hash, Vec<Piece>)> = Vec::new();
+        let mut split: Vec<(blake3::Hash, Vec<Piece>)> = Vec::new();
         for (i, piece, _) in units.iter().filter(|u| u.1.within.is_some()) {
-            match split.iter_mut().find(|c| c.0 == *i) {
-                Some(c) => c.2.push(piece.clone()),
-                None => split.push((*i, hashes[*i], vec![piece.clone()])),
+            match split.iter_mut().find(|c| c.0 == hashes[*i]) {
+                Some(c) => c.1.push(piece.clone()),
+                None => split.push((hashes[*i], vec![piece.clone()])),
             }
+        }
+        let ids: Vec<[u8; 32]> = split.iter().map(|c| *c.0.as_bytes()).collect();
+        for id in &ids {
+            lock(&self.share.early).entry(*id).or_default().users += 1;
         }
         let done = Arc::new(AtomicBool::new(false));
         if let Some(core) = self.share.core.get().and_then(Weak::upgrade)
             && !split.is_empty()
         {
-            let (early, done) = (early.clone(), done.clone());
+            let done = done.clone();
             std::thread::spawn(move || {
-                for (i, id, mut ranges) in split {
+                for (id, mut ranges) in split {
                     if done.load(Ordering::Relaxed) {
                         break;
                     }
                     ranges.sort_by_key(|p| p.offset);
                     if let Some(values) = core.chunk_values(&id, &ranges) {
-                        core.values_verified(&early[i], values);
+                        core.values_verified(id.as_bytes(), values);
                     }
                 }
             });
@@ -699,9 +716,6 @@ impl Core {
                         self.metrics
                             .shared("ckpt", got.source.as_str(), dst.len() as u64);
                         dst.copy_from_slice(split_range(&piece, &got.bytes).1);
-                        if piece.within.is_some() && got.source == PieceSource::Peer {
-                            self.land_early(&early[i], &piece, &got.bytes);
-                        }
                         // The worker that lands a chunk's last range settles the chunk.
                         let r = m.chunk_range(i);
                         let whole = {
@@ -718,36 +732,57 @@ impl Core {
             }
         });
         done.store(true, Ordering::Relaxed);
+        let mut early = lock(&self.share.early);
+        for id in &ids {
+            if let Some(e) = early.get_mut(id) {
+                e.users -= 1;
+                if e.users == 0 {
+                    early.remove(id);
+                }
+            }
+        }
+        drop(early);
+        self.share.early_changed.notify_all();
         // A chunk with a range missing is left to the store reader.
         filled.into_inner().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A range `piece` of a chunk landed from a peer (`answer`: its parts' values, each part
     /// checked against its value as it arrived, then its bytes): kept at once when its values
-    /// are those verified for the chunk, held back while they are not yet known.
-    fn land_early(&self, early: &Mutex<Early>, piece: &Piece, answer: &Bytes) {
-        let mut e = lock(early);
+    /// are those verified for the chunk, held back while they are not yet known (for a chunk a
+    /// restore asks for in ranges; else it is kept once its chunk is checked, [`Core::settle`]).
+    fn land_early(&self, piece: &Piece, answer: &Bytes) {
+        let Ok(chunk) = blake3::Hash::from_hex(&piece.frames[0].id) else {
+            return;
+        };
+        let mut early = lock(&self.share.early);
+        let Some(e) = early.get_mut(chunk.as_bytes()) else {
+            return;
+        };
         match e.values.clone() {
             Some(values) => {
-                drop(e);
+                drop(early);
                 self.keep_checked(&values, piece, answer.clone());
             }
             None => e.pending.push((piece.clone(), answer.clone())),
         }
     }
 
-    /// The values of a chunk's parts, verified against its id: the ranges of it held back
-    /// until now are kept (those that match), and those that land later at once.
-    fn values_verified(&self, early: &Mutex<Early>, values: Vec<ChainingValue>) {
+    /// The values of chunk `id`'s parts, verified against it: the ranges of it held back until
+    /// now are kept (those that match), and those that land later at once.
+    fn values_verified(&self, id: &[u8; 32], values: Vec<ChainingValue>) {
         let values = Arc::new(values);
-        let pending = {
-            let mut e = lock(early);
-            e.values = Some(values.clone());
-            std::mem::take(&mut e.pending)
+        let mut early = lock(&self.share.early);
+        let Some(e) = early.get_mut(id) else {
+            return;
         };
-        for (piece, answer) in pending {
+        e.values = Some(values.clone());
+        // Kept before the lock is let go: a peer waiting for one of them sees it kept.
+        for (piece, answer) in std::mem::take(&mut e.pending) {
             self.keep_checked(&values, &piece, answer);
         }
+        drop(early);
+        self.share.early_changed.notify_all();
     }
 
     /// Keeps a range from a peer whose parts' values (each part checked against its own as it
@@ -791,6 +826,7 @@ impl Core {
                 self.keep(&l.piece, l.got.bytes.clone());
             }
         }
+        self.share.early_changed.notify_all();
         let has = |s| ranges.iter().any(|l| l.got.source == s);
         Some(if has(PieceSource::Store) {
             TierKind::Store
@@ -1069,7 +1105,13 @@ impl Core {
     ) -> std::result::Result<(String, Bytes), String> {
         let (mut target, mut cached_only, mut redirect) = (m.clone(), hedge, true);
         for _ in 0..MAX_HOPS {
-            match self.request_piece(&target, piece, cached_only, redirect)? {
+            let t = Instant::now();
+            let answer = self.request_piece(&target, piece, cached_only, redirect)?;
+            if answer.is_none() && target.id.node != m.id.node {
+                debug!(holder = %target.id.node, owner = %m.id.node, offset = piece.offset,
+                    took_ms = t.elapsed().as_millis() as u64, "a node redirected to did not hold a piece");
+            }
+            match answer {
                 Some(FromPeer::Bytes(b)) => return Ok((target.id.node, b)),
                 Some(FromPeer::Redirect(node)) => {
                     let holder = self
@@ -1197,6 +1239,7 @@ impl Core {
                 }
             }
         }
+        debug!(chunk = %id, "the values of a chunk's ranges are in");
         let len = ranges.iter().filter_map(|p| p.len).sum();
         if parts::root(&values, len) != Some(*id) {
             debug!(chunk = %id, "the values of a chunk's ranges do not make its id");
@@ -1205,12 +1248,52 @@ impl Core {
         Some(values)
     }
 
+    /// `piece` (its id `id`) from this node's cache, or, while it is still landing here, once
+    /// it has landed and been kept: a node is redirected to as soon as it is sent a piece, and
+    /// a range of a chunk is held back until the chunk's values are known. `None` when not
+    /// held by `deadline`.
+    fn cached_or_landing(&self, piece: &Piece, id: &[u8; 32], deadline: Instant) -> Option<Bytes> {
+        let flight = lock(&self.share.flights).get(id).cloned();
+        if let Some(flight) = flight {
+            let mut done = lock(&flight.done);
+            while done.is_none() {
+                let wait = deadline.checked_duration_since(Instant::now())?;
+                done = flight
+                    .cv
+                    .wait_timeout(done, wait)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|e| e.into_inner().0);
+            }
+        }
+        let chunk = blake3::Hash::from_hex(&piece.frames.first()?.id).ok();
+        let mut early = lock(&self.share.early);
+        loop {
+            if let Some(b) = lock(&self.share.cache).get(id) {
+                return Some(b);
+            }
+            let held_back = chunk
+                .and_then(|c| early.get(c.as_bytes()))
+                .is_some_and(|e| e.pending.iter().any(|(p, _)| p.content_id() == *id));
+            if !held_back {
+                return None;
+            }
+            let wait = deadline.checked_duration_since(Instant::now())?;
+            early = self
+                .share
+                .early_changed
+                .wait_timeout(early, wait)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
     /// What this node sends a peer that asks it for `piece` (`super::peer`): the bytes (from
     /// the cache; else, unless `cached_only`, as the piece's owner, read from the store once)
-    /// once one of its [`UPLOADS_PER_PIECE`] upload slots is free. While they are taken, a
-    /// peer that takes redirects is sent to a node this one sent the piece to; with none yet,
-    /// it waits for a slot (at most a quarter of the peer timeout, then it is served anyway),
-    /// or for such a node, whichever comes first.
+    /// once one of its [`UPLOADS_PER_PIECE`] upload slots is free. While they are taken, or
+    /// once it has been sent that many times, a peer that takes redirects is sent to a node
+    /// this one sent the piece to; with none yet, it waits for a slot (at most a quarter of
+    /// the peer timeout, then it is served anyway), or for such a node, whichever comes first.
+    /// Asked `cached_only` while it is still landing here, it waits for it.
     pub(crate) fn piece_for_peer<'a>(
         &'a self,
         piece: &Piece,
@@ -1222,8 +1305,10 @@ impl Core {
             return ToPeer::Failed(reason);
         }
         let id = piece.content_id();
+        // Well within the asker's own timeout, which would otherwise give up on this node.
+        let deadline = Instant::now() + self.cfg.peer_timeout / 4;
         let bytes = if cached_only {
-            match lock(&self.share.cache).get(&id) {
+            match self.cached_or_landing(piece, &id, deadline) {
                 Some(b) => b,
                 None => return ToPeer::NotHeld,
             }
@@ -1233,40 +1318,29 @@ impl Core {
                 Err(reason) => return ToPeer::Failed(reason),
             }
         };
-        // Well within the asker's own timeout, which would otherwise give up on this node.
-        let deadline = Instant::now() + self.cfg.peer_timeout / 4;
         let mut uploads = lock(&self.share.uploads);
         let mut waited = false;
         loop {
-            let u = uploads.entry(id).or_default();
             let now = Instant::now();
-            // Only holders that took the piece about as fast as the fastest: one behind a slow
-            // link would pass it on slowly.
-            let fastest = u.holders.iter().map(|h| h.1).fold(f64::INFINITY, f64::min);
-            let holders: Vec<&String> = u
-                .holders
-                .iter()
-                .filter(|h| h.0 != asker && h.1 <= 2.0 * fastest)
-                .map(|h| &h.0)
-                .collect();
-            let busy = u.active >= UPLOADS_PER_PIECE;
-            // A peer that waited for a slot is sent to a node that took the piece meanwhile,
-            // rather than take the slot: this node's link is the one in demand.
-            if redirect && !holders.is_empty() && (busy || waited) {
-                u.next = u.next.wrapping_add(1);
-                return ToPeer::Redirect(holders[u.next % holders.len()].clone());
-            }
-            if !busy || now >= deadline {
-                u.active += 1;
-                return ToPeer::Bytes(
-                    bytes,
-                    UploadSlot {
-                        share: &self.share,
-                        id,
-                        asker: asker.to_string(),
-                        started: now,
-                    },
-                );
+            let u = uploads.entry(id).or_default();
+            match u.route(asker, redirect, waited, now >= deadline) {
+                Route::Redirect(node) => return ToPeer::Redirect(node),
+                Route::Send => {
+                    if waited {
+                        debug!(%asker, offset = piece.offset, redirect,
+                            "a peer waited for an upload slot");
+                    }
+                    return ToPeer::Bytes(
+                        bytes,
+                        UploadSlot {
+                            share: &self.share,
+                            id,
+                            asker: asker.to_string(),
+                            started: now,
+                        },
+                    );
+                }
+                Route::Wait => {}
             }
             uploads = self
                 .share
@@ -1303,6 +1377,52 @@ struct Uploads {
     active: usize,
     holders: Vec<(String, f64)>,
     next: usize,
+}
+
+/// What a node does with a peer that asks it for a piece.
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    /// Send it the piece: a slot is taken.
+    Send,
+    /// Send it to this node, which the piece was sent to.
+    Redirect(String),
+    /// Wait for a slot or a node to send it to.
+    Wait,
+}
+
+impl Uploads {
+    /// How to answer `asker` (`redirect`: it takes redirects; `waited`: it has waited for a
+    /// slot; `late`: it has waited long enough to be sent the piece whatever the slots).
+    ///
+    /// Once the piece was sent to as many nodes as it has slots, or while the slots are taken,
+    /// or once the asker has waited, the asker is sent to a node the piece went to: one that
+    /// took it about as fast as the fastest (one behind a slow link would pass it on slowly).
+    /// A send leaves its slot once the bytes are in the socket's buffer, before they are
+    /// through a slow link: slots alone would let a slow node send the piece to everyone.
+    fn route(&mut self, asker: &str, redirect: bool, waited: bool, late: bool) -> Route {
+        let fastest = self
+            .holders
+            .iter()
+            .map(|h| h.1)
+            .fold(f64::INFINITY, f64::min);
+        let holders: Vec<&String> = self
+            .holders
+            .iter()
+            .filter(|h| h.0 != asker && h.1 <= 2.0 * fastest)
+            .map(|h| &h.0)
+            .collect();
+        let busy = self.active >= UPLOADS_PER_PIECE;
+        let sent_enough = self.holders.len() >= UPLOADS_PER_PIECE;
+        if redirect && !holders.is_empty() && (busy || waited || sent_enough) {
+            self.next = self.next.wrapping_add(1);
+            return Route::Redirect(holders[self.next % holders.len()].clone());
+        }
+        if !busy || late {
+            self.active += 1;
+            return Route::Send;
+        }
+        Route::Wait
+    }
 }
 
 /// One of a piece's upload slots, taken.
@@ -1510,6 +1630,43 @@ mod tests {
             "a 4 MiB range's deadline: {deadline:?}"
         );
         assert!(deadline >= HEDGE_MIN);
+    }
+
+    #[test]
+    fn a_piece_sent_to_as_many_nodes_as_it_has_slots_is_passed_on_by_them() {
+        let mut u = Uploads::default();
+        let send = |u: &mut Uploads, asker: &str| u.route(asker, true, false, false);
+        // The first three askers are sent it; the fourth, with every slot taken and no node
+        // holding it yet, waits, unless it has waited long enough.
+        for asker in ["a", "b", "c"] {
+            assert_eq!(send(&mut u, asker), Route::Send);
+        }
+        assert_eq!(send(&mut u, "d"), Route::Wait);
+        assert_eq!(u.route("d", true, true, true), Route::Send);
+        u.active = 3;
+        // One send is through (its bytes in the socket's buffer): a slot is free, but an asker
+        // that has waited for one goes to the node it went to; a new asker takes the slot.
+        u.active -= 1;
+        u.holders.push(("a".into(), 0.1));
+        assert_eq!(u.route("d", true, true, false), Route::Redirect("a".into()));
+        assert_eq!(send(&mut u, "e"), Route::Send);
+        // Sent three times: every asker that takes redirects is passed on, slots free or
+        // not, to a holder about as fast as the fastest and never to itself.
+        u.active = 0;
+        u.holders.push(("b".into(), 0.15));
+        u.holders.push(("slow".into(), 5.0));
+        for _ in 0..6 {
+            match send(&mut u, "b") {
+                Route::Redirect(n) => assert_eq!(n, "a"),
+                other => panic!("{other:?}"),
+            }
+            match send(&mut u, "f") {
+                Route::Redirect(n) => assert!(n == "a" || n == "b", "{n}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        // One that does not take redirects (its holder did not have it) is sent it.
+        assert_eq!(u.route("f", false, false, false), Route::Send);
     }
 
     #[test]
