@@ -965,7 +965,18 @@ impl Core {
             let (core, tx, piece) = (core.clone(), tx.clone(), piece.clone());
             std::thread::spawn(move || {
                 let t = Instant::now();
-                let (node, answer) = match core.ask_peer(&m, &piece, hedge) {
+                let mut asked = core.ask_peer(&m, &piece, hedge);
+                // A node redirected to that sends a corrupt piece is avoided, and the owner,
+                // not to blame, is asked for it again without redirects (rather than the next
+                // owner, which would read it from the store once more).
+                if let Ok((sender, bytes)) = &asked
+                    && *sender != m.id.node
+                    && let Err(reason) = verify(&piece, bytes)
+                {
+                    core.corrupt_peer(sender, &piece, &reason);
+                    asked = core.ask_owner_again(&m, &piece, hedge);
+                }
+                let (node, answer) = match asked {
                     Ok((sender, bytes)) => match verify(&piece, &bytes) {
                         Ok(()) => {
                             core.share.peer_answered(&sender, bytes.len(), t.elapsed());
@@ -1041,12 +1052,10 @@ impl Core {
                 }
                 Ok((_, node, Err((kind, reason)), _)) => {
                     in_flight -= 1;
-                    self.metrics.share_peer_failed(&node, kind);
                     if kind == "corrupt" {
-                        warn!(peer = %node, key = %piece.key, %reason,
-                            "a peer sent a piece that does not match its ids; avoiding it");
-                        self.share.avoid(&node, AVOID_FOR);
+                        self.corrupt_peer(&node, piece, &reason);
                     } else {
+                        self.metrics.share_peer_failed(&node, kind);
                         debug!(peer = %node, key = %piece.key, %reason, "a peer did not provide a piece");
                     }
                 }
@@ -1133,6 +1142,29 @@ impl Core {
             "more than {MAX_HOPS} redirects for a piece of {}",
             piece.key
         ))
+    }
+
+    /// `node` sent a piece that does not match its ids: counted, and avoided for [`AVOID_FOR`].
+    fn corrupt_peer(&self, node: &str, piece: &Piece, reason: &str) {
+        self.metrics.share_peer_failed(node, "corrupt");
+        warn!(peer = %node, key = %piece.key, %reason,
+            "a peer sent a piece that does not match its ids; avoiding it");
+        self.share.avoid(node, AVOID_FOR);
+    }
+
+    /// `piece` from its owner `m` itself, with no redirect (the node it redirected to failed):
+    /// the bytes, not yet checked. A `hedge` asks only for what `m` holds.
+    fn ask_owner_again(
+        &self,
+        m: &Member,
+        piece: &Piece,
+        hedge: bool,
+    ) -> std::result::Result<(String, Bytes), String> {
+        match self.request_piece(m, piece, hedge, false)? {
+            Some(FromPeer::Bytes(b)) => Ok((m.id.node.clone(), b)),
+            Some(FromPeer::Redirect(_)) => Err("redirected when asked not to be".into()),
+            None => Err(NOT_HELD.into()),
+        }
     }
 
     /// One request for `piece` to `m`, on a kept connection or a new one.
