@@ -538,6 +538,11 @@ pub(crate) fn serve(core: Arc<Core>, sock: TcpStream, addr: SocketAddr) {
                 };
                 conn.send(&answer).map_err(Error::from)
             }
+            PeerMsg::Piece { .. } if !core.cfg.share => conn
+                .send(&PeerMsg::Failed {
+                    reason: "this node does not share (--no-share)".into(),
+                })
+                .map_err(Error::from),
             PeerMsg::Piece {
                 piece,
                 values_only: true,
@@ -574,12 +579,7 @@ fn serve_piece(
     redirect: bool,
 ) -> Result<()> {
     use crate::share::ToPeer;
-    let answer = if core.cfg.share {
-        core.piece_for_peer(piece, &peer.node, cached_only, redirect)
-    } else {
-        ToPeer::Failed("this node does not share (--no-share)".into())
-    };
-    match answer {
+    match core.piece_for_peer(piece, &peer.node, cached_only, redirect) {
         ToPeer::Bytes(bytes, slot) => {
             let bytes = core.share.sent(piece, bytes);
             let sent = conn
@@ -605,12 +605,7 @@ fn serve_values(
     conn: &mut Conn<Link>,
     piece: &hotstart_proto::share::Piece,
 ) -> Result<()> {
-    let answer = if core.cfg.share {
-        core.values_for_peer(piece)
-    } else {
-        Err("this node does not share (--no-share)".into())
-    };
-    match answer {
+    match core.values_for_peer(piece) {
         Ok(values) => {
             conn.send(&PeerMsg::PieceIs {
                 len: values.len() as u64,
