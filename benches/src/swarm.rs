@@ -63,6 +63,11 @@ pub struct SwarmArgs {
     /// run; the ratios of the pairs and their median are reported.
     #[arg(long, default_value_t = 1)]
     fault_runs: usize,
+    /// The node whose link is throttled and whose sidecar corrupts what it sends (0 to N − 1),
+    /// the same in every run; by default, the node that had the most pieces from the store in
+    /// the sharing round just run (it owns the most), which may change from run to run.
+    #[arg(long)]
+    fault_node: Option<usize>,
     /// Write the table here (Markdown).
     #[arg(long)]
     markdown: Option<PathBuf>,
@@ -359,29 +364,45 @@ impl Swarm<'_> {
     }
 
     /// The two faults of `artifact`, each a `round` of sidecars restarted (the odd one with
-    /// its environment): the node that served the most in the sharing round just run
-    /// (`shared`) with its link at a tenth (`runs` times, each after a round without the
-    /// fault, the first of which is `shared`), then sending corrupt pieces.
+    /// its environment): a node (`--fault-node`, or the one that had the most pieces from the
+    /// store in the sharing round just run) with its link at a tenth (`--fault-runs` times, each after a
+    /// round without the fault, the first of which is `shared`), then sending corrupt pieces.
     fn faults(
         &mut self,
         artifact: &'static str,
-        node_mbit: u32,
-        (shared, runs): (&Round, usize),
+        args: &SwarmArgs,
+        shared: &Round,
         round: impl Fn(&mut Self, Option<(usize, &[(&str, &str)])>) -> anyhow::Result<Round>,
     ) -> anyhow::Result<Faults> {
         let served = format!("hotstart_share_served_bytes_total{{artifact=\"{artifact}\"}}");
         let n = self.net.nodes();
-        let node = (0..n)
-            .max_by(|&a, &b| {
-                let (a, b) = (
-                    self.sidecars.metric(a, &served),
-                    self.sidecars.metric(b, &served),
+        // The node whose processes had the most pieces from the store owns the most pieces
+        // (a node reads the store for the pieces it owns): throttled, the most wait on it.
+        let read =
+            format!("hotstart_share_bytes_total{{artifact=\"{artifact}\",source=\"store\"}}");
+        let read = read.as_str();
+        let busiest = (0..n).max_by(|&a, &b| {
+            let (a, b) = (self.sidecars.metric(a, read), self.sidecars.metric(b, read));
+            a.total_cmp(&b)
+        });
+        let node = match args.fault_node {
+            Some(node) => {
+                ensure!(
+                    node < n,
+                    "--fault-node {node}: the swarm has nodes 0 to {}",
+                    n - 1
                 );
-                a.total_cmp(&b)
-            })
-            .unwrap_or(0);
+                node
+            }
+            None => busiest.unwrap_or(0),
+        };
+        let served_shared = (
+            self.sidecars.metric(node, &served),
+            self.sidecars.metric(node, read),
+        );
+        let node_mbit = args.node_mbit;
         let mut throttled = Vec::new();
-        for k in 0..runs.max(1) {
+        for k in 0..args.fault_runs.max(1) {
             let without = match k {
                 0 => shared.clone(),
                 _ => {
@@ -405,6 +426,8 @@ impl Swarm<'_> {
         Ok(Faults {
             artifact,
             node,
+            chosen: args.fault_node.is_some(),
+            served: served_shared,
             throttled,
             corrupt: (r, bad, sent),
         })
@@ -453,9 +476,12 @@ impl Swarm<'_> {
 #[derive(Debug, Clone)]
 struct Faults {
     artifact: &'static str,
-    /// The faulty node: the one that served the most in the sharing round, so that it owns
-    /// pieces (an artifact of a few pieces may leave a given node none).
+    /// The faulty node: `--fault-node` (`chosen`), else the one that had the most pieces from
+    /// the store in the sharing round, so that it owns the most (an artifact of a few pieces
+    /// may leave a given node none); the bytes it served and had from the store in that round.
     node: usize,
+    chosen: bool,
+    served: (f64, f64),
     /// Sharing rounds without the fault and with the node's link at a tenth, in pairs.
     throttled: Vec<(Round, Round)>,
     /// The round, the corrupt pieces its peers counted, and the bytes it served.
@@ -543,8 +569,7 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     let env_shared = s.env_round("shared", &s.env_store(), true)?;
     let mut all_faults = Vec::new();
     if faults && n > 2 {
-        let shared = (&env_shared, args.fault_runs);
-        all_faults.push(s.faults("env", args.node_mbit, shared, |s, odd| {
+        all_faults.push(s.faults("env", args, &env_shared, |s, odd| {
             s.restart(&["--memory-budget", "512MiB"], odd)?;
             s.env_round("fault", &s.env_store(), true)
         })?);
@@ -560,10 +585,7 @@ fn measure(args: &SwarmArgs, n: usize, exe: &Path, faults: bool) -> anyhow::Resu
     eprintln!("  {n} nodes: ckpt, sharing");
     let ckpt_shared = s.ckpt_round(true, None)?;
     if faults && n > 2 {
-        let shared = (&ckpt_shared, args.fault_runs);
-        all_faults.push(s.faults("ckpt", args.node_mbit, shared, |s, odd| {
-            s.ckpt_round(true, odd)
-        })?);
+        all_faults.push(s.faults("ckpt", args, &ckpt_shared, |s, odd| s.ckpt_round(true, odd))?);
     }
     drop(s);
     Ok(Measured {
@@ -705,10 +727,17 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
         changes.sort_by(f64::total_cmp);
         let list = |v: Vec<String>| v.join(", ");
         md.push_str(&format!(
-            "- N = {}, {}, node {} (the one that served the most) with its link at a tenth, in {} pairs of rounds: the other nodes' p99 without · with the fault {}; median {:+.0}% (target ≤ +10%); node {} itself {} s; the store sent {}× the artifact.\n",
+            "- N = {}, {}, node {} ({}; in the sharing round it served {:.1} MB and had {:.1} MB from the store) with its link at a tenth, in {} pairs of rounds: the other nodes' p99 without · with the fault {}; median {:+.0}% (target ≤ +10%); node {} itself {} s; the store sent {}× the artifact.\n",
             big.n,
             f.artifact,
             f.node,
+            if f.chosen {
+                "--fault-node"
+            } else {
+                "the one that had the most from the store"
+            },
+            f.served.0 / 1e6,
+            f.served.1 / 1e6,
             f.throttled.len(),
             list(pairs),
             changes[changes.len() / 2] * 100.0,
