@@ -64,8 +64,8 @@ pub struct SwarmArgs {
     #[arg(long, default_value_t = 1)]
     fault_runs: usize,
     /// The node whose link is throttled and whose sidecar corrupts what it sends (0 to N − 1),
-    /// the same in every run; by default, the node that had the most pieces from the store in
-    /// the sharing round just run (it owns the most), which may change from run to run.
+    /// the same in every run; by default, the node that read the most from the store in the
+    /// sharing round just run (it owns the most pieces), which may change from run to run.
     #[arg(long)]
     fault_node: Option<usize>,
     /// Write the table here (Markdown).
@@ -364,9 +364,10 @@ impl Swarm<'_> {
     }
 
     /// The two faults of `artifact`, each a `round` of sidecars restarted (the odd one with
-    /// its environment): a node (`--fault-node`, or the one that had the most pieces from the
-    /// store in the sharing round just run) with its link at a tenth (`--fault-runs` times, each after a
-    /// round without the fault, the first of which is `shared`), then sending corrupt pieces.
+    /// its environment): a node (`--fault-node`, or the one that read the most from the store
+    /// in the sharing round just run) with its link at a tenth (`--fault-runs` times,
+    /// each after a round without the fault, the first of which is `shared`), then sending
+    /// corrupt pieces.
     fn faults(
         &mut self,
         artifact: &'static str,
@@ -376,10 +377,15 @@ impl Swarm<'_> {
     ) -> anyhow::Result<Faults> {
         let served = format!("hotstart_share_served_bytes_total{{artifact=\"{artifact}\"}}");
         let n = self.net.nodes();
-        // The node whose processes had the most pieces from the store owns the most pieces
-        // (a node reads the store for the pieces it owns): throttled, the most wait on it.
-        let read =
-            format!("hotstart_share_bytes_total{{artifact=\"{artifact}\",source=\"store\"}}");
+        // The node that read the most from the store owns the most pieces (a node reads the
+        // store for the pieces it owns, for its peers too): throttled, the most wait on it.
+        // A checkpoint's sidecars read their own store, whose reads they count; an
+        // environment's pieces name their store, and only those a node's own processes had
+        // from it are counted.
+        let read = match artifact {
+            "ckpt" => "hotstart_store_bytes_total{op=\"get\"}".to_string(),
+            _ => format!("hotstart_share_bytes_total{{artifact=\"{artifact}\",source=\"store\"}}"),
+        };
         let read = read.as_str();
         let busiest = (0..n).max_by(|&a, &b| {
             let (a, b) = (self.sidecars.metric(a, read), self.sidecars.metric(b, read));
@@ -476,9 +482,9 @@ impl Swarm<'_> {
 #[derive(Debug, Clone)]
 struct Faults {
     artifact: &'static str,
-    /// The faulty node: `--fault-node` (`chosen`), else the one that had the most pieces from
-    /// the store in the sharing round, so that it owns the most (an artifact of a few pieces
-    /// may leave a given node none); the bytes it served and had from the store in that round.
+    /// The faulty node: `--fault-node` (`chosen`), else the one that read the most from the
+    /// store in the sharing round, so that it owns the most pieces (an artifact of a few pieces
+    /// may leave a given node none); the bytes it served and read from the store in that round.
     node: usize,
     chosen: bool,
     served: (f64, f64),
@@ -727,14 +733,14 @@ pub fn run(args: &SwarmArgs) -> anyhow::Result<()> {
         changes.sort_by(f64::total_cmp);
         let list = |v: Vec<String>| v.join(", ");
         md.push_str(&format!(
-            "- N = {}, {}, node {} ({}; in the sharing round it served {:.1} MB and had {:.1} MB from the store) with its link at a tenth, in {} pairs of rounds: the other nodes' p99 without · with the fault {}; median {:+.0}% (target ≤ +10%); node {} itself {} s; the store sent {}× the artifact.\n",
+            "- N = {}, {}, node {} ({}; in the sharing round it served {:.1} MB and read {:.1} MB from the store) with its link at a tenth, in {} pairs of rounds: the other nodes' p99 without · with the fault {}; median {:+.0}% (target ≤ +10%); node {} itself {} s; the store sent {}× the artifact.\n",
             big.n,
             f.artifact,
             f.node,
             if f.chosen {
                 "--fault-node"
             } else {
-                "the one that had the most from the store"
+                "the one that read the most from the store"
             },
             f.served.0 / 1e6,
             f.served.1 / 1e6,
