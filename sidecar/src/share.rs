@@ -625,7 +625,9 @@ impl Core {
             Ok(g) if piece.within.is_some() && g.source == PieceSource::Peer => {
                 self.land_early(piece, &g.bytes)
             }
-            Ok(g) => self.keep(piece, g.bytes.clone()),
+            Ok(g) => {
+                self.keep(piece, g.bytes.clone());
+            }
             Err(_) => {}
         }
         *lock(&flight.done) = Some(answer.clone());
@@ -837,7 +839,7 @@ impl Core {
         // Kept already when its chunk was checked whole before the values came in.
         if !sent.is_empty()
             && values.get(first..first + sent.len()) == Some(&sent[..])
-            && self.keep_new(piece, answer)
+            && self.keep(piece, answer)
         {
             self.metrics.range_kept("on_arrival");
         }
@@ -866,7 +868,7 @@ impl Core {
         for l in &ranges {
             if l.piece.within.is_some()
                 && l.got.source == PieceSource::Peer
-                && self.keep_new(&l.piece, l.got.bytes.clone())
+                && self.keep(&l.piece, l.got.bytes.clone())
             {
                 self.metrics.range_kept("with_chunk");
             }
@@ -928,23 +930,17 @@ impl Core {
         true
     }
 
-    /// Keeps `piece`'s checked answer `bytes` to serve this node's processes and its peers.
-    fn keep(&self, piece: &Piece, bytes: Bytes) {
-        let evicted = lock(&self.share.cache).insert(piece.content_id(), bytes, &self.memory);
-        self.share.forget_uploads(evicted);
-    }
-
-    /// [`Core::keep`], unless this node's cache holds `piece` already: whether it was kept now.
-    fn keep_new(&self, piece: &Piece, bytes: Bytes) -> bool {
+    /// Keeps `piece`'s checked answer `bytes` to serve this node's processes and its peers:
+    /// whether it was kept now (not before, and not refused for room).
+    fn keep(&self, piece: &Piece, bytes: Bytes) -> bool {
         let id = piece.content_id();
         let mut cache = lock(&self.share.cache);
-        if cache.holds(&id) {
-            return false;
-        }
+        let new = !cache.holds(&id);
         let evicted = cache.insert(id, bytes, &self.memory);
+        let kept = new && cache.holds(&id);
         drop(cache);
         self.share.forget_uploads(evicted);
-        true
+        kept
     }
 
     /// Whether this node's cache holds `piece`.
@@ -1033,30 +1029,12 @@ impl Core {
             let (core, tx, piece, on) = (core.clone(), tx.clone(), piece.clone(), waiting.clone());
             std::thread::spawn(move || {
                 let t = Instant::now();
-                let mut asked = core.ask_peer(&m, &piece, hedge, &on);
-                // A node redirected to that sends a corrupt piece is avoided, and the owner,
-                // not to blame, is asked for it again without redirects (rather than the next
-                // owner, which would read it from the store once more).
-                if let Ok((sender, bytes)) = &asked
-                    && *sender != m.id.node
-                    && let Err(reason) = verify(&piece, bytes)
-                {
-                    core.corrupt_peer(sender, &piece, &reason);
-                    *lock(&on) = (m.id.node.clone(), Instant::now());
-                    asked = core.ask_owner_again(&m, &piece, hedge);
-                }
-                let (node, answer) = match asked {
-                    Ok((sender, bytes)) => match verify(&piece, &bytes) {
-                        Ok(()) => {
-                            core.share.peer_answered(&sender, bytes.len(), t.elapsed());
-                            (sender, Ok(bytes))
-                        }
-                        Err(reason) => (sender, Err(("corrupt", reason))),
-                    },
-                    Err(reason) if hedge && reason == NOT_HELD => {
-                        (m.id.node.clone(), Err(("not_held", reason)))
+                let (node, answer) = match core.ask_peer(&m, &piece, hedge, &on) {
+                    Ok((sender, bytes)) => {
+                        core.share.peer_answered(&sender, bytes.len(), t.elapsed());
+                        (sender, Ok(bytes))
                     }
-                    Err(reason) => (m.id.node.clone(), Err(("error", reason))),
+                    Err((node, kind, reason)) => (node, Err((kind, reason))),
                 };
                 let _ = tx.send((m, node, answer, t.elapsed()));
             });
@@ -1179,7 +1157,11 @@ impl Core {
 
     /// Asks `m` (an owner) for `piece`, following its redirects to the nodes that hold it
     /// ([`MAX_HOPS`] at most; a holder that no longer has it sends the asker back to the owner,
-    /// which then serves it itself): the bytes and the node that sent them, not yet checked.
+    /// which then serves it itself): the bytes, verified, and the node that sent them. A node
+    /// redirected to that sends a corrupt piece is avoided, and the owner, not to blame, is
+    /// asked again without redirects (rather than the next owner, which would read it from the
+    /// store once more). Else the node blamed, the kind of failure (`not_held`, `corrupt`,
+    /// `error`) and why.
     ///
     /// A `hedge` asks only for what `m` and the nodes it redirects to hold: [`NOT_HELD`] when
     /// they do not, and `m` reads nothing from the store for it. `waiting` names the node
@@ -1191,7 +1173,10 @@ impl Core {
         piece: &Piece,
         hedge: bool,
         waiting: &Waiting,
-    ) -> std::result::Result<(String, Bytes), String> {
+    ) -> std::result::Result<(String, Bytes), (String, &'static str, String)> {
+        let failed = |kind: &'static str, reason: String| -> std::result::Result<_, _> {
+            Err((m.id.node.clone(), kind, reason))
+        };
         let (mut target, mut cached_only, mut redirect) = (m.clone(), hedge, true);
         for hop in 1..=MAX_HOPS {
             let t = Instant::now();
@@ -1200,13 +1185,23 @@ impl Core {
             // it three times redirects, so a late asker could otherwise be passed down the
             // tree until it gives up.
             let last = hop == MAX_HOPS;
-            let answer = self.request_piece(&target, piece, cached_only, redirect && !last)?;
+            let answer = match self.request_piece(&target, piece, cached_only, redirect && !last) {
+                Ok(answer) => answer,
+                Err(reason) => return failed("error", reason),
+            };
             if answer.is_none() && target.id.node != m.id.node {
                 debug!(holder = %target.id.node, owner = %m.id.node, offset = piece.offset,
                     took_ms = t.elapsed().as_millis() as u64, "a node redirected to did not hold a piece");
             }
             match answer {
-                Some(FromPeer::Bytes(b)) => return Ok((target.id.node, b)),
+                Some(FromPeer::Bytes(b)) => match verify(piece, &b) {
+                    Ok(()) => return Ok((target.id.node, b)),
+                    Err(reason) if target.id.node != m.id.node => {
+                        self.corrupt_peer(&target.id.node, piece, &reason);
+                        (target, cached_only, redirect) = (m.clone(), hedge, false);
+                    }
+                    Err(reason) => return Err((target.id.node, "corrupt", reason)),
+                },
                 Some(FromPeer::Redirect(node)) => {
                     let holder = self
                         .members
@@ -1215,18 +1210,18 @@ impl Core {
                         .find(|x| x.id.node == node && !self.share.is_avoided(&node));
                     (target, cached_only, redirect) = match holder {
                         Some(h) => (h, true, true),
-                        None if hedge => return Err(NOT_HELD.into()),
+                        None if hedge => return failed("not_held", NOT_HELD.into()),
                         None => (m.clone(), false, false),
                     };
                 }
-                None if hedge => return Err(NOT_HELD.into()),
+                None if hedge => return failed("not_held", NOT_HELD.into()),
                 None => (target, cached_only, redirect) = (m.clone(), false, false),
             }
         }
-        Err(format!(
-            "more than {MAX_HOPS} hops for a piece of {}",
-            piece.key
-        ))
+        failed(
+            "error",
+            format!("more than {MAX_HOPS} hops for a piece of {}", piece.key),
+        )
     }
 
     /// `node` sent a piece that does not match its ids: counted, and avoided for [`AVOID_FOR`].
@@ -1235,21 +1230,6 @@ impl Core {
         warn!(peer = %node, key = %piece.key, %reason,
             "a peer sent a piece that does not match its ids; avoiding it");
         self.share.avoid(node, AVOID_FOR);
-    }
-
-    /// `piece` from its owner `m` itself, with no redirect (the node it redirected to failed):
-    /// the bytes, not yet checked. A `hedge` asks only for what `m` holds.
-    fn ask_owner_again(
-        &self,
-        m: &Member,
-        piece: &Piece,
-        hedge: bool,
-    ) -> std::result::Result<(String, Bytes), String> {
-        match self.request_piece(m, piece, hedge, false)? {
-            Some(FromPeer::Bytes(b)) => Ok((m.id.node.clone(), b)),
-            Some(FromPeer::Redirect(_)) => Err("redirected when asked not to be".into()),
-            None => Err(NOT_HELD.into()),
-        }
     }
 
     /// One request for `piece` to `m`, on a kept connection or a new one.
