@@ -99,13 +99,18 @@ const SLOW_STRIKES: u32 = 2;
 const SLOW_RATIO: f64 = 4.0;
 /// ... for this long.
 pub const SLOW_AVOID_FOR: Duration = Duration::from_secs(60);
-/// A piece's deadline: this many times the time the peers' recent answers took for its size...
-const HEDGE_FACTOR: f64 = 6.0;
-/// ... and at least this long; before any answer, [`HEDGE_FIRST`] plus its size at
-/// [`HEDGE_FIRST_RATE`] (a node whose cores are busy decompressing answers late, not never).
-const HEDGE_MIN: Duration = Duration::from_millis(500);
-const HEDGE_FIRST: Duration = Duration::from_millis(500);
-const HEDGE_FIRST_RATE: f64 = 20e6;
+/// A piece's deadline, past which the node waited on gets a strike: this many times the time
+/// the peers' recent answers took for its size...
+const LATE_FACTOR: f64 = 6.0;
+/// ... and at least this long; before any answer, [`LATE_FIRST`] plus its size at
+/// [`LATE_FIRST_RATE`] (a node whose cores are busy decompressing answers late, not never).
+const LATE_MIN: Duration = Duration::from_millis(500);
+const LATE_FIRST: Duration = Duration::from_millis(500);
+const LATE_FIRST_RATE: f64 = 20e6;
+/// The next owner is hedged to at this share of a piece's deadline, and again at each such
+/// interval while it does not hold the piece: a hedge never reads the store, so it can come
+/// well before a strike, which can move the piece to a second store reader.
+const HEDGE_AT: f64 = 0.5;
 
 /// What a hedge (a request for what a node holds, see `Core::ask_peer`) gets from a node that
 /// does not hold the piece.
@@ -137,6 +142,27 @@ struct Flight {
     /// A peer asked this node for the piece in full: to it, this node is the piece's owner
     /// (the owners ahead of it failed it), so a fetch still asking them reads the store now.
     store_now: AtomicBool,
+    /// Peers that hedged to this node for the piece while it was still asking for it...
+    hedgers: Mutex<Vec<String>>,
+    /// ... [`HEDGE_QUORUM`] of them: when this node is the piece's next owner, the one ahead
+    /// of it is late for them all, and this node reads the store.
+    hedge_quorum: AtomicBool,
+}
+
+/// See [`Flight::hedge_quorum`].
+const HEDGE_QUORUM: usize = 3;
+
+impl Flight {
+    /// `asker` hedged to this node for the piece, which it is still fetching.
+    fn hedged_by(&self, asker: &str) {
+        let mut hedgers = lock(&self.hedgers);
+        if !hedgers.iter().any(|a| a == asker) {
+            hedgers.push(asker.to_string());
+        }
+        if hedgers.len() >= HEDGE_QUORUM && !self.hedge_quorum.swap(true, Ordering::Relaxed) {
+            debug!(hedgers = ?*hedgers, "peers hedge to this node for a piece it is still asking for");
+        }
+    }
 }
 
 /// How often a fetch asking peers looks at [`Flight::store_now`].
@@ -379,14 +405,14 @@ impl Share {
         lock(&self.avoided).insert(node.to_string(), Instant::now() + wait);
     }
 
-    /// How long a peer may take to answer a piece of `len` bytes before the next is asked.
-    fn hedge_after(&self, len: u64, limit: Duration) -> Duration {
+    /// How long a peer may take to answer a piece of `len` bytes before it gets a strike.
+    fn late_after(&self, len: u64, limit: Duration) -> Duration {
         match *lock(&self.pace) {
             Some(pace) => {
-                Duration::from_secs_f64(HEDGE_FACTOR * pace * len.max(PACE_MIN_BYTES as u64) as f64)
-                    .clamp(HEDGE_MIN, limit.max(HEDGE_MIN))
+                Duration::from_secs_f64(LATE_FACTOR * pace * len.max(PACE_MIN_BYTES as u64) as f64)
+                    .clamp(LATE_MIN, limit.max(LATE_MIN))
             }
-            None => HEDGE_FIRST + Duration::from_secs_f64(len as f64 / HEDGE_FIRST_RATE),
+            None => LATE_FIRST + Duration::from_secs_f64(len as f64 / LATE_FIRST_RATE),
         }
     }
 
@@ -619,7 +645,7 @@ impl Core {
                     ..g
                 });
         }
-        let answer = self.fetch_piece(piece, &id, for_peer, &flight.store_now);
+        let answer = self.fetch_piece(piece, &id, for_peer, &flight);
         match &answer {
             // A range from a peer is kept once its values are known to make its chunk's id.
             Ok(g) if piece.within.is_some() && g.source == PieceSource::Peer => {
@@ -969,13 +995,7 @@ impl Core {
         order.into_iter().filter_map(|i| nodes[i].take()).collect()
     }
 
-    fn fetch_piece(
-        &self,
-        piece: &Piece,
-        id: &[u8; 32],
-        for_peer: bool,
-        store_now: &AtomicBool,
-    ) -> Answer {
+    fn fetch_piece(&self, piece: &Piece, id: &[u8; 32], for_peer: bool, flight: &Flight) -> Answer {
         if !for_peer {
             // The owners ahead of this node, in order (this node itself reads the store).
             let peers: Vec<Member> = self
@@ -984,7 +1004,7 @@ impl Core {
                 .take(OWNERS_ASKED)
                 .map_while(|o| o)
                 .collect();
-            if let Some(got) = self.ask_owners(piece, peers, store_now) {
+            if let Some(got) = self.ask_owners(piece, peers, flight) {
                 return Ok(got);
             }
         }
@@ -1006,20 +1026,29 @@ impl Core {
     }
 
     /// `piece` from `peers` (its owners, in order), verified; `None` when every one failed
-    /// (the caller reads the store). Each is asked on a thread of its own. One that has not
-    /// answered when its deadline passes ([`Share::hedge_after`]) gets a strike and goes on,
-    /// while the next owner is asked for the piece too if it holds it (a hedge: a late owner is
-    /// waited for rather than adding store reads); the first good answer wins. A peer late
-    /// [`SLOW_STRIKES`] times in a row while others answer in time, and much slower than them,
-    /// is avoided for [`SLOW_AVOID_FOR`], and loses the piece waited for too, as it loses the
-    /// pieces it owns: the next owner hedged to is asked in full, whether or not its hedge has
-    /// answered (every node that gives up on the same owner asks the same next one, which
-    /// reads the piece from the store once), or, when this node is next in order, `None` (it
-    /// reads the store). An owner that did not hold the piece when hedged is also asked in
-    /// full once every other owner failed. Once a peer asks this node for the piece in full
-    /// (`store_now`), having given up on the owners ahead of it, `None` too: every node that
-    /// gives up on them asks this one, which reads the store once for all of them.
-    fn ask_owners(&self, piece: &Piece, peers: Vec<Member>, store_now: &AtomicBool) -> Option<Got> {
+    /// (the caller reads the store). Each is asked on a thread of its own, the first in full,
+    /// with two deadlines from the pace of the peers' answers ([`Share::late_after`]):
+    /// - **a hedge**, at [`HEDGE_AT`] of the piece's deadline and again at each such interval:
+    ///   the next owner is asked for the piece if it (or a node it redirects to) holds it or
+    ///   is fetching it, and asked again while its last hedge found nothing. A hedge never
+    ///   makes a node read the store, so it is cheap; the first good answer wins.
+    /// - **a strike**, at the deadline: the node waited on gets a strike and goes on being
+    ///   waited for. A peer late [`SLOW_STRIKES`] times in a row while others answer in time,
+    ///   and much slower than them, is avoided for [`SLOW_AVOID_FOR`], and loses the piece
+    ///   waited for too, as it loses the pieces it owns: the next owner is asked in full,
+    ///   whether or not its hedge has answered (every node that gives up on the same owner
+    ///   asks the same next one, which reads the piece from the store once), or, when this
+    ///   node is next in order, `None` (it reads the store).
+    ///
+    /// An owner hedged to is also asked in full once every other owner failed. Once a peer
+    /// asks this node for the piece in full (`store_now`), having given up on the owners ahead
+    /// of it, `None` too: every node that gives up on them asks this one, which reads the store
+    /// once for all of them. So does a node next in order once [`HEDGE_QUORUM`] peers hedged to
+    /// it for the piece while it has waited on the owner past its own hedge, and the owner is
+    /// [`SLOW_RATIO`] times slower than the other peers (its pending answer counted): the owner
+    /// is late for them all, and one store read by the node they all hedge to serves them
+    /// without waiting for strikes.
+    fn ask_owners(&self, piece: &Piece, peers: Vec<Member>, flight: &Flight) -> Option<Got> {
         let core = self.share.core.get()?.upgrade()?;
         let len = piece.len.unwrap_or(1 << 20);
         let (tx, rx) = mpsc::channel();
@@ -1036,77 +1065,118 @@ impl Core {
                     }
                     Err((node, kind, reason)) => (node, Err((kind, reason))),
                 };
-                let _ = tx.send((m, node, answer, t.elapsed()));
+                let _ = tx.send((m, hedge, node, answer, t.elapsed()));
             });
             waiting
         };
+        // This node is next in order after the owners asked: [`Flight::hedge_quorum`] applies.
+        let next_in_order = peers.len() < OWNERS_ASKED;
         let mut next = peers.into_iter();
-        // The owners hedged to and not failed: asked in full once the one waited on is given
-        // up on, whether or not their hedge has answered (one that waits on the same owner for
-        // the piece then reads the store, `store_now`).
-        let mut backups: Vec<Member> = Vec::new();
+        // The owners hedged to and not failed, each with whether a hedge to it is out.
+        let mut backups: Vec<(Member, bool)> = Vec::new();
         // The request to the owner asked in full last, the one waited for.
-        let mut waited: Option<Waiting> = None;
-        let mut in_flight = 0;
-        let mut deadline = Instant::now();
+        let mut waited = launch(next.next()?, false);
+        let mut in_flight = 1;
+        // When the node waited on was asked or last struck, its deadline then (at the pace
+        // then: one that shrank with each fast answer would strike peers that are only as
+        // slow as everyone was when they were asked), and when the last hedge went out.
+        let (mut struck_at, mut hedged_at) = (Instant::now(), Instant::now());
+        let mut late = self.share.late_after(len, self.cfg.peer_timeout);
         loop {
-            if store_now.load(Ordering::Relaxed) {
+            if flight.store_now.load(Ordering::Relaxed) {
                 debug!(key = %piece.key, offset = piece.offset,
                     "a peer asked for a piece in full while its owners were asked; reading the store");
                 return None;
             }
-            let hedge = self.share.hedge_after(len, self.cfg.peer_timeout);
+            let now = Instant::now();
             if in_flight == 0 {
-                // Nothing asked yet, or every peer asked failed: the next owner, else the store.
-                let m = next.next().or_else(|| backups.pop())?;
-                waited = Some(launch(m, false));
+                // Every peer asked failed: the next owner, else the store.
+                let m = next.next().or_else(|| backups.pop().map(|(m, _)| m))?;
+                waited = launch(m, false);
                 in_flight += 1;
-                deadline = Instant::now() + hedge;
-            } else if Instant::now() >= deadline {
-                // The node late is the one waited on: the owner, or a holder it redirected to.
-                let slow = waited.as_ref().map(|w| lock(w).clone());
-                if let Some((slow, asked)) = &slow {
-                    let pending = per_byte(asked.elapsed(), len as usize);
-                    self.share.strike(self, slow, pending);
-                }
-                let given_up = slow
-                    .as_ref()
-                    .is_some_and(|(slow, _)| self.share.is_avoided(slow));
-                if let Some(m) = next.next() {
-                    backups.push(m.clone());
+                (struck_at, hedged_at) = (now, now);
+                late = self.share.late_after(len, self.cfg.peer_timeout);
+            }
+            let hedge = late.mul_f64(HEDGE_AT);
+            // The node waited on: the owner, or a holder it redirected to.
+            let (on, asked) = lock(&waited).clone();
+            let pending = per_byte(asked.elapsed(), len as usize);
+            // Late for this node too: past the point where it would hedge itself.
+            if next_in_order
+                && flight.hedge_quorum.load(Ordering::Relaxed)
+                && asked.elapsed() >= hedge
+                && self.share.slower_than_others(&on, Some(pending))
+            {
+                debug!(key = %piece.key, offset = piece.offset, peer = %on,
+                    waited_ms = asked.elapsed().as_millis() as u64,
+                    "peers hedge for a piece whose owner is much slower than the others; reading the store");
+                return None;
+            }
+            if now >= hedged_at + hedge {
+                // The next owner, or again one whose last hedge found nothing.
+                let again = backups.iter_mut().find(|(_, out)| !*out);
+                let m = match (next.next(), again) {
+                    (Some(m), _) => {
+                        backups.push((m.clone(), true));
+                        Some(m)
+                    }
+                    (None, Some((m, out))) => {
+                        *out = true;
+                        Some(m.clone())
+                    }
+                    (None, None) => None,
+                };
+                if let Some(m) = m {
                     launch(m, true);
                     in_flight += 1;
-                } else if given_up {
-                    match backups.pop() {
+                }
+                hedged_at = now;
+            }
+            if now >= struck_at + late {
+                self.share.strike(self, &on, pending);
+                struck_at = now;
+                late = self.share.late_after(len, self.cfg.peer_timeout);
+                // Avoided (for this piece or another), it loses this one too. (Looked at only
+                // here: a node that avoids peers wrongly, its own cores busy, would otherwise
+                // move every piece it waits on to a second store reader at once.)
+                if self.share.is_avoided(&on) {
+                    match backups.pop().map(|(m, _)| m).or_else(|| next.next()) {
                         Some(m) => {
-                            waited = Some(launch(m, false));
+                            waited = launch(m, false);
                             in_flight += 1;
                         }
-                        // This node is next in order (no hedge is out), or every other
-                        // owner failed: it reads the store.
+                        // This node is next in order (no hedge is out), or every other owner
+                        // failed: it reads the store.
                         None if in_flight <= 1 => return None,
                         None => {}
                     }
                 }
-                deadline = Instant::now() + hedge;
             }
-            let wait = deadline.saturating_duration_since(Instant::now());
+            let wait = (hedged_at + hedge)
+                .min(struck_at + late)
+                .saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait.min(STORE_NOW_POLL)) {
-                Ok((_, node, Ok(bytes), took)) => {
+                Ok((_, hedged, node, Ok(bytes), took)) => {
                     debug!(peer = %node, key = %piece.key, offset = piece.offset, len = bytes.len(),
-                        took_ms = took.as_millis() as u64, deadline_ms = hedge.as_millis() as u64,
-                        "a peer answered a piece");
-                    self.share.answered(&node, bytes.len(), took, took <= hedge);
+                        took_ms = took.as_millis() as u64, deadline_ms = late.as_millis() as u64,
+                        hedged, "a peer answered a piece");
+                    self.share.answered(&node, bytes.len(), took, took <= late);
                     return Some(Got {
                         bytes,
                         source: PieceSource::Peer,
                         peer: Some(node),
                     });
                 }
-                Ok((_, _, Err(("not_held", _)), _)) => in_flight -= 1,
-                Ok((m, node, Err((kind, reason)), _)) => {
+                Ok((m, _, _, Err(("not_held", _)), _)) => {
                     in_flight -= 1;
-                    backups.retain(|b| b.id.node != m.id.node);
+                    if let Some((_, out)) = backups.iter_mut().find(|(b, _)| b.id.node == m.id.node)
+                    {
+                        *out = false;
+                    }
+                }
+                Ok((m, _, node, Err((kind, reason)), _)) => {
+                    in_flight -= 1;
+                    backups.retain(|(b, _)| b.id.node != m.id.node);
                     if kind == "corrupt" {
                         self.corrupt_peer(&node, piece, &reason);
                     } else {
@@ -1348,9 +1418,16 @@ impl Core {
     /// it has landed and been kept: a node is redirected to as soon as it is sent a piece, and
     /// a range of a chunk is held back until the chunk's values are known. `None` when not
     /// held by `deadline`.
-    fn cached_or_landing(&self, piece: &Piece, id: &[u8; 32], deadline: Instant) -> Option<Bytes> {
+    fn cached_or_landing(
+        &self,
+        piece: &Piece,
+        id: &[u8; 32],
+        asker: &str,
+        deadline: Instant,
+    ) -> Option<Bytes> {
         let flight = lock(&self.share.flights).get(id).cloned();
         if let Some(flight) = flight {
+            flight.hedged_by(asker);
             let mut done = lock(&flight.done);
             while done.is_none() {
                 let wait = deadline.checked_duration_since(Instant::now())?;
@@ -1404,7 +1481,7 @@ impl Core {
         // Well within the asker's own timeout, which would otherwise give up on this node.
         let deadline = Instant::now() + self.cfg.peer_timeout / 4;
         let bytes = if cached_only {
-            match self.cached_or_landing(piece, &id, deadline) {
+            match self.cached_or_landing(piece, &id, asker, deadline) {
                 Some(b) => b,
                 None => return ToPeer::NotHeld,
             }
@@ -1745,18 +1822,33 @@ mod tests {
     }
 
     #[test]
+    fn a_next_owner_counts_each_peer_that_hedges_to_it_once() {
+        let flight = Flight::default();
+        for asker in ["a", "a", "b", "b"] {
+            flight.hedged_by(asker);
+        }
+        assert!(!flight.hedge_quorum.load(Ordering::Relaxed), "two peers");
+        flight.hedged_by("c");
+        assert!(flight.hedge_quorum.load(Ordering::Relaxed), "three peers");
+        assert!(
+            !flight.store_now.load(Ordering::Relaxed),
+            "a hedge is not a request in full"
+        );
+    }
+
+    #[test]
     fn a_small_answer_does_not_stretch_the_deadline_of_a_large_piece() {
         let share = Share::new(1 << 20).unwrap();
         let (range, limit) = (4 << 20, Duration::from_secs(30));
         share.answered("a", range, Duration::from_millis(400), true);
         // A rank's small second chunk: a round trip, not bytes.
         share.answered("b", 184, Duration::from_millis(30), true);
-        let deadline = share.hedge_after(range as u64, limit);
+        let deadline = share.late_after(range as u64, limit);
         assert!(
             deadline < Duration::from_secs(3),
             "a 4 MiB range's deadline: {deadline:?}"
         );
-        assert!(deadline >= HEDGE_MIN);
+        assert!(deadline >= LATE_MIN);
     }
 
     #[test]
