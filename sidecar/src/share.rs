@@ -142,14 +142,13 @@ struct Flight {
     /// A peer asked this node for the piece in full: to it, this node is the piece's owner
     /// (the owners ahead of it failed it), so a fetch still asking them reads the store now.
     store_now: AtomicBool,
-    /// Peers that hedged to this node for the piece while it was still asking for it...
+    /// Peers that asked this node for the piece as held (a hedge, or a redirect) while it was
+    /// still fetching it.
     hedgers: Mutex<Vec<String>>,
-    /// ... [`HEDGE_QUORUM`] of them: when this node is the piece's next owner, the one ahead
-    /// of it is late for them all, and this node reads the store.
-    hedge_quorum: AtomicBool,
 }
 
-/// See [`Flight::hedge_quorum`].
+/// Peers hedging to a node for a piece it is still fetching, past which, when it is the
+/// piece's next owner, the owner ahead of it is late for them all ([`Core::ask_owners`]).
 const HEDGE_QUORUM: usize = 3;
 
 impl Flight {
@@ -159,9 +158,11 @@ impl Flight {
         if !hedgers.iter().any(|a| a == asker) {
             hedgers.push(asker.to_string());
         }
-        if hedgers.len() >= HEDGE_QUORUM && !self.hedge_quorum.swap(true, Ordering::Relaxed) {
-            debug!(hedgers = ?*hedgers, "peers hedge to this node for a piece it is still asking for");
-        }
+    }
+
+    /// [`HEDGE_QUORUM`] peers hedged to this node for the piece.
+    fn hedge_quorum(&self) -> bool {
+        lock(&self.hedgers).len() >= HEDGE_QUORUM
     }
 }
 
@@ -1069,7 +1070,7 @@ impl Core {
             });
             waiting
         };
-        // This node is next in order after the owners asked: [`Flight::hedge_quorum`] applies.
+        // This node is next in order after the owners asked: [`HEDGE_QUORUM`] applies.
         let next_in_order = peers.len() < OWNERS_ASKED;
         let mut next = peers.into_iter();
         // The owners hedged to and not failed, each with whether a hedge to it is out.
@@ -1103,8 +1104,8 @@ impl Core {
             let pending = per_byte(asked.elapsed(), len as usize);
             // Late for this node too: past the point where it would hedge itself.
             if next_in_order
-                && flight.hedge_quorum.load(Ordering::Relaxed)
                 && asked.elapsed() >= hedge
+                && flight.hedge_quorum()
                 && self.share.slower_than_others(&on, Some(pending))
             {
                 debug!(key = %piece.key, offset = piece.offset, peer = %on,
@@ -1827,9 +1828,9 @@ mod tests {
         for asker in ["a", "a", "b", "b"] {
             flight.hedged_by(asker);
         }
-        assert!(!flight.hedge_quorum.load(Ordering::Relaxed), "two peers");
+        assert!(!flight.hedge_quorum(), "two peers");
         flight.hedged_by("c");
-        assert!(flight.hedge_quorum.load(Ordering::Relaxed), "three peers");
+        assert!(flight.hedge_quorum(), "three peers");
         assert!(
             !flight.store_now.load(Ordering::Relaxed),
             "a hedge is not a request in full"
