@@ -105,6 +105,12 @@ pub struct ServeArgs {
     /// peers that ask are refused.
     #[arg(long, env = "HOTSTART_NO_SHARE")]
     no_share: bool,
+    /// Do not pin the steps held in memory for the GPU. By default, where this build has GPU
+    /// support and a driver and devices exist, each step committed here is pinned once, in the
+    /// background, and a restore into device tensors is copied by the sidecar itself, with
+    /// nothing pinned by the restarted process (it costs the sidecar a CUDA context per device).
+    #[arg(long, env = "HOTSTART_NO_GPU_PIN")]
+    no_gpu_pin: bool,
     /// At most this much memory keeps shared pieces, to serve this node's processes and its
     /// peers; it is part of --memory-budget, taken only when free and given back before any
     /// checkpoint is evicted [default: 1GiB].
@@ -170,6 +176,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         stage_timeout: args.stage_timeout,
         threads: args.threads,
         share: args.no_share.then_some(false),
+        gpu_pin: args.no_gpu_pin.then_some(false),
         share_cache: args.share_cache,
         share_piece: args.share_piece,
         token,

@@ -206,7 +206,7 @@ impl Engine {
                 .map(TierKind::to_string)
                 .collect());
         }
-        let (_, sources) = self.load_planned(py, StepSel::Step(step), move |_, _| {
+        let (_, sources, _) = self.load_planned(py, StepSel::Step(step), move |_, _| {
             Ok(Answer::Tensors(destinations))
         })?;
         Ok(sources)
@@ -222,13 +222,15 @@ impl Engine {
     /// verified where it lies. The file is the nearest source's: this engine's disk tier or
     /// local-directory store, or the one a sidecar hands over from its disk.
     /// Through a sidecar, this is how a restore finds the step and fetches it once.
-    /// Returns the step and the tier each chunk came from.
+    /// Returns the step, the tier each chunk came from, and who copied the bytes of device
+    /// destinations (None without any): "sidecar" (from its memory pinned for the device),
+    /// "process", or "process (not the sidecar: why)".
     fn restore(
         &self,
         py: Python<'_>,
         step: Option<u64>,
         plan: Py<PyAny>,
-    ) -> PyResult<(u64, Vec<String>)> {
+    ) -> PyResult<(u64, Vec<String>, Option<String>)> {
         let which = step.map_or(StepSel::Latest, StepSel::Step);
         self.load_planned(py, which, move |m, file| {
             let fd = file.map(AsRawFd::as_raw_fd);
@@ -303,7 +305,7 @@ impl Engine {
         py: Python<'_>,
         which: StepSel,
         plan: impl FnOnce(&Manifest, Option<&File>) -> PyResult<Answer> + Send,
-    ) -> PyResult<(u64, Vec<String>)> {
+    ) -> PyResult<(u64, Vec<String>, Option<String>)> {
         let mut dests: Option<Dests> = None;
         let mut refused: Option<PyErr> = None;
         let res = py.detach(|| {
@@ -343,12 +345,15 @@ impl Engine {
                     copy_host(step, b.host, loaded.tensors)?;
                 }
             }
-            Ok((step, loaded.chunk_sources))
+            let route = loaded.device_route.as_ref().map(ToString::to_string);
+            Ok((step, loaded.chunk_sources, route))
         });
         match (res, refused) {
-            (Ok((step, sources)), _) => {
-                Ok((step, sources.iter().map(TierKind::to_string).collect()))
-            }
+            (Ok((step, sources, route)), _) => Ok((
+                step,
+                sources.iter().map(TierKind::to_string).collect(),
+                route,
+            )),
             (Err(_), Some(e)) => Err(e),
             (Err(e), None) => Err(to_py(e)),
         }

@@ -39,7 +39,7 @@ use crate::staging::Region;
 use crate::tier::TierKind;
 use hotstart_proto::PROTOCOL_VERSION;
 use hotstart_proto::shm::{self, Mapping, Sealed, Segment};
-use hotstart_proto::wire::{Conn, FdStream, LinkError, LocalMsg, Side};
+use hotstart_proto::wire::{Conn, DeviceCopy, FdStream, LinkError, LocalMsg, Side};
 
 /// How to reach the sidecar as one rank of one job.
 #[derive(Debug)]
@@ -640,7 +640,22 @@ impl Client {
             chunk_sources,
             source,
             seconds,
+            conn,
         })
+    }
+
+    /// Asks the sidecar on `conn`, which just handed over a step's segment, to copy these
+    /// ranges of it into this process's device memory itself (`LocalMsg::Upload`); the bytes
+    /// copied, once every copy is done. An error names why it did not: the caller copies them.
+    pub(crate) fn upload(&self, conn: &mut Conn<FdStream>, copies: Vec<DeviceCopy>) -> Result<u64> {
+        conn.send(&LocalMsg::Upload { copies })?;
+        match conn.recv()? {
+            LocalMsg::Uploaded { bytes, .. } => Ok(bytes),
+            LocalMsg::Failed { reason } => Err(self.error(reason)),
+            other => Err(conn
+                .violation(format!("expected an upload's answer, got {other:?}"))
+                .into()),
+        }
     }
 }
 
@@ -665,6 +680,8 @@ pub(crate) struct Restored {
     /// The tier the sidecar served it from, and the seconds it took.
     pub(crate) source: TierKind,
     pub(crate) seconds: f64,
+    /// The connection it came on, for an `Upload` of the segment's bytes.
+    pub(crate) conn: Conn<FdStream>,
 }
 
 /// How long a save waits for a sidecar that went away (restarted, say) before it fails.

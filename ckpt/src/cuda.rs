@@ -84,6 +84,56 @@ pub(crate) fn check_devices(ordinals: &BTreeSet<usize>) -> Result<()> {
     }
 }
 
+/// The GPU path a sidecar uses on behalf of the processes it serves: one per process, its
+/// devices opened on first use.
+fn shared_gpu() -> &'static Gpu {
+    static GPU: std::sync::OnceLock<Gpu> = std::sync::OnceLock::new();
+    GPU.get_or_init(Gpu::new)
+}
+
+/// Host memory registered as pinned for every device, read-only, until this is dropped: how a
+/// sidecar keeps the steps it holds ready for device copies across a training process's
+/// restart. See [`pin_read_only`].
+#[derive(Debug)]
+pub struct HostPin(#[allow(dead_code)] Pinned);
+
+/// Registers `len` bytes at `ptr`, mapped at least readable, as pinned memory for every device
+/// (`cuMemHostRegister`, portable and read-only), in device 0's primary context.
+///
+/// # Safety
+/// The memory must stay mapped until the returned [`HostPin`] is dropped, and no copy from it
+/// may still run then.
+pub unsafe fn pin_read_only(ptr: *const u8, len: usize) -> Result<HostPin> {
+    shared_gpu().pin_read_only(0, ptr, len).map(HostPin)
+}
+
+/// Copies ranges of `src` (pinned with [`pin_read_only`] for full speed) into another process's
+/// device memory, shared with CUDA IPC handles; returns once every copy is done. Each copy's
+/// range must lie in `src` and in its allocation, or nothing is copied and the error says which.
+pub fn copy_to_shared(src: &[u8], copies: &[hotstart_proto::wire::DeviceCopy]) -> Result<u64> {
+    let mut raw = Vec::with_capacity(copies.len());
+    let mut bytes = 0u64;
+    for c in copies {
+        let handle = c.handle_bytes().ok_or_else(|| Error::Cuda {
+            reason: format!(
+                "device {}: an IPC handle that is not 128 hex digits",
+                c.device
+            ),
+        })?;
+        let range = usize::try_from(c.from)
+            .ok()
+            .zip(usize::try_from(c.len).ok())
+            .and_then(|(from, len)| Some(from..from.checked_add(len)?))
+            .ok_or_else(|| Error::Cuda {
+                reason: format!("a copy of {} bytes from {} overflows", c.len, c.from),
+            })?;
+        bytes += c.len;
+        raw.push((range, c.device as usize, handle, c.offset));
+    }
+    shared_gpu().copy_to_shared(src, &raw)?;
+    Ok(bytes)
+}
+
 /// The error for a driver call that failed.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn failed(what: &str, ordinal: usize, e: impl std::fmt::Display) -> Error {

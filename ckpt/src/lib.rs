@@ -61,7 +61,7 @@ pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, SOCKET_ENV, WhenFull}
 pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
 pub use inspect::Checkpoints;
-pub use load::{Destination, DeviceBuffer, Loaded, Plan, StepSel};
+pub use load::{Destination, DeviceBuffer, DeviceRoute, Loaded, Plan, StepSel};
 pub use persistence::Persistence;
 pub use staging::{default_threads, hash_chunks, map_chunks};
 pub use tensor::{Dtype, Extras, LoadedTensor, Tensor};

@@ -288,7 +288,7 @@ impl Segment {
     /// A segment a training process has staged into, unmapped and committed: mapped read-only
     /// here and held by the sidecar alone (see the module docs).
     pub fn commit(self) -> io::Result<Committed> {
-        Ok(Committed(ReadOnly::new(self)?))
+        Ok(Committed::from_read_only(ReadOnly::new(self)?))
     }
 }
 
@@ -633,15 +633,31 @@ impl std::ops::Deref for Sealed {
 
 /// A committed segment in the sidecar's memory tier: mapped read-only, reachable by no other
 /// process, and either sealed for good (it was handed out, or filled here) or recyclable.
-#[derive(Debug)]
-pub struct Committed(ReadOnly);
+///
+/// It can carry one attachment that lives exactly as long as its mapping ([`Committed::attach`]):
+/// a registration of the mapping with a device driver, say, which must go before the mapping
+/// does.
+pub struct Committed {
+    // Field order: the attachment goes before the mapping (and `recycle` drops it first).
+    attached: std::sync::OnceLock<Box<dyn std::any::Any + Send + Sync>>,
+    ro: ReadOnly,
+}
+
+impl std::fmt::Debug for Committed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Committed")
+            .field("ro", &self.ro)
+            .field("attached", &self.attached.get().is_some())
+            .finish()
+    }
+}
 
 impl Committed {
     /// Seals the segment against writes for good, before its descriptor leaves the sidecar:
     /// fails (`EBUSY`) while any process still maps it writable (a training process that
     /// committed without unmapping). Sealing twice is fine.
     pub fn seal(&self) -> io::Result<()> {
-        seal_for_good(self.0.seg.as_fd())
+        seal_for_good(self.ro.seg.as_fd())
     }
 
     /// [`Committed::seal`], waiting up to `wait` for writable mappings to go: a training
@@ -666,7 +682,7 @@ impl Committed {
 
     /// Whether the segment is sealed for good (and so never recycled).
     pub fn is_sealed(&self) -> bool {
-        seals(self.0.seg.as_fd()).is_ok_and(|s| s & SEALED == SEALED)
+        seals(self.ro.seg.as_fd()).is_ok_and(|s| s & SEALED == SEALED)
     }
 
     /// The segment, to be staged into again: `None` once sealed for good.
@@ -674,15 +690,35 @@ impl Committed {
         if self.is_sealed() {
             return None;
         }
-        let ReadOnly { map, seg, .. } = self.0;
+        let Committed { attached, ro } = self;
+        drop(attached);
+        let ReadOnly { map, seg, .. } = ro;
         drop(map);
         Some(seg)
+    }
+
+    fn from_read_only(ro: ReadOnly) -> Committed {
+        Committed {
+            attached: std::sync::OnceLock::new(),
+            ro,
+        }
+    }
+
+    /// Attaches `thing` to the mapping: it is dropped just before the mapping is unmapped (or
+    /// the segment recycled). False, and `thing` dropped, when something is attached already.
+    pub fn attach(&self, thing: Box<dyn std::any::Any + Send + Sync>) -> bool {
+        self.attached.set(thing).is_ok()
+    }
+
+    /// What is attached, if anything.
+    pub fn attached(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        self.attached.get().map(|b| &**b)
     }
 }
 
 impl From<Sealed> for Committed {
     fn from(s: Sealed) -> Committed {
-        Committed(s.0)
+        Committed::from_read_only(s.0)
     }
 }
 
@@ -690,7 +726,7 @@ impl std::ops::Deref for Committed {
     type Target = ReadOnly;
 
     fn deref(&self) -> &ReadOnly {
-        &self.0
+        &self.ro
     }
 }
 

@@ -60,6 +60,55 @@ pub struct Region {
     pub len: u64,
 }
 
+/// One copy of an `Upload`: `len` bytes of the restored step's file from byte `from` on, into
+/// the device allocation of device `device` that `handle` shares (a CUDA IPC handle, 64 bytes
+/// as 128 hex digits), `offset` bytes into it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceCopy {
+    pub from: u64,
+    pub len: u64,
+    pub device: u32,
+    pub handle: String,
+    pub offset: u64,
+}
+
+/// Bytes of a CUDA IPC memory handle.
+pub const IPC_HANDLE_LEN: usize = 64;
+
+impl DeviceCopy {
+    /// The copy of `len` bytes from `from` into `handle`'s allocation on `device`, at `offset`.
+    pub fn new(
+        from: u64,
+        len: u64,
+        device: u32,
+        handle: &[u8; IPC_HANDLE_LEN],
+        offset: u64,
+    ) -> Self {
+        let handle = handle.iter().map(|b| format!("{b:02x}")).collect();
+        DeviceCopy {
+            from,
+            len,
+            device,
+            handle,
+            offset,
+        }
+    }
+
+    /// The handle's bytes, or `None` when it is not 128 hex digits.
+    pub fn handle_bytes(&self) -> Option<[u8; IPC_HANDLE_LEN]> {
+        let hex = self.handle.as_bytes();
+        if hex.len() != 2 * IPC_HANDLE_LEN {
+            return None;
+        }
+        let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        let mut out = [0u8; IPC_HANDLE_LEN];
+        for (o, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
+            *o = (digit(pair[0])? << 4) | digit(pair[1])?;
+        }
+        Some(out)
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum LocalMsg {
@@ -125,6 +174,15 @@ pub enum LocalMsg {
         #[serde(default)]
         file: bool,
     },
+    /// After `Restored` with a segment, on the same connection: copy these ranges of it into
+    /// the process's device memory, from the sidecar's own mapping of the segment, pinned for
+    /// the device when the step was committed (a restarted process has no pinned copy of its
+    /// own). Answered with `Uploaded` once every copy is done, or `Failed` (the sidecar has no
+    /// GPU, the segment is not pinned yet, a handle does not open): the process then copies
+    /// the bytes itself.
+    Upload { copies: Vec<DeviceCopy> },
+    /// Every copy of `Upload` is done: `bytes` in all, in `seconds`.
+    Uploaded { bytes: u64, seconds: f64 },
     /// Which step is the newest complete for every rank?
     Latest,
     /// Which step is the newest complete for every rank, older than `step`? (What a job goes
@@ -654,6 +712,25 @@ mod tests {
         Welcome,
         NotFound,
         Refused { reason: String },
+    }
+
+    #[test]
+    fn a_device_copy_carries_its_handle_as_hex_and_refuses_a_bad_one() {
+        let mut handle = [0u8; IPC_HANDLE_LEN];
+        for (i, b) in handle.iter_mut().enumerate() {
+            *b = (i * 7 + 3) as u8;
+        }
+        let c = DeviceCopy::new(4096, 1 << 20, 1, &handle, 512);
+        assert_eq!(c.handle.len(), 128);
+        let back: DeviceCopy = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back.handle_bytes(), Some(handle));
+        for bad in ["ab", &"zz".repeat(64), &"0".repeat(127)] {
+            let c = DeviceCopy {
+                handle: bad.to_string(),
+                ..c.clone()
+            };
+            assert_eq!(c.handle_bytes(), None, "{bad:?}");
+        }
     }
 
     fn conn(bytes: Vec<u8>) -> Conn<Loop> {

@@ -130,6 +130,10 @@ pub struct SidecarConfig {
     /// A checkpoint chunk restored from the store through sharing is asked for in ranges of
     /// this many bytes when it is larger, each range from an owner of its own.
     pub share_piece: u64,
+    /// Whether the steps held in memory are pinned for the GPU, where this build has GPU
+    /// support and a driver and devices exist, so a restore into device tensors is copied by
+    /// the sidecar without the restarted process pinning anything (`super::pin`).
+    pub gpu_pin: bool,
 }
 
 /// Bytes of shared pieces a sidecar keeps by default.
@@ -168,6 +172,7 @@ pub struct Settings {
     pub share: Option<bool>,
     pub share_cache: Option<Size>,
     pub share_piece: Option<Size>,
+    pub gpu_pin: Option<bool>,
     /// Set from `HOTSTART_CLUSTER_TOKEN` by the CLI; never from the file.
     #[serde(skip)]
     pub token: Option<Token>,
@@ -321,6 +326,7 @@ impl Settings {
             share,
             share_cache,
             share_piece,
+            gpu_pin,
             token
         )
     }
@@ -417,6 +423,7 @@ impl Settings {
             share: self.share.unwrap_or(true),
             share_cache: self.share_cache.map_or(DEFAULT_SHARE_CACHE, |s| s.0),
             share_piece: self.share_piece.map_or(DEFAULT_SHARE_PIECE, |s| s.0),
+            gpu_pin: self.gpu_pin.unwrap_or(true),
         };
         let part = hotstart_proto::share::RANGE_PART;
         if !(part..=hotstart_proto::share::MAX_PIECE_LEN).contains(&cfg.share_piece)

@@ -27,6 +27,8 @@
 //! the peers' inventories (memory and disk), else in the store; served from this node's memory,
 //! else a peer's memory, else local disk, else the store, and handed over as a sealed segment
 //! the training process maps: owned tensors are views of it, caller buffers get one copy.
+//! Where a GPU is, the steps held in memory are pinned for it once, and device tensors are
+//! filled by the sidecar from that memory (`pin`).
 //!
 //! **Lifecycle** (`lifecycle`): starting → recovering (a replacement node pulls its shards back
 //! from peers, `recovery`) → ready → draining (SIGTERM: in-flight persistence gets the grace
@@ -50,6 +52,7 @@ pub mod memory;
 pub mod metrics;
 mod peer;
 mod persist;
+mod pin;
 mod placement;
 mod recovery;
 mod restore;
@@ -97,6 +100,8 @@ pub(crate) struct Core {
     pub(crate) threads: usize,
     /// Pieces of images and environments shared with peers.
     pub(crate) share: share::Share,
+    /// Steps held in memory, pinned for the GPU where it can be.
+    pub(crate) pins: pin::Pins,
     stopped: AtomicBool,
 }
 
@@ -219,6 +224,7 @@ impl Sidecar {
             threads,
             share: share::Share::new(cfg.share_cache)
                 .map_err(|e| Error::io("start the sharing runtime", "tokio", e))?,
+            pins: pin::Pins::start(cfg.gpu_pin),
             stopped: AtomicBool::new(false),
             cfg,
         });

@@ -159,6 +159,8 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
         return;
     }
     let mut staged: Option<Staged> = None;
+    // The last step handed over on this connection as a segment: what an `Upload` copies from.
+    let mut handed: Option<Arc<Shard>> = None;
     loop {
         let msg = match reader.recv::<LocalMsg>() {
             Ok(m) => m,
@@ -289,10 +291,26 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                             ServedBytes::Shard(shard) => shard.seg.as_fd(),
                             ServedBytes::File(file) => file.as_fd(),
                         };
-                        writer
+                        let sent = writer
                             .lock()
                             .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .send_fd(&msg, fd)
+                            .send_fd(&msg, fd);
+                        handed = match served.bytes {
+                            ServedBytes::Shard(shard) => {
+                                // Pinned for the next restore if it stays in memory and is
+                                // not pinned yet (restored from elsewhere, a peer's replica).
+                                if core
+                                    .memory
+                                    .get(&shard.key)
+                                    .is_some_and(|s| Arc::ptr_eq(&s, &shard))
+                                {
+                                    core.pins.pin(&shard.seg);
+                                }
+                                Some(shard)
+                            }
+                            ServedBytes::File(_) => None,
+                        };
+                        sent
                     }
                     Err(e) if e.is_not_found() => send(&LocalMsg::NotFound { step }),
                     Err(e) if let Some((step, chunk, reason)) = e.corrupt() => {
@@ -311,6 +329,28 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     }
                 }
             }
+            LocalMsg::Upload { copies } => send(&match &handed {
+                None => LocalMsg::Failed {
+                    reason: "an upload before any step was handed over as a segment on this \
+                             connection: restore first"
+                        .into(),
+                },
+                Some(shard) => {
+                    let started = Instant::now();
+                    let file = &shard.seg.bytes()[..shard.len() as usize];
+                    match core.pins.upload(&shard.seg, file, &copies) {
+                        Ok(bytes) => {
+                            let seconds = started.elapsed().as_secs_f64();
+                            info!(shard = %shard.key, bytes, seconds, "copied into the process's device memory");
+                            LocalMsg::Uploaded { bytes, seconds }
+                        }
+                        Err(reason) => {
+                            debug!(shard = %shard.key, %reason, "no upload");
+                            LocalMsg::Failed { reason }
+                        }
+                    }
+                }
+            }),
             LocalMsg::Latest => send(&latest(&core, &who, None)),
             LocalMsg::LatestBelow { step } => send(&latest(&core, &who, Some(step))),
             LocalMsg::LatestCheckpoint { below } => {

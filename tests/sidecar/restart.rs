@@ -86,6 +86,7 @@ pub fn trainer_kill_restores_from_memory() {
     // The other ranks' shards are where they should be too: rank 0 restores from its memory.
     let (step, source) = restore(&nodes[0], &args(&restore_args(0, 3)));
     assert_eq!((step, source.as_str()), (3, "memory"));
+    uploads_without_a_gpu_are_refused_with_the_reason(&nodes[1]);
     // Every shard also reached the store and a peer.
     let shard = 8.0 * 1048576.0;
     let mut replicas = 0.0;
@@ -99,6 +100,50 @@ pub fn trainer_kill_restores_from_memory() {
     for mut n in nodes {
         let status = n.sigterm();
         assert!(status.success(), "{}", n.log());
+    }
+}
+
+/// A sidecar with no GPU refuses to copy a restored step into device memory itself (the
+/// process then copies it), saying why: before a step was handed over on the connection, and
+/// after (no CUDA). Nothing it holds changes: the step restores again from its memory.
+fn uploads_without_a_gpu_are_refused_with_the_reason(n: &Node) {
+    use hotstart_proto::PROTOCOL_VERSION;
+    use hotstart_proto::wire::{Conn, DeviceCopy, FdStream, LocalMsg, Side};
+    let sock = std::os::unix::net::UnixStream::connect(&n.socket).unwrap();
+    let mut c = Conn::new(FdStream::new(sock), "test", Side::Local);
+    let ask = |c: &mut Conn<FdStream>, msg: LocalMsg| {
+        c.send(&msg).unwrap();
+        c.recv::<LocalMsg>().unwrap()
+    };
+    let attach = LocalMsg::Attach {
+        version: PROTOCOL_VERSION,
+        job: "run".into(),
+        rank: 1,
+        world_size: 3,
+    };
+    assert!(matches!(ask(&mut c, attach), LocalMsg::Attached { .. }));
+    let upload = || LocalMsg::Upload {
+        copies: vec![DeviceCopy::new(0, 4096, 0, &[7; 64], 0)],
+    };
+    match ask(&mut c, upload()) {
+        LocalMsg::Failed { reason } => assert!(reason.contains("restore first"), "{reason}"),
+        other => panic!("an upload before a restore: {other:?}"),
+    }
+    let restore = LocalMsg::Restore {
+        step: Some(3),
+        file: false,
+        regions: None,
+    };
+    match ask(&mut c, restore) {
+        LocalMsg::Restored { step, source, .. } => {
+            assert_eq!((step, source.to_string().as_str()), (3, "memory"))
+        }
+        other => panic!("restore: {other:?}"),
+    }
+    c.take_fd().unwrap();
+    match ask(&mut c, upload()) {
+        LocalMsg::Failed { reason } => assert!(reason.contains("CUDA"), "{reason}"),
+        other => panic!("an upload without a GPU: {other:?}"),
     }
 }
 

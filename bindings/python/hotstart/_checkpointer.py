@@ -146,6 +146,7 @@ class Checkpointer:
         self._engine: Optional[_core.Engine] = _core.Engine(**opts)
         self._pending: List[_core.SaveHandle] = []
         self._loaded_from: List[str] = []
+        self._device_route: Optional[str] = None
 
     @property
     def engine(self) -> _core.Engine:
@@ -273,7 +274,7 @@ class Checkpointer:
             _sync_cuda(plan.cuda_devices)
             return plan.file or plan.dests
 
-        _, self._loaded_from = engine.restore(step, place)
+        _, self._loaded_from, self._device_route = engine.restore(step, place)
         for f in plan.after:
             f()
         return made[0]()
@@ -283,6 +284,14 @@ class Checkpointer:
         """Where each chunk of the last :meth:`load` came from, in file order: ``"memory"``
         (this node's sidecar), ``"peer"``, ``"disk"`` or ``"store"`` (empty before a load)."""
         return list(self._loaded_from)
+
+    @property
+    def device_route(self) -> Optional[str]:
+        """Who copied the last :meth:`load`'s bytes into CUDA tensors (None without any):
+        ``"sidecar"`` (the node's sidecar, from its memory pinned for the GPU: the restarted
+        process pins nothing), ``"process"`` (this process, through pinned buffers of its own),
+        or ``"process (not the sidecar: …)"`` saying why the sidecar did not."""
+        return self._device_route
 
     def close(self) -> None:
         """Waits for pending saves (raising the first failure), then releases the engine."""

@@ -21,6 +21,9 @@ pub(super) fn device_count() -> std::result::Result<usize, String> {
     Err(NOT_BUILT.into())
 }
 
+/// The 64 bytes of a CUDA IPC memory handle.
+pub(crate) type IpcHandle = [u8; 64];
+
 /// No devices, no streams.
 #[derive(Debug, Default)]
 pub(crate) struct Gpu;
@@ -45,6 +48,27 @@ impl Gpu {
     }
 
     pub(crate) fn pin(&self, _ordinal: usize, _ptr: *const u8, _len: usize) -> Result<Pinned> {
+        Err(not_built())
+    }
+
+    pub(crate) fn pin_read_only(
+        &self,
+        _ordinal: usize,
+        _ptr: *const u8,
+        _len: usize,
+    ) -> Result<Pinned> {
+        Err(not_built())
+    }
+
+    pub(crate) fn ipc_handle(&self, _d: DevicePtr) -> Result<(IpcHandle, u64)> {
+        Err(not_built())
+    }
+
+    pub(crate) fn copy_to_shared(
+        &self,
+        _src: &[u8],
+        _copies: &[(Range<usize>, usize, IpcHandle, u64)],
+    ) -> Result<()> {
         Err(not_built())
     }
 

@@ -7,9 +7,10 @@
 //! this file.
 
 use std::collections::BTreeMap;
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::fmt;
 use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -196,6 +197,55 @@ impl Drop for Pinned {
     }
 }
 
+/// The 64 bytes of a CUDA IPC memory handle.
+pub(crate) type IpcHandle = [u8; 64];
+
+/// Another process's device allocation, opened from its IPC handle; closed on drop.
+struct Opened {
+    dev: Arc<Device>,
+    base: sys::CUdeviceptr,
+    size: usize,
+}
+
+impl Opened {
+    fn open(dev: Arc<Device>, handle: &IpcHandle) -> Result<Opened> {
+        let mut raw = MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+        // SAFETY: `CUipcMemHandle` is 64 bytes of plain data; every one is written here.
+        unsafe { (*raw.as_mut_ptr()).reserved = handle.map(|b| b as c_char) };
+        // SAFETY: initialised just above.
+        let raw = unsafe { raw.assume_init() };
+        let (base, size) = dev.run("cuIpcOpenMemHandle", || {
+            let mut base: sys::CUdeviceptr = 0;
+            let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+            // SAFETY: `base` is a valid place for the address; the handle is only read.
+            unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result()?;
+            let (mut start, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: valid places to write; `base` was just mapped into this context.
+            let looked = unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) };
+            if let Err(e) = looked.result() {
+                // SAFETY: opened above and not used again.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+                return Err(e);
+            }
+            Ok((base, size - (base - start) as usize))
+        })?;
+        Ok(Opened { dev, base, size })
+    }
+}
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        let base = self.base;
+        // SAFETY: opened by `Opened::open`, closed once, here, after every copy into it is done.
+        let res = self.dev.run("cuIpcCloseMemHandle", || unsafe {
+            sys::cuIpcCloseMemHandle(base).result()
+        });
+        if let Err(e) = res {
+            warn!(error = %e, "cannot close another process's shared device memory");
+        }
+    }
+}
+
 /// One copy between host memory and device memory.
 struct Transfer {
     host: *mut u8,
@@ -244,12 +294,27 @@ impl Gpu {
     ///
     /// The caller keeps the memory alive until the returned registration is dropped.
     pub(crate) fn pin(&self, ordinal: usize, ptr: *const u8, len: usize) -> Result<Pinned> {
+        self.register(ordinal, ptr, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+    }
+
+    /// [`Gpu::pin`] for memory mapped read-only (the device only reads it).
+    pub(crate) fn pin_read_only(
+        &self,
+        ordinal: usize,
+        ptr: *const u8,
+        len: usize,
+    ) -> Result<Pinned> {
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_READ_ONLY;
+        self.register(ordinal, ptr, len, flags)
+    }
+
+    fn register(&self, ordinal: usize, ptr: *const u8, len: usize, flags: u32) -> Result<Pinned> {
         let dev = self.device(ordinal)?;
         let p = ptr as *mut c_void;
         // SAFETY: the caller owns `len` bytes at `ptr` and keeps them alive while registered (it
         // drops the `Pinned` first); registering pins the pages and writes nothing.
         dev.run("cuMemHostRegister", || unsafe {
-            sys::cuMemHostRegister_v2(p, len, sys::CU_MEMHOSTREGISTER_PORTABLE).result()
+            sys::cuMemHostRegister_v2(p, len, flags).result()
         })?;
         Ok(Pinned {
             ptr: ptr as usize,
@@ -291,6 +356,78 @@ impl Gpu {
             })
             .collect();
         self.issue(Direction::HostToDevice, raw)
+    }
+
+    /// The CUDA IPC handle of the allocation that holds `d` (`cuIpcGetMemHandle`), and `d`'s
+    /// offset in it: what another process opens to copy into `d`. Fails for memory that cannot
+    /// be shared this way (not allocated with `cuMemAlloc`/`cudaMalloc`: PyTorch's expandable
+    /// segments, say).
+    pub(crate) fn ipc_handle(&self, d: DevicePtr) -> Result<(IpcHandle, u64)> {
+        let dev = self.device(d.ordinal)?;
+        dev.run("cuIpcGetMemHandle", || {
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: both are valid places for the driver to write; `d.ptr` is only looked up.
+            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, d.ptr) }.result()?;
+            let mut handle = MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+            // SAFETY: `handle` is a valid place for the 64-byte handle; `base` is the start of
+            // an allocation of this device (just looked up).
+            unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), base) }.result()?;
+            // SAFETY: zeroed, then written by the driver: every byte is initialised.
+            let raw = unsafe { handle.assume_init() }.reserved;
+            Ok((raw.map(|c| c as u8), d.ptr - base))
+        })
+    }
+
+    /// Copies ranges of `src` into device allocations that another process shares: each of
+    /// `copies` is `(range of src, device, IPC handle, offset in the allocation)`. Every handle
+    /// is opened once (`cuIpcOpenMemHandle`), every copy checked to lie inside its allocation,
+    /// and the handles are closed once the copies are done. `src` should be pinned (see
+    /// [`Gpu::pin_read_only`]), or the copies run at pageable speed.
+    pub(crate) fn copy_to_shared(
+        &self,
+        src: &[u8],
+        copies: &[(Range<usize>, usize, IpcHandle, u64)],
+    ) -> Result<()> {
+        let mut opened: BTreeMap<(usize, IpcHandle), Opened> = BTreeMap::new();
+        let mut transfers = Vec::with_capacity(copies.len());
+        for (range, ordinal, handle, offset) in copies {
+            let ordinal = *ordinal;
+            let bad = |what: String| Error::Cuda {
+                reason: format!("device {ordinal}: a copy into shared device memory {what}"),
+            };
+            if range.end > src.len() || range.start > range.end {
+                return Err(bad(format!("of {range:?}, outside {} bytes", src.len())));
+            }
+            let at = match opened.entry((ordinal, *handle)) {
+                std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(Opened::open(self.device(ordinal)?, handle)?)
+                }
+            };
+            let len = range.len();
+            if offset
+                .checked_add(len as u64)
+                .is_none_or(|end| end > at.size as u64)
+            {
+                let size = at.size;
+                return Err(bad(format!(
+                    "of {len} bytes at {offset}, outside its {size}"
+                )));
+            }
+            transfers.push(Transfer {
+                // Only read from: host-to-device copies never write host memory.
+                host: src[range.clone()].as_ptr().cast_mut(),
+                dev: DevicePtr {
+                    ordinal,
+                    ptr: at.base + offset,
+                    len,
+                },
+            });
+        }
+        // `src` is borrowed for the whole call, and the copies are waited for (or the streams
+        // synchronized on an error) before it returns; the handles close after them (`opened`
+        // drops last).
+        self.issue(Direction::HostToDevice, transfers)?.wait()
     }
 
     /// Issues every copy on its device's stream and records one event per device. On an error

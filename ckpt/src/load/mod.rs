@@ -180,6 +180,31 @@ pub struct Loaded {
     /// The tier each chunk was read from, in order (of a [`Destination::Regions`] load: each
     /// chunk it read).
     pub chunk_sources: Vec<TierKind>,
+    /// How the bytes of device destinations got there; `None` without any.
+    pub device_route: Option<DeviceRoute>,
+}
+
+/// Who copied a load's bytes into its device buffers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceRoute {
+    /// The node's sidecar, from its own memory, pinned for the device since the step was
+    /// committed: no host copy and no pinning in the loading process.
+    Sidecar,
+    /// This process, through its pinned bounce buffers; `instead_of`: why the sidecar did not,
+    /// when the step came from its memory.
+    Process { instead_of: Option<String> },
+}
+
+impl std::fmt::Display for DeviceRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceRoute::Sidecar => f.write_str("sidecar"),
+            DeviceRoute::Process { instead_of: None } => f.write_str("process"),
+            DeviceRoute::Process {
+                instead_of: Some(why),
+            } => write!(f, "process (not the sidecar: {why})"),
+        }
+    }
 }
 
 struct AlignedOwner(AlignedBuf, usize);
@@ -429,6 +454,9 @@ impl Inner {
             extras,
             metadata: header.metadata,
             chunk_sources,
+            device_route: targets
+                .device
+                .then_some(DeviceRoute::Process { instead_of: None }),
         })
     }
 }

@@ -2,6 +2,7 @@
 //! or a file of its disk read and verified here, with the sidecar's copy as the fallback.
 
 use super::*;
+use hotstart_proto::wire::{Conn, DeviceCopy, FdStream};
 
 impl Inner {
     /// Hands out a step the sidecar restored: from its segment ([`Inner::load_segment`]), or
@@ -23,11 +24,12 @@ impl Inner {
             chunk_sources,
             source,
             seconds,
+            conn,
         } = restored;
         let step = m.step;
         let (loaded, handed) = match handed {
             Handed::Segment(segment) => (
-                self.load_segment(sidecar, m, segment, dest, chunk_sources)?,
+                self.load_segment(sidecar, Some(conn), m, segment, dest, chunk_sources)?,
                 "segment",
             ),
             Handed::File(file) => {
@@ -43,10 +45,12 @@ impl Inner {
                 (self.load_from(step, m, &[&file, &copy], dest)?, "file")
             }
         };
+        let device = loaded.device_route.as_ref().map(ToString::to_string);
         info!(
             step,
             %source,
             handed,
+            device,
             sidecar_seconds = seconds,
             seconds = started.elapsed().as_secs_f64(),
             "restored through the sidecar"
@@ -54,14 +58,17 @@ impl Inner {
         Ok(loaded)
     }
 
-    /// Hands out a step from the sidecar's sealed segment: caller buffers are filled with one
-    /// parallel copy straight from the segment's pages (`pread`, so the mapping's pages are
-    /// never faulted in for them); tensors returned owned are views of the mapping itself,
-    /// valid however long they are kept. The bytes are not hashed again (see [`Handed`]). Of
-    /// a segment restored for regions only the chunks that hold them and the header are read.
+    /// Hands out a step from the sidecar's sealed segment: device buffers are filled by the
+    /// sidecar itself when it can ([`upload_device`]: `conn` is the connection the segment came
+    /// on); caller buffers, and device buffers it did not fill, with one parallel copy straight
+    /// from the segment's pages (`pread`, so the mapping's pages are never faulted in for
+    /// them); tensors returned owned are views of the mapping itself, valid however long they
+    /// are kept. The bytes are not hashed again (see [`Handed`]). Of a segment restored for
+    /// regions only the chunks that hold them and the header are read.
     pub(super) fn load_segment(
         &self,
         sidecar: &Client,
+        conn: Option<Conn<FdStream>>,
         m: Manifest,
         segment: Arc<Sealed>,
         dest: Destination<'_>,
@@ -76,6 +83,21 @@ impl Inner {
                 .chunks_mut((m.chunk_size as usize).max(1))
                 .map(|c| vec![(0, Out::Host(c))])
                 .collect();
+        }
+        let mut route = None;
+        if let Some(mut conn) = conn.filter(|_| targets.device) {
+            let chunk_size = m.chunk_size as usize;
+            route = Some(
+                match upload_device(&self.gpu, sidecar, &mut conn, &mut direct, chunk_size) {
+                    Ok(()) => DeviceRoute::Sidecar,
+                    Err(e) => {
+                        info!(step, error = %e, "the sidecar did not copy into the device buffers; copying through this process's pinned buffers");
+                        DeviceRoute::Process {
+                            instead_of: Some(e.to_string()),
+                        }
+                    }
+                },
+            );
         }
         let read = |at, dst: &mut [u8]| {
             segment.read_at(at, dst).map_err(|e| Error::Sidecar {
@@ -98,8 +120,59 @@ impl Inner {
             _ => chunk_sources,
         };
         let all = Bytes::from_owner(SealedBytes(segment, len));
-        self.finish(step, m, &all, Some(&all), targets, chunk_sources)
+        let mut loaded = self.finish(step, m, &all, Some(&all), targets, chunk_sources)?;
+        if route.is_some() {
+            loaded.device_route = route;
+        }
+        Ok(loaded)
     }
+}
+
+/// Asks the sidecar to copy the device pieces of `direct` (per chunk of `chunk_size` bytes:
+/// offset in the chunk and destination) from its own mapping of the segment it just handed
+/// over on `conn`, which it keeps pinned for the device (a restarted process has no pinned
+/// copy of its own, and pinning one costs more than the copy). Each device buffer is shared
+/// with a CUDA IPC handle of its allocation; contiguous pieces go as one copy. On success the
+/// device pieces leave `direct`; on an error (no GPU in the sidecar, a segment not pinned yet,
+/// memory that cannot be shared) they stay, for this process to copy.
+fn upload_device(
+    gpu: &Gpu,
+    sidecar: &Client,
+    conn: &mut Conn<FdStream>,
+    direct: &mut [Vec<(usize, Out<'_>)>],
+    chunk_size: usize,
+) -> Result<()> {
+    let mut pieces: Vec<(u64, DevicePtr)> = Vec::new();
+    for (chunk, outs) in direct.iter().enumerate() {
+        for (at, out) in outs {
+            if let Out::Device(d) = out {
+                let from = (chunk * chunk_size + at) as u64;
+                match pieces.last_mut() {
+                    Some((f, last))
+                        if *f + last.len as u64 == from
+                            && last.ordinal == d.ordinal
+                            && last.ptr + last.len as u64 == d.ptr =>
+                    {
+                        last.len += d.len
+                    }
+                    _ => pieces.push((from, *d)),
+                }
+            }
+        }
+    }
+    let mut copies = Vec::with_capacity(pieces.len());
+    for (from, d) in pieces {
+        let (handle, offset) = gpu.ipc_handle(d)?;
+        let device = u32::try_from(d.ordinal).map_err(|_| Error::Cuda {
+            reason: format!("no CUDA device {}", d.ordinal),
+        })?;
+        copies.push(DeviceCopy::new(from, d.len as u64, device, &handle, offset));
+    }
+    sidecar.upload(conn, copies)?;
+    for outs in direct.iter_mut() {
+        outs.retain(|(_, o)| matches!(o, Out::Host(_)));
+    }
+    Ok(())
 }
 
 pub(super) struct SealedBytes(Arc<Sealed>, usize);

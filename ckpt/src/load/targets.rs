@@ -16,6 +16,8 @@ pub(crate) struct Targets<'a> {
     /// The only chunks to read, ascending ([`Destination::Regions`]: the header's and the
     /// regions'); `None`: every chunk.
     pub(crate) only: Option<Vec<usize>>,
+    /// Whether any destination is device memory.
+    pub(super) device: bool,
 }
 
 /// Where a piece of a chunk goes: caller memory, or device memory (copied from a pinned
@@ -90,6 +92,7 @@ pub(super) fn whole_file<'a>(
         taken: reference.tensors.iter().map(|t| t.name.clone()).collect(),
         file: Some((file, held)),
         only: None,
+        device: false,
     })
 }
 
@@ -226,11 +229,16 @@ pub(crate) fn targets<'a>(
             Some(chunks)
         }
     };
+    let device = direct
+        .iter()
+        .flatten()
+        .any(|(_, o)| matches!(o, Out::Device(_)));
     Ok(Targets {
         direct,
         taken,
         file: None,
         only,
+        device,
     })
 }
 

@@ -1,0 +1,133 @@
+//! Steps held in memory, pinned for the GPU (`gpu_pin`, on by default where it can be).
+//!
+//! A restore into device tensors needs its bytes in pinned (page-locked) host memory before the
+//! device can copy them at full speed. The restarted training process has none: the sidecar's
+//! segment is new to it, and pinning it there (or copying it into pinned buffers) is the cost
+//! of every such restore. The sidecar's process is not new, so it pins each step once, when the
+//! step is committed (or first restored from elsewhere), in the background on a thread of its
+//! own (`cuMemHostRegister`, read-only and portable to every device, about as fast as a copy
+//! of the bytes); the registration lives exactly as long as the segment's mapping (it is the
+//! segment's attachment, see [`Committed::attach`]), and so goes when the step is evicted or its
+//! segment recycled.
+//!
+//! A restore then asks the sidecar, on the connection the segment came on, to copy the device
+//! tensors' ranges itself (`LocalMsg::Upload`): the process shares each destination's device
+//! allocation with a CUDA IPC handle, and the sidecar opens them, copies from its pinned
+//! mapping on a copy stream per device, waits, and closes them. The bytes copied are the
+//! segment's, which the sidecar verified against the manifest when it took them and which
+//! cannot change since (sealed). Whenever that cannot be done (this build has no GPU support,
+//! no driver or device, pinning is off or has not reached the step yet, the memory cannot be
+//! shared) the answer says why, and the process copies the bytes through its own pinned
+//! buffers as before.
+
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Instant;
+
+use hotstart_ckpt::cuda::{self, HostPin};
+use hotstart_proto::shm::Committed;
+use hotstart_proto::wire::DeviceCopy;
+use tracing::{info, warn};
+
+/// Pins steps held in memory for the GPU, or says why it does not.
+pub(crate) enum Pins {
+    /// Not pinning, and why (the answer to every upload).
+    Off(String),
+    /// Segments to pin, to the pinning thread.
+    On(Mutex<Sender<Weak<Committed>>>),
+}
+
+impl Pins {
+    /// Pins when `enabled` and the GPU path can run here (its thread started now); otherwise
+    /// says why not, once, in the log.
+    pub(crate) fn start(enabled: bool) -> Pins {
+        if !enabled {
+            return Pins::Off("pinning for the GPU is off (--no-gpu-pin)".into());
+        }
+        let devices = match cuda::available() {
+            Ok(n) => n,
+            Err(e) => {
+                info!(reason = %e, "steps in memory are not pinned for the GPU");
+                return Pins::Off(e.to_string());
+            }
+        };
+        let (tx, rx) = channel::<Weak<Committed>>();
+        let spawned = std::thread::Builder::new()
+            .name("hotstart-pin".into())
+            .spawn(move || {
+                let mut warned = false;
+                for seg in rx {
+                    // A segment recycled or freed meanwhile needs nothing.
+                    if let Some(seg) = seg.upgrade() {
+                        pin(&seg, &mut warned);
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => {
+                info!(
+                    devices,
+                    "steps in memory are pinned for the GPU as they are committed"
+                );
+                Pins::On(Mutex::new(tx))
+            }
+            Err(e) => Pins::Off(format!("cannot start the pinning thread: {e}")),
+        }
+    }
+
+    /// Pins `seg` in the background, unless it is pinned already.
+    pub(crate) fn pin(&self, seg: &Arc<Committed>) {
+        if let Pins::On(tx) = self
+            && seg.attached().is_none()
+        {
+            let tx = tx.lock().unwrap_or_else(PoisonError::into_inner);
+            let _ = tx.send(Arc::downgrade(seg));
+        }
+    }
+
+    /// Copies `copies` of `bytes` (the file of a step, in `seg`) into the device memory they
+    /// name, from the pinned mapping; the bytes copied, or why not.
+    pub(crate) fn upload(
+        &self,
+        seg: &Committed,
+        bytes: &[u8],
+        copies: &[DeviceCopy],
+    ) -> Result<u64, String> {
+        if let Pins::Off(why) = self {
+            return Err(why.clone());
+        }
+        if !seg.attached().is_some_and(|a| a.is::<HostPin>()) {
+            return Err(
+                "the step is not pinned for the GPU yet (steps are pinned in the \
+                        background once committed)"
+                    .into(),
+            );
+        }
+        cuda::copy_to_shared(bytes, copies).map_err(|e| e.to_string())
+    }
+}
+
+/// Registers `seg`'s mapping as pinned memory and attaches the registration to it.
+fn pin(seg: &Committed, warned: &mut bool) {
+    if seg.attached().is_some() {
+        return;
+    }
+    let started = Instant::now();
+    let bytes = seg.bytes();
+    // SAFETY: the registration is attached to `seg`, so it is dropped before the mapping is
+    // unmapped (`Committed`'s field order, and `recycle`); copies from it are made only by
+    // `Pins::upload`, whose caller holds the segment until they are done.
+    match unsafe { cuda::pin_read_only(bytes.as_ptr(), bytes.len()) } {
+        Ok(p) => {
+            if seg.attach(Box::new(p)) {
+                let seconds = started.elapsed().as_secs_f64();
+                info!(bytes = bytes.len(), seconds, "pinned for the GPU");
+            }
+        }
+        Err(e) if !*warned => {
+            *warned = true;
+            warn!(error = %e, "cannot pin a step for the GPU; restores into device tensors copy through the process's own pinned buffers");
+        }
+        Err(_) => {}
+    }
+}
