@@ -18,7 +18,10 @@
 #      DCP async_save's blocking part; restore into device tensors against the raw H2D copy;
 #   3. the Rust stall benchmark at 4 and 16 GiB (engine stall against a raw cuMemcpyDtoHAsync);
 #   4. a PyTorch job under torchrun (examples/torchrun/train.py, NCCL): a worker killed after a
-#      save resumes from the sidecar's memory bit-exact; its restart against its floor.
+#      save resumes from the sidecar's memory bit-exact; its restart against its floor;
+#   5. a training loop (gpu_check.py --train-loop): the training time a checkpoint costs, hotstart
+#      (local disk, and through the sidecar) against the raw pinned D2H copy and DCP async_save
+#      (default, and with pinned-memory staging); hotstart's last checkpoint bit-exact.
 # It writes results/summary.md (one Markdown table, then each part's output) and
 # results/summary.json, and prints the summary. Without a GPU it says so and exits 0.
 #
@@ -34,7 +37,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LIMIT_BYTES=$((64 << 20))
 
 usage() {
-    sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
 }
 
@@ -124,23 +127,25 @@ run() {
     export PYTHONPATH="$HERE/site${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONUNBUFFERED=1
     export GPU_CHECK_TMP="${GPU_CHECK_TMP:-${TMPDIR:-/tmp}}"
-    # The limits add up to 10 minutes, a device command's most; every part but the Python one
-    # takes well under its limit.
+    # The limits add up to 585 s: with the wheel's install and the summary, within a device
+    # command's 10 minutes. Every part but the Python one takes well under its limit.
     # The Rust figures first: they are short, and the Python part (which also writes to disk)
     # keeps what it measured if it runs out of time.
-    part cuda-tests 60 "$HERE/bin/ckpt-cuda-tests" --test-threads 1
+    part cuda-tests 45 "$HERE/bin/ckpt-cuda-tests" --test-threads 1
     part stall-4gib 45 "$HERE/bin/gpu_stall" --gib 4 --tensors 64 --runs 5
-    part stall-16gib 90 "$HERE/bin/gpu_stall" --gib 16 --tensors 64 --runs 3
+    part stall-16gib 60 "$HERE/bin/gpu_stall" --gib 16 --tensors 64 --runs 3
     local device_arg=()
     [ -n "$selftest" ] && device_arg=(--device cpu)
-    part torchrun 120 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --torchrun "$HERE/train.py" \
+    part torchrun 100 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --torchrun "$HERE/train.py" \
+        --hotstart "$HERE/bin/hotstart" "${device_arg[@]}"
+    part train-loop 100 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --train-loop \
         --hotstart "$HERE/bin/hotstart" "${device_arg[@]}"
     if [ -n "$selftest" ]; then
         part python 300 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --device cpu --gib 0.03125 --runs 1 \
             --hotstart "$HERE/bin/hotstart"
     else
         # shellcheck disable=SC2086 # a list of sizes
-        part python 285 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --gib ${GPU_CHECK_GIB:-4 16} \
+        part python 235 "$py" "$HERE/gpu_check.py" --out "$HERE/results" --gib ${GPU_CHECK_GIB:-4 16} \
             --runs 3 --hotstart "$HERE/bin/hotstart"
     fi
     local device
@@ -154,7 +159,7 @@ run() {
             IFS='|' read -r name result _ <<< "$s"
             echo "| $name | $result |"
         done
-        for md in python torchrun; do
+        for md in python torchrun train_loop; do
             if [ -f "$HERE/results/$md.md" ]; then
                 echo
                 cat "$HERE/results/$md.md"
@@ -173,7 +178,7 @@ run() {
 import json, pathlib, sys
 out, device, parts = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 summary = {"device": device, "parts": {p.split("|")[0]: p.split("|")[1] for p in parts}}
-for name in ("python", "torchrun"):
+for name in ("python", "torchrun", "train_loop"):
     part = out / f"{name}.json"
     if part.exists():
         summary[name] = json.loads(part.read_text())

@@ -51,5 +51,13 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     assert summary["python"]["checks"] and all(summary["python"]["checks"].values()), summary["python"]
     text = (out / "results" / "summary.md").read_text()
     assert "| cuda-tests | passed |" in text and "hotstart save → wait_staged" in text
-    assert "floor: copy the bytes out of shared memory" in text
+    assert "floor of the process copying: copy the bytes out of shared memory" in text
+    # The restore through a sidecar that does not pin for the GPU, beside the one that does.
+    assert "| sidecar `--no-gpu-pin`: load() into device tensors, the process copies |" in text
+    # A training loop checkpointing every few steps, each way in the same run; hotstart's last
+    # checkpoint loaded back bit-exact.
+    assert parts["train-loop"] == "passed", parts
+    loop = summary["train_loop"]
+    assert loop["bit-exact"] == {"hotstart Checkpointer, local disk tier": True, "hotstart through the sidecar": True}
+    assert "| hotstart through the sidecar |" in text and "| DCP async_save |" in text
     assert "kill → state loaded from the sidecar's memory" in text and "resumed bit-exact: yes" in text
