@@ -49,12 +49,12 @@ use crate::tensor::DevicePtr;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
-pub(crate) use driver::{Gpu, PendingCopies, Pinned};
+pub(crate) use driver::{Exported, Gpu, PendingCopies, Pinned};
 
 #[cfg(not(feature = "cuda"))]
 mod absent;
 #[cfg(not(feature = "cuda"))]
-pub(crate) use absent::{Gpu, PendingCopies, Pinned};
+pub(crate) use absent::{Exported, Gpu, PendingCopies, Pinned};
 
 /// One device-to-host copy: where the bytes land, and the device memory they come from.
 pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);
@@ -114,12 +114,15 @@ pub fn copy_to_shared(src: &[u8], copies: &[hotstart_proto::wire::DeviceCopy]) -
     let mut raw = Vec::with_capacity(copies.len());
     let mut bytes = 0u64;
     for c in copies {
-        let handle = c.handle_bytes().ok_or_else(|| Error::Cuda {
-            reason: format!(
-                "device {}: an IPC handle that is not 128 hex digits",
-                c.device
-            ),
-        })?;
+        let bad = |what: &str| Error::Cuda {
+            reason: format!("a copy into shared device memory with {what}"),
+        };
+        let handle = c
+            .handle_bytes()
+            .ok_or_else(|| bad("an IPC handle that is not 128 hex digits"))?;
+        let device = c
+            .device_bytes()
+            .ok_or_else(|| bad("a device UUID that is not 32 hex digits"))?;
         let range = usize::try_from(c.from)
             .ok()
             .zip(usize::try_from(c.len).ok())
@@ -128,7 +131,7 @@ pub fn copy_to_shared(src: &[u8], copies: &[hotstart_proto::wire::DeviceCopy]) -
                 reason: format!("a copy of {} bytes from {} overflows", c.len, c.from),
             })?;
         bytes += c.len;
-        raw.push((range, c.device as usize, handle, c.offset));
+        raw.push((range, device, handle, c.offset));
     }
     shared_gpu().copy_to_shared(src, &raw)?;
     Ok(bytes)

@@ -61,52 +61,69 @@ pub struct Region {
 }
 
 /// One copy of an `Upload`: `len` bytes of the restored step's file from byte `from` on, into
-/// the device allocation of device `device` that `handle` shares (a CUDA IPC handle, 64 bytes
-/// as 128 hex digits), `offset` bytes into it.
+/// the device allocation that `handle` shares (a CUDA IPC memory handle, 64 bytes as 128 hex
+/// digits), `offset` bytes into it, on the device whose UUID is `device` (16 bytes as 32 hex
+/// digits: two processes may number the same devices differently).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceCopy {
     pub from: u64,
     pub len: u64,
-    pub device: u32,
+    pub device: String,
     pub handle: String,
     pub offset: u64,
 }
 
 /// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_LEN: usize = 64;
+/// Bytes of a CUDA device UUID.
+pub const DEVICE_UUID_LEN: usize = 16;
 
 impl DeviceCopy {
-    /// The copy of `len` bytes from `from` into `handle`'s allocation on `device`, at `offset`.
+    /// The copy of `len` bytes from `from` into `handle`'s allocation at `offset`, on the device
+    /// with UUID `device`.
     pub fn new(
         from: u64,
         len: u64,
-        device: u32,
+        device: &[u8; DEVICE_UUID_LEN],
         handle: &[u8; IPC_HANDLE_LEN],
         offset: u64,
     ) -> Self {
-        let handle = handle.iter().map(|b| format!("{b:02x}")).collect();
         DeviceCopy {
             from,
             len,
-            device,
-            handle,
+            device: to_hex(device),
+            handle: to_hex(handle),
             offset,
         }
     }
 
+    /// The device UUID's bytes, or `None` when it is not 32 hex digits.
+    pub fn device_bytes(&self) -> Option<[u8; DEVICE_UUID_LEN]> {
+        from_hex(&self.device)
+    }
+
     /// The handle's bytes, or `None` when it is not 128 hex digits.
     pub fn handle_bytes(&self) -> Option<[u8; IPC_HANDLE_LEN]> {
-        let hex = self.handle.as_bytes();
-        if hex.len() != 2 * IPC_HANDLE_LEN {
-            return None;
-        }
-        let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-        let mut out = [0u8; IPC_HANDLE_LEN];
-        for (o, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
-            *o = (digit(pair[0])? << 4) | digit(pair[1])?;
-        }
-        Some(out)
+        from_hex(&self.handle)
     }
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `N` bytes from `2 × N` hex digits.
+fn from_hex<const N: usize>(hex: &str) -> Option<[u8; N]> {
+    let hex = hex.as_bytes();
+    if hex.len() != 2 * N {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = [0u8; N];
+    for (o, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
+        *o = (digit(pair[0])? << 4) | digit(pair[1])?;
+    }
+    Some(out)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -720,10 +737,12 @@ mod tests {
         for (i, b) in handle.iter_mut().enumerate() {
             *b = (i * 7 + 3) as u8;
         }
-        let c = DeviceCopy::new(4096, 1 << 20, 1, &handle, 512);
-        assert_eq!(c.handle.len(), 128);
+        let uuid = [0xa5; DEVICE_UUID_LEN];
+        let c = DeviceCopy::new(4096, 1 << 20, &uuid, &handle, 512);
+        assert_eq!((c.handle.len(), c.device.len()), (128, 32));
         let back: DeviceCopy = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back.handle_bytes(), Some(handle));
+        assert_eq!(back.device_bytes(), Some(uuid));
         for bad in ["ab", &"zz".repeat(64), &"0".repeat(127)] {
             let c = DeviceCopy {
                 handle: bad.to_string(),

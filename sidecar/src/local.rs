@@ -304,7 +304,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                                     .get(&shard.key)
                                     .is_some_and(|s| Arc::ptr_eq(&s, &shard))
                                 {
-                                    core.pins.pin(&shard.seg);
+                                    core.pins.pin(&shard);
                                 }
                                 Some(shard)
                             }

@@ -209,7 +209,7 @@ impl Core {
         events: Option<Events>,
         asked: Instant,
     ) {
-        self.pins.pin(&shard.seg);
+        self.pins.pin(&shard);
         let tiers: BTreeSet<TierKind> = self
             .save_tiers()
             .into_iter()

@@ -20,6 +20,7 @@
 //! shared) the answer says why, and the process copies the bytes through its own pinned
 //! buffers as before.
 
+use std::collections::BTreeMap;
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Instant;
@@ -29,12 +30,14 @@ use hotstart_proto::shm::Committed;
 use hotstart_proto::wire::DeviceCopy;
 use tracing::{info, warn};
 
+use crate::memory::{Shard, ShardKey};
+
 /// Pins steps held in memory for the GPU, or says why it does not.
 pub(crate) enum Pins {
     /// Not pinning, and why (the answer to every upload).
     Off(String),
-    /// Segments to pin, to the pinning thread.
-    On(Mutex<Sender<Weak<Committed>>>),
+    /// Steps to pin, to the pinning thread.
+    On(Mutex<Sender<(ShardKey, Weak<Committed>)>>),
 }
 
 impl Pins {
@@ -51,14 +54,26 @@ impl Pins {
                 return Pins::Off(e.to_string());
             }
         };
-        let (tx, rx) = channel::<Weak<Committed>>();
+        let (tx, rx) = channel::<(ShardKey, Weak<Committed>)>();
         let spawned = std::thread::Builder::new()
             .name("hotstart-pin".into())
             .spawn(move || {
                 let mut warned = false;
-                for seg in rx {
+                while let Ok(first) = rx.recv() {
+                    // Saves can come faster than pins: of the steps waiting, each rank's newest
+                    // only (a restart restores that one).
+                    let mut newest: BTreeMap<(String, u32), (u64, Weak<Committed>)> =
+                        BTreeMap::new();
+                    for (key, seg) in std::iter::once(first).chain(rx.try_iter()) {
+                        let at = newest
+                            .entry((key.job, key.rank))
+                            .or_insert((key.step, Weak::new()));
+                        if key.step >= at.0 {
+                            *at = (key.step, seg);
+                        }
+                    }
                     // A segment recycled or freed meanwhile needs nothing.
-                    if let Some(seg) = seg.upgrade() {
+                    for seg in newest.into_values().filter_map(|(_, seg)| seg.upgrade()) {
                         pin(&seg, &mut warned);
                     }
                 }
@@ -75,13 +90,13 @@ impl Pins {
         }
     }
 
-    /// Pins `seg` in the background, unless it is pinned already.
-    pub(crate) fn pin(&self, seg: &Arc<Committed>) {
+    /// Pins `shard`'s segment in the background, unless it is pinned already.
+    pub(crate) fn pin(&self, shard: &Shard) {
         if let Pins::On(tx) = self
-            && seg.attached().is_none()
+            && shard.seg.attached().is_none()
         {
             let tx = tx.lock().unwrap_or_else(PoisonError::into_inner);
-            let _ = tx.send(Arc::downgrade(seg));
+            let _ = tx.send((shard.key.clone(), Arc::downgrade(&shard.seg)));
         }
     }
 

@@ -123,7 +123,7 @@ fn uploads_without_a_gpu_are_refused_with_the_reason(n: &Node) {
     };
     assert!(matches!(ask(&mut c, attach), LocalMsg::Attached { .. }));
     let upload = || LocalMsg::Upload {
-        copies: vec![DeviceCopy::new(0, 4096, 0, &[7; 64], 0)],
+        copies: vec![DeviceCopy::new(0, 4096, &[1; 16], &[7; 64], 0)],
     };
     match ask(&mut c, upload()) {
         LocalMsg::Failed { reason } => assert!(reason.contains("restore first"), "{reason}"),

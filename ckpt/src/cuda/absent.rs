@@ -24,6 +24,18 @@ pub(super) fn device_count() -> std::result::Result<usize, String> {
 /// The 64 bytes of a CUDA IPC memory handle.
 pub(crate) type IpcHandle = [u8; 64];
 
+/// The 16 bytes of a device's UUID.
+pub(crate) type DeviceUuid = [u8; 16];
+
+/// A device allocation exported for another process; none can exist in this build.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Exported {
+    pub(crate) uuid: DeviceUuid,
+    pub(crate) handle: IpcHandle,
+    pub(crate) base: u64,
+    pub(crate) size: usize,
+}
+
 /// No devices, no streams.
 #[derive(Debug, Default)]
 pub(crate) struct Gpu;
@@ -60,14 +72,14 @@ impl Gpu {
         Err(not_built())
     }
 
-    pub(crate) fn ipc_handle(&self, _d: DevicePtr) -> Result<(IpcHandle, u64)> {
+    pub(crate) fn export(&self, _d: DevicePtr) -> Result<Exported> {
         Err(not_built())
     }
 
     pub(crate) fn copy_to_shared(
         &self,
         _src: &[u8],
-        _copies: &[(Range<usize>, usize, IpcHandle, u64)],
+        _copies: &[(Range<usize>, DeviceUuid, IpcHandle, u64)],
     ) -> Result<()> {
         Err(not_built())
     }

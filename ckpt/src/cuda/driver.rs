@@ -200,6 +200,42 @@ impl Drop for Pinned {
 /// The 64 bytes of a CUDA IPC memory handle.
 pub(crate) type IpcHandle = [u8; 64];
 
+/// The 16 bytes of a device's UUID: the same device in every process.
+pub(crate) type DeviceUuid = [u8; 16];
+
+/// A device allocation exported for another process ([`Gpu::export`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Exported {
+    /// Its device's UUID.
+    pub(crate) uuid: DeviceUuid,
+    pub(crate) handle: IpcHandle,
+    /// Its address and length in this process.
+    pub(crate) base: u64,
+    pub(crate) size: usize,
+}
+
+/// This process's ordinal of the device with `uuid`.
+fn ordinal_of(uuid: &DeviceUuid) -> Result<usize> {
+    let count = device_count().map_err(|reason| Error::Cuda { reason })?;
+    for ordinal in 0..count {
+        let found = catch_unwind(|| {
+            let cu = result::device::get(ordinal as c_int)?;
+            result::device::get_uuid(cu)
+        });
+        if let Ok(Ok(id)) = found
+            && id.bytes.map(|c| c as u8) == *uuid
+        {
+            return Ok(ordinal);
+        }
+    }
+    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    Err(Error::Cuda {
+        reason: format!(
+            "no device with UUID {hex} here (of {count}): is it visible to this process?"
+        ),
+    })
+}
+
 /// Another process's device allocation, opened from its IPC handle; closed on drop.
 struct Opened {
     dev: Arc<Device>,
@@ -358,13 +394,14 @@ impl Gpu {
         self.issue(Direction::HostToDevice, raw)
     }
 
-    /// The CUDA IPC handle of the allocation that holds `d` (`cuIpcGetMemHandle`), and `d`'s
-    /// offset in it: what another process opens to copy into `d`. Fails for memory that cannot
-    /// be shared this way (not allocated with `cuMemAlloc`/`cudaMalloc`: PyTorch's expandable
-    /// segments, say).
-    pub(crate) fn ipc_handle(&self, d: DevicePtr) -> Result<(IpcHandle, u64)> {
+    /// The allocation that holds `d`, exported for another process (`cuIpcGetMemHandle`): what
+    /// it opens to copy into `d`. Fails for memory that cannot be shared this way (not allocated
+    /// with `cuMemAlloc`/`cudaMalloc`: PyTorch's expandable segments, say).
+    pub(crate) fn export(&self, d: DevicePtr) -> Result<Exported> {
         let dev = self.device(d.ordinal)?;
+        let cu = dev.cu;
         dev.run("cuIpcGetMemHandle", || {
+            let uuid = result::device::get_uuid(cu)?.bytes.map(|c| c as u8);
             let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
             // SAFETY: both are valid places for the driver to write; `d.ptr` is only looked up.
             unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, d.ptr) }.result()?;
@@ -373,37 +410,45 @@ impl Gpu {
             // an allocation of this device (just looked up).
             unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), base) }.result()?;
             // SAFETY: zeroed, then written by the driver: every byte is initialised.
-            let raw = unsafe { handle.assume_init() }.reserved;
-            Ok((raw.map(|c| c as u8), d.ptr - base))
+            let handle = unsafe { handle.assume_init() }.reserved.map(|c| c as u8);
+            Ok(Exported {
+                uuid,
+                handle,
+                base,
+                size,
+            })
         })
     }
 
     /// Copies ranges of `src` into device allocations that another process shares: each of
-    /// `copies` is `(range of src, device, IPC handle, offset in the allocation)`. Every handle
-    /// is opened once (`cuIpcOpenMemHandle`), every copy checked to lie inside its allocation,
-    /// and the handles are closed once the copies are done. `src` should be pinned (see
+    /// `copies` is `(range of src, device UUID, IPC handle, offset in the allocation)`; the
+    /// device is found by its UUID, since the two processes may number their devices
+    /// differently (`CUDA_VISIBLE_DEVICES`). Every handle is opened once
+    /// (`cuIpcOpenMemHandle`), every copy checked to lie inside its allocation, and the handles
+    /// are closed once the copies are done. `src` should be pinned (see
     /// [`Gpu::pin_read_only`]), or the copies run at pageable speed.
     pub(crate) fn copy_to_shared(
         &self,
         src: &[u8],
-        copies: &[(Range<usize>, usize, IpcHandle, u64)],
+        copies: &[(Range<usize>, DeviceUuid, IpcHandle, u64)],
     ) -> Result<()> {
-        let mut opened: BTreeMap<(usize, IpcHandle), Opened> = BTreeMap::new();
+        let mut opened: BTreeMap<(DeviceUuid, IpcHandle), Opened> = BTreeMap::new();
         let mut transfers = Vec::with_capacity(copies.len());
-        for (range, ordinal, handle, offset) in copies {
-            let ordinal = *ordinal;
+        for (range, uuid, handle, offset) in copies {
             let bad = |what: String| Error::Cuda {
-                reason: format!("device {ordinal}: a copy into shared device memory {what}"),
+                reason: format!("a copy into shared device memory {what}"),
             };
             if range.end > src.len() || range.start > range.end {
                 return Err(bad(format!("of {range:?}, outside {} bytes", src.len())));
             }
-            let at = match opened.entry((ordinal, *handle)) {
+            let at = match opened.entry((*uuid, *handle)) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::btree_map::Entry::Vacant(v) => {
-                    v.insert(Opened::open(self.device(ordinal)?, handle)?)
+                    let dev = self.device(ordinal_of(uuid)?)?;
+                    v.insert(Opened::open(dev, handle)?)
                 }
             };
+            let ordinal = at.dev.ordinal;
             let len = range.len();
             if offset
                 .checked_add(len as u64)

@@ -2,6 +2,7 @@
 //! or a file of its disk read and verified here, with the sidecar's copy as the fallback.
 
 use super::*;
+use crate::cuda::Exported;
 use hotstart_proto::wire::{Conn, DeviceCopy, FdStream};
 
 impl Inner {
@@ -160,13 +161,29 @@ fn upload_device(
             }
         }
     }
+    // One export per allocation (PyTorch's allocator puts several tensors in one).
+    let mut exported: Vec<(usize, Exported)> = Vec::new();
     let mut copies = Vec::with_capacity(pieces.len());
     for (from, d) in pieces {
-        let (handle, offset) = gpu.ipc_handle(d)?;
-        let device = u32::try_from(d.ordinal).map_err(|_| Error::Cuda {
-            reason: format!("no CUDA device {}", d.ordinal),
-        })?;
-        copies.push(DeviceCopy::new(from, d.len as u64, device, &handle, offset));
+        let holds = |(o, e): &&(usize, Exported)| {
+            *o == d.ordinal && e.base <= d.ptr && d.ptr + d.len as u64 <= e.base + e.size as u64
+        };
+        let e = match exported.iter().find(holds) {
+            Some((_, e)) => *e,
+            None => {
+                let e = gpu.export(d)?;
+                exported.push((d.ordinal, e));
+                e
+            }
+        };
+        let offset = d.ptr - e.base;
+        copies.push(DeviceCopy::new(
+            from,
+            d.len as u64,
+            &e.uuid,
+            &e.handle,
+            offset,
+        ));
     }
     sidecar.upload(conn, copies)?;
     for outs in direct.iter_mut() {
