@@ -58,7 +58,7 @@ use crate::persist::Owed;
 use crate::restore::ServedBytes;
 use hotstart_proto::PROTOCOL_VERSION;
 use hotstart_proto::shm::{Committed, Segment};
-use hotstart_proto::wire::{Conn, FdStream, LocalMsg, Side};
+use hotstart_proto::wire::{Conn, DeviceCopy, FdStream, LocalMsg, Side};
 
 use crate::error::{Error, Result};
 use hotstart_ckpt::format::{self, Manifest};
@@ -329,28 +329,7 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
                     }
                 }
             }
-            LocalMsg::Upload { copies } => send(&match &handed {
-                None => LocalMsg::Failed {
-                    reason: "an upload before any step was handed over as a segment on this \
-                             connection: restore first"
-                        .into(),
-                },
-                Some(shard) => {
-                    let started = Instant::now();
-                    let file = &shard.seg.bytes()[..shard.len() as usize];
-                    match core.pins.upload(&shard.seg, file, &copies) {
-                        Ok(bytes) => {
-                            let seconds = started.elapsed().as_secs_f64();
-                            info!(shard = %shard.key, bytes, seconds, "copied into the process's device memory");
-                            LocalMsg::Uploaded { bytes, seconds }
-                        }
-                        Err(reason) => {
-                            debug!(shard = %shard.key, %reason, "no upload");
-                            LocalMsg::Failed { reason }
-                        }
-                    }
-                }
-            }),
+            LocalMsg::Upload { copies } => send(&upload(&core, handed.as_deref(), &copies)),
             LocalMsg::Latest => send(&latest(&core, &who, None)),
             LocalMsg::LatestBelow { step } => send(&latest(&core, &who, Some(step))),
             LocalMsg::LatestCheckpoint { below } => {
@@ -377,6 +356,35 @@ pub(crate) fn serve(core: Arc<Core>, sock: UnixStream) {
         if let Err(e) = res {
             debug!(error = %e, "local connection closed");
             return;
+        }
+    }
+}
+
+/// The answer to an `Upload` of `copies` from `shard`, the step last handed over on the
+/// connection as a segment: the sidecar copies them into the process's device memory from its
+/// pinned mapping of the segment, or says why not (see `super::pin`).
+fn upload(core: &Core, shard: Option<&Shard>, copies: &[DeviceCopy]) -> LocalMsg {
+    let Some(shard) = shard else {
+        core.metrics.uploaded(None);
+        return LocalMsg::Failed {
+            reason: "an upload before any step was handed over as a segment on this \
+                     connection: restore first"
+                .into(),
+        };
+    };
+    let started = Instant::now();
+    let file = &shard.seg.bytes()[..shard.len() as usize];
+    match core.pins.upload(&shard.seg, file, copies) {
+        Ok(bytes) => {
+            core.metrics.uploaded(Some(bytes));
+            let seconds = started.elapsed().as_secs_f64();
+            info!(shard = %shard.key, bytes, seconds, "copied into the process's device memory");
+            LocalMsg::Uploaded { bytes, seconds }
+        }
+        Err(reason) => {
+            core.metrics.uploaded(None);
+            debug!(shard = %shard.key, %reason, "no upload");
+            LocalMsg::Failed { reason }
         }
     }
 }

@@ -54,6 +54,11 @@ pub const PERSIST_RUNNING_SHARDS: &str = "hotstart_persist_running_shards";
 pub const RECOVERED_SHARDS_TOTAL: &str = "hotstart_recovered_shards_total";
 /// Counter: bytes a starting node pulled back from its peers.
 pub const RECOVERED_BYTES_TOTAL: &str = "hotstart_recovered_bytes_total";
+/// Counter: restores into a process's device tensors the sidecar was asked to copy itself, by
+/// `result` (`copied`: from its memory pinned for the GPU; `refused`: the process copied).
+pub const GPU_UPLOADS_TOTAL: &str = "hotstart_gpu_uploads_total";
+/// Counter: bytes the sidecar copied into processes' device tensors.
+pub const GPU_UPLOAD_BYTES_TOTAL: &str = "hotstart_gpu_upload_bytes_total";
 /// Gauge: peers by `state` (`up`: answered the last probe; `down`).
 pub const PEERS: &str = "hotstart_peers";
 /// Counter: failures by `kind` (see [`Failure`]).
@@ -203,6 +208,9 @@ pub struct Metrics {
     failures: [AtomicU64; Failure::ALL.len()],
     recovered_shards: AtomicU64,
     recovered_bytes: AtomicU64,
+    /// Uploads copied and refused, and the bytes copied.
+    uploads: [AtomicU64; 2],
+    upload_bytes: AtomicU64,
     share: std::sync::Mutex<ShareCounts>,
 }
 
@@ -263,6 +271,13 @@ impl Metrics {
     pub fn recovered(&self, bytes: u64) {
         self.recovered_shards.fetch_add(1, Ordering::Relaxed);
         self.recovered_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// An upload into a process's device tensors: the bytes copied, or `None` when refused.
+    pub fn uploaded(&self, bytes: Option<u64>) {
+        self.uploads[usize::from(bytes.is_none())].fetch_add(1, Ordering::Relaxed);
+        self.upload_bytes
+            .fetch_add(bytes.unwrap_or(0), Ordering::Relaxed);
     }
 
     fn share(&self) -> std::sync::MutexGuard<'_, ShareCounts> {
@@ -550,6 +565,27 @@ impl Metrics {
             out,
             "{RECOVERED_BYTES_TOTAL} {}",
             self.recovered_bytes.load(Ordering::Relaxed)
+        );
+        head(
+            &mut out,
+            GPU_UPLOADS_TOTAL,
+            "counter",
+            "Restores into device tensors the sidecar was asked to copy, by result.",
+        );
+        for (i, result) in ["copied", "refused"].iter().enumerate() {
+            let n = self.uploads[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "{GPU_UPLOADS_TOTAL}{{result=\"{result}\"}} {n}");
+        }
+        head(
+            &mut out,
+            GPU_UPLOAD_BYTES_TOTAL,
+            "counter",
+            "Bytes the sidecar copied into processes' device tensors.",
+        );
+        let _ = writeln!(
+            out,
+            "{GPU_UPLOAD_BYTES_TOTAL} {}",
+            self.upload_bytes.load(Ordering::Relaxed)
         );
         head(
             &mut out,

@@ -145,6 +145,14 @@ fn uploads_without_a_gpu_are_refused_with_the_reason(n: &Node) {
         LocalMsg::Failed { reason } => assert!(reason.contains("CUDA"), "{reason}"),
         other => panic!("an upload without a GPU: {other:?}"),
     }
+    assert_eq!(
+        n.metric("hotstart_gpu_uploads_total{result=\"refused\"}"),
+        2.0
+    );
+    assert_eq!(
+        n.metric("hotstart_gpu_uploads_total{result=\"copied\"}"),
+        0.0
+    );
 }
 
 /// Node loss: kill -9 a sidecar and its trainer, stop SeaweedFS for good; a fresh sidecar with
