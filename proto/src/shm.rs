@@ -905,6 +905,50 @@ mod tests {
         assert!(committed.is_sealed());
     }
 
+    /// Reads the first byte of the mapping it was made for when dropped: a read after the
+    /// mapping is gone would fault.
+    struct LastLook(*const u8, std::sync::Arc<std::sync::atomic::AtomicU8>);
+
+    // SAFETY: only read, in `drop`, while the mapping it points into still exists (the test).
+    unsafe impl Send for LastLook {}
+    // SAFETY: as for `Send`.
+    unsafe impl Sync for LastLook {}
+
+    impl Drop for LastLook {
+        fn drop(&mut self) {
+            // SAFETY: the attachment is dropped before its mapping is unmapped (the contract
+            // under test).
+            let b = unsafe { self.0.read_volatile() };
+            self.1.store(b, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn an_attachment_goes_before_its_mapping_when_recycled_or_dropped() {
+        use std::sync::atomic::{AtomicU8, Ordering};
+        for recycle in [true, false] {
+            let seg = Segment::create("test", 8192, None).unwrap();
+            let w = seg.map_writable().unwrap();
+            // SAFETY: ours alone.
+            unsafe { std::ptr::write_bytes(w.as_ptr(), 9, 8192) };
+            drop(w);
+            let committed = seg.commit().unwrap();
+            let seen = std::sync::Arc::new(AtomicU8::new(0));
+            let look = LastLook(committed.bytes().as_ptr(), seen.clone());
+            assert!(committed.attach(Box::new(look)));
+            assert!(!committed.attach(Box::new(1u32)), "a second attachment");
+            assert!(committed.attached().is_some_and(|a| a.is::<LastLook>()));
+            assert_eq!(seen.load(Ordering::SeqCst), 0);
+            if recycle {
+                let again = committed.recycle().expect("not sealed: recyclable");
+                assert_eq!(again.len(), 8192);
+            } else {
+                drop(committed);
+            }
+            assert_eq!(seen.load(Ordering::SeqCst), 9, "recycled: {recycle}");
+        }
+    }
+
     #[test]
     fn seal_waits_for_writers_and_receivers_check_seals() {
         let seg = Segment::create("test", 8192, None).unwrap();

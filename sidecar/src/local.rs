@@ -373,8 +373,7 @@ fn upload(core: &Core, shard: Option<&Shard>, copies: &[DeviceCopy]) -> LocalMsg
         };
     };
     let started = Instant::now();
-    let file = &shard.seg.bytes()[..shard.len() as usize];
-    match core.pins.upload(&shard.seg, file, copies) {
+    match core.pins.upload(shard, copies) {
         Ok(bytes) => {
             core.metrics.uploaded(Some(bytes));
             let seconds = started.elapsed().as_secs_f64();

@@ -100,17 +100,13 @@ impl Pins {
         }
     }
 
-    /// Copies `copies` of `bytes` (the file of a step, in `seg`) into the device memory they
-    /// name, from the pinned mapping; the bytes copied, or why not.
-    pub(crate) fn upload(
-        &self,
-        seg: &Committed,
-        bytes: &[u8],
-        copies: &[DeviceCopy],
-    ) -> Result<u64, String> {
+    /// Copies `copies` of `shard`'s file into the device memory they name, from its pinned
+    /// mapping; the bytes copied, or why not.
+    pub(crate) fn upload(&self, shard: &Shard, copies: &[DeviceCopy]) -> Result<u64, String> {
         if let Pins::Off(why) = self {
             return Err(why.clone());
         }
+        let seg = &shard.seg;
         if !seg.attached().is_some_and(|a| a.is::<HostPin>()) {
             return Err(
                 "the step is not pinned for the GPU yet (steps are pinned in the \
@@ -118,7 +114,8 @@ impl Pins {
                     .into(),
             );
         }
-        cuda::copy_to_shared(bytes, copies).map_err(|e| e.to_string())
+        let file = &seg.bytes()[..shard.len() as usize];
+        cuda::copy_to_shared(file, copies).map_err(|e| e.to_string())
     }
 }
 
