@@ -49,12 +49,29 @@ use crate::tensor::DevicePtr;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
-pub(crate) use driver::{Exported, Gpu, PendingCopies, Pinned};
+pub(crate) use driver::{Gpu, PendingCopies, Pinned};
 
 #[cfg(not(feature = "cuda"))]
 mod absent;
 #[cfg(not(feature = "cuda"))]
-pub(crate) use absent::{Exported, Gpu, PendingCopies, Pinned};
+pub(crate) use absent::{Gpu, PendingCopies, Pinned};
+
+/// The 64 bytes of a CUDA IPC memory handle.
+pub(crate) type IpcHandle = [u8; 64];
+
+/// The 16 bytes of a device's UUID: the same device in every process, however each numbers it.
+pub(crate) type DeviceUuid = [u8; 16];
+
+/// A device allocation exported for another process (`Gpu::export`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Exported {
+    /// Its device's UUID.
+    pub(crate) uuid: DeviceUuid,
+    pub(crate) handle: IpcHandle,
+    /// Its address and length in this process.
+    pub(crate) base: u64,
+    pub(crate) size: usize,
+}
 
 /// One device-to-host copy: where the bytes land, and the device memory they come from.
 pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);

@@ -544,28 +544,26 @@ impl Metrics {
             "Bytes of shared pieces kept in memory, charged to the memory budget.",
         );
         let _ = writeln!(out, "{SHARE_CACHE_BYTES} {}", g.share_cache);
-        head(
-            &mut out,
-            RECOVERED_SHARDS_TOTAL,
-            "counter",
-            "Shards pulled back from peers at start.",
-        );
-        let _ = writeln!(
-            out,
-            "{RECOVERED_SHARDS_TOTAL} {}",
-            self.recovered_shards.load(Ordering::Relaxed)
-        );
-        head(
-            &mut out,
-            RECOVERED_BYTES_TOTAL,
-            "counter",
-            "Bytes pulled back from peers at start.",
-        );
-        let _ = writeln!(
-            out,
-            "{RECOVERED_BYTES_TOTAL} {}",
-            self.recovered_bytes.load(Ordering::Relaxed)
-        );
+        for (name, help, v) in [
+            (
+                RECOVERED_SHARDS_TOTAL,
+                "Shards pulled back from peers at start.",
+                &self.recovered_shards,
+            ),
+            (
+                RECOVERED_BYTES_TOTAL,
+                "Bytes pulled back from peers at start.",
+                &self.recovered_bytes,
+            ),
+            (
+                GPU_UPLOAD_BYTES_TOTAL,
+                "Bytes the sidecar copied into processes' device tensors.",
+                &self.upload_bytes,
+            ),
+        ] {
+            head(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
+        }
         head(
             &mut out,
             GPU_UPLOADS_TOTAL,
@@ -576,17 +574,6 @@ impl Metrics {
             let n = self.uploads[i].load(Ordering::Relaxed);
             let _ = writeln!(out, "{GPU_UPLOADS_TOTAL}{{result=\"{result}\"}} {n}");
         }
-        head(
-            &mut out,
-            GPU_UPLOAD_BYTES_TOTAL,
-            "counter",
-            "Bytes the sidecar copied into processes' device tensors.",
-        );
-        let _ = writeln!(
-            out,
-            "{GPU_UPLOAD_BYTES_TOTAL} {}",
-            self.upload_bytes.load(Ordering::Relaxed)
-        );
         head(
             &mut out,
             PEERS,

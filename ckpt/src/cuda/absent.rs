@@ -4,7 +4,7 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::DeviceCopy;
+use super::{DeviceCopy, DeviceUuid, Exported, IpcHandle};
 use crate::error::{Error, Result};
 use crate::tensor::DevicePtr;
 
@@ -19,21 +19,6 @@ fn not_built() -> Error {
 
 pub(super) fn device_count() -> std::result::Result<usize, String> {
     Err(NOT_BUILT.into())
-}
-
-/// The 64 bytes of a CUDA IPC memory handle.
-pub(crate) type IpcHandle = [u8; 64];
-
-/// The 16 bytes of a device's UUID.
-pub(crate) type DeviceUuid = [u8; 16];
-
-/// A device allocation exported for another process; none can exist in this build.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Exported {
-    pub(crate) uuid: DeviceUuid,
-    pub(crate) handle: IpcHandle,
-    pub(crate) base: u64,
-    pub(crate) size: usize,
 }
 
 /// No devices, no streams.

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::{result, sys};
 use tracing::warn;
 
-use super::DeviceCopy;
 use super::failed;
+use super::{DeviceCopy, DeviceUuid, Exported, IpcHandle};
 use crate::error::{Error, Result};
 use crate::tensor::DevicePtr;
 
@@ -195,23 +195,6 @@ impl Drop for Pinned {
             warn!(error = %e, bytes = self.len, "cannot unregister pinned staging memory");
         }
     }
-}
-
-/// The 64 bytes of a CUDA IPC memory handle.
-pub(crate) type IpcHandle = [u8; 64];
-
-/// The 16 bytes of a device's UUID: the same device in every process.
-pub(crate) type DeviceUuid = [u8; 16];
-
-/// A device allocation exported for another process ([`Gpu::export`]).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Exported {
-    /// Its device's UUID.
-    pub(crate) uuid: DeviceUuid,
-    pub(crate) handle: IpcHandle,
-    /// Its address and length in this process.
-    pub(crate) base: u64,
-    pub(crate) size: usize,
 }
 
 /// This process's ordinal of the device with `uuid`.
