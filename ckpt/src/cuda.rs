@@ -112,7 +112,9 @@ fn shared_gpu() -> &'static Gpu {
 /// sidecar keeps the steps it holds ready for device copies across a training process's
 /// restart. See [`pin_read_only`].
 #[derive(Debug)]
-pub struct HostPin(#[allow(dead_code)] Pinned);
+pub struct HostPin {
+    _pin: Pinned,
+}
 
 /// Registers `len` bytes at `ptr`, mapped at least readable, as pinned memory for every device
 /// (`cuMemHostRegister`, portable and read-only), in device 0's primary context.
@@ -121,7 +123,8 @@ pub struct HostPin(#[allow(dead_code)] Pinned);
 /// The memory must stay mapped until the returned [`HostPin`] is dropped, and no copy from it
 /// may still run then.
 pub unsafe fn pin_read_only(ptr: *const u8, len: usize) -> Result<HostPin> {
-    shared_gpu().pin_read_only(0, ptr, len).map(HostPin)
+    let pin = shared_gpu().pin_read_only(0, ptr, len)?;
+    Ok(HostPin { _pin: pin })
 }
 
 /// Copies ranges of `src` (pinned with [`pin_read_only`] for full speed) into another process's

@@ -30,7 +30,7 @@ impl Inner {
         let step = m.step;
         let (loaded, handed) = match handed {
             Handed::Segment(segment) => (
-                self.load_segment(sidecar, Some(conn), m, segment, dest, chunk_sources)?,
+                self.load_segment(sidecar, conn, m, segment, dest, chunk_sources)?,
                 "segment",
             ),
             Handed::File(file) => {
@@ -69,7 +69,7 @@ impl Inner {
     pub(super) fn load_segment(
         &self,
         sidecar: &Client,
-        conn: Option<Conn<FdStream>>,
+        mut conn: Conn<FdStream>,
         m: Manifest,
         segment: Arc<Sealed>,
         dest: Destination<'_>,
@@ -85,21 +85,19 @@ impl Inner {
                 .map(|c| vec![(0, Out::Host(c))])
                 .collect();
         }
-        let mut route = None;
-        if let Some(mut conn) = conn.filter(|_| targets.device) {
+        // Who fills the device buffers (no one without any): the sidecar if it can.
+        let route = targets.device.then(|| {
             let chunk_size = m.chunk_size as usize;
-            route = Some(
-                match upload_device(&self.gpu, sidecar, &mut conn, &mut direct, chunk_size) {
-                    Ok(()) => DeviceRoute::Sidecar,
-                    Err(e) => {
-                        info!(step, error = %e, "the sidecar did not copy into the device buffers; copying through this process's pinned buffers");
-                        DeviceRoute::Process {
-                            instead_of: Some(e.to_string()),
-                        }
+            match upload_device(&self.gpu, sidecar, &mut conn, &mut direct, chunk_size) {
+                Ok(()) => DeviceRoute::Sidecar,
+                Err(e) => {
+                    info!(step, error = %e, "the sidecar did not copy into the device buffers; copying through this process's pinned buffers");
+                    DeviceRoute::Process {
+                        instead_of: Some(e.to_string()),
                     }
-                },
-            );
-        }
+                }
+            }
+        });
         let read = |at, dst: &mut [u8]| {
             segment.read_at(at, dst).map_err(|e| Error::Sidecar {
                 socket: sidecar.socket().display().to_string(),
@@ -122,9 +120,7 @@ impl Inner {
         };
         let all = Bytes::from_owner(SealedBytes(segment, len));
         let mut loaded = self.finish(step, m, &all, Some(&all), targets, chunk_sources)?;
-        if route.is_some() {
-            loaded.device_route = route;
-        }
+        loaded.device_route = route;
         Ok(loaded)
     }
 }
