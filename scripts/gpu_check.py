@@ -251,6 +251,7 @@ def render(result: Dict[str, Any]) -> str:
             lines.append(f"| sidecar: save → wait_staged | {sc_save:.3f} | {sc_save / raw:.2f}× raw | ≤ 1.1× |")
             lines.append(f"| sidecar: load into device tensors from its memory | {sc_load:.3f} | {h2d / sc_load:.2f}× raw H2D speed | ≥ 0.9× |")
             lines.append(f"| … copied by | {rows.get('sidecar: who copied into the device tensors')} | | sidecar |")
+            lines.append(pins_row(rows.get("sidecar: pinning each step for the GPU, in the background")))
             for k, v in rows.items():
                 if k.startswith("sidecar --no-gpu-pin: ") and k.endswith(" (s)"):
                     what = k[len("sidecar --no-gpu-pin: "):-len(" (s)")]
@@ -265,6 +266,15 @@ def render(result: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def pins_row(p: Any) -> str:
+    """A table row of what the sidecar's pinning thread did (see Served.pins)."""
+    if not p:
+        return "| sidecar: steps pinned for the GPU | not measured | | |"
+    each = f"{p['seconds each']:.3f} s each" if p["pinned"] else "none"
+    return (f"| sidecar: steps pinned for the GPU, in the background | {p['pinned']:.0f} pinned, "
+            f"{p['failed']:.0f} failed, {p['waiting']:.0f} still waiting | {each} | |")
+
+
 def read_file(path: Path, cold: bool = False) -> float:
     """Seconds to read `path` with 8 MiB buffered reads; `cold` drops its cached pages first."""
     buf = bytearray(8 << 20)
@@ -277,10 +287,43 @@ def read_file(path: Path, cold: bool = False) -> float:
         return time.perf_counter() - t
 
 
+class Served:
+    """A running `hotstart serve`: its socket, and its metrics."""
+
+    def __init__(self, sock: Path, http: int) -> None:
+        self.sock, self.http = sock, http
+
+    def metrics(self) -> Dict[str, float]:
+        """Every sample of `/metrics`, by its name with labels."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/metrics", timeout=10) as r:
+            page = r.read().decode()
+        out: Dict[str, float] = {}
+        for line in page.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def pins(self, wait_s: float = 120) -> Dict[str, float]:
+        """Waits until no committed step waits to be pinned for the GPU (none does where the
+        sidecar does not pin), then what pinning did: steps pinned and failed, and the mean
+        seconds per step."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            m = self.metrics()
+            if m["hotstart_gpu_pin_waiting_steps"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        pinned = m['hotstart_gpu_pins_total{result="pinned"}']
+        return {"pinned": pinned, "failed": m['hotstart_gpu_pins_total{result="failed"}'],
+                "waiting": m["hotstart_gpu_pin_waiting_steps"],
+                "seconds each": m["hotstart_gpu_pin_seconds_total"] / pinned if pinned else float("nan")}
+
+
 @contextlib.contextmanager
-def serve(where: Path, binary: Path, budget_gib: float, *extra: str) -> Iterator[Path]:
+def serve(where: Path, binary: Path, budget_gib: float, *extra: str) -> Iterator[Served]:
     """`hotstart serve` (memory tier and a disk tier, no peers, and `extra` flags) in `where`,
-    until the block ends; its socket."""
+    until the block ends."""
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", 0))
         b.bind(("127.0.0.1", 0))
@@ -306,7 +349,7 @@ def serve(where: Path, binary: Path, budget_gib: float, *extra: str) -> Iterator
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the sidecar did not start:\n{(where / 'sidecar.log').read_text()}")
             time.sleep(0.05)
-        yield sock
+        yield Served(sock, http)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -325,23 +368,26 @@ def sidecar_rows(tmp: Path, gib: float, runs: int, device: str, binary: Path, co
     pinned (with every core as well: the default is at most 8 threads)."""
     src = state(gib, device)
     rows: Dict[str, Any] = {}
-    with serve(tmp / f"sidecar-{gib}", binary, 3 * gib) as sock:
-        with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1) as ck:
+    with serve(tmp / f"sidecar-{gib}", binary, 3 * gib) as sc:
+        with hotstart.Checkpointer(sidecar=sc.sock, job="sc", keep=1, rank=0, world_size=1) as ck:
             timed = Timed(ck, src, device)
             timed.save()
             rows["sidecar: save() → wait_staged() (s)"] = median_of(runs, timed.save)
+            # A restarted process comes seconds after the save; this one would come before the
+            # step is pinned (about 0.1 s per GB), and be copied by the process (and say so).
+            rows["sidecar: pinning each step for the GPU, in the background"] = sc.pins()
             rows["sidecar: load() into device tensors, from its memory (s)"] = median_of(runs, timed.load)
             rows["sidecar: who copied into the device tensors"] = ck.device_route
     if not compare:
         return rows
     cores = os.cpu_count() or 1
-    with serve(tmp / f"sidecar-nopin-{gib}", binary, 3 * gib, "--no-gpu-pin") as sock:
-        with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1) as ck:
+    with serve(tmp / f"sidecar-nopin-{gib}", binary, 3 * gib, "--no-gpu-pin") as sc:
+        with hotstart.Checkpointer(sidecar=sc.sock, job="sc", keep=1, rank=0, world_size=1) as ck:
             timed = Timed(ck, src, device)
             timed.save()
             rows["sidecar --no-gpu-pin: load() into device tensors, the process copies (s)"] = median_of(runs, timed.load)
             rows["sidecar --no-gpu-pin: who copied"] = ck.device_route
-        with hotstart.Checkpointer(sidecar=sock, job="sc", keep=1, rank=0, world_size=1, threads=cores) as ck:
+        with hotstart.Checkpointer(sidecar=sc.sock, job="sc", keep=1, rank=0, world_size=1, threads=cores) as ck:
             timed.ck = ck
             rows[f"sidecar --no-gpu-pin: the same, {cores} threads (s)"] = median_of(runs, timed.load)
     return rows
@@ -446,7 +492,7 @@ def torchrun_check(tmp: Path, binary: Path, train: Path, device: str) -> Dict[st
     pinned memory) and the restart's phases."""
     size = ["--width", "4096", "--depth", "5"] if device == "cuda" else ["--width", "64", "--depth", "1"]
     result: Dict[str, Any] = {"model": " ".join(size)}
-    with serve(tmp / "torchrun", binary, 8) as sock:
+    with serve(tmp / "torchrun", binary, 8) as sc:
         def run(job: str, restarts: int, *extra: str) -> str:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
                    f"--max-restarts={restarts}", "--monitor-interval=0.1", "--master-addr=127.0.0.1",
@@ -457,7 +503,7 @@ def torchrun_check(tmp: Path, binary: Path, train: Path, device: str) -> Dict[st
                 raise SystemExit(f"torchrun {' '.join(extra)}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
             return r.stdout
 
-        common = ["--steps", "12", "--save-every", "5", "--sidecar", str(sock)]
+        common = ["--steps", "12", "--save-every", "5", "--sidecar", str(sc.sock)]
         plain = run("plain", 0, *common)
         killed = run("killed", 1, *common, "--kill-rank", "0", "--kill-step", "10")
         floor = run("floor", 0, "--floor", "--steps", "1")
@@ -742,9 +788,11 @@ def train_loop(tmp: Path, device: str, binary: Any, write: Callable[[Dict[str, A
     variant("hotstart Checkpointer, local disk tier", lambda: HotstartSaver(
         hotstart.Checkpointer(local_dir=tmp / "hotstart", job="train-loop", keep=2, rank=0, world_size=1), last))
     if binary:
-        with serve(tmp / "sidecar", binary, 3 * result["state (GiB)"]) as sock:
+        with serve(tmp / "sidecar", binary, 3 * result["state (GiB)"]) as sc:
             variant("hotstart through the sidecar", lambda: HotstartSaver(
-                hotstart.Checkpointer(sidecar=sock, job="train-loop", rank=0, world_size=1), last))
+                hotstart.Checkpointer(sidecar=sc.sock, job="train-loop", rank=0, world_size=1), last))
+            # Part of what the sidecar's row costs the loop: each step pinned on its own thread.
+            result["sidecar: pinning each step for the GPU, in the background"] = sc.pins()
     variant("DCP async_save", lambda: DCPSaver(tmp, "dcp"), optional=True)
     variant("DCP async_save, pinned-memory staging", lambda: DCPSaver(tmp, "dcp-pinned", pinned_stager(device)),
             optional=True)
@@ -770,6 +818,7 @@ def render_train_loop(r: Dict[str, Any]) -> str:
         target = "≤ 1.2×" if name.startswith("hotstart") else ""
         lines.append(f"| {name} | {lost:.3f} | {statistics.median(row['blocked (s)']):.3f} | "
                      f"{lost / raw:.2f}× | {target} |")
+    lines.append(pins_row(r.get("sidecar: pinning each step for the GPU, in the background")))
     if r["not measured"]:
         lines += [""] + [f"{k}: not measured: {v}" for k, v in r["not measured"].items()]
     return "\n".join(lines)

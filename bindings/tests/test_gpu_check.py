@@ -61,3 +61,14 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     assert loop["bit-exact"] == {"hotstart Checkpointer, local disk tier": True, "hotstart through the sidecar": True}
     assert "| hotstart through the sidecar |" in text and "| DCP async_save |" in text
     assert "kill → state loaded from the sidecar's memory" in text and "resumed bit-exact: yes" in text
+    # What the sidecar's pinning thread did, read from its metrics once no step waited for it:
+    # without a GPU it pins nothing (and fails nothing), and the table says so.
+    pinned = [rows["sidecar: pinning each step for the GPU, in the background"]
+              for rows in summary["python"]["sizes"].values()]
+    pinned.append(loop["sidecar: pinning each step for the GPU, in the background"])
+    for p in pinned:
+        assert p["waiting"] == 0 and p["failed"] == 0, p
+        assert torch.cuda.is_available() or p["pinned"] == 0, p
+    if not torch.cuda.is_available():
+        assert text.count("| sidecar: steps pinned for the GPU, in the background | 0 pinned, 0 failed, "
+                          "0 still waiting | none |") == len(pinned), text

@@ -118,6 +118,7 @@ impl Core {
             replication_pending,
             persist_running: self.inflight.running(),
             share_cache: self.share.cached_bytes(),
+            pins: self.pins.counts(),
         }
     }
 }

@@ -59,6 +59,15 @@ pub const RECOVERED_BYTES_TOTAL: &str = "hotstart_recovered_bytes_total";
 pub const GPU_UPLOADS_TOTAL: &str = "hotstart_gpu_uploads_total";
 /// Counter: bytes the sidecar copied into processes' device tensors.
 pub const GPU_UPLOAD_BYTES_TOTAL: &str = "hotstart_gpu_upload_bytes_total";
+/// Counter: steps in memory the sidecar registered as pinned memory for the GPU, by `result`
+/// (`pinned`, `failed`).
+pub const GPU_PINS_TOTAL: &str = "hotstart_gpu_pins_total";
+/// Counter: seconds spent registering steps as pinned memory.
+pub const GPU_PIN_SECONDS_TOTAL: &str = "hotstart_gpu_pin_seconds_total";
+/// Gauge: bytes of steps in memory pinned for the GPU now.
+pub const GPU_PINNED_BYTES: &str = "hotstart_gpu_pinned_bytes";
+/// Gauge: committed steps waiting for the pinning thread.
+pub const GPU_PIN_WAITING_STEPS: &str = "hotstart_gpu_pin_waiting_steps";
 /// Gauge: peers by `state` (`up`: answered the last probe; `down`).
 pub const PEERS: &str = "hotstart_peers";
 /// Counter: failures by `kind` (see [`Failure`]).
@@ -238,6 +247,19 @@ pub struct Gauges {
     pub replication_pending: u64,
     pub persist_running: u64,
     pub share_cache: u64,
+    pub pins: PinCounts,
+}
+
+/// What pinning steps for the GPU has done (all 0 where the sidecar does not pin).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PinCounts {
+    pub pinned: u64,
+    pub failed: u64,
+    pub seconds: f64,
+    /// Bytes pinned now.
+    pub held_bytes: u64,
+    /// Steps waiting to be pinned.
+    pub waiting: u64,
 }
 
 impl Metrics {
@@ -574,6 +596,39 @@ impl Metrics {
             let n = self.uploads[i].load(Ordering::Relaxed);
             let _ = writeln!(out, "{GPU_UPLOADS_TOTAL}{{result=\"{result}\"}} {n}");
         }
+        let p = &g.pins;
+        head(
+            &mut out,
+            GPU_PINS_TOTAL,
+            "counter",
+            "Steps in memory registered as pinned memory for the GPU, by result.",
+        );
+        for (result, n) in [("pinned", p.pinned), ("failed", p.failed)] {
+            let _ = writeln!(out, "{GPU_PINS_TOTAL}{{result=\"{result}\"}} {n}");
+        }
+        for (name, kind, help, v) in [
+            (
+                GPU_PIN_SECONDS_TOTAL,
+                "counter",
+                "Seconds spent registering steps as pinned memory for the GPU.",
+                p.seconds,
+            ),
+            (
+                GPU_PINNED_BYTES,
+                "gauge",
+                "Bytes of steps in memory pinned for the GPU now.",
+                p.held_bytes as f64,
+            ),
+            (
+                GPU_PIN_WAITING_STEPS,
+                "gauge",
+                "Committed steps waiting to be pinned for the GPU.",
+                p.waiting as f64,
+            ),
+        ] {
+            head(&mut out, name, kind, help);
+            let _ = writeln!(out, "{name} {v}");
+        }
         head(
             &mut out,
             PEERS,
@@ -674,6 +729,12 @@ mod tests {
                 ..MemoryStats::default()
             },
             share_cache: 24,
+            pins: PinCounts {
+                pinned: 3,
+                seconds: 0.5,
+                held_bytes: 4096,
+                ..PinCounts::default()
+            },
             ..Gauges::default()
         };
         let page = m.render(&g, Some(&Counter::default()));
@@ -716,6 +777,11 @@ mod tests {
         assert_eq!(v("hotstart_sidecar_state{state=\"draining\"}"), 0.0);
         assert_eq!(v("hotstart_memory_peak_bytes"), 60.0);
         assert_eq!(v("hotstart_share_cache_bytes"), 24.0);
+        assert_eq!(v("hotstart_gpu_pins_total{result=\"pinned\"}"), 3.0);
+        assert_eq!(v("hotstart_gpu_pins_total{result=\"failed\"}"), 0.0);
+        assert_eq!(v("hotstart_gpu_pin_seconds_total"), 0.5);
+        assert_eq!(v("hotstart_gpu_pinned_bytes"), 4096.0);
+        assert_eq!(v("hotstart_gpu_pin_waiting_steps"), 0.0);
         assert_eq!(v("hotstart_persisted_bytes_total{tier=\"store\"}"), 1000.0);
         assert_eq!(v("hotstart_store_requests_total{op=\"get\"}"), 0.0);
         // Every sample belongs to a family with HELP and TYPE.
@@ -728,6 +794,12 @@ mod tests {
                 .unwrap_or(name);
             assert!(page.contains(&format!("# TYPE {family} ")), "{line}");
             assert!(page.contains(&format!("# HELP {family} ")), "{line}");
+        }
+        // Every family is documented for users.
+        let doc = include_str!("../../docs/METRICS.md");
+        for family in page.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+            let name = family.split(' ').next().unwrap();
+            assert!(doc.contains(&format!("`{name}`")), "{name} in docs/METRICS.md");
         }
     }
 }

@@ -21,6 +21,7 @@
 //! buffers as before.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Instant;
@@ -31,13 +32,42 @@ use hotstart_proto::wire::DeviceCopy;
 use tracing::{info, warn};
 
 use crate::memory::{Shard, ShardKey};
+use crate::metrics::PinCounts;
 
 /// Pins steps held in memory for the GPU, or says why it does not.
 pub(crate) enum Pins {
     /// Not pinning, and why (the answer to every upload).
     Off(String),
-    /// Steps to pin, to the pinning thread.
-    On(Mutex<Sender<(ShardKey, Weak<Committed>)>>),
+    /// Steps to pin, to the pinning thread, and what it has done.
+    On {
+        tx: Mutex<Sender<(ShardKey, Weak<Committed>)>>,
+        counters: Arc<Counters>,
+    },
+}
+
+/// What the pinning thread has done, for the metrics.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pinned: AtomicU64,
+    failed: AtomicU64,
+    micros: AtomicU64,
+    held_bytes: AtomicU64,
+    waiting: AtomicU64,
+}
+
+/// A segment's registration as pinned memory, counted in the metrics while it lasts.
+struct Held {
+    _pin: HostPin,
+    bytes: u64,
+    counters: Arc<Counters>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.counters
+            .held_bytes
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+    }
 }
 
 impl Pins {
@@ -55,6 +85,8 @@ impl Pins {
             }
         };
         let (tx, rx) = channel::<(ShardKey, Weak<Committed>)>();
+        let counters = Arc::new(Counters::default());
+        let mine = counters.clone();
         let spawned = std::thread::Builder::new()
             .name("hotstart-pin".into())
             .spawn(move || {
@@ -62,9 +94,11 @@ impl Pins {
                 while let Ok(first) = rx.recv() {
                     // Saves can come faster than pins: of the steps waiting, each rank's newest
                     // only (a restart restores that one).
+                    let mut taken = 0;
                     let mut newest: BTreeMap<(String, u32), (u64, Weak<Committed>)> =
                         BTreeMap::new();
                     for (key, seg) in std::iter::once(first).chain(rx.try_iter()) {
+                        taken += 1;
                         let at = newest
                             .entry((key.job, key.rank))
                             .or_insert((key.step, Weak::new()));
@@ -74,8 +108,9 @@ impl Pins {
                     }
                     // A segment recycled or freed meanwhile needs nothing.
                     for seg in newest.into_values().filter_map(|(_, seg)| seg.upgrade()) {
-                        pin(&seg, &mut warned);
+                        pin(&seg, &mine, &mut warned);
                     }
+                    mine.waiting.fetch_sub(taken, Ordering::Relaxed);
                 }
             });
         match spawned {
@@ -84,7 +119,10 @@ impl Pins {
                     devices,
                     "steps in memory are pinned for the GPU as they are committed"
                 );
-                Pins::On(Mutex::new(tx))
+                Pins::On {
+                    tx: Mutex::new(tx),
+                    counters,
+                }
             }
             Err(e) => Pins::Off(format!("cannot start the pinning thread: {e}")),
         }
@@ -92,11 +130,32 @@ impl Pins {
 
     /// Pins `shard`'s segment in the background, unless it is pinned already.
     pub(crate) fn pin(&self, shard: &Shard) {
-        if let Pins::On(tx) = self
+        if let Pins::On { tx, counters } = self
             && shard.seg.attached().is_none()
         {
             let tx = tx.lock().unwrap_or_else(PoisonError::into_inner);
-            let _ = tx.send((shard.key.clone(), Arc::downgrade(&shard.seg)));
+            counters.waiting.fetch_add(1, Ordering::Relaxed);
+            if tx
+                .send((shard.key.clone(), Arc::downgrade(&shard.seg)))
+                .is_err()
+            {
+                counters.waiting.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// What pinning has done so far, for the metrics.
+    pub(crate) fn counts(&self) -> PinCounts {
+        let Pins::On { counters: c, .. } = self else {
+            return PinCounts::default();
+        };
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PinCounts {
+            pinned: n(&c.pinned),
+            failed: n(&c.failed),
+            seconds: n(&c.micros) as f64 / 1e6,
+            held_bytes: n(&c.held_bytes),
+            waiting: n(&c.waiting),
         }
     }
 
@@ -107,7 +166,7 @@ impl Pins {
             return Err(why.clone());
         }
         let seg = &shard.seg;
-        if !seg.attached().is_some_and(|a| a.is::<HostPin>()) {
+        if !seg.attached().is_some_and(|a| a.is::<Held>()) {
             return Err(
                 "the step is not pinned for the GPU yet (steps are pinned in the \
                         background once committed)"
@@ -120,7 +179,7 @@ impl Pins {
 }
 
 /// Registers `seg`'s mapping as pinned memory and attaches the registration to it.
-fn pin(seg: &Committed, warned: &mut bool) {
+fn pin(seg: &Committed, counters: &Arc<Counters>, warned: &mut bool) {
     if seg.attached().is_some() {
         return;
     }
@@ -129,17 +188,35 @@ fn pin(seg: &Committed, warned: &mut bool) {
     // SAFETY: the registration is attached to `seg`, so it is dropped before the mapping is
     // unmapped (`Committed`'s field order, and `recycle`); copies from it are made only by
     // `Pins::upload`, whose caller holds the segment until they are done.
-    match unsafe { cuda::pin_read_only(bytes.as_ptr(), bytes.len()) } {
+    let pinned = unsafe { cuda::pin_read_only(bytes.as_ptr(), bytes.len()) };
+    let took = started.elapsed();
+    counters
+        .micros
+        .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+    match pinned {
         Ok(p) => {
-            if seg.attach(Box::new(p)) {
-                let seconds = started.elapsed().as_secs_f64();
-                info!(bytes = bytes.len(), seconds, "pinned for the GPU");
+            counters.pinned.fetch_add(1, Ordering::Relaxed);
+            let len = bytes.len() as u64;
+            counters.held_bytes.fetch_add(len, Ordering::Relaxed);
+            let held = Held {
+                _pin: p,
+                bytes: len,
+                counters: counters.clone(),
+            };
+            if seg.attach(Box::new(held)) {
+                info!(
+                    bytes = len,
+                    seconds = took.as_secs_f64(),
+                    "pinned for the GPU"
+                );
             }
         }
-        Err(e) if !*warned => {
-            *warned = true;
-            warn!(error = %e, "cannot pin a step for the GPU; restores into device tensors copy through the process's own pinned buffers");
+        Err(e) => {
+            counters.failed.fetch_add(1, Ordering::Relaxed);
+            if !*warned {
+                *warned = true;
+                warn!(error = %e, "cannot pin a step for the GPU; restores into device tensors copy through the process's own pinned buffers");
+            }
         }
-        Err(_) => {}
     }
 }

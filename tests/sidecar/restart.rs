@@ -153,6 +153,15 @@ fn uploads_without_a_gpu_are_refused_with_the_reason(n: &Node) {
         n.metric("hotstart_gpu_uploads_total{result=\"copied\"}"),
         0.0
     );
+    // Nothing was pinned, nor tried, nor waits to be.
+    for name in [
+        "hotstart_gpu_pins_total{result=\"pinned\"}",
+        "hotstart_gpu_pins_total{result=\"failed\"}",
+        "hotstart_gpu_pinned_bytes",
+        "hotstart_gpu_pin_waiting_steps",
+    ] {
+        assert_eq!(n.metric(name), 0.0, "{name}");
+    }
 }
 
 /// Node loss: kill -9 a sidecar and its trainer, stop SeaweedFS for good; a fresh sidecar with
