@@ -799,7 +799,10 @@ mod tests {
         let doc = include_str!("../../docs/METRICS.md");
         for family in page.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
             let name = family.split(' ').next().unwrap();
-            assert!(doc.contains(&format!("`{name}`")), "{name} in docs/METRICS.md");
+            assert!(
+                doc.contains(&format!("`{name}`")),
+                "{name} in docs/METRICS.md"
+            );
         }
     }
 }
