@@ -110,7 +110,8 @@ impl Pins {
                     for seg in newest.into_values().filter_map(|(_, seg)| seg.upgrade()) {
                         pin(&seg, &mine, &mut warned);
                     }
-                    mine.waiting.fetch_sub(taken, Ordering::Relaxed);
+                    // Release: whoever reads the fewer waiting sees the counts of these pins.
+                    mine.waiting.fetch_sub(taken, Ordering::Release);
                 }
             });
         match spawned {
@@ -149,13 +150,15 @@ impl Pins {
         let Pins::On { counters: c, .. } = self else {
             return PinCounts::default();
         };
+        // Waiting first (acquire): the pins it no longer counts are in the counts read after.
+        let waiting = c.waiting.load(Ordering::Acquire);
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PinCounts {
             pinned: n(&c.pinned),
             failed: n(&c.failed),
             seconds: n(&c.micros) as f64 / 1e6,
             held_bytes: n(&c.held_bytes),
-            waiting: n(&c.waiting),
+            waiting,
         }
     }
 
