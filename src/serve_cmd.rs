@@ -108,7 +108,8 @@ pub struct ServeArgs {
     /// Do not pin the steps held in memory for the GPU. By default, where this build has GPU
     /// support and a driver and devices exist, each step committed here is pinned once, in the
     /// background, and a restore into device tensors is copied by the sidecar itself, with
-    /// nothing pinned by the restarted process (it costs the sidecar a CUDA context per device).
+    /// nothing pinned by the restarted process (it costs the sidecar a CUDA context per device,
+    /// and a pinned step's memory is not reused for a later save: each save gets new memory).
     #[arg(long, env = "HOTSTART_NO_GPU_PIN")]
     no_gpu_pin: bool,
     /// At most this much memory keeps shared pieces, to serve this node's processes and its

@@ -589,12 +589,19 @@ fn evict_but(s: &mut State, want: u64, spare: Option<(&str, u32)>) -> Vec<Arc<Sh
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use hotstart_ckpt::format::Layout;
     use hotstart_ckpt::{Dtype, Tensor};
 
-    fn shard(mem: &Arc<Memory>, job: &str, rank: u32, step: u64, len: usize) -> Result<Arc<Shard>> {
+    /// A committed shard of `len` bytes (recyclable: not sealed), charged to `mem`.
+    pub(crate) fn shard(
+        mem: &Arc<Memory>,
+        job: &str,
+        rank: u32,
+        step: u64,
+        len: usize,
+    ) -> Result<Arc<Shard>> {
         shard_of(mem, job, rank, 2, step, len)
     }
 

@@ -7,8 +7,11 @@
 //! step is committed (or first restored from elsewhere), in the background on a thread of its
 //! own (`cuMemHostRegister`, read-only and portable to every device, about as fast as a copy
 //! of the bytes); the registration lives exactly as long as the segment's mapping (it is the
-//! segment's attachment, see [`Committed::attach`]), and so goes when the step is evicted or its
-//! segment recycled.
+//! segment's attachment, see [`Committed::attach`]), and so goes when the step is evicted. The
+//! step is sealed for good first: the kernel refuses to seal a segment whose pages are pinned,
+//! and a step must be sealed to be handed to a process. So the seal waits for the step's
+//! persistence to disk (whose `O_DIRECT` writes pin its pages while they run), and a pinned
+//! step's segment is never staged into again (each save gets a new one).
 //!
 //! A restore then asks the sidecar, on the connection the segment came on, to copy the device
 //! tensors' ranges itself (`LocalMsg::Upload`): the process shares each destination's device
@@ -20,13 +23,14 @@
 //! shared) the answer says why, and the process copies the bytes through its own pinned
 //! buffers as before.
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use hotstart_ckpt::cuda::{self, HostPin};
+use hotstart_ckpt::cuda;
 use hotstart_proto::shm::Committed;
 use hotstart_proto::wire::DeviceCopy;
 use tracing::{info, warn};
@@ -55,9 +59,18 @@ pub(crate) struct Counters {
     waiting: AtomicU64,
 }
 
+/// How long the pinning thread tries to seal a step before it gives up on pinning it: the seal
+/// waits for this sidecar's `O_DIRECT` persistence of the step to disk (which pins its pages
+/// while it writes them) and for a killed training process's writable mapping to go.
+const SEAL_PATIENCE: Duration = Duration::from_secs(300);
+
+/// Registers a mapping as pinned memory: the registration, kept attached to the segment (and
+/// so dropped before the mapping is unmapped), or why not.
+type Register = Box<dyn Fn(&[u8]) -> Result<Box<dyn Any + Send + Sync>, String> + Send>;
+
 /// A segment's registration as pinned memory, counted in the metrics while it lasts.
 struct Held {
-    _pin: HostPin,
+    _pin: Box<dyn Any + Send + Sync>,
     bytes: u64,
     counters: Arc<Counters>,
 }
@@ -84,6 +97,28 @@ impl Pins {
                 return Pins::Off(e.to_string());
             }
         };
+        let register: Register = Box::new(|bytes: &[u8]| {
+            // SAFETY: `pin` attaches the registration to the segment whose mapping `bytes` is,
+            // so it is dropped before the mapping is unmapped (`Committed`'s field order); copies
+            // from it are made only by `Pins::upload`, whose caller holds the segment until they
+            // are done.
+            match unsafe { cuda::pin_read_only(bytes.as_ptr(), bytes.len()) } {
+                Ok(p) => Ok(Box::new(p)),
+                Err(e) => Err(e.to_string()),
+            }
+        });
+        let pins = Pins::spawn(register);
+        if let Pins::On { .. } = pins {
+            info!(
+                devices,
+                "steps in memory are pinned for the GPU as they are committed"
+            );
+        }
+        pins
+    }
+
+    /// Starts the pinning thread, which registers segments with `register`.
+    fn spawn(register: Register) -> Pins {
         let (tx, rx) = channel::<(ShardKey, Weak<Committed>)>();
         let counters = Arc::new(Counters::default());
         let mine = counters.clone();
@@ -106,25 +141,18 @@ impl Pins {
                             *at = (key.step, seg);
                         }
                     }
-                    // A segment recycled or freed meanwhile needs nothing.
-                    for seg in newest.into_values().filter_map(|(_, seg)| seg.upgrade()) {
-                        pin(&seg, &mine, &mut warned);
+                    for (_, seg) in newest.into_values() {
+                        pin(&seg, &register, &mine, &mut warned);
                     }
                     // Release: whoever reads the fewer waiting sees the counts of these pins.
                     mine.waiting.fetch_sub(taken, Ordering::Release);
                 }
             });
         match spawned {
-            Ok(_) => {
-                info!(
-                    devices,
-                    "steps in memory are pinned for the GPU as they are committed"
-                );
-                Pins::On {
-                    tx: Mutex::new(tx),
-                    counters,
-                }
-            }
+            Ok(_) => Pins::On {
+                tx: Mutex::new(tx),
+                counters,
+            },
             Err(e) => Pins::Off(format!("cannot start the pinning thread: {e}")),
         }
     }
@@ -171,8 +199,8 @@ impl Pins {
         let seg = &shard.seg;
         if !seg.attached().is_some_and(|a| a.is::<Held>()) {
             return Err(
-                "the step is not pinned for the GPU yet (steps are pinned in the \
-                        background once committed)"
+                "the step is not pinned for the GPU yet (steps are sealed and pinned in the \
+                 background once committed, and written to the disk tier if there is one)"
                     .into(),
             );
         }
@@ -181,17 +209,39 @@ impl Pins {
     }
 }
 
-/// Registers `seg`'s mapping as pinned memory and attaches the registration to it.
-fn pin(seg: &Committed, counters: &Arc<Counters>, warned: &mut bool) {
-    if seg.attached().is_some() {
-        return;
-    }
+/// Seals `seg` for good, then registers its mapping as pinned memory and attaches the
+/// registration to it. The seal comes first because the kernel refuses to seal a segment whose
+/// pages are pinned (`F_SEAL_WRITE` fails with `EBUSY`), and a step is sealed before it is
+/// handed to a process: pinned first, it could never be restored from memory again. A sealed
+/// segment is never staged into again (see `hotstart_proto::shm`), so with pinning on, each
+/// save gets a new segment.
+fn pin(seg: &Weak<Committed>, register: &Register, counters: &Arc<Counters>, warned: &mut bool) {
+    let mut failed = |why: String| {
+        counters.failed.fetch_add(1, Ordering::Relaxed);
+        if !*warned {
+            *warned = true;
+            warn!(error = %why, "cannot pin a step for the GPU; restores into device tensors copy through the process's own pinned buffers");
+        }
+    };
+    let deadline = Instant::now() + SEAL_PATIENCE;
+    let seg = loop {
+        // A segment recycled or freed meanwhile needs nothing.
+        let Some(seg) = seg.upgrade() else { return };
+        if seg.attached().is_some() {
+            return;
+        }
+        match seg.seal() {
+            Ok(()) => break seg,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                drop(seg);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return failed(format!("seal the step's segment: {e}")),
+        }
+    };
     let started = Instant::now();
     let bytes = seg.bytes();
-    // SAFETY: the registration is attached to `seg`, so it is dropped before the mapping is
-    // unmapped (`Committed`'s field order, and `recycle`); copies from it are made only by
-    // `Pins::upload`, whose caller holds the segment until they are done.
-    let pinned = unsafe { cuda::pin_read_only(bytes.as_ptr(), bytes.len()) };
+    let pinned = register(bytes);
     let took = started.elapsed();
     counters
         .micros
@@ -214,12 +264,85 @@ fn pin(seg: &Committed, counters: &Arc<Counters>, warned: &mut bool) {
                 );
             }
         }
-        Err(e) => {
-            counters.failed.fetch_add(1, Ordering::Relaxed);
-            if !*warned {
-                *warned = true;
-                warn!(error = %e, "cannot pin a step for the GPU; restores into device tensors copy through the process's own pinned buffers");
-            }
+        Err(e) => failed(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    use super::*;
+    use crate::memory::Memory;
+    use crate::memory::tests::shard;
+
+    /// Holds references to the pages of `bytes` the way a driver's registration does
+    /// (`vmsplice` into a pipe: the pipe keeps them until it is closed; a 64 KiB pipe, so at
+    /// most 64 KiB).
+    fn hold_pages(bytes: &[u8]) -> Result<(OwnedFd, OwnedFd), String> {
+        let mut fds = [0; 2];
+        // SAFETY: `fds` is a valid place for two descriptors.
+        if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error().to_string());
         }
+        // SAFETY: both were just opened by `pipe` and are owned by nothing else.
+        let pipe = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let iov = libc::iovec {
+            iov_base: bytes.as_ptr().cast_mut().cast(),
+            iov_len: bytes.len(),
+        };
+        // SAFETY: `iov` describes readable memory that outlives the call; without
+        // SPLICE_F_GIFT the pages are only referenced, never written.
+        let n = unsafe { libc::vmsplice(fds[1], &iov, 1, 0) };
+        if n != bytes.len() as isize {
+            return Err(format!(
+                "vmsplice: {n}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(pipe)
+    }
+
+    /// The pinning thread seals a step before it pins it: the kernel refuses to seal a segment
+    /// whose pages something holds (a driver's registration; here a pipe's references), and a
+    /// step must be sealed to be handed to a process, so a step pinned first could never be
+    /// restored from memory. The registration is counted while it lasts, and goes with the
+    /// segment.
+    #[test]
+    fn a_step_is_sealed_before_it_is_pinned_so_it_can_still_be_handed_out() {
+        let len = 1 << 16;
+        let mem = Memory::new(4 * len as u64, "me");
+
+        // The kernel's rule: pages held before the seal make it fail.
+        let early = shard(&mem, "j", 0, 1, len).unwrap();
+        let held = hold_pages(early.seg.bytes()).unwrap();
+        let err = early.seg.seal().unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EBUSY), "{err}");
+        drop((held, early));
+
+        let pins = Pins::spawn(Box::new(|bytes: &[u8]| {
+            Ok(Box::new(hold_pages(bytes)?) as Box<dyn Any + Send + Sync>)
+        }));
+        let sh = shard(&mem, "j", 0, 2, len).unwrap();
+        assert!(!sh.seg.is_sealed());
+        pins.pin(&sh);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while pins.counts().waiting > 0 {
+            assert!(Instant::now() < deadline, "the step was not pinned");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let c = pins.counts();
+        assert_eq!((c.pinned, c.failed, c.held_bytes), (1, 0, len as u64));
+        assert!(sh.seg.is_sealed(), "sealed before it was pinned");
+        assert!(sh.seg.attached().is_some_and(|a| a.is::<Held>()));
+        // What a restore does before it hands the segment over: sealed already, so it is fine.
+        sh.seg.seal().unwrap();
+        // Pinned once: asked again, nothing more is done.
+        pins.pin(&sh);
+        assert_eq!(pins.counts().pinned, 1);
+
+        // The registration goes with the segment.
+        drop(sh);
+        assert_eq!(pins.counts().held_bytes, 0);
     }
 }
