@@ -357,6 +357,11 @@ def serve(where: Path, binary: Path, budget_gib: float, *extra: str) -> Iterator
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        # The sidecar's warnings and errors (a step it could not pin, say) outlive its folder.
+        bad = [l for l in (where / "sidecar.log").read_text(errors="replace").splitlines()
+               if " WARN " in l or " ERROR " in l]
+        for l in bad[:20]:
+            print(f"sidecar ({where.name}): {l}", file=sys.stderr, flush=True)
         shutil.rmtree(where, ignore_errors=True)
 
 

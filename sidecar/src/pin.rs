@@ -57,6 +57,8 @@ pub(crate) struct Counters {
     micros: AtomicU64,
     held_bytes: AtomicU64,
     waiting: AtomicU64,
+    /// Why the last pin failed: what a refused upload says beside "not pinned".
+    last_failure: Mutex<Option<String>>,
 }
 
 /// How long the pinning thread tries to seal a step before it gives up on pinning it: the seal
@@ -198,11 +200,19 @@ impl Pins {
         }
         let seg = &shard.seg;
         if !seg.attached().is_some_and(|a| a.is::<Held>()) {
-            return Err(
-                "the step is not pinned for the GPU yet (steps are sealed and pinned in the \
-                 background once committed, and written to the disk tier if there is one)"
-                    .into(),
-            );
+            let mut why = "the step is not pinned for the GPU yet (steps are sealed and pinned \
+                           in the background once committed, and written to the disk tier if \
+                           there is one)"
+                .to_string();
+            if let Pins::On { counters, .. } = self
+                && let Some(last) = &*counters
+                    .last_failure
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+            {
+                why.push_str(&format!("; the last pin failed: {last}"));
+            }
+            return Err(why);
         }
         let file = &seg.bytes()[..shard.len() as usize];
         cuda::copy_to_shared(file, copies).map_err(|e| e.to_string())
@@ -218,6 +228,10 @@ impl Pins {
 fn pin(seg: &Weak<Committed>, register: &Register, counters: &Arc<Counters>, warned: &mut bool) {
     let mut failed = |why: String| {
         counters.failed.fetch_add(1, Ordering::Relaxed);
+        *counters
+            .last_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(why.clone());
         if !*warned {
             *warned = true;
             warn!(error = %why, "cannot pin a step for the GPU; restores into device tensors copy through the process's own pinned buffers");
@@ -303,6 +317,18 @@ mod tests {
         Ok(pipe)
     }
 
+    /// Waits until no step waits for the pinning thread.
+    fn settled(pins: &Pins) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while pins.counts().waiting > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the pinning thread did not get to the step"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// The pinning thread seals a step before it pins it: the kernel refuses to seal a segment
     /// whose pages something holds (a driver's registration; here a pipe's references), and a
     /// step must be sealed to be handed to a process, so a step pinned first could never be
@@ -326,11 +352,7 @@ mod tests {
         let sh = shard(&mem, "j", 0, 2, len).unwrap();
         assert!(!sh.seg.is_sealed());
         pins.pin(&sh);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while pins.counts().waiting > 0 {
-            assert!(Instant::now() < deadline, "the step was not pinned");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        settled(&pins);
         let c = pins.counts();
         assert_eq!((c.pinned, c.failed, c.held_bytes), (1, 0, len as u64));
         assert!(sh.seg.is_sealed(), "sealed before it was pinned");
@@ -344,5 +366,25 @@ mod tests {
         // The registration goes with the segment.
         drop(sh);
         assert_eq!(pins.counts().held_bytes, 0);
+    }
+
+    /// A pin that fails is counted, and a restore that asks the sidecar to copy is refused
+    /// naming why (the process then copies).
+    #[test]
+    fn a_failed_pin_is_counted_and_named_when_an_upload_is_refused() {
+        let len = 1 << 16;
+        let mem = Memory::new(2 * len as u64, "me");
+        let pins = Pins::spawn(Box::new(|_: &[u8]| Err("the driver said no".to_string())));
+        let sh = shard(&mem, "j", 0, 1, len).unwrap();
+        pins.pin(&sh);
+        settled(&pins);
+        let c = pins.counts();
+        assert_eq!((c.pinned, c.failed, c.held_bytes), (0, 1, 0));
+        let why = pins.upload(&sh, &[]).unwrap_err();
+        assert!(why.contains("not pinned"), "{why}");
+        assert!(
+            why.contains("the last pin failed: the driver said no"),
+            "{why}"
+        );
     }
 }
