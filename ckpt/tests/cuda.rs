@@ -94,10 +94,36 @@ fn gpu_roundtrip() {
     gpu::roundtrip();
 }
 
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_sidecar_copies_into_another_process() {
+    println!(
+        "skipping: built without the `cuda` feature (run `cargo test --features cuda` on a GPU machine)"
+    );
+}
+
+/// What a sidecar does for a restarted process: seals a committed segment, pins it read-only
+/// (`cuda::pin_read_only`), and copies ranges of it into device memory that another process
+/// shares with CUDA IPC handles (`cuda::copy_to_shared`). The other process is this test binary
+/// again (`HOTSTART_IPC_CHILD`), which allocates, exports, and checks its memory afterwards.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_sidecar_copies_into_another_process() {
+    if std::env::var_os(gpu::IPC_CHILD).is_some() {
+        return gpu::ipc_child();
+    }
+    if cuda::available().is_err() {
+        println!("skipping: no CUDA driver (needs a GPU machine)");
+        return;
+    }
+    gpu::ipc_parent();
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use cudarc::driver::{CudaContext, result};
+    use cudarc::driver::{CudaContext, result, sys};
+    use std::io::{BufRead, Write};
 
     /// Device memory holding `bytes`, freed on drop.
     struct DevMem {
@@ -249,5 +275,156 @@ mod gpu {
         }
         assert!(owned.next().is_none());
         println!("GPU load of 40 MiB across chunks with a damaged disk chunk: bit-exact");
+    }
+
+    /// Set in the child process of `gpu_sidecar_copies_into_another_process`.
+    pub(super) const IPC_CHILD: &str = "HOTSTART_IPC_CHILD";
+    /// The child's two allocations; the middle of the second is copied into.
+    const A_LEN: usize = (3 << 20) + 5;
+    const B_LEN: usize = 1 << 20;
+    const B_AT: usize = 4096;
+    const B_PART: usize = 512 << 10;
+
+    /// Byte `i` of the segment.
+    fn pattern(i: usize) -> u8 {
+        (i.wrapping_mul(131).wrapping_add(7) % 251) as u8
+    }
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    fn unhex<const N: usize>(s: &str) -> [u8; N] {
+        let mut out = [0u8; N];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap();
+        }
+        out
+    }
+
+    /// The training process's side: two zeroed allocations on device 0, exported; once told,
+    /// checks that exactly the copied ranges hold the segment's bytes.
+    pub(super) fn ipc_child() {
+        let _ctx = CudaContext::new(0).expect("device 0");
+        let a = DevMem::with(&vec![0u8; A_LEN]);
+        let b = DevMem::with(&vec![0u8; B_LEN]);
+        let uuid = result::device::get_uuid(result::device::get(0).unwrap()).unwrap();
+        let export = |ptr: u64| {
+            let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+            // SAFETY: `h` is a valid place for the handle; `ptr` starts an allocation made by
+            // `malloc_sync` in this context.
+            unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }
+                .result()
+                .unwrap();
+            // SAFETY: zeroed, then written by the driver.
+            hex(&unsafe { h.assume_init() }.reserved.map(|c| c as u8))
+        };
+        println!(
+            "IPC {} {} {}",
+            hex(&uuid.bytes.map(|c| c as u8)),
+            export(a.ptr),
+            export(b.ptr)
+        );
+        std::io::stdout().flush().unwrap();
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "copied");
+        let want_a: Vec<u8> = (0..A_LEN).map(pattern).collect();
+        let mut want_b = vec![0u8; B_LEN];
+        for (i, x) in want_b[B_AT..B_AT + B_PART].iter_mut().enumerate() {
+            *x = pattern(A_LEN + i);
+        }
+        assert!(a.read() == want_a, "the first allocation differs");
+        assert!(
+            b.read() == want_b,
+            "the second allocation differs (only its middle was copied)"
+        );
+        println!("IPC-CHILD bit-exact");
+    }
+
+    /// The sidecar's side.
+    pub(super) fn ipc_parent() {
+        use hotstart_proto::shm::Segment;
+        use hotstart_proto::wire::DeviceCopy;
+        use std::process::{Command, Stdio};
+
+        let len = A_LEN + B_PART;
+        let seg = Segment::create("ipc-test", len, None).unwrap();
+        {
+            let map = seg.map_writable().unwrap();
+            // SAFETY: the mapping holds `len` bytes and nothing else uses it.
+            let w = unsafe { std::slice::from_raw_parts_mut(map.as_ptr(), len) };
+            for (i, x) in w.iter_mut().enumerate() {
+                *x = pattern(i);
+            }
+        }
+        let committed = seg.commit().unwrap();
+        // Sealed before it is pinned, as the sidecar does (the kernel refuses to seal pinned
+        // pages); the seal holds while it is pinned.
+        committed.seal().unwrap();
+        let bytes = &committed.bytes()[..len];
+        // SAFETY: `committed` outlives the registration (dropped at the end of this function,
+        // after every copy is done).
+        let pin = unsafe { cuda::pin_read_only(bytes.as_ptr(), bytes.len()) }
+            .expect("pin a sealed, read-only segment");
+        committed.seal().unwrap();
+
+        let exe = std::env::current_exe().unwrap();
+        let mut child = Command::new(exe)
+            .args([
+                "gpu_sidecar_copies_into_another_process",
+                "--exact",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(IPC_CHILD, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.starts_with("IPC ") {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "the child exited before exporting its memory"
+            );
+        }
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (uuid, a, b) = (unhex::<16>(f[1]), unhex::<64>(f[2]), unhex::<64>(f[3]));
+        let good = [
+            DeviceCopy::new(0, A_LEN as u64, &uuid, &a, 0),
+            DeviceCopy::new(A_LEN as u64, B_PART as u64, &uuid, &b, B_AT as u64),
+        ];
+
+        // A copy past its allocation, or from a device not here, copies nothing.
+        let mut past = good.to_vec();
+        past.push(DeviceCopy::new(0, 8192, &uuid, &b, 1 << 40));
+        let err = cuda::copy_to_shared(bytes, &past).unwrap_err();
+        assert!(err.to_string().contains("outside"), "{err}");
+        let err =
+            cuda::copy_to_shared(bytes, &[DeviceCopy::new(0, 1, &[0xee; 16], &a, 0)]).unwrap_err();
+        assert!(err.to_string().contains("no device with UUID"), "{err}");
+
+        let t = std::time::Instant::now();
+        let copied = cuda::copy_to_shared(bytes, &good).expect("copy into shared device memory");
+        let took = t.elapsed();
+        assert_eq!(copied, len as u64);
+        child.stdin.take().unwrap().write_all(b"copied\n").unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+        let status = child.wait().unwrap();
+        assert!(
+            status.success() && rest.contains("IPC-CHILD bit-exact"),
+            "{rest}"
+        );
+        drop(pin);
+        println!(
+            "sidecar route: sealed, pinned read-only, {len} bytes copied into another process's \
+             device memory in {:.3} ms: bit-exact",
+            took.as_secs_f64() * 1e3
+        );
     }
 }
