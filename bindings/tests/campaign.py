@@ -158,13 +158,15 @@ class Report:
     waited_for_store: int = 0
     flipped: int = 0
     went_back: int = 0
+    adopted: int = 0
+    outage_on_damaged: int = 0
     twice: Counter = field(default_factory=Counter)
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
         return (f"{sum(self.faults.values())} faults ({kinds}); {self.restarts} restarts, every one "
                 f"bit-exact and from the newest reachable step ({self.went_back} went back a step "
-                f"from a corrupt one); {self.flipped} bytes flipped; {self.waited_for_store} "
+                f"from a corrupt one, {self.adopted} from a save the sidecar committed for the killed trainer after the controller asked, {self.outage_on_damaged} outage restarts with the store up since the disk's copy was damaged); {self.flipped} bytes flipped; {self.waited_for_store} "
                 "waited out a store outage instead of starting from scratch; second saves of a "
                 f"step in flight: {dict(self.twice)}")
 
@@ -215,10 +217,18 @@ class Trainer:
         for _ in range(saves):
             self.next("saved")
 
-    def kill(self) -> None:
+    def kill(self) -> int:
+        """Kills the trainer; the newest step it had said it saved (every event it printed read)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         self.log.close()
+        try:
+            while (e := self.events.get(timeout=30))["event"] != "exit":
+                if e["event"] == "saved":
+                    self.saved = e["step"]
+        except queue.Empty:
+            pass
+        return self.saved
 
 
 class Sidecar:
@@ -342,8 +352,14 @@ class Campaign:
                  for d in (self.disk, self.store) for m in (d / JOB).glob("step-*/rank-0.manifest.json")]
         return max(steps, default=None)
 
-    def restart(self, expect: Optional[int], *, before: Any = None) -> Dict[str, Any]:
-        """Starts the trainer again (after `before`, while it waits) and checks its resume."""
+    def restart(self, expect: Optional[int], *, before: Any = None,
+                adopted: Optional[int] = None) -> Dict[str, Any]:
+        """Starts the trainer again (after `before`, while it waits) and checks its resume.
+
+        `adopted`: the newest step a killed trainer may have left filled in a sidecar that lives
+        on (the one after its last "saved"). The sidecar commits such a save once it sees the
+        trainer gone, which can be after the controller asked for `expect`; the resume may then
+        come from that newer step, and no newer."""
         assert self.trainer is None or self.trainer.proc.poll() is not None
         self.trainer = Trainer(self.script, self.cfg(), self.work / "trainer.log")
         if before is not None:
@@ -352,8 +368,12 @@ class Campaign:
         self.report.restarts += 1
         if not r["exact"]:
             raise CampaignError(f"resumed state not bit-exact: {r}")
-        if r["step"] != expect:
-            raise CampaignError(f"resumed from step {r['step']}, the newest reachable is {expect}")
+        newer = (adopted is not None and r["step"] is not None
+                 and (expect is None or r["step"] > expect) and r["step"] <= adopted)
+        if r["step"] != expect and not newer:
+            raise CampaignError(f"resumed from step {r['step']}, the newest reachable is {expect}"
+                                + ("" if adopted is None else f" (or a save adopted up to {adopted})"))
+        self.report.adopted += newer
         if r["step"] is None:
             raise CampaignError("started from scratch while a checkpoint exists")
         self.report.resumed_from[r["step"]] += 1
@@ -361,6 +381,18 @@ class Campaign:
         return r
 
     # --- faults -----------------------------------------------------------------------------
+
+    def damaged_on_disk(self, step: Optional[int]) -> bool:
+        """Whether the disk's copy of `step` (own mode: no process writes the disk now) fails
+        verification."""
+        if step is None or not (self.disk / JOB / f"step-{step}" / "rank-0.manifest.json").exists():
+            return False
+        try:
+            with hotstart.Checkpointer(job=JOB, local_dir=str(self.disk)) as ck:
+                ck.load(step=step)
+        except hotstart.CorruptCheckpoint:
+            return True
+        return False
 
     def break_store(self) -> Path:
         """The job's folder in the store becomes a regular file: every list, read and write of
@@ -375,19 +407,22 @@ class Campaign:
         exchange(away, self.store / JOB)
         away.unlink()
 
-    def kill(self) -> None:
+    def kill(self) -> Optional[int]:
+        """Kills the trainer; with a sidecar that lives on, the newest step the trainer may have
+        left filled in it (see `restart`)."""
         assert self.trainer is not None
-        self.trainer.kill()
+        saved = self.trainer.kill()
+        return saved + 1 if self.mode == "sidecar" else None
 
     def f_kill(self) -> None:
-        self.kill()
+        adopted = self.kill()
         newest, in_files = self.newest(), self.newest_in_files()
         # hotstart's answer against the files: the same step with the engine's own tiers; with a
         # sidecar, whose memory may hold a step it has not persisted yet, never an older one.
         if in_files is not None and (newest is None or newest < in_files) or (
                 self.mode == "own" and newest != in_files):
             raise CampaignError(f"latest_step() says {newest}, the files' newest commit is {in_files}")
-        self.restart(newest)
+        self.restart(newest, adopted=adopted)
 
     def f_store_outage(self) -> None:
         assert self.trainer is not None
@@ -397,15 +432,23 @@ class Campaign:
         self.trainer.progress(2)
 
     def f_outage_restart(self) -> None:
-        self.kill()
+        adopted = self.kill()
         # The newest step of the nearer tiers (the disk, the sidecar's memory) is what a restart
         # during a store outage resumes from. It is the newest of all unless the disk failed to
         # persist a newer one (full: that save's handle had the error), which the store holds.
         nearer = {"local_dir": str(self.disk)} if self.mode == "own" else {}
         newest = self.newest(**nearer)
+        if self.mode == "own" and self.damaged_on_disk(newest):
+            # An earlier corrupt-one damaged that step's disk copy (nothing mends a disk copy)
+            # and no newer step reached the disk: with the store out too, no tier holds its
+            # good bytes, and the load rightly raises TierUnavailable. Not this fault's case:
+            # the restart goes ahead with the store up.
+            self.report.outage_on_damaged += 1
+            self.restart(self.newest())
+            return
         away = self.break_store()
         try:
-            self.restart(newest)
+            self.restart(newest, adopted=adopted)
         finally:
             self.mend_store(away)
 
