@@ -384,15 +384,19 @@ mod gpu {
             .spawn()
             .unwrap();
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        // The harness prints "test <name> ... " before the test's own output, on the same line.
         let mut line = String::new();
-        while !line.starts_with("IPC ") {
+        let handles = loop {
             line.clear();
             assert!(
                 out.read_line(&mut line).unwrap() > 0,
                 "the child exited before exporting its memory"
             );
-        }
-        let f: Vec<&str> = line.split_whitespace().collect();
+            if let Some(at) = line.find("IPC ") {
+                break line[at..].to_owned();
+            }
+        };
+        let f: Vec<&str> = handles.split_whitespace().collect();
         let (uuid, a, b) = (unhex::<16>(f[1]), unhex::<64>(f[2]), unhex::<64>(f[3]));
         let good = [
             DeviceCopy::new(0, A_LEN as u64, &uuid, &a, 0),
