@@ -60,6 +60,9 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     loop = summary["train_loop"]
     assert loop["bit-exact"] == {"hotstart Checkpointer, local disk tier": True, "hotstart through the sidecar": True}
     assert "| hotstart through the sidecar |" in text and "| DCP async_save |" in text
+    assert loop["not measured"] == {}, loop["not measured"]  # DCP with pinned staging too
+    # Each part's temporary files went with it (a part stopped at its limit leaves gigabytes).
+    assert not list(tmp_path.glob("gpu-check-*")), list(tmp_path.iterdir())
     assert "kill → state loaded from the sidecar's memory" in text and "resumed bit-exact: yes" in text
     # What the sidecar's pinning thread did, read from its metrics once no step waited for it:
     # without a GPU it pins nothing (and fails nothing), and the table says so.
@@ -72,3 +75,45 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     if not torch.cuda.is_available():
         assert text.count("| sidecar: steps pinned for the GPU, in the background | 0 pinned, 0 failed, "
                           "0 still waiting | none |") == len(pinned), text
+
+    # A rerun of some parts only: the others are listed as not run, and the run still passes.
+    r = subprocess.run(run, env=dict(env, GPU_CHECK_SELFTEST="1", GPU_CHECK_PARTS="cuda-tests"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    parts = json.loads((out / "results" / "summary.json").read_text())["parts"]
+    assert parts["cuda-tests"] == "passed", parts
+    assert {v for k, v in parts.items() if k != "cuda-tests"} == {"not run (GPU_CHECK_PARTS)"}, parts
+
+
+def test_a_dcp_stager_that_closed_itself_is_replaced_before_the_next_save(tmp_path: Path, monkeypatch) -> None:
+    """Some torch versions close a DefaultStager after every stage (its copier table cleared, so
+    a second save would fail with KeyError: <class 'type'>): the loop's DCP row makes a new
+    one then, and every save's bytes land."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    stage = DefaultStager._stage
+
+    def stage_and_close(self, state_dict, **kw):  # as those versions do
+        staged = stage(self, state_dict, **kw)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_and_close)
+    saver = gpu_check.DCPSaver(tmp_path, "dcp", gpu_check.pinned_stager("cpu"))
+    made = [saver.stager]
+    for step in (1, 2, 3):
+        st = {"w": torch.arange(1000, dtype=torch.float32) + step}
+        saver.save(step, st)
+        saver.ready()
+        saver.upload.result()
+        back = {"w": torch.zeros(1000)}
+        dcp.load(back, checkpoint_id=str(saver.where))
+        assert torch.equal(back["w"], st["w"]), step
+        made.append(saver.stager)
+    saver.drain()
+    saver.close()
+    assert len({id(s) for s in made}) == 3, "a new stager for each save after the first"
