@@ -549,6 +549,8 @@ def torchrun_check(tmp: Path, binary: Path, train: Path, device: str) -> Dict[st
         result[f"phase: {p} (s)"] = t[(p, 1)] - at
         at = t[(p, 1)]
     result[COPY] = copy
+    result["the state read: copied by"] = next(
+        (l.split(" ", 1)[1] for l in killed.splitlines() if l.startswith("copied-by ")), "not reported")
     return result
 
 
@@ -562,6 +564,7 @@ def render_torchrun(r: Dict[str, Any]) -> str:
     read, copy = r["phase: read (s)"], r[COPY]
     lines.append(f"| the state read into the model's and optimizer's tensors | {read:.3f} | "
                  f"{copy / read:.2f}× the copy's speed | ≥ 0.8× |")
+    lines.append(f"| … copied by | {r.get('the state read: copied by', 'not reported')} | | sidecar |")
     lines += ["", "phases after the kill (s): " + ", ".join(
         f"{k[len('phase: '):-len(' (s)')]} {v:.3f}" for k, v in r.items() if k.startswith("phase: "))]
     return "\n".join(lines)

@@ -49,7 +49,8 @@ hidden layers of W×W (so its state can be GiBs), `--no-digest` skips the gather
 has imported torch, has joined the group, has built the model, has its optimizer state ready,
 has read its checkpoint into the state dict, has set it into the model and optimizer
 (`set_state_dict`), and has finished its first step (and `at kill` just before the
-injected fault). `--floor` does what any restarted worker must do at least and exits: start,
+injected fault); after a load through the sidecar into CUDA tensors, `copied-by <who>` says who
+copied the bytes into them (`Checkpointer.device_route`). `--floor` does what any restarted worker must do at least and exits: start,
 import torch, join the group, build the model, then copy as many bytes as this rank's state
 holds from memory into memory (printing `floor-copy <seconds>`), then again with the optimizer's
 share going into memory new to the process (`floor-fresh-copy <seconds>`).
@@ -270,6 +271,8 @@ def main() -> None:
         first = 1
     elif newest is not None:
         mark("read")
+        if args.timeline and ck is not None and ck.device_route is not None:
+            say(f"copied-by {ck.device_route}")
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         mark("loaded")
         first = newest + 1
