@@ -264,6 +264,8 @@ def render(result: Dict[str, Any]) -> str:
             lambda v: f"{h2d / v:.2f}× raw H2D speed", "≥ 0.9×")
         if "sidecar: who copied into the device tensors" in rows:
             lines.append(f"| … copied by | {rows['sidecar: who copied into the device tensors']} | | sidecar |")
+        if "sidecar: its copies, by phase" in rows:
+            lines.append(uploads_row(rows["sidecar: its copies, by phase"]))
         if "sidecar: pinning each step for the GPU, in the background" in rows:
             lines.append(pins_row(rows["sidecar: pinning each step for the GPU, in the background"]))
         for k in rows:
@@ -285,6 +287,16 @@ def render(result: Dict[str, Any]) -> str:
                 row(f"floor of the process copying: {k[len('floor: '):-len(' (s)')]}", k,
                     lambda v: f"at most {h2d / v:.2f}× raw H2D speed")
     return "\n".join(lines)
+
+
+def uploads_row(u: Dict[str, float]) -> str:
+    """A table row of where the sidecar's copies into device tensors spent their time (see
+    Served.uploads): what a restore through the sidecar pays beyond the copy."""
+    if not u["restores copied"]:
+        return "| … the sidecar's copies, by phase | none copied | | |"
+    return (f"| … the sidecar's copies, by phase (ms each) | open {u['open (ms each)']:.2f} "
+            f"({u['handles each']:.0f} handles), copy {u['copy (ms each)']:.2f}, close "
+            f"{u['close (ms each)']:.2f} | | |")
 
 
 def pins_row(p: Any) -> str:
@@ -339,6 +351,18 @@ class Served:
         return {"pinned": pinned, "failed": m['hotstart_gpu_pins_total{result="failed"}'],
                 "waiting": m["hotstart_gpu_pin_waiting_steps"],
                 "seconds each": m["hotstart_gpu_pin_seconds_total"] / pinned if pinned else float("nan")}
+
+
+    def uploads(self) -> Dict[str, float]:
+        """Where the sidecar's copies into device tensors spent their time, per restore it copied
+        (milliseconds opening the IPC handles, copying, closing them), and the handles opened."""
+        m = self.metrics()
+        n = m['hotstart_gpu_uploads_total{result="copied"}']
+        per = (lambda v: v / n) if n else (lambda v: float("nan"))
+        out = {"restores copied": n, "handles each": per(m["hotstart_gpu_upload_handles_total"])}
+        for phase in ("open", "copy", "close"):
+            out[f"{phase} (ms each)"] = per(m[f'hotstart_gpu_upload_seconds_total{{phase="{phase}"}}'] * 1e3)
+        return out
 
 
 @contextlib.contextmanager
@@ -407,6 +431,7 @@ def sidecar_rows(rows: Rows, tmp: Path, src: Dict[str, torch.Tensor], runs: int,
             rows["sidecar: pinning each step for the GPU, in the background"] = sc.pins()
             rows["sidecar: load() into device tensors, from its memory (s)"] = median_of(runs, timed.load)
             rows["sidecar: who copied into the device tensors"] = ck.device_route
+            rows["sidecar: its copies, by phase"] = sc.uploads()
     if not compare:
         return
     cores = os.cpu_count() or 1
@@ -532,6 +557,7 @@ def torchrun_check(tmp: Path, binary: Path, train: Path, device: str) -> Dict[st
         common = ["--steps", "12", "--save-every", "5", "--sidecar", str(sc.sock)]
         plain = run("plain", 0, *common)
         killed = run("killed", 1, *common, "--kill-rank", "0", "--kill-step", "10")
+        result["the state read: the sidecar's copies, by phase"] = sc.uploads()
         floor = run("floor", 0, "--floor", "--steps", "1")
 
     def tail(out: str) -> List[str]:
@@ -565,6 +591,8 @@ def render_torchrun(r: Dict[str, Any]) -> str:
     lines.append(f"| the state read into the model's and optimizer's tensors | {read:.3f} | "
                  f"{copy / read:.2f}× the copy's speed | ≥ 0.8× |")
     lines.append(f"| … copied by | {r.get('the state read: copied by', 'not reported')} | | sidecar |")
+    if "the state read: the sidecar's copies, by phase" in r:
+        lines.append(uploads_row(r["the state read: the sidecar's copies, by phase"]))
     lines += ["", "phases after the kill (s): " + ", ".join(
         f"{k[len('phase: '):-len(' (s)')]} {v:.3f}" for k, v in r.items() if k.startswith("phase: "))]
     return "\n".join(lines)

@@ -75,6 +75,15 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
     if not torch.cuda.is_available():
         assert text.count("| sidecar: steps pinned for the GPU, in the background | 0 pinned, 0 failed, "
                           "0 still waiting | none |") == len(pinned), text
+    # Where the sidecar's copies into device tensors spent their time, read from its metrics:
+    # without a GPU it copies none, and the table says so.
+    uploads = [rows["sidecar: its copies, by phase"] for rows in summary["python"]["sizes"].values()]
+    uploads.append(summary["torchrun"]["the state read: the sidecar's copies, by phase"])
+    for u in uploads:
+        assert set(u) == {"restores copied", "handles each", "open (ms each)", "copy (ms each)", "close (ms each)"}, u
+        assert torch.cuda.is_available() or u["restores copied"] == 0, u
+    if not torch.cuda.is_available():
+        assert text.count("| … the sidecar's copies, by phase | none copied | | |") == len(uploads), text
 
     # A rerun of some parts only: the others are listed as not run, and the run still passes.
     r = subprocess.run(run, env=dict(env, GPU_CHECK_SELFTEST="1", GPU_CHECK_PARTS="cuda-tests"),

@@ -39,6 +39,7 @@
 
 use std::collections::BTreeSet;
 use std::ops::Range;
+use std::time::Duration;
 
 use hotstart_store::uring::AlignedBuf;
 use tracing::warn;
@@ -127,12 +128,30 @@ pub unsafe fn pin_read_only(ptr: *const u8, len: usize) -> Result<HostPin> {
     Ok(HostPin { _pin: pin })
 }
 
+/// What one [`copy_to_shared`] did, and where its time went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SharedCopy {
+    /// Bytes copied.
+    pub bytes: u64,
+    /// Allocations opened from their IPC handles (one per distinct handle).
+    pub handles: u64,
+    /// Opening the handles (`cuIpcOpenMemHandle`) and checking each copy against its allocation.
+    pub open: Duration,
+    /// Issuing the copies and waiting for them.
+    pub copy: Duration,
+    /// Closing the handles (`cuIpcCloseMemHandle`).
+    pub close: Duration,
+}
+
 /// Copies ranges of `src` (pinned with [`pin_read_only`] for full speed) into another process's
-/// device memory, shared with CUDA IPC handles; returns once every copy is done. Each copy's
-/// range must lie in `src` and in its allocation, or nothing is copied and the error says which.
-pub fn copy_to_shared(src: &[u8], copies: &[hotstart_proto::wire::DeviceCopy]) -> Result<u64> {
+/// device memory, shared with CUDA IPC handles; returns once every copy is done, with where the
+/// time went. Each copy's range must lie in `src` and in its allocation, or nothing is copied
+/// and the error says which.
+pub fn copy_to_shared(
+    src: &[u8],
+    copies: &[hotstart_proto::wire::DeviceCopy],
+) -> Result<SharedCopy> {
     let mut raw = Vec::with_capacity(copies.len());
-    let mut bytes = 0u64;
     for c in copies {
         let bad = |what: &str| Error::Cuda {
             reason: format!("a copy into shared device memory with {what}"),
@@ -150,11 +169,9 @@ pub fn copy_to_shared(src: &[u8], copies: &[hotstart_proto::wire::DeviceCopy]) -
             .ok_or_else(|| Error::Cuda {
                 reason: format!("a copy of {} bytes from {} overflows", c.len, c.from),
             })?;
-        bytes += c.len;
         raw.push((range, device, handle, c.offset));
     }
-    shared_gpu().copy_to_shared(src, &raw)?;
-    Ok(bytes)
+    shared_gpu().copy_to_shared(src, &raw)
 }
 
 /// The error for a driver call that failed.

@@ -374,11 +374,24 @@ fn upload(core: &Core, shard: Option<&Shard>, copies: &[DeviceCopy]) -> LocalMsg
     };
     let started = Instant::now();
     match core.pins.upload(shard, copies) {
-        Ok(bytes) => {
-            core.metrics.uploaded(Some(bytes));
+        Ok(done) => {
+            core.metrics.uploaded(Some(&done));
             let seconds = started.elapsed().as_secs_f64();
-            info!(shard = %shard.key, bytes, seconds, "copied into the process's device memory");
-            LocalMsg::Uploaded { bytes, seconds }
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            info!(
+                shard = %shard.key,
+                bytes = done.bytes,
+                seconds,
+                handles = done.handles,
+                open_ms = ms(done.open),
+                copy_ms = ms(done.copy),
+                close_ms = ms(done.close),
+                "copied into the process's device memory"
+            );
+            LocalMsg::Uploaded {
+                bytes: done.bytes,
+                seconds,
+            }
         }
         Err(reason) => {
             core.metrics.uploaded(None);

@@ -11,6 +11,7 @@ use hotstart_store::wrap::{Counter, Op};
 
 use crate::lifecycle::State;
 use crate::memory::MemoryStats;
+use hotstart_ckpt::cuda::SharedCopy;
 use hotstart_ckpt::tier::TierKind;
 
 /// Gauge, 1 for the current lifecycle state (label `state`), 0 for the others.
@@ -59,6 +60,11 @@ pub const RECOVERED_BYTES_TOTAL: &str = "hotstart_recovered_bytes_total";
 pub const GPU_UPLOADS_TOTAL: &str = "hotstart_gpu_uploads_total";
 /// Counter: bytes the sidecar copied into processes' device tensors.
 pub const GPU_UPLOAD_BYTES_TOTAL: &str = "hotstart_gpu_upload_bytes_total";
+/// Counter: seconds of the copies into processes' device tensors, by `phase` (`open`: the IPC
+/// handles; `copy`: the copies; `close`: the handles again).
+pub const GPU_UPLOAD_SECONDS_TOTAL: &str = "hotstart_gpu_upload_seconds_total";
+/// Counter: processes' device allocations opened from IPC handles for those copies.
+pub const GPU_UPLOAD_HANDLES_TOTAL: &str = "hotstart_gpu_upload_handles_total";
 /// Counter: steps in memory the sidecar registered as pinned memory for the GPU, by `result`
 /// (`pinned`, `failed`).
 pub const GPU_PINS_TOTAL: &str = "hotstart_gpu_pins_total";
@@ -217,9 +223,12 @@ pub struct Metrics {
     failures: [AtomicU64; Failure::ALL.len()],
     recovered_shards: AtomicU64,
     recovered_bytes: AtomicU64,
-    /// Uploads copied and refused, and the bytes copied.
+    /// Uploads copied and refused; the bytes copied, the handles opened, and the microseconds
+    /// opening, copying and closing.
     uploads: [AtomicU64; 2],
     upload_bytes: AtomicU64,
+    upload_handles: AtomicU64,
+    upload_micros: [AtomicU64; 3],
     share: std::sync::Mutex<ShareCounts>,
 }
 
@@ -295,11 +304,15 @@ impl Metrics {
         self.recovered_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
-    /// An upload into a process's device tensors: the bytes copied, or `None` when refused.
-    pub fn uploaded(&self, bytes: Option<u64>) {
-        self.uploads[usize::from(bytes.is_none())].fetch_add(1, Ordering::Relaxed);
-        self.upload_bytes
-            .fetch_add(bytes.unwrap_or(0), Ordering::Relaxed);
+    /// An upload into a process's device tensors: what was copied, or `None` when refused.
+    pub fn uploaded(&self, done: Option<&SharedCopy>) {
+        self.uploads[usize::from(done.is_none())].fetch_add(1, Ordering::Relaxed);
+        let Some(d) = done else { return };
+        self.upload_bytes.fetch_add(d.bytes, Ordering::Relaxed);
+        self.upload_handles.fetch_add(d.handles, Ordering::Relaxed);
+        for (i, took) in [d.open, d.copy, d.close].into_iter().enumerate() {
+            self.upload_micros[i].fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        }
     }
 
     fn share(&self) -> std::sync::MutexGuard<'_, ShareCounts> {
@@ -582,6 +595,11 @@ impl Metrics {
                 "Bytes the sidecar copied into processes' device tensors.",
                 &self.upload_bytes,
             ),
+            (
+                GPU_UPLOAD_HANDLES_TOTAL,
+                "Processes' device allocations opened from IPC handles for those copies.",
+                &self.upload_handles,
+            ),
         ] {
             head(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
@@ -595,6 +613,16 @@ impl Metrics {
         for (i, result) in ["copied", "refused"].iter().enumerate() {
             let n = self.uploads[i].load(Ordering::Relaxed);
             let _ = writeln!(out, "{GPU_UPLOADS_TOTAL}{{result=\"{result}\"}} {n}");
+        }
+        head(
+            &mut out,
+            GPU_UPLOAD_SECONDS_TOTAL,
+            "counter",
+            "Seconds of the copies into device tensors, by phase (open, copy, close).",
+        );
+        for (i, phase) in ["open", "copy", "close"].iter().enumerate() {
+            let s = self.upload_micros[i].load(Ordering::Relaxed) as f64 / 1e6;
+            let _ = writeln!(out, "{GPU_UPLOAD_SECONDS_TOTAL}{{phase=\"{phase}\"}} {s}");
         }
         let p = &g.pins;
         head(
@@ -720,6 +748,16 @@ mod tests {
         m.served("image", 70);
         m.share_peer_failed("node-b", "corrupt");
         m.range_kept("on_arrival");
+        let copied = SharedCopy {
+            bytes: 1 << 20,
+            handles: 3,
+            open: Duration::from_micros(1500),
+            copy: Duration::from_millis(20),
+            close: Duration::from_micros(700),
+        };
+        m.uploaded(Some(&copied));
+        m.uploaded(Some(&copied));
+        m.uploaded(None);
         let g = Gauges {
             state: Some(State::Ready),
             memory: MemoryStats {
@@ -782,6 +820,19 @@ mod tests {
         assert_eq!(v("hotstart_gpu_pin_seconds_total"), 0.5);
         assert_eq!(v("hotstart_gpu_pinned_bytes"), 4096.0);
         assert_eq!(v("hotstart_gpu_pin_waiting_steps"), 0.0);
+        assert_eq!(v("hotstart_gpu_uploads_total{result=\"copied\"}"), 2.0);
+        assert_eq!(v("hotstart_gpu_uploads_total{result=\"refused\"}"), 1.0);
+        assert_eq!(v("hotstart_gpu_upload_bytes_total"), 2.0 * (1 << 20) as f64);
+        assert_eq!(v("hotstart_gpu_upload_handles_total"), 6.0);
+        assert_eq!(
+            v("hotstart_gpu_upload_seconds_total{phase=\"open\"}"),
+            0.003
+        );
+        assert_eq!(v("hotstart_gpu_upload_seconds_total{phase=\"copy\"}"), 0.04);
+        assert_eq!(
+            v("hotstart_gpu_upload_seconds_total{phase=\"close\"}"),
+            0.0014
+        );
         assert_eq!(v("hotstart_persisted_bytes_total{tier=\"store\"}"), 1000.0);
         assert_eq!(v("hotstart_store_requests_total{op=\"get\"}"), 0.0);
         // Every sample belongs to a family with HELP and TYPE.

@@ -30,7 +30,7 @@ use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use hotstart_ckpt::cuda;
+use hotstart_ckpt::cuda::{self, SharedCopy};
 use hotstart_proto::shm::Committed;
 use hotstart_proto::wire::DeviceCopy;
 use tracing::{info, warn};
@@ -193,8 +193,12 @@ impl Pins {
     }
 
     /// Copies `copies` of `shard`'s file into the device memory they name, from its pinned
-    /// mapping; the bytes copied, or why not.
-    pub(crate) fn upload(&self, shard: &Shard, copies: &[DeviceCopy]) -> Result<u64, String> {
+    /// mapping; what was copied and where the time went, or why not.
+    pub(crate) fn upload(
+        &self,
+        shard: &Shard,
+        copies: &[DeviceCopy],
+    ) -> Result<SharedCopy, String> {
         if let Pins::Off(why) = self {
             return Err(why.clone());
         }

@@ -4,7 +4,7 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{DeviceCopy, DeviceUuid, Exported, IpcHandle};
+use super::{DeviceCopy, DeviceUuid, Exported, IpcHandle, SharedCopy};
 use crate::error::{Error, Result};
 use crate::tensor::DevicePtr;
 
@@ -65,7 +65,7 @@ impl Gpu {
         &self,
         _src: &[u8],
         _copies: &[(Range<usize>, DeviceUuid, IpcHandle, u64)],
-    ) -> Result<()> {
+    ) -> Result<SharedCopy> {
         Err(not_built())
     }
 

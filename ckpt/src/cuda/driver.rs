@@ -14,12 +14,13 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 use tracing::warn;
 
 use super::failed;
-use super::{DeviceCopy, DeviceUuid, Exported, IpcHandle};
+use super::{DeviceCopy, DeviceUuid, Exported, IpcHandle, SharedCopy};
 use crate::error::{Error, Result};
 use crate::tensor::DevicePtr;
 
@@ -414,7 +415,8 @@ impl Gpu {
         &self,
         src: &[u8],
         copies: &[(Range<usize>, DeviceUuid, IpcHandle, u64)],
-    ) -> Result<()> {
+    ) -> Result<SharedCopy> {
+        let started = Instant::now();
         let mut opened: BTreeMap<(DeviceUuid, IpcHandle), Opened> = BTreeMap::new();
         let mut transfers = Vec::with_capacity(copies.len());
         for (range, uuid, handle, offset) in copies {
@@ -452,10 +454,22 @@ impl Gpu {
                 },
             });
         }
+        let open = started.elapsed();
         // `src` is borrowed for the whole call, and the copies are waited for (or the streams
-        // synchronized on an error) before it returns; the handles close after them (`opened`
-        // drops last).
-        self.issue(Direction::HostToDevice, transfers)?.wait()
+        // synchronized on an error) before it returns; the handles close after them.
+        let copying = Instant::now();
+        self.issue(Direction::HostToDevice, transfers)?.wait()?;
+        let copy = copying.elapsed();
+        let closing = Instant::now();
+        let handles = opened.len() as u64;
+        drop(opened);
+        Ok(SharedCopy {
+            bytes: copies.iter().map(|(r, ..)| r.len() as u64).sum(),
+            handles,
+            open,
+            copy,
+            close: closing.elapsed(),
+        })
     }
 
     /// Issues every copy on its device's stream and records one event per device. On an error
