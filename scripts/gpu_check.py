@@ -377,7 +377,10 @@ def serve(where: Path, binary: Path, budget_gib: float, *extra: str) -> Iterator
         b.bind(("127.0.0.1", 0))
         peer, http = a.getsockname()[1], b.getsockname()[1]
     where.mkdir()
-    sock = where / "sidecar.sock"
+    # The socket in a short folder of its own: a Unix socket's path holds at most 107 bytes, and
+    # `where` can be deep (each part's temporary folder, a test's).
+    sock_dir = Path(tempfile.mkdtemp(prefix="gpu-check-sock-", dir="/tmp"))
+    sock = sock_dir / "sidecar.sock"
     log = open(where / "sidecar.log", "wb")
     proc = subprocess.Popen(
         [str(binary), "serve", "--insecure", "--node-id", "gpu-0", "--listen", f"127.0.0.1:{peer}",
@@ -414,6 +417,7 @@ def serve(where: Path, binary: Path, budget_gib: float, *extra: str) -> Iterator
         for l in bad:
             print(f"sidecar ({where.name}): {l}", file=sys.stderr, flush=True)
         shutil.rmtree(where, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def sidecar_rows(rows: Rows, tmp: Path, src: Dict[str, torch.Tensor], runs: int, device: str, binary: Path,
