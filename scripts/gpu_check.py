@@ -705,7 +705,7 @@ class DCPSaver(Saver):
     def save(self, step: int, st: Dict[str, torch.Tensor]) -> None:
         self.finish_upload()
         self.where = self.tmp / f"{self.name}-{step}"
-        if self.make_stager is not None and stager_spent(self.stager):
+        if self.stager is not None and self.make_stager is not None and stager_spent(self.stager):
             self.stager.close()
             self.stager = self.make_stager()
         kw = {} if self.stager is None else {"async_stager": self.stager}
@@ -965,23 +965,23 @@ def main() -> int:
             rows["runs"] = min(args.runs, 2) if g > 8 else args.runs
             result["sizes"][str(g)] = rows
             src = state(g, args.device)
+            if g == args.gib[0]:
+                first = src  # kept for the disk and DCP rows
             raw_rows(rows, src, rows["runs"], args.device)
             write()
             if args.hotstart:
                 # The route before the sidecar pinned, beside it, at the first size only (time).
-                first = g == args.gib[0]
-                sidecar_rows(rows, tmp, src, rows["runs"], args.device, args.hotstart, compare=first)
+                sidecar_rows(rows, tmp, src, rows["runs"], args.device, args.hotstart, compare=src is first)
                 write()
-        for g in args.gib:
-            rows = result["sizes"][str(g)]
-            if g == args.gib[0]:
-                src = state(g, args.device)
-                disk_rows(rows, tmp, src, rows["runs"], args.device)
-                write()
-                dcp_rows(rows, tmp, src, rows["runs"], args.device)
-                write()
-                del src
-            if args.hotstart:
+            del src
+        rows = result["sizes"][str(args.gib[0])]
+        disk_rows(rows, tmp, first, rows["runs"], args.device)
+        write()
+        dcp_rows(rows, tmp, first, rows["runs"], args.device)
+        write()
+        del first
+        if args.hotstart:
+            for rows in result["sizes"].values():
                 floor_rows(rows, rows["runs"], args.device)
                 write()
     print(render(result))

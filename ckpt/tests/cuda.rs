@@ -417,7 +417,6 @@ mod gpu {
         let took = t.elapsed();
         assert_eq!(copied.bytes, len as u64);
         assert_eq!(copied.handles, 2, "one handle opened per allocation");
-        assert!(copied.open + copied.copy + copied.close <= took);
         child.stdin.take().unwrap().write_all(b"copied\n").unwrap();
         let mut rest = String::new();
         std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
