@@ -27,8 +27,10 @@ the floors; each row printed as it lands:
   `hotstart serve`, the restore coming from the sidecar's host memory, copied into the device
   tensors by the sidecar from its memory pinned since the save was committed (who copied is
   reported: `Checkpointer.device_route`, and where the sidecar's copies spent their time); at
-  the first size, beside it, the same restore from a sidecar started with `--no-gpu-pin`, which
-  the process copies through its own pinned buffers;
+  the first size, beside it, the same restore of a 4 KiB tensor (what a restore costs beyond
+  its copy: the request, the segment's hand-over, one IPC handle opened and closed), and the
+  same restore from a sidecar started with `--no-gpu-pin`, which the process copies through
+  its own pinned buffers;
 - floors (with `--hotstart`): what the process's own copy cannot beat here, since the
   sidecar's bytes are not pinned in the restoring process: copying them out of shared memory on
   every core (no device copy), and registering them as pinned memory (no copy).
@@ -269,6 +271,10 @@ def render(result: Dict[str, Any]) -> str:
             lines.append(f"| … copied by | {rows['sidecar: who copied into the device tensors']} | | sidecar |")
         if "sidecar: its copies, by phase" in rows:
             lines.append(uploads_row(rows["sidecar: its copies, by phase"]))
+        row("sidecar: load of 4 KiB into a device tensor (the cost per restore)",
+            "sidecar: load() of 4 KiB into a device tensor, the cost per restore (s)", lambda v: f"{v * 1e3:.2f} ms")
+        if "sidecar: 4 KiB, its copies, by phase" in rows:
+            lines.append(uploads_row(rows["sidecar: 4 KiB, its copies, by phase"]))
         if "sidecar: pinning each step for the GPU, in the background" in rows:
             lines.append(pins_row(rows["sidecar: pinning each step for the GPU, in the background"]))
         for k in rows:
@@ -356,10 +362,13 @@ class Served:
                 "seconds each": m["hotstart_gpu_pin_seconds_total"] / pinned if pinned else float("nan")}
 
 
-    def uploads(self) -> Dict[str, float]:
+    def uploads(self, since: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         """Where the sidecar's copies into device tensors spent their time, per restore it copied
-        (milliseconds opening the IPC handles, copying, closing them), and the handles opened."""
+        (milliseconds opening the IPC handles, copying, closing them), and the handles opened;
+        of the restores after the `metrics()` taken as `since`, if given."""
         m = self.metrics()
+        if since is not None:
+            m = {k: v - since.get(k, 0.0) for k, v in m.items()}
         n = m['hotstart_gpu_uploads_total{result="copied"}']
         per = (lambda v: v / n) if n else (lambda v: float("nan"))
         out = {"restores copied": n, "handles each": per(m["hotstart_gpu_upload_handles_total"])}
@@ -439,6 +448,17 @@ def sidecar_rows(rows: Rows, tmp: Path, src: Dict[str, torch.Tensor], runs: int,
             rows["sidecar: load() into device tensors, from its memory (s)"] = median_of(runs, timed.load)
             rows["sidecar: who copied into the device tensors"] = ck.device_route
             rows["sidecar: its copies, by phase"] = sc.uploads()
+        if compare:
+            # What a restore through the sidecar costs beyond its copy: the same, of 4 KiB.
+            tiny = {"t": torch.arange(1024, dtype=torch.float32, device=device)}
+            with hotstart.Checkpointer(sidecar=sc.sock, job="tiny", keep=1, rank=0, world_size=1) as ck:
+                timed = Timed(ck, tiny, device)
+                timed.save()
+                sc.pins()
+                since = sc.metrics()
+                rows["sidecar: load() of 4 KiB into a device tensor, the cost per restore (s)"] = \
+                    median_of(max(runs, 9), timed.load)
+                rows["sidecar: 4 KiB, its copies, by phase"] = sc.uploads(since)
     if not compare:
         return
     cores = os.cpu_count() or 1

@@ -77,7 +77,12 @@ def test_the_gpu_check_builds_its_bundle_and_runs_every_step_without_a_gpu(tmp_p
                           "0 still waiting | none |") == len(pinned), text
     # Where the sidecar's copies into device tensors spent their time, read from its metrics:
     # without a GPU it copies none, and the table says so.
-    uploads = [rows["sidecar: its copies, by phase"] for rows in summary["python"]["sizes"].values()]
+    sizes = list(summary["python"]["sizes"].values())
+    uploads = [rows["sidecar: its copies, by phase"] for rows in sizes]
+    # The cost of a restore beyond its copy, measured at the first size (a 4 KiB restore).
+    assert sizes[0]["sidecar: load() of 4 KiB into a device tensor, the cost per restore (s)"] > 0, sizes[0]
+    assert "| sidecar: load of 4 KiB into a device tensor (the cost per restore) |" in text
+    uploads.append(sizes[0]["sidecar: 4 KiB, its copies, by phase"])
     uploads.append(summary["torchrun"]["the state read: the sidecar's copies, by phase"])
     for u in uploads:
         assert set(u) == {"restores copied", "handles each", "open (ms each)", "copy (ms each)", "close (ms each)"}, u

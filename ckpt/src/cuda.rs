@@ -128,7 +128,9 @@ pub unsafe fn pin_read_only(ptr: *const u8, len: usize) -> Result<HostPin> {
     Ok(HostPin { _pin: pin })
 }
 
-/// What one [`copy_to_shared`] did, and where its time went.
+/// What one [`copy_to_shared`] did, and where the calling thread's time went: the three phases
+/// add up to the call's time. The device copies while the thread opens later handles and closes
+/// finished ones, so `copy` is the part of the copies those did not hide.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SharedCopy {
     /// Bytes copied.
@@ -145,8 +147,10 @@ pub struct SharedCopy {
 
 /// Copies ranges of `src` (pinned with [`pin_read_only`] for full speed) into another process's
 /// device memory, shared with CUDA IPC handles; returns once every copy is done, with where the
-/// time went. Each copy's range must lie in `src` and in its allocation, or nothing is copied
-/// and the error says which.
+/// time went. Each allocation's copies start as soon as its handle is open, so they run while
+/// the next one opens. Each copy's range must lie in `src` (checked before anything is copied)
+/// and in its allocation (checked as it is opened): otherwise the error says which, once the
+/// copies made before it are done.
 pub fn copy_to_shared(
     src: &[u8],
     copies: &[hotstart_proto::wire::DeviceCopy],

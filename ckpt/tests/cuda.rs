@@ -398,19 +398,32 @@ mod gpu {
         };
         let f: Vec<&str> = handles.split_whitespace().collect();
         let (uuid, a, b) = (unhex::<16>(f[1]), unhex::<64>(f[2]), unhex::<64>(f[3]));
+        // A's copies on both sides of B's, so A's handle stays open past B's and closes after
+        // its last copy.
+        let half = A_LEN / 2;
         let good = [
-            DeviceCopy::new(0, A_LEN as u64, &uuid, &a, 0),
+            DeviceCopy::new(0, half as u64, &uuid, &a, 0),
             DeviceCopy::new(A_LEN as u64, B_PART as u64, &uuid, &b, B_AT as u64),
+            DeviceCopy::new(half as u64, (A_LEN - half) as u64, &uuid, &a, half as u64),
         ];
 
-        // A copy past its allocation, or from a device not here, copies nothing.
-        let mut past = good.to_vec();
-        past.push(DeviceCopy::new(0, 8192, &uuid, &b, 1 << 40));
-        let err = cuda::copy_to_shared(bytes, &past).unwrap_err();
-        assert!(err.to_string().contains("outside"), "{err}");
+        // Refused before anything is opened: a range outside the segment, a device not here.
+        let mut outside = good.to_vec();
+        outside.push(DeviceCopy::new(len as u64 - 1, 2, &uuid, &b, 0));
+        let err = cuda::copy_to_shared(bytes, &outside).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("outside {len} bytes")),
+            "{err}"
+        );
         let err =
             cuda::copy_to_shared(bytes, &[DeviceCopy::new(0, 1, &[0xee; 16], &a, 0)]).unwrap_err();
         assert!(err.to_string().contains("no device with UUID"), "{err}");
+        // Refused where it is met, after the copies before it (into the child's own memory,
+        // which the good copy below fills again): a copy past its allocation.
+        let mut past = good.to_vec();
+        past.push(DeviceCopy::new(0, 8192, &uuid, &b, 1 << 40));
+        let err = cuda::copy_to_shared(bytes, &past).unwrap_err();
+        assert!(err.to_string().contains("outside its"), "{err}");
 
         let t = std::time::Instant::now();
         let copied = cuda::copy_to_shared(bytes, &good).expect("copy into shared device memory");

@@ -61,7 +61,8 @@ pub const GPU_UPLOADS_TOTAL: &str = "hotstart_gpu_uploads_total";
 /// Counter: bytes the sidecar copied into processes' device tensors.
 pub const GPU_UPLOAD_BYTES_TOTAL: &str = "hotstart_gpu_upload_bytes_total";
 /// Counter: seconds of the copies into processes' device tensors, by `phase` (`open`: the IPC
-/// handles; `copy`: the copies; `close`: the handles again).
+/// handles; `copy`: issuing the copies and waiting for what opening and closing did not hide;
+/// `close`: the handles again). The phases add up to the copies' time.
 pub const GPU_UPLOAD_SECONDS_TOTAL: &str = "hotstart_gpu_upload_seconds_total";
 /// Counter: processes' device allocations opened from IPC handles for those copies.
 pub const GPU_UPLOAD_HANDLES_TOTAL: &str = "hotstart_gpu_upload_handles_total";

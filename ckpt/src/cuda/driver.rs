@@ -407,69 +407,106 @@ impl Gpu {
     /// Copies ranges of `src` into device allocations that another process shares: each of
     /// `copies` is `(range of src, device UUID, IPC handle, offset in the allocation)`; the
     /// device is found by its UUID, since the two processes may number their devices
-    /// differently (`CUDA_VISIBLE_DEVICES`). Every handle is opened once
-    /// (`cuIpcOpenMemHandle`), every copy checked to lie inside its allocation, and the handles
-    /// are closed once the copies are done. `src` should be pinned (see
+    /// differently (`CUDA_VISIBLE_DEVICES`). Every range is checked to lie in `src` before
+    /// anything is opened. Then, in the order of `copies`, each handle is opened once
+    /// (`cuIpcOpenMemHandle`), its copies are checked to lie inside its allocation and issued at
+    /// once, so the copies already issued run while the next handle opens; each handle is
+    /// closed as soon as the copies into it are done, while the later ones still run. A handle
+    /// that does not open, or a copy outside its allocation, stops the call there: the copies
+    /// issued before it are waited for, and may have been made. `src` should be pinned (see
     /// [`Gpu::pin_read_only`]), or the copies run at pageable speed.
     pub(crate) fn copy_to_shared(
         &self,
         src: &[u8],
         copies: &[(Range<usize>, DeviceUuid, IpcHandle, u64)],
     ) -> Result<SharedCopy> {
-        let started = Instant::now();
-        let mut opened: BTreeMap<(DeviceUuid, IpcHandle), Opened> = BTreeMap::new();
-        let mut transfers = Vec::with_capacity(copies.len());
-        for (range, uuid, handle, offset) in copies {
-            let bad = |what: String| Error::Cuda {
-                reason: format!("a copy into shared device memory {what}"),
-            };
+        let bad = |what: String| Error::Cuda {
+            reason: format!("a copy into shared device memory {what}"),
+        };
+        // Checked before any handle is opened: every range lies in `src`, every device is here.
+        let mut ordinals: BTreeMap<DeviceUuid, usize> = BTreeMap::new();
+        for (range, uuid, ..) in copies {
             if range.end > src.len() || range.start > range.end {
                 return Err(bad(format!("of {range:?}, outside {} bytes", src.len())));
             }
-            let at = match opened.entry((*uuid, *handle)) {
+            if !ordinals.contains_key(uuid) {
+                ordinals.insert(*uuid, ordinal_of(uuid)?);
+            }
+        }
+        // Each allocation's handle closes once its last copy is done.
+        let mut last: BTreeMap<(DeviceUuid, IpcHandle), usize> = BTreeMap::new();
+        for (i, (_, uuid, handle, _)) in copies.iter().enumerate() {
+            last.insert((*uuid, *handle), i);
+        }
+        let mut done = SharedCopy {
+            bytes: copies.iter().map(|(r, ..)| r.len() as u64).sum(),
+            handles: last.len() as u64,
+            ..SharedCopy::default()
+        };
+        // Declared before `issued`, so that on an error every issued copy is waited for (as
+        // `issued` drops) before the handles still open here are closed.
+        let mut opened: BTreeMap<(DeviceUuid, IpcHandle), Opened> = BTreeMap::new();
+        // Runs of consecutive copies into one allocation, in the order issued; with a run's
+        // copies, the handle to close once they are done (after its allocation's last run).
+        let mut issued: Vec<(PendingCopies<'_>, Option<Opened>)> = Vec::new();
+        let mut i = 0;
+        while i < copies.len() {
+            let key = (copies[i].1, copies[i].2);
+            let end = i + copies[i..].iter().take_while(|c| (c.1, c.2) == key).count();
+            let opening = Instant::now();
+            let at = match opened.entry(key) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::btree_map::Entry::Vacant(v) => {
-                    let dev = self.device(ordinal_of(uuid)?)?;
-                    v.insert(Opened::open(dev, handle)?)
+                    v.insert(Opened::open(self.device(ordinals[&key.0])?, &key.1)?)
                 }
             };
-            let ordinal = at.dev.ordinal;
-            let len = range.len();
-            if offset
-                .checked_add(len as u64)
-                .is_none_or(|end| end > at.size as u64)
-            {
-                let size = at.size;
-                return Err(bad(format!(
-                    "of {len} bytes at {offset}, outside its {size}"
-                )));
+            let mut transfers = Vec::with_capacity(end - i);
+            for (range, _, _, offset) in &copies[i..end] {
+                let len = range.len();
+                if offset
+                    .checked_add(len as u64)
+                    .is_none_or(|end| end > at.size as u64)
+                {
+                    let size = at.size;
+                    return Err(bad(format!(
+                        "of {len} bytes at {offset}, outside its {size}"
+                    )));
+                }
+                transfers.push(Transfer {
+                    // Only read from: host-to-device copies never write host memory.
+                    host: src[range.clone()].as_ptr().cast_mut(),
+                    dev: DevicePtr {
+                        ordinal: at.dev.ordinal,
+                        ptr: at.base + offset,
+                        len,
+                    },
+                });
             }
-            transfers.push(Transfer {
-                // Only read from: host-to-device copies never write host memory.
-                host: src[range.clone()].as_ptr().cast_mut(),
-                dev: DevicePtr {
-                    ordinal,
-                    ptr: at.base + offset,
-                    len,
-                },
-            });
+            done.open += opening.elapsed();
+            let copying = Instant::now();
+            // `src` is borrowed for the whole call, and every copy is waited for before it
+            // returns (on an error too: `issued` waits as it drops).
+            let pending = self.issue(Direction::HostToDevice, transfers)?;
+            done.copy += copying.elapsed();
+            let close = (last[&key] < end).then(|| opened.remove(&key)).flatten();
+            issued.push((pending, close));
+            i = end;
         }
-        let open = started.elapsed();
-        // `src` is borrowed for the whole call, and the copies are waited for (or the streams
-        // synchronized on an error) before it returns; the handles close after them.
-        let copying = Instant::now();
-        self.issue(Direction::HostToDevice, transfers)?.wait()?;
-        let copy = copying.elapsed();
-        let closing = Instant::now();
-        let handles = opened.len() as u64;
-        drop(opened);
-        Ok(SharedCopy {
-            bytes: copies.iter().map(|(r, ..)| r.len() as u64).sum(),
-            handles,
-            open,
-            copy,
-            close: closing.elapsed(),
-        })
+        // The copies run on the devices while later handles open; each handle closes as soon as
+        // its copies are done, while the later ones still run.
+        let mut first = Ok(());
+        for (pending, close) in issued {
+            let waiting = Instant::now();
+            let waited = pending.wait();
+            done.copy += waiting.elapsed();
+            let closing = Instant::now();
+            drop(close);
+            done.close += closing.elapsed();
+            if first.is_ok() {
+                first = waited;
+            }
+        }
+        first.map(|()| done)
     }
 
     /// Issues every copy on its device's stream and records one event per device. On an error
