@@ -77,6 +77,26 @@ pub(crate) struct Exported {
 /// One device-to-host copy: where the bytes land, and the device memory they come from.
 pub(crate) type DeviceCopy<'d> = (&'d mut [u8], DevicePtr);
 
+/// How [`copy_to_shared`] issues a request's copies, given each copy's allocation (`keys`, in
+/// the request's order): runs of consecutive copies into one allocation, each with whether it
+/// is its allocation's last (whose handle then closes once the run's copies are done).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn runs<K: Ord>(keys: &[K]) -> Vec<(Range<usize>, bool)> {
+    let mut out: Vec<(Range<usize>, bool)> = Vec::new();
+    let mut last = std::collections::BTreeMap::new();
+    for (i, k) in keys.iter().enumerate() {
+        match out.last_mut() {
+            Some((run, _)) if keys[run.start] == *k => run.end = i + 1,
+            _ => out.push((i..i + 1, false)),
+        }
+        last.insert(k, out.len() - 1);
+    }
+    for r in last.into_values() {
+        out[r].1 = true;
+    }
+    out
+}
+
 /// Whether this build has GPU support (the `cuda` feature).
 pub const ENABLED: bool = cfg!(feature = "cuda");
 
@@ -265,5 +285,25 @@ impl Drop for Bounce {
         if let Err(e) = self.wait() {
             warn!(error = %e, "copies to the device failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn a_request_is_issued_in_runs_and_each_handle_closes_after_its_last() {
+        assert_eq!(runs::<u8>(&[]), vec![]);
+        assert_eq!(runs(&['a']), vec![(0..1, true)]);
+        // A's copies on both sides of B's: A's first run leaves its handle open.
+        assert_eq!(
+            runs(&['a', 'a', 'b', 'a', 'c', 'c']),
+            vec![(0..2, false), (2..3, true), (3..4, true), (4..6, true)]
+        );
+        assert_eq!(
+            runs(&['a', 'b', 'a', 'b']),
+            vec![(0..1, false), (1..2, false), (2..3, true), (3..4, true)]
+        );
     }
 }

@@ -433,14 +433,11 @@ impl Gpu {
                 ordinals.insert(*uuid, ordinal_of(uuid)?);
             }
         }
-        // Each allocation's handle closes once its last copy is done.
-        let mut last: BTreeMap<(DeviceUuid, IpcHandle), usize> = BTreeMap::new();
-        for (i, (_, uuid, handle, _)) in copies.iter().enumerate() {
-            last.insert((*uuid, *handle), i);
-        }
+        let keys: Vec<(DeviceUuid, IpcHandle)> = copies.iter().map(|c| (c.1, c.2)).collect();
+        let runs = super::runs(&keys);
         let mut done = SharedCopy {
             bytes: copies.iter().map(|(r, ..)| r.len() as u64).sum(),
-            handles: last.len() as u64,
+            handles: runs.iter().filter(|(_, last)| *last).count() as u64,
             ..SharedCopy::default()
         };
         // Declared before `issued`, so that on an error every issued copy is waited for (as
@@ -449,10 +446,8 @@ impl Gpu {
         // Runs of consecutive copies into one allocation, in the order issued; with a run's
         // copies, the handle to close once they are done (after its allocation's last run).
         let mut issued: Vec<(PendingCopies<'_>, Option<Opened>)> = Vec::new();
-        let mut i = 0;
-        while i < copies.len() {
-            let key = (copies[i].1, copies[i].2);
-            let end = i + copies[i..].iter().take_while(|c| (c.1, c.2) == key).count();
+        for (run, last) in runs {
+            let key = keys[run.start];
             let opening = Instant::now();
             let at = match opened.entry(key) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
@@ -460,8 +455,8 @@ impl Gpu {
                     v.insert(Opened::open(self.device(ordinals[&key.0])?, &key.1)?)
                 }
             };
-            let mut transfers = Vec::with_capacity(end - i);
-            for (range, _, _, offset) in &copies[i..end] {
+            let mut transfers = Vec::with_capacity(run.len());
+            for (range, _, _, offset) in &copies[run] {
                 let len = range.len();
                 if offset
                     .checked_add(len as u64)
@@ -488,9 +483,7 @@ impl Gpu {
             // returns (on an error too: `issued` waits as it drops).
             let pending = self.issue(Direction::HostToDevice, transfers)?;
             done.copy += copying.elapsed();
-            let close = (last[&key] < end).then(|| opened.remove(&key)).flatten();
-            issued.push((pending, close));
-            i = end;
+            issued.push((pending, last.then(|| opened.remove(&key)).flatten()));
         }
         // The copies run on the devices while later handles open; each handle closes as soon as
         // its copies are done, while the later ones still run.
