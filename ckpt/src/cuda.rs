@@ -123,10 +123,63 @@ pub(crate) fn check_devices(ordinals: &BTreeSet<usize>) -> Result<()> {
 }
 
 /// The GPU path a sidecar uses on behalf of the processes it serves: one per process, its
-/// devices opened on first use.
+/// devices opened on first use, and only those [`for_sharing`] allows.
 fn shared_gpu() -> &'static Gpu {
     static GPU: std::sync::OnceLock<Gpu> = std::sync::OnceLock::new();
     GPU.get_or_init(Gpu::new)
+}
+
+/// Why a process serving others must not open a context on a device in compute mode `mode`
+/// (`CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`), if it must not: only the default mode admits a context
+/// of every process. An exclusive one admits one process's (the training process's, which a
+/// context of the sidecar's would lock out of its own GPU until the sidecar stops); the
+/// prohibited mode admits none.
+fn refuses_sharing(mode: i32) -> Option<&'static str> {
+    match mode {
+        0 => None,
+        2 => Some("the prohibited compute mode"),
+        _ => Some("an exclusive compute mode"),
+    }
+}
+
+/// `ordinal` when the sidecar may open a context on it (see [`refuses_sharing`]), else why not.
+fn for_sharing(ordinal: usize) -> Result<usize> {
+    match refuses_sharing(compute_mode(ordinal)?) {
+        None => Ok(ordinal),
+        Some(mode) => Err(Error::Cuda {
+            reason: format!(
+                "CUDA device {ordinal} is in {mode}: a context of the sidecar's there would take \
+                 the device from the training process, so the sidecar opens none and the process \
+                 copies its own restores (`nvidia-smi -c DEFAULT` lets the sidecar copy them)"
+            ),
+        }),
+    }
+}
+
+/// The device's compute mode.
+fn compute_mode(ordinal: usize) -> Result<i32> {
+    #[cfg(feature = "cuda")]
+    return driver::compute_mode(ordinal);
+    #[cfg(not(feature = "cuda"))]
+    return absent::compute_mode(ordinal);
+}
+
+/// The first device the sidecar may open a context on (see [`refuses_sharing`]): where it pins
+/// the steps it holds, for every device. An error says why there is none.
+pub fn sharing_device() -> Result<usize> {
+    let count = available()?;
+    let mut first_reason = None;
+    for ordinal in 0..count {
+        match for_sharing(ordinal) {
+            Ok(o) => return Ok(o),
+            Err(e) => {
+                first_reason.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_reason.unwrap_or_else(|| Error::Cuda {
+        reason: "no CUDA device".into(),
+    }))
 }
 
 /// Host memory registered as pinned for every device, read-only, until this is dropped: how a
@@ -138,13 +191,14 @@ pub struct HostPin {
 }
 
 /// Registers `len` bytes at `ptr`, mapped at least readable, as pinned memory for every device
-/// (`cuMemHostRegister`, portable and read-only), in device 0's primary context.
+/// (`cuMemHostRegister`, portable and read-only), in the primary context of the
+/// [`sharing_device`].
 ///
 /// # Safety
 /// The memory must stay mapped until the returned [`HostPin`] is dropped, and no copy from it
 /// may still run then.
 pub unsafe fn pin_read_only(ptr: *const u8, len: usize) -> Result<HostPin> {
-    let pin = shared_gpu().pin_read_only(0, ptr, len)?;
+    let pin = shared_gpu().pin_read_only(sharing_device()?, ptr, len)?;
     Ok(HostPin { _pin: pin })
 }
 
@@ -170,7 +224,8 @@ pub struct SharedCopy {
 /// time went. Each allocation's copies start as soon as its handle is open, so they run while
 /// the next one opens. Each copy's range must lie in `src` (checked before anything is copied)
 /// and in its allocation (checked as it is opened): otherwise the error says which, once the
-/// copies made before it are done.
+/// copies made before it are done. A device the sidecar must not open a context on (see
+/// [`refuses_sharing`]) is refused before anything is copied.
 pub fn copy_to_shared(
     src: &[u8],
     copies: &[hotstart_proto::wire::DeviceCopy],
@@ -290,7 +345,19 @@ impl Drop for Bounce {
 
 #[cfg(test)]
 mod tests {
-    use super::runs;
+    use super::{refuses_sharing, runs};
+
+    #[test]
+    fn only_a_device_in_the_default_compute_mode_is_shared() {
+        assert_eq!(refuses_sharing(0), None);
+        for exclusive in [1, 3] {
+            assert_eq!(
+                refuses_sharing(exclusive),
+                Some("an exclusive compute mode")
+            );
+        }
+        assert_eq!(refuses_sharing(2), Some("the prohibited compute mode"));
+    }
 
     #[test]
     fn a_request_is_issued_in_runs_and_each_handle_closes_after_its_last() {

@@ -92,13 +92,14 @@ impl Pins {
         if !enabled {
             return Pins::Off("pinning for the GPU is off (--no-gpu-pin)".into());
         }
-        let devices = match cuda::available() {
-            Ok(n) => n,
-            Err(e) => {
-                info!(reason = %e, "steps in memory are not pinned for the GPU");
-                return Pins::Off(e.to_string());
-            }
-        };
+        let (devices, device) =
+            match cuda::available().and_then(|n| Ok((n, cuda::sharing_device()?))) {
+                Ok(found) => found,
+                Err(e) => {
+                    info!(reason = %e, "steps in memory are not pinned for the GPU");
+                    return Pins::Off(e.to_string());
+                }
+            };
         let register: Register = Box::new(|bytes: &[u8]| {
             // SAFETY: `pin` attaches the registration to the segment whose mapping `bytes` is,
             // so it is dropped before the mapping is unmapped (`Committed`'s field order); copies
@@ -113,7 +114,7 @@ impl Pins {
         if let Pins::On { .. } = pins {
             info!(
                 devices,
-                "steps in memory are pinned for the GPU as they are committed"
+                device, "steps in memory are pinned for the GPU as they are committed"
             );
         }
         pins

@@ -21,6 +21,10 @@ pub(super) fn device_count() -> std::result::Result<usize, String> {
     Err(NOT_BUILT.into())
 }
 
+pub(super) fn compute_mode(_ordinal: usize) -> Result<i32> {
+    Err(not_built())
+}
+
 /// No devices, no streams.
 #[derive(Debug, Default)]
 pub(crate) struct Gpu;

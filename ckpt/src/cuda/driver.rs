@@ -198,6 +198,35 @@ impl Drop for Pinned {
     }
 }
 
+/// Device `ordinal`'s compute mode (`CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`); asks no context.
+pub(super) fn compute_mode(ordinal: usize) -> Result<i32> {
+    let count = device_count().map_err(|reason| Error::Cuda { reason })?;
+    let index = c_int::try_from(ordinal)
+        .ok()
+        .filter(|_| ordinal < count)
+        .ok_or_else(|| Error::Cuda {
+            reason: format!("no CUDA device {ordinal}: this machine has {count}"),
+        })?;
+    let asked = catch_unwind(|| {
+        let cu = result::device::get(index)?;
+        // SAFETY: `cu` was just returned by `cuDeviceGet`; the attribute is only read.
+        unsafe {
+            result::device::get_attribute(
+                cu,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE,
+            )
+        }
+    });
+    match asked {
+        Ok(r) => r.map_err(|e| failed("cuDeviceGetAttribute", ordinal, e)),
+        Err(_) => Err(failed(
+            "cuDeviceGetAttribute",
+            ordinal,
+            "panicked inside cudarc",
+        )),
+    }
+}
+
 /// This process's ordinal of the device with `uuid`.
 fn ordinal_of(uuid: &DeviceUuid) -> Result<usize> {
     let count = device_count().map_err(|reason| Error::Cuda { reason })?;
@@ -301,13 +330,15 @@ impl Gpu {
 
     fn device(&self, ordinal: usize) -> Result<Arc<Device>> {
         super::check_devices(&[ordinal].into())?;
-        let mut devices = self.devices.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(d) = devices.get(&ordinal) {
+        let devices = || self.devices.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(d) = devices().get(&ordinal) {
             return Ok(d.clone());
         }
-        let d = Arc::new(Device::open(ordinal)?);
-        devices.insert(ordinal, d.clone());
-        Ok(d)
+        // Opened without the lock (a context can take a tenth of a second to create), so the
+        // copies of devices already open, and other devices' openings, do not wait for it; of
+        // two threads opening one device, the first to finish is kept.
+        let opened = Arc::new(Device::open(ordinal)?);
+        Ok(devices().entry(ordinal).or_insert(opened).clone())
     }
 
     /// Registers `len` bytes at `ptr` as pinned memory usable by every context (portable).
@@ -423,14 +454,15 @@ impl Gpu {
         let bad = |what: String| Error::Cuda {
             reason: format!("a copy into shared device memory {what}"),
         };
-        // Checked before any handle is opened: every range lies in `src`, every device is here.
+        // Checked before any handle is opened: every range lies in `src`, every device is here
+        // and may be shared.
         let mut ordinals: BTreeMap<DeviceUuid, usize> = BTreeMap::new();
         for (range, uuid, ..) in copies {
             if range.end > src.len() || range.start > range.end {
                 return Err(bad(format!("of {range:?}, outside {} bytes", src.len())));
             }
             if !ordinals.contains_key(uuid) {
-                ordinals.insert(*uuid, ordinal_of(uuid)?);
+                ordinals.insert(*uuid, super::for_sharing(ordinal_of(uuid)?)?);
             }
         }
         let keys: Vec<(DeviceUuid, IpcHandle)> = copies.iter().map(|c| (c.1, c.2)).collect();
