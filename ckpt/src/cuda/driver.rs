@@ -200,15 +200,10 @@ impl Drop for Pinned {
 
 /// Device `ordinal`'s compute mode (`CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`); asks no context.
 pub(super) fn compute_mode(ordinal: usize) -> Result<i32> {
-    let count = device_count().map_err(|reason| Error::Cuda { reason })?;
-    let index = c_int::try_from(ordinal)
-        .ok()
-        .filter(|_| ordinal < count)
-        .ok_or_else(|| Error::Cuda {
-            reason: format!("no CUDA device {ordinal}: this machine has {count}"),
-        })?;
+    super::check_devices(&[ordinal].into())?;
     let asked = catch_unwind(|| {
-        let cu = result::device::get(index)?;
+        // Below the driver's device count, a `c_int`.
+        let cu = result::device::get(ordinal as c_int)?;
         // SAFETY: `cu` was just returned by `cuDeviceGet`; the attribute is only read.
         unsafe {
             result::device::get_attribute(
