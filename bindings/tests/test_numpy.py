@@ -4,13 +4,14 @@ mismatches, and what the files hold for other tools."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import hotstart
-from hotstart import StateDictError
+from hotstart import StateDictError, _state
 
 # Every numpy dtype that holds data (object arrays are refused).
 DTYPES = [
@@ -127,6 +128,30 @@ def test_arrays_sharing_memory_load_correctly(local_dir: Path) -> None:
         dst = {"a": dst_mem, "b": dst_mem, "half": dst_mem[:4]}
         ck.load(dst)
     assert np.array_equal(dst_mem, tied)
+
+
+def test_a_destination_overlapping_earlier_ones_is_found_among_many(local_dir: Path) -> None:
+    """A destination whose memory overlaps an earlier one's is read into a temporary and copied
+    after: found by a binary search among the earlier ranges, merged as they come (one search
+    per tensor, not a pass over all), which answers as a pass over every earlier range does."""
+    rng = random.Random(7)
+    spans, seen = _state.Spans(), []
+    for _ in range(3000):
+        start = rng.randrange(0, 20000)
+        end = start + rng.randrange(0, 40)
+        # An empty range holds no byte, so it overlaps nothing.
+        want = start < end and any(start < e and s < end for s, e in seen)
+        assert spans.overlaps(start, end) == want, (start, end)
+        spans.add(start, end)
+        if start < end:
+            seen.append((start, end))
+    # End to end: "c" overlaps both "a" and "b", views of one array like the saved ones.
+    tied = np.arange(12, dtype=np.float64)
+    with hotstart.Checkpointer(local_dir=local_dir, job="staggered") as ck:
+        ck.save(1, {"a": tied[0:4], "b": tied[6:10], "c": tied[3:7]}).wait()
+        mem = np.zeros(12)
+        ck.load({"a": mem[0:4], "b": mem[6:10], "c": mem[3:7]})
+    assert np.array_equal(mem[:10], tied[:10]) and not mem[10:].any()
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ and verify the data straight into that memory.
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import sys
 from dataclasses import dataclass, field
@@ -263,6 +264,31 @@ def flatten(state: Any) -> Flat:
 # --- loading ------------------------------------------------------------------------------
 
 
+class Spans:
+    """Byte ranges ``[start, end)``, kept sorted and merged where they overlap, so whether a new
+    range overlaps any of them takes a binary search, not a pass over all (a load into a state
+    of thousands of tensors asks once per tensor)."""
+
+    def __init__(self) -> None:
+        self.starts: List[int] = []
+        self.ends: List[int] = []
+
+    def overlaps(self, start: int, end: int) -> bool:
+        # The ranges are disjoint and sorted, so their ends are sorted too: of those starting
+        # before `end`, the last one reaches furthest.
+        i = bisect.bisect_left(self.starts, end)
+        return start < end and i > 0 and self.ends[i - 1] > start
+
+    def add(self, start: int, end: int) -> None:
+        if start >= end:
+            return
+        # The ranges [lo, hi) overlap the new one: they end after `start` and start before `end`.
+        lo, hi = bisect.bisect_right(self.ends, start), bisect.bisect_left(self.starts, end)
+        if lo < hi:
+            start, end = min(start, self.starts[lo]), max(end, self.ends[hi - 1])
+        self.starts[lo:hi], self.ends[lo:hi] = [start], [end]
+
+
 @dataclass
 class Plan:
     """What a load reads and where: destinations for the engine, copies and assignments to make
@@ -272,29 +298,28 @@ class Plan:
     keep: List[Any] = field(default_factory=list)
     after: List[Callable[[], None]] = field(default_factory=list)
     cuda_devices: Set[int] = field(default_factory=set)
-    # Host ranges already used by a destination: (start, end) -> name.
     # (address, length, held) of one buffer that takes the whole file instead of `dests`;
     # held: a mapping of the file itself, verified where it lies.
     file: Optional[Tuple[int, int, bool]] = None
-    _ranges: List[Tuple[int, int]] = field(default_factory=list)
+    # Host memory already used by a destination.
+    _used: Spans = field(default_factory=Spans)
 
     def _overlaps(self, ptr: int, n: int) -> bool:
-        return any(ptr < e and s < ptr + n for s, e in self._ranges)
+        return self._used.overlaps(ptr, ptr + n)
 
     def into(self, name: str, mem: Mem) -> None:
         """Read tensor `name` straight into `mem`."""
         if mem.device >= 0:
             self.cuda_devices.add(mem.device)
-        elif mem.nbytes:
-            self._ranges.append((mem.ptr, mem.ptr + mem.nbytes))
+        else:
+            self._used.add(mem.ptr, mem.ptr + mem.nbytes)
         self.dests.append((name, mem.ptr, mem.nbytes, mem.device, None))
         self.keep.append(mem.owner)
 
     def region(self, name: str, offset: int, mem: Mem) -> None:
         """Read the ``mem.nbytes`` bytes of tensor `name` from byte ``offset`` on straight into
         `mem` (host memory)."""
-        if mem.nbytes:
-            self._ranges.append((mem.ptr, mem.ptr + mem.nbytes))
+        self._used.add(mem.ptr, mem.ptr + mem.nbytes)
         self.dests.append((name, mem.ptr, mem.nbytes, -1, offset))
         self.keep.append(mem.owner)
 
