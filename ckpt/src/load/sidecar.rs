@@ -129,9 +129,9 @@ impl Inner {
 /// offset in the chunk and destination) from its own mapping of the segment it just handed
 /// over on `conn`, which it keeps pinned for the device (a restarted process has no pinned
 /// copy of its own, and pinning one costs more than the copy). Each device buffer is shared
-/// with a CUDA IPC handle of its allocation; contiguous pieces go as one copy. On success the
-/// device pieces leave `direct`; on an error (no GPU in the sidecar, a segment not pinned yet,
-/// memory that cannot be shared) they stay, for this process to copy.
+/// with a CUDA IPC handle of its allocation; pieces contiguous in one allocation go as one
+/// copy. On success the device pieces leave `direct`; on an error (no GPU in the sidecar, a
+/// segment not pinned yet, memory that cannot be shared) they stay, for this process to copy.
 fn upload_device(
     gpu: &Gpu,
     sidecar: &Client,
@@ -139,48 +139,51 @@ fn upload_device(
     direct: &mut [Vec<(usize, Out<'_>)>],
     chunk_size: usize,
 ) -> Result<()> {
-    let mut pieces: Vec<(u64, DevicePtr)> = Vec::new();
+    // One export per allocation (PyTorch's allocator puts several tensors in one), found by
+    // device and address: allocations do not overlap, so only the last one starting at or
+    // before a piece can hold it.
+    let mut exported: BTreeMap<(usize, u64), Exported> = BTreeMap::new();
+    let mut allocation = |d: &DevicePtr| -> Result<Exported> {
+        let held = exported
+            .range((d.ordinal, 0)..=(d.ordinal, d.ptr))
+            .next_back()
+            .map(|(_, e)| *e)
+            .filter(|e| d.ptr + d.len as u64 <= e.base + e.size as u64);
+        match held {
+            Some(e) => Ok(e),
+            None => {
+                let e = gpu.export(*d)?;
+                exported.insert((d.ordinal, e.base), e);
+                Ok(e)
+            }
+        }
+    };
+    // Pieces contiguous in the file and in one allocation go as one copy (two allocations can
+    // lie next to each other in the address space, but each copy must stay inside its own).
+    let mut pieces: Vec<(u64, DevicePtr, Exported)> = Vec::new();
     for (chunk, outs) in direct.iter().enumerate() {
         for (at, out) in outs {
             if let Out::Device(d) = out {
                 let from = (chunk * chunk_size + at) as u64;
+                let e = allocation(d)?;
                 match pieces.last_mut() {
-                    Some((f, last))
+                    Some((f, last, held))
                         if *f + last.len as u64 == from
                             && last.ordinal == d.ordinal
-                            && last.ptr + last.len as u64 == d.ptr =>
+                            && last.ptr + last.len as u64 == d.ptr
+                            && held.base == e.base =>
                     {
                         last.len += d.len
                     }
-                    _ => pieces.push((from, *d)),
+                    _ => pieces.push((from, *d, e)),
                 }
             }
         }
     }
-    // One export per allocation (PyTorch's allocator puts several tensors in one).
-    let mut exported: Vec<(usize, Exported)> = Vec::new();
-    let mut copies = Vec::with_capacity(pieces.len());
-    for (from, d) in pieces {
-        let holds = |(o, e): &&(usize, Exported)| {
-            *o == d.ordinal && e.base <= d.ptr && d.ptr + d.len as u64 <= e.base + e.size as u64
-        };
-        let e = match exported.iter().find(holds) {
-            Some((_, e)) => *e,
-            None => {
-                let e = gpu.export(d)?;
-                exported.push((d.ordinal, e));
-                e
-            }
-        };
-        let offset = d.ptr - e.base;
-        copies.push(DeviceCopy::new(
-            from,
-            d.len as u64,
-            &e.uuid,
-            &e.handle,
-            offset,
-        ));
-    }
+    let copies = pieces
+        .into_iter()
+        .map(|(from, d, e)| DeviceCopy::new(from, d.len as u64, &e.uuid, &e.handle, d.ptr - e.base))
+        .collect();
     sidecar.upload(conn, copies)?;
     for outs in direct.iter_mut() {
         outs.retain(|(_, o)| matches!(o, Out::Host(_)));
