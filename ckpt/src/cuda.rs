@@ -167,19 +167,15 @@ fn compute_mode(ordinal: usize) -> Result<i32> {
 /// The first device the sidecar may open a context on (see [`refuses_sharing`]): where it pins
 /// the steps it holds, for every device. An error says why there is none.
 pub fn sharing_device() -> Result<usize> {
-    let count = available()?;
-    let mut first_reason = None;
-    for ordinal in 0..count {
-        match for_sharing(ordinal) {
-            Ok(o) => return Ok(o),
-            Err(e) => {
-                first_reason.get_or_insert(e);
-            }
-        }
+    // Device 0 answers first: with no driver or no device, that is the error; with none in the
+    // default mode, device 0's mode is.
+    let first = for_sharing(0);
+    if first.is_ok() {
+        return first;
     }
-    Err(first_reason.unwrap_or_else(|| Error::Cuda {
-        reason: "no CUDA device".into(),
-    }))
+    (1..available()?)
+        .find_map(|o| for_sharing(o).ok())
+        .map_or(first, Ok)
 }
 
 /// Host memory registered as pinned for every device, read-only, until this is dropped: how a
@@ -345,7 +341,16 @@ impl Drop for Bounce {
 
 #[cfg(test)]
 mod tests {
-    use super::{refuses_sharing, runs};
+    use super::{available, refuses_sharing, runs, sharing_device};
+
+    #[test]
+    fn without_a_driver_no_device_is_shared_and_the_error_says_why() {
+        // With a driver (a GPU machine), the CUDA tests pin through the device it picks.
+        if let Err(none) = available() {
+            let err = sharing_device().unwrap_err();
+            assert_eq!(err.to_string(), none.to_string());
+        }
+    }
 
     #[test]
     fn only_a_device_in_the_default_compute_mode_is_shared() {
