@@ -413,13 +413,14 @@ impl Client {
         Error::unavailable(tier, &self.dial.job, self.error(reason))
     }
 
-    /// Every step complete for every rank as the sidecar finds them, ascending.
-    pub(crate) fn steps(&self) -> Result<Vec<u64>> {
+    /// Every step complete for every rank as the sidecar finds them, ascending, asked on
+    /// `conn` (from [`Client::connect`]).
+    pub(crate) fn steps(&self, conn: &mut Conn<FdStream>) -> Result<Vec<u64>> {
         let mut steps = Vec::new();
-        let mut next = self.latest()?;
+        let mut next = self.latest(conn)?;
         while let Some(step) = next {
             steps.push(step);
-            next = self.latest_below(step)?;
+            next = self.latest_below(conn, step)?;
         }
         steps.reverse();
         Ok(steps)
@@ -441,31 +442,38 @@ impl Client {
     }
 
     /// The newest step complete for every rank, as the sidecar sees it.
-    pub(crate) fn latest(&self) -> Result<Option<u64>> {
-        self.ask_latest(LocalMsg::Latest)
+    pub(crate) fn latest(&self, conn: &mut Conn<FdStream>) -> Result<Option<u64>> {
+        self.ask_latest(conn, LocalMsg::Latest)
     }
 
     /// The newest step complete for every rank that is older than `step`.
-    pub(crate) fn latest_below(&self, step: u64) -> Result<Option<u64>> {
-        self.ask_latest(LocalMsg::LatestBelow { step })
+    pub(crate) fn latest_below(&self, conn: &mut Conn<FdStream>, step: u64) -> Result<Option<u64>> {
+        self.ask_latest(conn, LocalMsg::LatestBelow { step })
     }
 
     /// The newest checkpoint as the sidecar finds them whatever world size saved it (older
     /// than `below`), and that world size.
-    pub(crate) fn latest_checkpoint(&self, below: Option<u64>) -> Result<Option<(u64, u32)>> {
-        let mut conn = self.connect()?;
+    pub(crate) fn latest_checkpoint(
+        &self,
+        conn: &mut Conn<FdStream>,
+        below: Option<u64>,
+    ) -> Result<Option<(u64, u32)>> {
         conn.send(&LocalMsg::LatestCheckpoint { below })?;
         match conn.recv()? {
             LocalMsg::CheckpointIs { found } => Ok(found),
-            other => Err(self.refused(&mut conn, other, "a checkpoint")),
+            other => Err(self.refused(conn, other, "a checkpoint")),
         }
     }
 
     /// `rank`'s manifest of `step`, whatever world size saved it, from the nearest holder the
     /// sidecar knows (its memory, its peers', its disk, the store); [`Error::NotFound`] when
     /// none holds it.
-    pub(crate) fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        let mut conn = self.connect()?;
+    pub(crate) fn manifest(
+        &self,
+        conn: &mut Conn<FdStream>,
+        step: u64,
+        rank: u32,
+    ) -> Result<Manifest> {
         conn.send(&LocalMsg::Manifest { step, rank })?;
         let json = match conn.recv()? {
             LocalMsg::ManifestIs { manifest } => manifest,
@@ -476,7 +484,7 @@ impl Client {
                     rank,
                 });
             }
-            other => return Err(self.refused(&mut conn, other, "a manifest")),
+            other => return Err(self.refused(conn, other, "a manifest")),
         };
         let location = format!("step {step} rank {rank} from the sidecar");
         let m = Manifest::parse(json.as_bytes(), &location)?;
@@ -501,12 +509,11 @@ impl Client {
         }
     }
 
-    fn ask_latest(&self, ask: LocalMsg) -> Result<Option<u64>> {
-        let mut conn = self.connect()?;
+    fn ask_latest(&self, conn: &mut Conn<FdStream>, ask: LocalMsg) -> Result<Option<u64>> {
         conn.send(&ask)?;
         match conn.recv()? {
             LocalMsg::LatestIs { step } => Ok(step),
-            other => Err(self.refused(&mut conn, other, "latest")),
+            other => Err(self.refused(conn, other, "latest")),
         }
     }
 

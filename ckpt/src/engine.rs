@@ -378,12 +378,13 @@ impl Engine {
     /// data. Bytes are not verified here; [`Engine::load`] verifies every chunk.
     ///
     /// With a sidecar, the sidecar finds it (its memory, its peers' memory, its disk, the
-    /// store), and this engine's own tiers are read when the sidecar holds none.
+    /// store), and this engine's own tiers are read when the sidecar holds none or cannot be
+    /// reached.
     pub fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        let Some(sidecar) = &self.inner.sidecar else {
+        let Some((sidecar, mut conn)) = self.inner.reach_sidecar()? else {
             return self.inner.core.manifest(step, rank);
         };
-        match sidecar.manifest(step, rank) {
+        match sidecar.manifest(&mut conn, step, rank) {
             Err(e) if e.is_not_found() && !self.inner.core.tiers.is_empty() => {
                 self.inner.core.manifest(step, rank)
             }
@@ -407,12 +408,12 @@ impl Engine {
     }
 
     /// Every step complete for this rank's world size in some tier, ascending: with a sidecar,
-    /// as the sidecar finds them (its memory, its peers', their disks, the store), else in this
-    /// engine's own tiers. A tier that cannot be read is an error ([`Error::Unavailable`]): a
-    /// list without it would be wrong.
+    /// as the sidecar finds them (its memory, its peers', their disks, the store), else (or
+    /// when it cannot be reached) in this engine's own tiers. A tier that cannot be read is an
+    /// error ([`Error::Unavailable`]): a list without it would be wrong.
     pub fn steps(&self) -> Result<Vec<u64>> {
-        if let Some(sidecar) = &self.inner.sidecar {
-            return sidecar.steps();
+        if let Some((sidecar, mut conn)) = self.inner.reach_sidecar()? {
+            return sidecar.steps(&mut conn);
         }
         let mut all = BTreeSet::new();
         for t in &self.inner.core.tiers {
@@ -428,11 +429,12 @@ impl Engine {
         Ok(all.into_iter().collect())
     }
 
-    /// The newest step complete in any tier; with a sidecar, the newest step complete for
-    /// every rank that the sidecar finds in its memory, its peers', their disks and the store.
+    /// The newest step complete in any tier; with a sidecar (that can be reached), the newest
+    /// step complete for every rank that the sidecar finds in its memory, its peers', their
+    /// disks and the store.
     pub fn latest_complete_step(&self) -> Result<Option<u64>> {
-        if let Some(sidecar) = &self.inner.sidecar {
-            return sidecar.latest();
+        if let Some((sidecar, mut conn)) = self.inner.reach_sidecar()? {
+            return sidecar.latest(&mut conn);
         }
         self.inner.core.latest_in_own_tiers_below(None)
     }
@@ -441,8 +443,8 @@ impl Engine {
     /// `step`: where a job goes back to when one of its ranks cannot restore the step it chose
     /// (corrupt or gone in every tier), so that every rank restores the same step.
     pub fn latest_complete_step_below(&self, step: u64) -> Result<Option<u64>> {
-        if let Some(sidecar) = &self.inner.sidecar {
-            return sidecar.latest_below(step);
+        if let Some((sidecar, mut conn)) = self.inner.reach_sidecar()? {
+            return sidecar.latest_below(&mut conn, step);
         }
         self.inner.core.latest_in_own_tiers_below(Some(step))
     }
@@ -467,10 +469,10 @@ impl Engine {
 
     fn latest_checkpoint_in(&self, below: Option<u64>) -> Result<Option<(u64, u32)>> {
         let own = self.inner.core.latest_checkpoint_in_own_tiers(below)?;
-        let Some(sidecar) = &self.inner.sidecar else {
+        let Some((sidecar, mut conn)) = self.inner.reach_sidecar()? else {
             return Ok(own);
         };
-        Ok(own.max(sidecar.latest_checkpoint(below)?))
+        Ok(own.max(sidecar.latest_checkpoint(&mut conn, below)?))
     }
 
     /// Applies retention to every tier now; returns the steps whose files of this rank were

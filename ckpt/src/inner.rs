@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use hotstart_proto::wire::{Conn, FdStream};
 use tracing::warn;
 
 use crate::admission::Admission;
@@ -44,6 +45,24 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// The sidecar and a new connection to it, to read the job's steps through: `None` without
+    /// a sidecar, or where it cannot be reached and this engine has tiers of its own, which the
+    /// caller reads instead (they are read only then). Without tiers of its own, an unreachable
+    /// sidecar is the error.
+    pub(crate) fn reach_sidecar(&self) -> Result<Option<(&Client, Conn<FdStream>)>> {
+        let Some(sidecar) = &self.sidecar else {
+            return Ok(None);
+        };
+        match sidecar.connect() {
+            Ok(conn) => Ok(Some((sidecar, conn))),
+            Err(e) if self.core.tiers.is_empty() => Err(e),
+            Err(e) => {
+                warn!(error = %e, "sidecar unreachable; reading this engine's own tiers");
+                Ok(None)
+            }
+        }
+    }
+
     /// Makes sure this engine is the one writer of its job and rank on this node: takes the
     /// owner lock on the first save (see `crate::owner`). A lock that cannot be made at all (a
     /// directory this process cannot write) is warned about once, and saves go on without it.

@@ -390,6 +390,12 @@ fn without_the_sidecar_loads_come_from_the_engines_own_tiers() {
     let l = engine.load(StepSel::Latest, Destination::Owned).unwrap();
     assert_loaded(&l, &set, &extras(5));
     assert!(l.chunk_sources.iter().all(|s| *s == TierKind::Disk));
+    // So does every question about the job's steps, as a loop asks them before it loads.
+    assert_eq!(engine.latest_complete_step().unwrap(), Some(5));
+    assert_eq!(engine.latest_complete_step_below(6).unwrap(), Some(5));
+    assert_eq!(engine.steps().unwrap(), vec![5]);
+    assert_eq!(engine.latest_checkpoint().unwrap(), Some((5, 1)));
+    assert_eq!(engine.manifest(5, 0).unwrap().step, 5);
     // Without tiers of its own, an engine without its sidecar cannot load, and says why.
     let alone = EngineConfig::new("gone", 0, 1).sidecar(&socket);
     match Engine::new(alone) {

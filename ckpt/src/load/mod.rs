@@ -226,26 +226,18 @@ impl Inner {
                 cuda::check_devices(&devices)?;
             }
         }
-        if let Some(sidecar) = &inner.sidecar {
-            match sidecar.connect() {
-                Ok(conn) => {
-                    let want = match which {
-                        StepSel::Latest => None,
-                        StepSel::Step(s) => Some(s),
-                    };
-                    let started = Instant::now();
-                    let regions = match &dest {
-                        Destination::Regions(r) => Some(region_list(r)),
-                        _ => None,
-                    };
-                    let restored = sidecar.restore(conn, want, true, regions.clone())?;
-                    return inner.load_restored(sidecar, restored, dest, regions, started);
-                }
-                Err(e) if inner.core.tiers.is_empty() => return Err(e),
-                Err(e) => {
-                    warn!(error = %e, "sidecar unreachable; loading from this engine's own tiers")
-                }
-            }
+        if let Some((sidecar, conn)) = inner.reach_sidecar()? {
+            let want = match which {
+                StepSel::Latest => None,
+                StepSel::Step(s) => Some(s),
+            };
+            let started = Instant::now();
+            let regions = match &dest {
+                Destination::Regions(r) => Some(region_list(r)),
+                _ => None,
+            };
+            let restored = sidecar.restore(conn, want, true, regions.clone())?;
+            return inner.load_restored(sidecar, restored, dest, regions, started);
         }
         let step = match which {
             StepSel::Step(s) => s,
