@@ -1,8 +1,9 @@
 //! The one error type of `hotstart-ckpt`.
 //!
 //! Variants carry the step, rank, tier, key or path they concern, so a line read in a log says
-//! where to look. Persistence failures happen on a background thread and may be read by several
-//! waiters, so they are shared as [`Error::Persist`] around an `Arc`.
+//! where to look. Staging and persistence failures happen on a background thread and may be read
+//! by several waiters, so they are shared as [`Error::Staging`] and [`Error::Persist`] around an
+//! `Arc`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -77,6 +78,14 @@ pub enum Error {
         tier: TierKind,
         step: u64,
         rank: u32,
+        #[source]
+        source: Arc<Error>,
+    },
+
+    /// A save whose staging failed (shared by every waiter of the save).
+    #[error("step {step} was not staged: {source}")]
+    Staging {
+        step: u64,
         #[source]
         source: Arc<Error>,
     },
@@ -203,10 +212,10 @@ impl Error {
         ) && !self.is_not_found()
     }
 
-    /// The error behind any [`Error::Persist`] wrapping.
+    /// The error behind any [`Error::Persist`] or [`Error::Staging`] wrapping.
     pub fn root(&self) -> &Error {
         match self {
-            Error::Persist { source, .. } => source.root(),
+            Error::Persist { source, .. } | Error::Staging { source, .. } => source.root(),
             other => other,
         }
     }
@@ -244,5 +253,30 @@ impl From<LinkError> for Error {
             socket,
             reason: e.reason,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_staging_keeps_the_kind_of_its_cause() {
+        let cause = Arc::new(Error::Sidecar {
+            socket: "/run/s.sock".into(),
+            reason: "connect: No such file or directory".into(),
+        });
+        let e = Error::Staging {
+            step: 7,
+            source: cause,
+        };
+        // What a caller (and the Python layer) chooses the kind by.
+        assert!(matches!(e.root(), Error::Sidecar { .. }), "{e:?}");
+        assert!(e.is_unreadable());
+        let said = e.to_string();
+        assert!(
+            said.starts_with("step 7 was not staged: sidecar at /run/s.sock"),
+            "{said}"
+        );
     }
 }

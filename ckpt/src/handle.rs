@@ -194,9 +194,9 @@ impl SaveHandle {
                 step: self.step,
                 inflight: self.inflight,
             }),
-            Phase::Failed(e) => Err(Error::Task {
-                what: "staging",
-                message: e.to_string(),
+            Phase::Failed(e) => Err(Error::Staging {
+                step: self.step,
+                source: e.clone(),
             }),
             Phase::Pending | Phase::Off => Err(Error::Task {
                 what: "staging",
