@@ -107,6 +107,12 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                 Some(j) => vec![j],
                 None => ck.jobs()?,
             };
+            // Listed before the header is printed: a store that cannot be read prints the
+            // error alone, not an empty table above it.
+            let steps = jobs
+                .iter()
+                .map(|job| ck.steps(job))
+                .collect::<Result<Vec<_>, _>>()?;
             out!(
                 "{:<24} {:>12} {:>7} {:>14}  STATE",
                 "JOB",
@@ -114,10 +120,8 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                 "RANKS",
                 "BYTES"
             );
-            for job in jobs {
-                for s in ck.steps(&job)? {
-                    print_step(&s)?;
-                }
+            for s in steps.iter().flatten() {
+                print_step(s)?;
             }
             Ok(())
         }

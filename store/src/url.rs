@@ -181,6 +181,23 @@ fn open_s3(url: &str, bucket: &str, options: &[(String, String)]) -> Result<Arc<
         builder = builder.with_config(key, value);
     }
     let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
+    let allow_http = builder.get_config_value(&AmazonS3ConfigKey::Client(
+        object_store::ClientConfigKey::AllowHttp,
+    ));
+    let refused = endpoint
+        .as_deref()
+        .filter(|e| !over_tls(Some(e)) && !allow_http.as_deref().is_some_and(truthy));
+    if let Some(endpoint) = refused {
+        // Refused here, not by each request later as an "HTTP error: builder error".
+        return Err(Error::InvalidUrl {
+            url: url.to_string(),
+            reason: format!(
+                "the endpoint {endpoint} is plain HTTP, which the S3 client refuses unless \
+                 AWS_ALLOW_HTTP=true is set: set it (credentials and data then cross the \
+                 network unencrypted), or use an https:// endpoint"
+            ),
+        });
+    }
     if !chosen && over_tls(endpoint.as_deref()) {
         builder = builder.with_unsigned_payload(true);
     }
@@ -233,6 +250,15 @@ fn remote_retry() -> object_store::RetryConfig {
 #[cfg_attr(not(feature = "aws"), allow(dead_code))]
 fn over_tls(endpoint: Option<&str>) -> bool {
     endpoint.is_none_or(|e| e.trim().to_ascii_lowercase().starts_with("https://"))
+}
+
+/// A true value of an object_store boolean option, as it parses them.
+#[cfg(feature = "aws")]
+fn truthy(v: &str) -> bool {
+    matches!(
+        v.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "on" | "yes" | "y"
+    )
 }
 
 #[cfg(not(feature = "aws"))]
@@ -608,6 +634,28 @@ mod tests {
             assert!(err.contains(&format!("{url:?}")), "{err}");
             assert!(err.contains(needle), "{url}: {err}");
         }
+    }
+
+    #[cfg(feature = "aws")]
+    #[test]
+    fn a_plain_http_endpoint_is_refused_at_open_unless_allowed() {
+        let url = StoreUrl::parse("s3://bucket/run").unwrap();
+        let with = |allow: &str| {
+            url.open_with(&[
+                ("aws_endpoint".into(), "http://127.0.0.1:9".into()),
+                ("aws_allow_http".into(), allow.into()),
+                ("aws_access_key_id".into(), "k".into()),
+                ("aws_secret_access_key".into(), "s".into()),
+                ("aws_region".into(), "us-east-1".into()),
+            ])
+        };
+        let err = with("false").expect_err("refused").to_string();
+        assert!(
+            err.contains("AWS_ALLOW_HTTP=true") && err.contains("http://127.0.0.1:9"),
+            "{err}"
+        );
+        with("true").expect("allowed");
+        with("Yes").expect("allowed as object_store parses it");
     }
 
     #[test]
