@@ -32,6 +32,11 @@ def test_hierarchy() -> None:
         (dict(local_dir="/tmp/x", job="j", rank=2, world_size=2), "rank 2 of world size 2"),
         (dict(store="s3://", job="j"), "store \"s3://\""),
         (dict(local_dir="/tmp/x", job="j", when_full="drop"), "when_full=\"drop\""),
+        (dict(local_dir="/tmp/x", job="j", keep=-1), "keep -1: expected an integer from 0"),
+        (dict(local_dir="/tmp/x", job="j", rank=-1, world_size=2), "rank -1: expected an integer from 0"),
+        (dict(local_dir="/tmp/x", job="j", rank=0, world_size=0), "world_size 0: expected an integer from 1"),
+        (dict(local_dir="/tmp/x", job="j", max_inflight=0), "max_inflight 0: expected an integer from 1"),
+        (dict(local_dir="/tmp/x", job="j", threads="4"), "threads '4': expected an integer"),
     ],
 )
 def test_bad_configuration(kwargs, message: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import warnings
@@ -9,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _core
 from . import _mapped, _state
-from .errors import ConfigError, HotstartError
+from .errors import ConfigError, HotstartError, NoCheckpoint
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -22,6 +23,20 @@ def _env_int(name: str) -> Optional[int]:
         return int(v)
     except ValueError:
         raise ConfigError(f"{name}={v!r} is not an integer") from None
+
+
+def integer(name: str, value: Any, low: int = 0, bits: int = 64) -> int:
+    """``value`` as an int from ``low`` to 2**bits-1 (numpy integers too, bools not), or a
+    ConfigError that names ``name``: a bad number is refused here, before the engine sees it."""
+    if not isinstance(value, bool):
+        try:
+            v = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if low <= v < 1 << bits:
+                return v
+    raise ConfigError(f"{name} {value!r}: expected an integer from {low} to 2**{bits}-1")
 
 
 def resolve_rank(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
@@ -66,6 +81,10 @@ def engine_options(
             "HOTSTART_LOCAL_DIR"
         )
     r, w = resolve_rank(rank, world_size)
+    r, w = integer("rank", r, 0, 32), integer("world_size", w, 1, 32)
+    for name, value in tuning.items():
+        if name in ("keep", "max_inflight", "chunk_size", "threads") and value is not None:
+            tuning[name] = integer(name, value, 1 if name in ("max_inflight", "chunk_size") else 0)
     opts: Dict[str, Any] = dict(job=job, rank=r, world_size=w, store=store, **tuning)
     opts["local_dir"] = None if local_dir is None else os.fspath(local_dir)
     opts["sidecar"] = None if sidecar is None else os.fspath(sidecar)
@@ -183,8 +202,7 @@ class Checkpointer:
         once its first save is over replaces it. With a sidecar that is restarting, the save
         waits for it (up to 60 s) and hands it the step.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 64:
-            raise ConfigError(f"step {step!r}: a step is an integer from 0 to 2**64-1")
+        step = integer("step", step)
         # Files that retention deleted since are no longer kept by loaded tensors.
         _mapped.release_deleted()
         flat = _state.flatten(state_dict)
@@ -224,13 +242,13 @@ class Checkpointer:
         step (every save reaches the nearer tiers first, so a farther one cannot hold a newer
         step than they do): a store outage never reads as "no checkpoint"."""
         if below is not None:
-            return self.engine.latest_step_below(below)
+            return self.engine.latest_step_below(integer("below", below))
         found = self.engine.latest_checkpoint()
         return None if found is None else found[0]
 
     def saved_world_size(self, step: int) -> int:
         """The world size that saved ``step`` (from its rank 0 manifest)."""
-        return int(self.engine.manifest(step, 0)["world_size"])
+        return int(self.engine.manifest(integer("step", step), 0)["world_size"])
 
     def steps(self) -> List[int]:
         """Every step complete for this world size in some tier, ascending (through the sidecar
@@ -257,6 +275,8 @@ class Checkpointer:
         tier holds good bytes, :class:`StateDictError` on a mismatch (before anything is read).
         """
         engine = self.engine
+        if step is not None:
+            step = integer("step", step)
         plan = _state.Plan()
         made: List[Callable[[], Any]] = []
 
@@ -274,7 +294,21 @@ class Checkpointer:
             _sync_cuda(plan.cuda_devices)
             return plan.file or plan.dests
 
-        _, self._loaded_from, self._device_route = engine.restore(step, place)
+        try:
+            _, self._loaded_from, self._device_route = engine.restore(step, place)
+        except NoCheckpoint as e:
+            if step is None:
+                raise
+            # Which steps there are, so that the error says what to load instead.
+            try:
+                have = self.steps()
+            except HotstartError:
+                raise e from None
+            listed = ", ".join(map(str, have[-8:])) if have else "none"
+            raise NoCheckpoint(
+                f"{e}. Complete steps of this world size: {'…, ' if len(have) > 8 else ''}{listed}; "
+                "load one of them, or leave step out to load the newest"
+            ) from None
         for f in plan.after:
             f()
         return made[0]()
