@@ -32,7 +32,16 @@ def test_an_unreachable_store_is_an_error_not_no_checkpoint(unreachable_s3: None
         with pytest.raises(hotstart.TierUnavailable) as e:
             call()
         assert "store tier cannot be read" in str(e.value), e.value
+        # The cause at the bottom of the client's chain, not only "error sending request".
+        assert "Connection refused" in str(e.value), e.value
         assert isinstance(e.value, hotstart.StoreError)
+
+
+def test_a_plain_http_endpoint_without_allow_http_is_refused_at_construction(
+        unreachable_s3: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    with pytest.raises(hotstart.ConfigError, match="AWS_ALLOW_HTTP=true"):
+        hotstart.Checkpointer(store="s3://nowhere/runs", job="http")
 
 
 def test_a_local_dir_under_a_file_fails_at_construction(tmp_path: Path) -> None:
@@ -209,6 +218,24 @@ def test_a_sidecar_lost_right_after_wait_staged_costs_no_staged_step(tmp_path: P
         side.stop()
 
 
+def test_a_sidecar_that_is_gone_leaves_every_read_to_the_own_tiers(tmp_path: Path) -> None:
+    side = Sidecar(tmp_path)
+    try:
+        # The sidecar's disk as this process's own tier: read only while the sidecar is gone.
+        ck = hotstart.Checkpointer(sidecar=side.socket, local_dir=tmp_path / "disk", job="gone")
+        for step in (1, 2):
+            ck.save(step, state(step)).wait()
+    finally:
+        side.stop()
+    # As the README's loop asks, in its order: which step, then the step.
+    assert ck.latest_step() == 2
+    assert ck.steps() == [1, 2]
+    assert ck.latest_step(below=2) == 1
+    assert ck.saved_world_size(2) == 1
+    assert np.array_equal(ck.load()["w"], state(2)["w"])
+    assert ck.loaded_from and set(ck.loaded_from) == {"disk"}, ck.loaded_from
+
+
 def test_a_missing_sidecar_says_to_start_one(tmp_path: Path) -> None:
     with pytest.raises(hotstart.SidecarError, match="hotstart serve"):
         hotstart.Checkpointer(sidecar=tmp_path / "none.sock", job="j")
@@ -242,10 +269,20 @@ def test_logs_written_to_a_file_carry_no_colour_codes(tmp_path: Path) -> None:
     assert "step saved again" in r.stderr and "\x1b[" not in r.stderr, r.stderr
 
 
-def test_a_negative_step_is_a_config_error(tmp_path: Path) -> None:
+def test_a_step_that_is_no_step_is_a_config_error_in_every_call(tmp_path: Path) -> None:
     ck = hotstart.Checkpointer(local_dir=tmp_path, job="neg")
-    with pytest.raises(hotstart.ConfigError, match="step -1"):
-        ck.save(-1, state(1))
+    for bad in (-1, True, 1.0, "3", 1 << 64):
+        for call in (lambda: ck.save(bad, state(1)), lambda: ck.load(step=bad),
+                     lambda: ck.latest_step(below=bad), lambda: ck.saved_world_size(bad)):
+            with pytest.raises(hotstart.ConfigError, match=r"step .*: expected an integer from 0 to 2\*\*64-1|below .*: expected"):
+                call()
+    # A numpy integer is a step.
+    ck.save(np.int64(3), state(3)).wait()
+    assert ck.latest_step(below=np.uint32(4)) == 3
+    assert np.array_equal(ck.load(step=np.int64(3))["w"], state(3)["w"])
+    # A step that is not there says which are.
+    with pytest.raises(hotstart.NoCheckpoint, match="Complete steps of this world size: 3; load one"):
+        ck.load(step=999)
     ck.close()
 
 
