@@ -58,7 +58,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (
         job, rank, world_size, *, store=None, local_dir=None, sidecar=None, keep=3,
-        max_inflight=2, when_full="block", chunk_size=None, threads=0,
+        max_inflight=2, when_full="block", chunk_size=None, threads=0, sidecar_wait=60.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -74,6 +74,7 @@ impl Engine {
         when_full: &str,
         chunk_size: Option<usize>,
         threads: usize,
+        sidecar_wait: f64,
     ) -> PyResult<Engine> {
         let mut cfg = EngineConfig::new(job, rank, world_size);
         if let Some(url) = store {
@@ -95,6 +96,11 @@ impl Engine {
             cfg.chunk_size = n;
         }
         cfg.threads = threads;
+        cfg.sidecar_wait = std::time::Duration::try_from_secs_f64(sidecar_wait).map_err(|_| {
+            ConfigError::new_err(format!(
+                "sidecar_wait={sidecar_wait}: expected seconds, 0 or more"
+            ))
+        })?;
         open(py, cfg)
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -238,7 +239,35 @@ def test_a_sidecar_that_is_gone_leaves_every_read_to_the_own_tiers(tmp_path: Pat
 
 def test_a_missing_sidecar_says_to_start_one(tmp_path: Path) -> None:
     with pytest.raises(hotstart.SidecarError, match="hotstart serve"):
-        hotstart.Checkpointer(sidecar=tmp_path / "none.sock", job="j")
+        hotstart.Checkpointer(sidecar=tmp_path / "none.sock", job="j", sidecar_wait=0)
+    with pytest.raises(hotstart.ConfigError, match="sidecar_wait=-1"):
+        hotstart.Checkpointer(sidecar=tmp_path / "none.sock", job="j", sidecar_wait=-1)
+
+
+def test_a_checkpointer_made_before_its_sidecar_listens_waits_for_it(tmp_path: Path) -> None:
+    # As in a pod whose trainer and sidecar start together, or a job restarted while its
+    # node's sidecar restarts.
+    made: dict = {}
+
+    def make() -> None:
+        try:
+            made["ck"] = hotstart.Checkpointer(sidecar=tmp_path / "sidecar.sock", job="early")
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            made["error"] = e
+
+    t = threading.Thread(target=make)
+    t.start()
+    side = Sidecar(tmp_path)
+    try:
+        t.join(90)
+        assert "error" not in made, made["error"]
+        ck = made["ck"]
+        ck.save(1, state(1)).wait()
+        assert ck.latest_step() == 1
+        assert np.array_equal(ck.load()["w"], state(1)["w"])
+        ck.close()
+    finally:
+        side.stop()
 
 
 def test_keep_with_a_sidecar_warns(sidecar: Sidecar) -> None:

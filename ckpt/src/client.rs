@@ -48,6 +48,9 @@ struct Dial {
     job: String,
     rank: u32,
     world_size: u32,
+    /// How long the engine's construction and a save wait for a sidecar that is gone
+    /// (`EngineConfig::sidecar_wait`).
+    wait: Duration,
 }
 
 /// A segment staged into: its connection (which commits it) and this process's mapping of it.
@@ -225,14 +228,10 @@ impl Dial {
     }
 
     /// A segment of at least `len` bytes from the sidecar on a new connection, mapped here.
-    /// A save waits up to [`RECONNECT_WAIT`] for a sidecar that is restarting: one whose
-    /// socket is gone or refuses, or one that is draining before it stops.
+    /// A save waits up to `self.wait` for a sidecar that is restarting: one whose socket is
+    /// gone or refuses, or one that is draining before it stops.
     fn stage(&self, step: u64, len: usize, wait: bool, ahead: bool) -> Result<Slot> {
-        let patience = if ahead {
-            Duration::ZERO
-        } else {
-            RECONNECT_WAIT
-        };
+        let patience = if ahead { Duration::ZERO } else { self.wait };
         let deadline = Instant::now() + patience;
         let (fd, conn) = loop {
             let (mut conn, _) =
@@ -381,12 +380,14 @@ fn prepare(
 }
 
 impl Client {
-    /// Connects once to check that the sidecar at `socket` serves this rank.
+    /// Connects once to check that the sidecar at `socket` serves this rank, waiting up to
+    /// `wait` for one that is gone: restarting, or started with the job and not listening yet.
     pub(crate) fn attach(
         socket: &Path,
         job: &str,
         rank: u32,
         world_size: u32,
+        wait: Duration,
         gpu: Arc<Gpu>,
     ) -> Result<Client> {
         let dial = Arc::new(Dial {
@@ -394,8 +395,9 @@ impl Client {
             job: job.to_string(),
             rank,
             world_size,
+            wait,
         });
-        let (_, tiers) = dial.open()?;
+        let (_, tiers) = dial.open_within(wait)?;
         Ok(Client {
             dial,
             tiers,
@@ -429,6 +431,11 @@ impl Client {
     /// A new attached connection.
     pub(crate) fn connect(&self) -> Result<Conn<FdStream>> {
         self.dial.open().map(|(c, _)| c)
+    }
+
+    /// A new attached connection, waiting as a save does for a sidecar that is gone.
+    pub(crate) fn connect_waiting(&self) -> Result<Conn<FdStream>> {
+        self.dial.open_within(self.dial.wait).map(|(c, _)| c)
     }
 
     /// The socket.
@@ -691,9 +698,6 @@ pub(crate) struct Restored {
     pub(crate) conn: Conn<FdStream>,
 }
 
-/// How long a save waits for a sidecar that went away (restarted, say) before it fails.
-pub(crate) const RECONNECT_WAIT: Duration = Duration::from_secs(60);
-
 /// How many times a filled step is handed to a sidecar again after the one before went away
 /// before it acknowledged the commit.
 const HAND_AGAIN: u32 = 3;
@@ -713,7 +717,7 @@ fn restarting(e: &std::io::Error) -> bool {
 /// **A sidecar that restarts under a save.** If the connection breaks before the sidecar was
 /// told the segment is filled (the sidecar was stopped or crashed, and its new life knows
 /// nothing of this segment), the lease asks the sidecar for a new segment (waiting for it to
-/// come back, up to [`RECONNECT_WAIT`]), copies the file over from the old segment, which this
+/// come back, up to `EngineConfig::sidecar_wait`), copies the file over from the old segment, which this
 /// process still maps, and tells the new one instead: training sees no error. A segment
 /// prepared ahead by a sidecar that has since gone is found out the same way, on its first
 /// message. A sidecar lost after `Filled` and before it acknowledged the commit (stopped

@@ -88,7 +88,14 @@ pub struct EngineConfig {
     /// The disk and store tiers configured here are then only read, by loads, when the sidecar
     /// cannot be reached. See [`EngineConfig::sidecar_from_env`].
     pub sidecar: Option<PathBuf>,
+    /// How long the engine waits for a sidecar that is gone (its socket missing or refusing:
+    /// restarting, or started with the job and not listening yet) before it fails: when it is
+    /// made, at a save, and at a read that has no tiers of its own to go to instead.
+    pub sidecar_wait: Duration,
 }
+
+/// Default [`EngineConfig::sidecar_wait`]: a sidecar restarting takes a few seconds.
+pub const DEFAULT_SIDECAR_WAIT: Duration = Duration::from_secs(60);
 
 /// Default chunk size: 64 MiB.
 pub const DEFAULT_CHUNK_SIZE: usize = 64 << 20;
@@ -116,6 +123,7 @@ impl EngineConfig {
             store_retries: 4,
             retry_backoff: Duration::from_millis(100),
             sidecar: None,
+            sidecar_wait: DEFAULT_SIDECAR_WAIT,
         }
     }
 
@@ -216,6 +224,7 @@ impl Engine {
                 &cfg.job,
                 cfg.rank,
                 cfg.world_size,
+                cfg.sidecar_wait,
                 gpu.clone(),
             )?),
             None => None,

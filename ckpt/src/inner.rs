@@ -47,15 +47,21 @@ pub(crate) struct Inner {
 impl Inner {
     /// The sidecar and a new connection to it, to read the job's steps through: `None` without
     /// a sidecar, or where it cannot be reached and this engine has tiers of its own, which the
-    /// caller reads instead (they are read only then). Without tiers of its own, an unreachable
-    /// sidecar is the error.
+    /// caller reads instead (they are read only then). Without tiers of its own, a sidecar that
+    /// is gone is waited for as a save waits (`EngineConfig::sidecar_wait`), then the error.
     pub(crate) fn reach_sidecar(&self) -> Result<Option<(&Client, Conn<FdStream>)>> {
         let Some(sidecar) = &self.sidecar else {
             return Ok(None);
         };
-        match sidecar.connect() {
+        let alone = self.core.tiers.is_empty();
+        let conn = if alone {
+            sidecar.connect_waiting()
+        } else {
+            sidecar.connect()
+        };
+        match conn {
             Ok(conn) => Ok(Some((sidecar, conn))),
-            Err(e) if self.core.tiers.is_empty() => Err(e),
+            Err(e) if alone => Err(e),
             Err(e) => {
                 warn!(error = %e, "sidecar unreachable; reading this engine's own tiers");
                 Ok(None)

@@ -397,7 +397,8 @@ fn without_the_sidecar_loads_come_from_the_engines_own_tiers() {
     assert_eq!(engine.latest_checkpoint().unwrap(), Some((5, 1)));
     assert_eq!(engine.manifest(5, 0).unwrap().step, 5);
     // Without tiers of its own, an engine without its sidecar cannot load, and says why.
-    let alone = EngineConfig::new("gone", 0, 1).sidecar(&socket);
+    let mut alone = EngineConfig::new("gone", 0, 1).sidecar(&socket);
+    alone.sidecar_wait = Duration::ZERO;
     match Engine::new(alone) {
         Err(Error::Sidecar { reason, .. }) => assert!(reason.contains("connect"), "{reason}"),
         other => panic!("{other:?}"),

@@ -123,7 +123,9 @@ class Checkpointer:
     staging or persisting at once, each holding a staging buffer as large as the state; when
     they are all busy, ``save`` blocks (``when_full="block"``) or drops the save
     (``"skip"``). ``chunk_size`` is the unit of checksums (bytes, default 64 MiB); ``threads``
-    the copy and hash threads (0: one per core, at most 8).
+    the copy and hash threads (0: one per core, at most 8). ``sidecar_wait`` is how long (s) a
+    sidecar that is gone (restarting, or started with the job and not listening yet) is waited
+    for: here, at a save, and at a read with no ``local_dir``/``store`` to go to instead.
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class Checkpointer:
         when_full: str = "block",
         chunk_size: Optional[int] = None,
         threads: int = 0,
+        sidecar_wait: float = 60.0,
     ) -> None:
         if keep is None:
             keep = 3
@@ -161,6 +164,7 @@ class Checkpointer:
             when_full=when_full,
             chunk_size=chunk_size,
             threads=threads,
+            sidecar_wait=sidecar_wait,
         )
         self._engine: Optional[_core.Engine] = _core.Engine(**opts)
         self._pending: List[_core.SaveHandle] = []

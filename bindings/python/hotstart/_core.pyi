@@ -52,6 +52,7 @@ class Engine:
         when_full: str = "block",
         chunk_size: Optional[int] = None,
         threads: int = 0,
+        sidecar_wait: float = 60.0,
     ) -> Engine: ...
     def reader(self, rank: int, world_size: int) -> Engine: ...
     @property
