@@ -48,8 +48,8 @@ struct Dial {
     job: String,
     rank: u32,
     world_size: u32,
-    /// How long the engine's construction and a save wait for a sidecar that is gone
-    /// (`EngineConfig::sidecar_wait`).
+    /// How long the engine's construction, a save and a read with nowhere else to go wait for
+    /// a sidecar that is gone (`EngineConfig::sidecar_wait`).
     wait: Duration,
 }
 
@@ -717,8 +717,8 @@ fn restarting(e: &std::io::Error) -> bool {
 /// **A sidecar that restarts under a save.** If the connection breaks before the sidecar was
 /// told the segment is filled (the sidecar was stopped or crashed, and its new life knows
 /// nothing of this segment), the lease asks the sidecar for a new segment (waiting for it to
-/// come back, up to `EngineConfig::sidecar_wait`), copies the file over from the old segment, which this
-/// process still maps, and tells the new one instead: training sees no error. A segment
+/// come back, up to `EngineConfig::sidecar_wait`), copies the file over from the old segment,
+/// which this process still maps, and tells the new one instead: training sees no error. A segment
 /// prepared ahead by a sidecar that has since gone is found out the same way, on its first
 /// message. A sidecar lost after `Filled` and before it acknowledged the commit (stopped
 /// between its drain and its exit, or crashed) is handled alike, from the read-only descriptor

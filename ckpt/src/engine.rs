@@ -85,8 +85,8 @@ pub struct EngineConfig {
     /// The Unix socket of this node's sidecar (`hotstart serve`). When set, saves stage
     /// straight into the sidecar's shared memory and the sidecar persists them (its own disk
     /// and store tiers, and its peers); loads ask the sidecar, which serves the nearest copy.
-    /// The disk and store tiers configured here are then only read, by loads, when the sidecar
-    /// cannot be reached. See [`EngineConfig::sidecar_from_env`].
+    /// The disk and store tiers configured here are then only read, by loads and by the
+    /// questions about steps, when the sidecar cannot be reached. See [`EngineConfig::sidecar_from_env`].
     pub sidecar: Option<PathBuf>,
     /// How long the engine waits for a sidecar that is gone (its socket missing or refusing:
     /// restarting, or started with the job and not listening yet) before it fails: when it is

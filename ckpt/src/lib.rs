@@ -57,7 +57,9 @@ mod persistence;
 mod save;
 mod staging;
 
-pub use engine::{DEFAULT_CHUNK_SIZE, Engine, EngineConfig, SOCKET_ENV, WhenFull};
+pub use engine::{
+    DEFAULT_CHUNK_SIZE, DEFAULT_SIDECAR_WAIT, Engine, EngineConfig, SOCKET_ENV, WhenFull,
+};
 pub use error::{Error, Result};
 pub use handle::{Phase, SaveHandle, SaveStatus};
 pub use inspect::Checkpoints;
