@@ -82,9 +82,9 @@ def engine_options(
         )
     r, w = resolve_rank(rank, world_size)
     r, w = integer("rank", r, 0, 32), integer("world_size", w, 1, 32)
-    for name, value in tuning.items():
-        if name in ("keep", "max_inflight", "chunk_size", "threads") and value is not None:
-            tuning[name] = integer(name, value, 1 if name in ("max_inflight", "chunk_size") else 0)
+    for name, low in (("keep", 0), ("max_inflight", 1), ("chunk_size", 1), ("threads", 0)):
+        if tuning.get(name) is not None:
+            tuning[name] = integer(name, tuning[name], low)
     opts: Dict[str, Any] = dict(job=job, rank=r, world_size=w, store=store, **tuning)
     opts["local_dir"] = None if local_dir is None else os.fspath(local_dir)
     opts["sidecar"] = None if sidecar is None else os.fspath(sidecar)
@@ -204,7 +204,7 @@ class Checkpointer:
         yet, :class:`SecondWriter` when another process on this node saves the same job and
         rank, :class:`StateDictError` for a state dict that cannot be saved. A step saved again
         once its first save is over replaces it. With a sidecar that is restarting, the save
-        waits for it (up to 60 s) and hands it the step.
+        waits for it (up to ``sidecar_wait``) and hands it the step.
         """
         step = integer("step", step)
         # Files that retention deleted since are no longer kept by loaded tensors.
