@@ -237,6 +237,21 @@ def test_a_sidecar_that_is_gone_leaves_every_read_to_the_own_tiers(tmp_path: Pat
     assert ck.loaded_from and set(ck.loaded_from) == {"disk"}, ck.loaded_from
 
 
+def test_a_sidecar_that_does_not_come_back_fails_the_save_with_sidecar_error(tmp_path: Path) -> None:
+    side = Sidecar(tmp_path)
+    try:
+        ck = hotstart.Checkpointer(sidecar=side.socket, job="never", sidecar_wait=1)
+        ck.save(1, state(1)).wait()
+    finally:
+        side.stop()
+    h = ck.save(2, state(2))
+    # The kind a loop catches, after the wait: not a bare HotstartError.
+    with pytest.raises(hotstart.SidecarError, match="step 2 was not staged: .*hotstart serve"):
+        h.wait_staged()
+    with pytest.raises(hotstart.SidecarError):
+        ck.close()
+
+
 def test_a_missing_sidecar_says_to_start_one(tmp_path: Path) -> None:
     with pytest.raises(hotstart.SidecarError, match="hotstart serve"):
         hotstart.Checkpointer(sidecar=tmp_path / "none.sock", job="j", sidecar_wait=0)
