@@ -236,7 +236,9 @@ impl Inner {
                 Destination::Regions(r) => Some(region_list(r)),
                 _ => None,
             };
-            let restored = sidecar.restore(conn, want, true, regions.clone())?;
+            let restored = sidecar
+                .restore(conn, want, true, regions.clone())
+                .map_err(|e| inner.saved_by_another_world_says(sidecar, want, e))?;
             return inner.load_restored(sidecar, restored, dest, regions, started);
         }
         let step = match which {
@@ -261,6 +263,31 @@ impl Inner {
             }
             e => e,
         })
+    }
+
+    /// `e`, a restore the sidecar refused or found nothing for; or, where the step asked for
+    /// (the newest one, for `None`) was saved by another world size, the configuration error
+    /// that says so and how to load it, as a load from this engine's own tiers says.
+    fn saved_by_another_world_says(&self, sidecar: &Client, want: Option<u64>, e: Error) -> Error {
+        if !(e.is_not_found() || matches!(e, Error::Sidecar { .. })) {
+            return e;
+        }
+        let Ok(mut conn) = sidecar.connect() else {
+            return e;
+        };
+        let saved = match want {
+            Some(step) => sidecar
+                .manifest(&mut conn, step, 0)
+                .ok()
+                .map(|m| (step, m.world_size)),
+            None => sidecar.latest_checkpoint(&mut conn, None).ok().flatten(),
+        };
+        match saved {
+            Some((step, world)) if world != self.core.world_size => {
+                self.core.another_world(step, world)
+            }
+            _ => e,
+        }
     }
 }
 
