@@ -90,6 +90,17 @@ def test_errors(local_dir: Path) -> None:
 
     with pytest.raises(hotstart.ConfigError, match="is not a step number"):
         dcp.save(state(1), storage_writer=StorageWriter(local_dir=local_dir, job="e"), checkpoint_id="latest")
+    # A step that is no step is refused where it is given, naming it.
+    for bad in (-1, True, 1 << 64):
+        with pytest.raises(hotstart.ConfigError, match="step .*: expected an integer"):
+            StorageWriter(local_dir=local_dir, job="e", step=bad)
+        with pytest.raises(hotstart.ConfigError, match="step .*: expected an integer"):
+            StorageReader(local_dir=local_dir, job="e", step=bad)
+    with pytest.raises(hotstart.ConfigError, match="checkpoint_id 18446744073709551616: expected"):
+        dcp.save(state(1), storage_writer=StorageWriter(local_dir=local_dir, job="e"), checkpoint_id=1 << 64)
+    # Of a path, as trainers pass one, the last component is the step; the writer's job decides where.
+    dcp.save(state(1), storage_writer=StorageWriter(local_dir=local_dir, job="p"), checkpoint_id="elsewhere/step-7")
+    assert (local_dir / "p" / "step-7" / "rank-0.manifest.json").exists()
 
     def load_error(step: int, dst: dict) -> str:
         with pytest.raises(CheckpointException) as e:

@@ -252,6 +252,19 @@ def test_a_sidecar_that_does_not_come_back_fails_the_save_with_sidecar_error(tmp
         ck.close()
 
 
+def test_a_step_of_another_world_size_through_the_sidecar_says_how_to_load_it(sidecar: Sidecar) -> None:
+    for rank in (0, 1):
+        with hotstart.Checkpointer(sidecar=sidecar.socket, job="resized", rank=rank, world_size=2) as ck:
+            ck.save(1, state(rank)).wait()
+    ck = hotstart.Checkpointer(sidecar=sidecar.socket, job="resized", rank=0, world_size=1)
+    assert ck.latest_step() == 1 and ck.saved_world_size(1) == 2
+    # Not "the sidecar failed", not "no checkpoint": what it is, and the way to load it.
+    for call in (lambda: ck.load(step=1), ck.load):
+        with pytest.raises(hotstart.ConfigError, match="saved by 2 ranks.*torch.distributed.checkpoint"):
+            call()
+    ck.close()
+
+
 def test_a_missing_sidecar_says_to_start_one(tmp_path: Path) -> None:
     with pytest.raises(hotstart.SidecarError, match="hotstart serve"):
         hotstart.Checkpointer(sidecar=tmp_path / "none.sock", job="j", sidecar_wait=0)

@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import _core, _state
-from ._checkpointer import PathLike, engine_options
+from ._checkpointer import PathLike, engine_options, integer
 from .errors import ConfigError, CorruptCheckpoint, NoCheckpoint
 
 __all__ = ["StorageWriter", "StorageReader", "StoredItem", "empty_optimizer_state", "latest_step", "load"]
@@ -103,11 +103,13 @@ def _step_of(checkpoint_id: Optional[CheckpointId], default: Optional[int]) -> i
             raise ConfigError("no step: pass checkpoint_id=<step> to dcp, or step=... here")
         return default
     text = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else str(checkpoint_id)
+    # A path's last component names the step (trainers pass `<folder>/step-N`); where it goes
+    # is the writer's store and job.
     text = os.path.basename(str(text).rstrip("/"))
     text = text[len("step-"):] if text.startswith("step-") else text
     if not text.isdigit():
         raise ConfigError(f"checkpoint_id {checkpoint_id!r} is not a step number (like 100 or 'step-100')")
-    return int(text)
+    return integer("checkpoint_id", int(text))
 
 
 def _probe(store: Optional[str], job: Optional[str], local_dir: Optional[PathLike],
@@ -206,7 +208,7 @@ def _agreed_newest(probe: _core.Engine) -> int:
     """The newest complete step, agreed by every rank (see :func:`_agreed`)."""
     found = _agreed(probe.latest_checkpoint)
     if found is None:
-        raise ConfigError(
+        raise NoCheckpoint(
             f"no complete checkpoint of job {probe.job!r} to load: save one first, or pass "
             "checkpoint_id=<step> to dcp.load"
         )
@@ -339,8 +341,8 @@ class StorageWriter(_StorageWriter):
                           max_inflight=max_inflight, chunk_size=chunk_size, threads=threads)
         # Resolve now, so a bad configuration fails at construction.
         engine_options(rank=0, world_size=1, **self._opts)  # type: ignore[arg-type]
-        self._default_step = step
-        self.step: Optional[int] = step
+        self._default_step = None if step is None else integer("step", step)
+        self.step: Optional[int] = self._default_step
         self._engine: Optional[_core.Engine] = None
         self._coordinator = False
         self._rank = 0
@@ -462,8 +464,8 @@ class StorageReader(_StorageReader):
         self.loaded_from: Dict[int, List[str]] = {}
         """Saved rank → the tier each chunk of its shard came from, in file order (``"memory"``,
         ``"peer"``, ``"disk"``, ``"store"``), for the ranks the last ``read_data`` read."""
-        self._default_step = step
-        self.step: Optional[int] = step
+        self._default_step = None if step is None else integer("step", step)
+        self.step: Optional[int] = self._default_step
         self._world_size = 0
         self._readers: Dict[int, _core.Engine] = {}
         self._storage: Dict[MetadataIndex, StoredItem] = {}
