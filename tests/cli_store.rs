@@ -130,3 +130,29 @@ fn bad_input_gets_a_clear_error() {
     assert!(err.contains("is not a directory"), "{err}");
     assert!(!missing.exists());
 }
+
+/// With no S3 credentials set anywhere, the client asks the instance metadata service last; when
+/// that gives none, the error says which variables to set rather than only the service's answer.
+#[test]
+fn missing_s3_credentials_name_the_variables_to_set() {
+    // Nothing listens on port 9: neither the store nor the metadata service answers.
+    let mut cmd = hotstart();
+    for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("AWS_")) {
+        cmd.env_remove(key);
+    }
+    let out = cmd
+        .args(["store", "ls", "s3://bucket/runs"])
+        .env("AWS_ENDPOINT", "http://127.0.0.1:9")
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no S3 credentials"), "{err}");
+    assert!(
+        err.contains("AWS_ACCESS_KEY_ID") && err.contains("AWS_SECRET_ACCESS_KEY"),
+        "{err}"
+    );
+    assert!(err.contains("127.0.0.1:9/latest/api/token"), "{err}");
+}

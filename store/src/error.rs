@@ -18,8 +18,23 @@ pub enum Error {
     NotFound { key: String },
 
     /// A call to the object store that failed.
-    #[error("object store error on {key}: {source}")]
+    #[error("object store error on {}: {source}", shown(key))]
     Store {
+        key: String,
+        #[source]
+        source: object_store::Error,
+    },
+
+    /// An S3 request that could not be signed: no credentials are configured, and the instance
+    /// metadata service, where the client looks for them last, gave none.
+    #[error(
+        "no S3 credentials to reach {}: none are set, and the instance metadata service \
+         (where the client looks last, as on a cloud VM with a role) gave none ({source}); set \
+         AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary \
+         ones), or AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN",
+        shown(key)
+    )]
+    NoCredentials {
         key: String,
         #[source]
         source: object_store::Error,
@@ -87,6 +102,7 @@ impl Error {
         match source {
             object_store::Error::NotFound { .. } => Error::NotFound { key },
             object_store::Error::Precondition { .. } => Error::Changed { key },
+            source if asked_instance_metadata(&source) => Error::NoCredentials { key, source },
             source => Error::Store { key, source },
         }
     }
@@ -144,6 +160,26 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// A key as a message names it: the empty key (a listing of the whole store) as such.
+fn shown(key: &str) -> &str {
+    if key.is_empty() {
+        "the store's root"
+    } else {
+        key
+    }
+}
+
+/// Whether an S3 request failed while its client asked the instance metadata service for
+/// credentials, which it does only when none are configured (object_store's names for the
+/// service's paths).
+fn asked_instance_metadata(e: &object_store::Error) -> bool {
+    let object_store::Error::Generic { store: "S3", .. } = e else {
+        return false;
+    };
+    let text = e.to_string();
+    text.contains("/latest/api/token") || text.contains("/latest/meta-data/iam/")
 }
 
 /// The backends whose client retries its own requests (`object_store`'s names for them).
