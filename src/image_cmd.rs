@@ -88,9 +88,9 @@ pub struct BuildArgs {
     /// The image name and tag, e.g. ml/python:3.11 (the tag defaults to latest).
     #[arg(long)]
     name: ImageRef,
-    /// Bytes per chunk, in KiB.
-    #[arg(long, default_value_t = 1024)]
-    chunk_kib: usize,
+    /// Bytes per chunk, in KiB: 4 to 65536 (64 MiB, the most a reader accepts).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(4..=65536))]
+    chunk_kib: u64,
     /// The platform to take from a multi-platform OCI index, e.g. linux/arm64 (default: this
     /// machine's).
     #[arg(long)]
@@ -128,9 +128,9 @@ pub struct ConvertArgs {
     dest: PathBuf,
     #[command(flatten)]
     store: StoreArg,
-    /// Bytes per chunk, in KiB.
-    #[arg(long, default_value_t = 1024)]
-    chunk_kib: usize,
+    /// Bytes per chunk, in KiB: 4 to 65536 (64 MiB, the most a reader accepts).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(4..=65536))]
+    chunk_kib: u64,
     /// The platform to take from a multi-platform index, e.g. linux/arm64 (default: this
     /// machine's).
     #[arg(long)]
@@ -256,9 +256,9 @@ pub async fn run(cmd: ImageCommand) -> anyhow::Result<()> {
     }
 }
 
-fn build_config(chunk_kib: usize, platform: &Option<String>) -> BuildConfig {
+fn build_config(chunk_kib: u64, platform: &Option<String>) -> BuildConfig {
     BuildConfig {
-        chunk_size: chunk_kib.max(1) << 10,
+        chunk_size: (chunk_kib as usize) << 10,
         platform: platform.clone(),
         ..BuildConfig::default()
     }

@@ -199,3 +199,85 @@ fn bad_images_get_clear_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("invalid image name \"Bad/Name\""), "{err}");
 }
+
+/// Whether the kernel's mount table lists anything at `path` (absolute, as the table names it).
+fn mounted_at(path: &Path) -> bool {
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let path = path.to_str().unwrap();
+    table.lines().any(|l| l.split(' ').nth(4) == Some(path))
+}
+
+/// Mount points given as a bare name in the working directory: a mount stopped with Ctrl-C
+/// while a file in it is open is still detached (lazily), and a second mount on a live one is
+/// refused, naming how to unmount it, before any prefetch starts.
+#[test]
+fn mounts_at_a_bare_name_are_detached_when_busy_and_never_stacked() {
+    let work = tempfile::tempdir().unwrap();
+    let work = work.path().canonicalize().unwrap();
+    let store = work.join("store");
+    let src = work.join("src");
+    sample_dir(&src);
+    let cmd = |args: &[&str]| {
+        let mut c = hotstart(&[]);
+        c.arg("image")
+            .args(args)
+            .args(["--store", store.to_str().unwrap()])
+            .current_dir(&work);
+        c
+    };
+    run_ok(&mut cmd(&["build", "src", "--name", "app:1"]));
+    let mp = work.join("mnt");
+    std::fs::create_dir(&mp).unwrap();
+    let mut m = MountProc::start(&mut cmd(&["mount", "app:1", "mnt"]), &mp);
+    assert!(mounted_at(&mp));
+
+    let second = cmd(&["mount", "app:1", "mnt"]).output().unwrap();
+    assert!(!second.status.success());
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        err.contains("already has a FUSE file system mounted") && err.contains("fusermount3 -u"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("prefetch"),
+        "nothing started for the refused mount: {err}"
+    );
+
+    let first = std::fs::read_dir(&mp)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_file())
+        .expect("a file in the image");
+    let held = std::fs::File::open(&first).unwrap();
+    assert!(m.stop(), "the mount exits cleanly on SIGINT");
+    drop(held);
+    assert!(
+        !mounted_at(&mp),
+        "nothing is left mounted at {}",
+        mp.display()
+    );
+    assert!(std::fs::read_dir(&mp).unwrap().next().is_none());
+}
+
+/// A chunk size out of range is refused by the argument parser, before anything is built.
+#[test]
+fn chunk_sizes_out_of_range_are_refused() {
+    let work = tempfile::tempdir().unwrap();
+    let store = work.path().join("store");
+    for kib in ["0", "100000000"] {
+        let out = hotstart(&[])
+            .args(["image", "build"])
+            .arg(work.path())
+            .args(["--store", store.to_str().unwrap(), "--name", "x:1"])
+            .args(["--chunk-kib", kib])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{kib}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--chunk-kib") && err.contains("4..=65536"),
+            "{kib}: {err}"
+        );
+        assert!(!store.exists(), "nothing was written for {kib}");
+    }
+}

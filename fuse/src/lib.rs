@@ -27,6 +27,7 @@ mod fs;
 mod fuse;
 mod inode;
 mod mount;
+mod mountinfo;
 mod read;
 mod spill;
 mod write;
@@ -41,6 +42,7 @@ pub use fs::{Attr, DirEntry, StripedFs};
 pub use inode::{FileKind, join};
 pub use mount::{
     MountConfig, MountHandle, MountOptions, PageCache, clear_stale_mount, mount, mount_fs,
+    prepare_mountpoint,
 };
 pub use spill::{SpillError, SpillSpace};
 

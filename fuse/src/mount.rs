@@ -194,7 +194,12 @@ impl<F> Drop for MountHandle<F> {
 /// directory on another device than its parent.
 fn is_mount_point(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let parent = path.parent().unwrap_or(Path::new("/"));
+    let parent = match path.parent() {
+        // A bare name ("mnt") has the working directory as its parent.
+        Some(p) if p.as_os_str().is_empty() => Path::new("."),
+        Some(p) => p,
+        None => Path::new("/"),
+    };
     match (std::fs::symlink_metadata(path), std::fs::metadata(parent)) {
         (Err(e), _) => e.raw_os_error() == Some(libc::ENOTCONN),
         (Ok(m), Ok(p)) => m.dev() != p.dev(),
@@ -256,22 +261,43 @@ pub fn mount(
     Ok(handle)
 }
 
-/// Clears a stale mount at `mountpoint` and checks it is a directory.
-fn check_mountpoint(mountpoint: &Path) -> io::Result<()> {
+/// Readies `mountpoint` for a mount: detaches a stale mount left there by a crashed process,
+/// checks that it is a directory with no live FUSE file system on it, and returns it as the
+/// kernel's mount table names it (absolute, without symlinks). [`mount_fs`] calls it; a caller
+/// that starts work for the mount beforehand (a prefetch) calls it first, so that a mount point
+/// that cannot be used fails before that work starts.
+pub fn prepare_mountpoint(mountpoint: &Path) -> io::Result<PathBuf> {
     clear_stale_mount(mountpoint)?;
-    let meta = std::fs::metadata(mountpoint).map_err(|e| {
+    let context = |e: io::Error| {
         io::Error::new(
             e.kind(),
             format!("mount point {}: {e}", mountpoint.display()),
         )
-    })?;
+    };
+    let meta = std::fs::metadata(mountpoint).map_err(context)?;
     if !meta.is_dir() {
         return Err(io::Error::new(
             io::ErrorKind::NotADirectory,
             format!("mount point {} is not a directory", mountpoint.display()),
         ));
     }
-    Ok(())
+    // Resolved while it is still a plain directory. A handle keeps it, so that unmounting does
+    // not depend on the working directory.
+    let canonical = mountpoint.canonicalize().map_err(context)?;
+    // A second FUSE mount on top of a live one would hide it until unmounted, then leave it
+    // behind: almost always a mistake (a mount left running, or mounted twice).
+    if let Some(source) = crate::mountinfo::fuse_at(&canonical) {
+        return Err(io::Error::new(
+            io::ErrorKind::ResourceBusy,
+            format!(
+                "mount point {} already has a FUSE file system mounted ({source}): unmount it \
+                 first (fusermount3 -u {}), or choose another directory",
+                mountpoint.display(),
+                canonical.display()
+            ),
+        ));
+    }
+    Ok(canonical)
 }
 
 /// Mounts any [`Filesystem`] at `mountpoint` (clearing a stale mount left there by a crashed
@@ -282,14 +308,7 @@ pub fn mount_fs<F: Filesystem>(
     opts: &MountOptions,
     rt: tokio::runtime::Handle,
 ) -> io::Result<MountHandle<F>> {
-    check_mountpoint(mountpoint)?;
-    // As /proc/self/mountinfo will name it; resolved now, while it is still a plain directory.
-    let canonical = mountpoint.canonicalize().map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("mount point {}: {e}", mountpoint.display()),
-        )
-    })?;
+    let canonical = prepare_mountpoint(mountpoint)?;
     let adapter = FuseAdapter::new(fs.clone(), rt, opts.max_background.max(1));
     let mut options = vec![
         MountOption::FSName(opts.fs_name.clone()),
@@ -321,7 +340,7 @@ pub fn mount_fs<F: Filesystem>(
     }
     Ok(MountHandle {
         session: Some(session),
-        mountpoint: mountpoint.to_path_buf(),
+        mountpoint: canonical,
         fs,
     })
 }

@@ -296,6 +296,7 @@ impl Images {
         mountpoint: &Path,
         cfg: LazyConfig,
     ) -> Result<LazyMount> {
+        crate::mount::prepare_mountpoint(mountpoint).await?;
         let artifacts = image.artifacts();
         // The profile is read while the record and tree are.
         let profile = read_profile(self.store(), Some(&artifacts), &cfg);

@@ -240,6 +240,17 @@ impl std::fmt::Debug for LazyMount {
     }
 }
 
+/// [`hotstart_fuse::prepare_mountpoint`], off the runtime's threads: the error a mount at
+/// `mountpoint` would fail with, before anything is started for it.
+pub(crate) async fn prepare_mountpoint(mountpoint: &Path) -> Result<()> {
+    let mp = mountpoint.to_path_buf();
+    tokio::task::spawn_blocking(move || hotstart_fuse::prepare_mountpoint(&mp))
+        .await
+        .map_err(|e| Error::task("mount", e))?
+        .map_err(|e| Error::io("mount", mountpoint, e))?;
+    Ok(())
+}
+
 impl LazyMount {
     /// Mounts `tree` (its chunks in `chunks`) at `mountpoint`. `label` names it in reports;
     /// `artifacts`, if given, is where its profile, traces and run reports live.
@@ -252,12 +263,15 @@ impl LazyMount {
         mountpoint: &Path,
         cfg: LazyConfig,
     ) -> Result<LazyMount> {
+        prepare_mountpoint(mountpoint).await?;
         let profile = read_profile(chunks.store(), artifacts.as_ref(), &cfg);
         Self::mount_with(chunks, tree, label, artifacts, mountpoint, cfg, profile).await
     }
 
     /// [`LazyMount::mount`] with the profile already being read (by [`read_profile`]), so that
-    /// reading it overlaps with reading the tree.
+    /// reading it overlaps with reading the tree. Check the mount point with
+    /// [`prepare_mountpoint`] before starting that read: one that cannot be used then fails
+    /// before any prefetch starts.
     pub async fn mount_with(
         chunks: ChunkStore,
         tree: &Tree,
