@@ -406,5 +406,19 @@ async fn gc_cmd(args: GcArgs) -> anyhow::Result<()> {
     for key in &report.broken {
         eprintln!("warning: snapshot {key} names a missing tree; delete it with --key {key}");
     }
+    // A key that matched nothing is most likely mistyped: say so, rather than succeed.
+    let unknown: Vec<String> = opts
+        .keys
+        .iter()
+        .map(|k| k.to_string())
+        .filter(|k| !report.snapshots.contains(k))
+        .collect();
+    if !unknown.is_empty() {
+        anyhow::bail!(
+            "no snapshot has the key {}: nothing was deleted for it (`hotstart env ls` lists the \
+             keys)",
+            unknown.join(", ")
+        );
+    }
     Ok(())
 }

@@ -13,6 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use hotstart_store::chunk::decode_frame;
 use hotstart_store::{ChunkId, Store};
 use hotstart_testkit::{SeaweedFs, workspace_root};
 use serde_json::Value;
@@ -599,7 +600,9 @@ fn damage_six_py(f: &Fixture, venv: &Path) -> ChunkId {
 }
 
 /// A published venv (six) whose stored chunk of `six.py` is then damaged: the restore fails
-/// naming the chunk, and nothing is left at the target.
+/// naming the chunk, and nothing is left at the target. The damaged copy and the snapshot's
+/// record are deleted, so the next ensure installs and publishes anew, uploading the chunk
+/// again instead of reusing the damaged copy, and the ensure after it restores.
 fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory(f: &Fixture) {
     let (lock, install) = small_venv(f);
     let target = f.path("venv");
@@ -620,6 +623,27 @@ fn a_corrupt_chunk_fails_the_restore_and_leaves_no_directory(f: &Fixture) {
     assert!(leftovers(&target).is_empty(), "{:?}", leftovers(&target));
     // The install command did not run instead: the damage is reported, not papered over.
     assert!(!String::from_utf8_lossy(&out.stdout).contains("installed"));
+    assert!(
+        err.contains("was damaged and is deleted")
+            && err.contains("installs and publishes it anew"),
+        "{err}"
+    );
+    let store = f.open_store();
+    let object = format!("envs/{}", id.key());
+    assert!(block_on(store.get(&object)).unwrap_err().is_not_found());
+
+    let again = f.ensure(&target, &lock, &[], &strs(&install));
+    assert_eq!(again["published"], true, "{again}");
+    let stored = block_on(store.get(&object)).unwrap();
+    let six_py = walk_files(&target)
+        .into_iter()
+        .find(|p| p.ends_with("site-packages/six.py"))
+        .unwrap();
+    let six_py = std::fs::read(six_py).unwrap();
+    assert_eq!(decode_frame(&id, &stored, 64 << 20).unwrap(), six_py);
+    std::fs::remove_dir_all(&target).unwrap();
+    let restored = f.ensure(&target, &lock, &[], &strs(&install));
+    assert_eq!(restored["action"], "restored", "{restored}");
 }
 
 /// Install commands that fail (pip itself, a script's exit code, a signal, a missing program)
@@ -1115,6 +1139,19 @@ fn ls_and_gc_through_the_command_line() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a snapshot key"));
+
+    // A well-formed key that no snapshot has (here: the one just deleted) is an error too.
+    let gone = f
+        .hotstart()
+        .args(["env", "gc", "--store", &f.store, "--key", k1])
+        .output()
+        .unwrap();
+    assert_eq!(gone.status.code(), Some(1), "{gone:?}");
+    let err = String::from_utf8_lossy(&gone.stderr);
+    assert!(
+        err.contains(&format!("no snapshot has the key {k1}")),
+        "{err}"
+    );
 }
 
 /// Whether `path` is a mountpoint right now.

@@ -42,13 +42,15 @@ pub enum Error {
     #[error("snapshot {key}: {reason}")]
     BadSnapshot { key: String, reason: String },
 
-    /// A restore that failed; nothing was left at the target.
-    #[error("restoring snapshot {key} into {target}: {source}", target = target.display())]
+    /// A restore that failed; nothing was left at the target. `repaired` says what was done
+    /// about a damaged store (empty when nothing was).
+    #[error("restoring snapshot {key} into {target}: {source}{repaired}", target = target.display())]
     Restore {
         key: String,
         target: PathBuf,
         #[source]
         source: Box<Error>,
+        repaired: String,
     },
 
     /// A lazy mount that could not be made, or unmounted.
@@ -124,6 +126,14 @@ impl Error {
     pub fn install_exit_code(&self) -> Option<i32> {
         match self {
             Error::InstallFailed { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// The chunk whose stored bytes failed verification, when that is what this error says.
+    pub fn damaged_chunk(&self) -> Option<hotstart_store::ChunkId> {
+        match self {
+            Error::Store(e) => e.damaged_chunk(),
             _ => None,
         }
     }

@@ -108,10 +108,12 @@ pub async fn restore(
         Ok(r) => r,
         Err(e) => {
             remove_tree(&tmp);
+            let repaired = repair(env, record, &e).await;
             return Err(Error::Restore {
                 key: record.key.clone(),
                 target: target.to_path_buf(),
                 source: Box::new(e),
+                repaired,
             });
         }
     };
@@ -125,6 +127,46 @@ pub async fn restore(
     report.cache_hits = after.cache_hits - before.cache_hits;
     report.seconds = started.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// After a restore that failed on a damaged chunk: when the store's own copy is damaged, deletes
+/// it and the snapshot's record, so that the next `ensure` installs and publishes the snapshot
+/// anew and uploads the chunk again, where it would otherwise keep the record and reuse the
+/// damaged copy forever. Returns what it did, to be said after the error.
+async fn repair(env: &EnvStore, record: &SnapshotRecord, e: &Error) -> String {
+    let Some(id) = e.damaged_chunk() else {
+        return String::new();
+    };
+    match env.chunks().delete_if_damaged(&id).await {
+        Ok(true) => {}
+        Ok(false) => return String::new(),
+        Err(err) => {
+            tracing::warn!(chunk = %id.to_hex(), error = %err,
+                "could not check or delete the store's copy of a damaged chunk");
+            return String::new();
+        }
+    }
+    let deleted = match record.key() {
+        Ok(key) => env
+            .root()
+            .delete(&EnvStore::record_key(&key))
+            .await
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match deleted {
+        Ok(()) => format!(
+            "; the store's copy of chunk {} was damaged and is deleted, and so is this \
+             snapshot's record: the next ensure installs and publishes it anew",
+            id.to_hex()
+        ),
+        Err(err) => format!(
+            "; the store's copy of chunk {} was damaged and is deleted, but this snapshot's \
+             record could not be ({err}): run `hotstart env gc --key {}`, then ensure again",
+            id.to_hex(),
+            record.key
+        ),
+    }
 }
 
 async fn fill(

@@ -277,6 +277,33 @@ impl ChunkStore {
         Ok(found)
     }
 
+    /// Deletes the store's copy of `id` when that copy is damaged: read again straight from the
+    /// store, it still does not decode to bytes with that id. Writers trust a chunk the store
+    /// already holds ([`ChunkStore::put`]), so a damaged copy left in place would be reused by
+    /// every later upload of the same bytes; once it is gone, the next one uploads it again.
+    /// Returns whether it was deleted (`false`: the copy is sound, or not there).
+    pub async fn delete_if_damaged(&self, id: &ChunkId) -> Result<bool> {
+        let key = id.key();
+        let frame = match self.inner.store.get(&key).await {
+            Ok(frame) => frame,
+            Err(e) if e.is_not_found() => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let (checked, max) = (*id, self.inner.cfg.max_chunk_size);
+        let sound =
+            tokio::task::spawn_blocking(move || decode_frame(&checked, &frame, max).is_ok())
+                .await
+                .map_err(|e| Error::task("chunk decode", e))?;
+        if sound {
+            return Ok(false);
+        }
+        self.inner.present.lock().remove(id);
+        self.inner.store.delete(&key).await?;
+        tracing::warn!(chunk = %id.to_hex(), store = self.inner.store.url(),
+            "deleted a damaged chunk from the store; the next upload of its bytes stores it again");
+        Ok(true)
+    }
+
     /// The ids among `ids` that the store does not hold, in their order.
     pub async fn missing(&self, ids: &[ChunkId]) -> Result<Vec<ChunkId>> {
         let found: Vec<bool> = futures::stream::iter(ids)

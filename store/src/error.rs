@@ -37,7 +37,7 @@ pub enum Error {
     NoCredentials {
         key: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 
     /// A ranged response that returned fewer or more bytes than asked for.
@@ -102,7 +102,10 @@ impl Error {
         match source {
             object_store::Error::NotFound { .. } => Error::NotFound { key },
             object_store::Error::Precondition { .. } => Error::Changed { key },
-            source if asked_instance_metadata(&source) => Error::NoCredentials { key, source },
+            source if asked_instance_metadata(&source) => Error::NoCredentials {
+                key,
+                source: Box::new(source),
+            },
             source => Error::Store { key, source },
         }
     }
@@ -133,6 +136,14 @@ impl Error {
     /// True when stored bytes failed verification.
     pub fn is_corrupt(&self) -> bool {
         matches!(self.root(), Error::Corrupt { .. })
+    }
+
+    /// The chunk whose stored bytes failed verification, when that is what this error says.
+    pub fn damaged_chunk(&self) -> Option<crate::ChunkId> {
+        match self.root() {
+            Error::Corrupt { id, .. } => crate::ChunkId::from_hex(id).ok(),
+            _ => None,
+        }
     }
 
     /// True when the object or chunk does not exist.
