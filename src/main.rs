@@ -60,6 +60,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    quiet_on_closed_stdout();
     let cli = Cli::parse();
     // The daemon logs what it does (state changes, restores and where they came from).
     let default_filter = match cli.command {
@@ -134,4 +135,26 @@ fn exit(result: anyhow::Result<()>) -> std::process::ExitCode {
             }
         }
     }
+}
+
+/// Output piped into a reader that stops early (`hotstart env ls | head -1`) ends the program
+/// quietly, with the status a process killed by SIGPIPE has (141), as other command-line tools
+/// do, instead of a panic and its backtrace. SIGPIPE itself stays ignored: a peer that closes a
+/// socket must not kill a sidecar or a mount.
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.starts_with("failed printing to stdout")
+            && message.ends_with(&std::io::Error::from_raw_os_error(libc::EPIPE).to_string())
+        {
+            std::process::exit(128 + libc::SIGPIPE);
+        }
+        default(info)
+    }));
 }

@@ -42,23 +42,23 @@ pub enum StoreCommand {
 
 #[derive(Debug, Args)]
 pub struct StripeArgs {
-    /// Bytes per ranged GET or multipart part (AWS S3 needs at least 5 MiB).
-    #[arg(long, default_value_t = 8 << 20)]
-    stripe_size: usize,
-    /// Stripes in flight at once.
-    #[arg(long, default_value_t = 16)]
-    in_flight: usize,
-    /// Most bytes held in stripes at once.
-    #[arg(long, default_value_t = 1 << 30)]
-    memory_budget: usize,
+    /// Bytes per ranged GET or multipart part: at least 4 KiB (AWS S3 needs at least 5 MiB).
+    #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(4096..))]
+    stripe_size: u64,
+    /// Stripes in flight at once (at least 1).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    in_flight: u64,
+    /// Most bytes held in stripes at once (at least 4 KiB; a stripe never exceeds it).
+    #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(4096..))]
+    memory_budget: u64,
 }
 
 impl StripeArgs {
     fn config(&self) -> StripeConfig {
         StripeConfig {
-            stripe_size: self.stripe_size,
-            max_in_flight: self.in_flight,
-            budget: ByteBudget::new(self.memory_budget),
+            stripe_size: self.stripe_size as usize,
+            max_in_flight: self.in_flight as usize,
+            budget: ByteBudget::new(self.memory_budget as usize),
         }
     }
 }

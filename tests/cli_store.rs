@@ -129,6 +129,24 @@ fn bad_input_gets_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is not a directory"), "{err}");
     assert!(!missing.exists());
+
+    // A stripe of no bytes is refused by the argument parser, not cut into one-byte parts.
+    let src = work.path().join("one.bin");
+    std::fs::write(&src, b"bytes").unwrap();
+    let dst = format!("file://{}/store/one.bin", work.path().display());
+    let out = hotstart()
+        .args(["store", "cp", "--stripe-size", "0"])
+        .arg(&src)
+        .arg(&dst)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--stripe-size") && err.contains("4096"),
+        "{err}"
+    );
+    assert!(!work.path().join("store").exists());
 }
 
 /// With no S3 credentials set anywhere, the client asks the instance metadata service last; when
@@ -155,4 +173,27 @@ fn missing_s3_credentials_name_the_variables_to_set() {
         "{err}"
     );
     assert!(err.contains("127.0.0.1:9/latest/api/token"), "{err}");
+}
+
+/// Output piped into a reader that stops early ends the program as SIGPIPE would (status 141),
+/// without a panic. The listing is larger than a pipe holds, so it cannot all fit before the
+/// reader goes away.
+#[test]
+fn a_closed_output_pipe_ends_quietly() {
+    let work = tempfile::tempdir().unwrap();
+    for i in 0..2000 {
+        std::fs::write(work.path().join(format!("{i:0>64}")), b"x").unwrap();
+    }
+    let mut child = hotstart()
+        .args(["store", "ls"])
+        .arg(work.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }

@@ -94,7 +94,11 @@ pub async fn upload_file(
         return Err(Error::io(
             "upload",
             src,
-            std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory"),
+            std::io::Error::new(
+                std::io::ErrorKind::IsADirectory,
+                "is a directory; this copies one file (a directory tree goes up as a lazy \
+                 image: `hotstart image build`)",
+            ),
         ));
     }
     let mut writer = StripedWriter::new(store, key, cfg)?;
@@ -146,7 +150,8 @@ pub async fn download_file(
 ) -> Result<u64> {
     let reader = StripedReader::open(store, key, cfg).await?;
     let tmp = temp_beside(dst);
-    let file = std::fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    // Named after the destination: the temporary file beside it is not the user's concern.
+    let file = std::fs::File::create(&tmp).map_err(|e| Error::io("create", dst, e))?;
     // Stripes are written on the blocking pool while the next ones download.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(4);
     let tmp_w = tmp.clone();
