@@ -175,7 +175,8 @@ impl StripedFs {
         Ok(())
     }
 
-    /// The path of `name` inside directory `parent`, refusing names that are not valid keys.
+    /// The path of `name` inside directory `parent`, refusing names that are not valid keys or
+    /// that the store could not hold ([`Store::path_to_write`]: it holds no such object either).
     fn child_path(&self, parent: u64, name: &str) -> FsResult<String> {
         let dir = self.node(parent)?;
         if dir.kind != FileKind::Dir {
@@ -191,10 +192,12 @@ impl StripedFs {
                 reason: "not a valid object key component".into(),
             });
         }
-        Store::path(&path).map_err(|e| FsError::Invalid {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
+        self.store
+            .path_to_write(&path)
+            .map_err(|e| FsError::Invalid {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
         Ok(path)
     }
 

@@ -301,6 +301,34 @@ fn local_directory_store() {
         pattern(40 << 20, 5)
     );
     assert!(std::fs::read(store_dir.path().join("sizes/f6")).unwrap() == pattern(100 << 20, 6));
+
+    // Names a directory store cannot hold are refused when the file is made (EINVAL), not at
+    // its close with an I/O error after the bytes were written; a name just under the limit
+    // and one whose '#' is followed by more than digits are stored.
+    for (name, ok) in [
+        ("ckpt#1", false),
+        ("a#12", false),
+        ("b#1x", true),
+        ("c#d#1", true),
+        (&"n".repeat(251)[..], false),
+        (&"m".repeat(250)[..], true),
+    ] {
+        let path = m.path().join(name);
+        match std::fs::write(&path, b"bytes") {
+            Ok(()) => {
+                assert!(ok, "{name} was accepted");
+                assert_eq!(
+                    std::fs::read(store_dir.path().join(name)).unwrap(),
+                    b"bytes"
+                );
+            }
+            Err(e) => {
+                assert!(!ok, "{name}: {e}");
+                assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{name}: {e}");
+                assert!(!path.exists());
+            }
+        }
+    }
 }
 
 #[test]

@@ -430,7 +430,7 @@ impl StripedWriter {
         Ok(StripedWriter {
             store: store.clone(),
             key: key.to_string(),
-            path: Store::path(key)?,
+            path: store.path_to_write(key)?,
             cfg,
             part: BytesMut::new(),
             part_permit: None,

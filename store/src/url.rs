@@ -308,6 +308,10 @@ fn not_built(url: &str, feature: &str) -> Error {
     }
 }
 
+/// The longest file name a local-directory store takes: the file system's 255 bytes, less room
+/// for the `#` and number its writer adds while an object is being written.
+const LOCAL_NAME_MAX: usize = 250;
+
 /// One object as listed: its key relative to the store's prefix, its size and when it was last
 /// written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -417,9 +421,41 @@ impl Store {
         })
     }
 
+    /// [`Store::path`] of a key to write: refused, besides, when this store could not hold it.
+    /// A local directory keeps an object that is being written under its name followed by `#`
+    /// and a number, so it takes no file name whose part after its first `#` is all digits,
+    /// and none within a few bytes of the file system's 255-byte limit.
+    pub fn path_to_write(&self, key: &str) -> Result<ObjectPath> {
+        let path = Self::path(key)?;
+        if self.local.is_none() {
+            return Ok(path);
+        }
+        let name = key.rsplit('/').next().unwrap_or(key);
+        let reason = if name.len() > LOCAL_NAME_MAX {
+            format!(
+                "a local-directory store takes file names of at most {LOCAL_NAME_MAX} bytes \
+                 (this one has {})",
+                name.len()
+            )
+        } else if name
+            .split_once('#')
+            .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        {
+            "a local-directory store takes no file name whose part after its first '#' is all \
+             digits (it names unfinished writes that way)"
+                .to_string()
+        } else {
+            return Ok(path);
+        };
+        Err(Error::Format {
+            what: "object key",
+            reason: format!("{key:?}: {reason}"),
+        })
+    }
+
     /// Writes a whole object in one request; it becomes visible atomically.
     pub async fn put(&self, key: &str, data: Bytes) -> Result<()> {
-        let path = Self::path(key)?;
+        let path = self.path_to_write(key)?;
         self.inner
             .put(&path, PutPayload::from_bytes(data))
             .await
@@ -432,7 +468,7 @@ impl Store {
     /// conditional write (`If-None-Match: *` on S3, a no-replace link on local disk), so of many
     /// writers racing for one key across machines exactly one gets `true`.
     pub async fn put_if_absent(&self, key: &str, data: Bytes) -> Result<bool> {
-        let path = Self::path(key)?;
+        let path = self.path_to_write(key)?;
         let opts = object_store::PutOptions {
             mode: object_store::PutMode::Create,
             ..Default::default()
@@ -559,6 +595,32 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_directory_store_refuses_names_it_cannot_hold_before_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap())
+            .unwrap()
+            .prefixed("p");
+        for key in ["run#1", "x/run#007", &format!("x/{}", "n".repeat(251))] {
+            let e = store.put(key, Bytes::from_static(b"x")).await.unwrap_err();
+            assert!(
+                matches!(e, Error::Format { .. }) && e.to_string().contains("local-directory"),
+                "{key}: {e}"
+            );
+            assert!(
+                crate::StripedWriter::new(&store, key, Default::default()).is_err(),
+                "{key}"
+            );
+        }
+        for key in ["run#1x", "a#b#1", "dir#1/f", &"m".repeat(250)] {
+            store.put(key, Bytes::from_static(b"x")).await.unwrap();
+            assert_eq!(&store.get(key).await.unwrap()[..], b"x", "{key}");
+        }
+        // Other stores take any key.
+        let memory = StoreUrl::parse("memory://t").unwrap().open().unwrap();
+        memory.put("run#1", Bytes::from_static(b"x")).await.unwrap();
+    }
 
     #[tokio::test]
     async fn get_blocking_reads_local_directories_and_nothing_else() {
