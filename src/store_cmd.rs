@@ -118,7 +118,8 @@ async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
             let n = upload_file(Path::new(src), &obj.store, &obj.key, cfg, &|n| {
                 bar.set_position(n)
             })
-            .await?;
+            .await
+            .with_context(|| format!("copy {src} to {dst}"))?;
             bar.finish_and_clear();
             n
         }
@@ -132,8 +133,9 @@ async fn cp(src: &str, dst: &str, cfg: StripeConfig) -> anyhow::Result<()> {
                 target.push(file_name(&obj.key));
             }
             let bar = progress_bar(None);
-            let n =
-                download_file(&obj.store, &obj.key, &target, cfg, &|n| bar.set_position(n)).await?;
+            let n = download_file(&obj.store, &obj.key, &target, cfg, &|n| bar.set_position(n))
+                .await
+                .with_context(|| format!("copy {src} to {}", target.display()))?;
             bar.finish_and_clear();
             n
         }
