@@ -179,16 +179,21 @@ impl Dial {
         self.open_within(Duration::ZERO)
     }
 
-    /// A new attached connection, waiting up to `wait` for a sidecar that is restarting.
+    /// A new attached connection, waiting up to `wait` for a sidecar that is restarting. A
+    /// sidecar that accepts the connection and does not answer within [`ATTACH_ANSWER`] (one
+    /// stopped, or hung) is waited for in the same way, never forever.
     fn open_within(&self, wait: Duration) -> Result<(Conn<FdStream>, Vec<TierKind>)> {
         let deadline = Instant::now() + wait;
         loop {
             let sock = self.connect(deadline.saturating_duration_since(Instant::now()))?;
+            sock.set_read_timeout(Some(ATTACH_ANSWER))
+                .map_err(|e| self.error(format!("set a read timeout: {e}")))?;
             let mut conn = Conn::new(
                 FdStream::new(sock),
                 self.socket.display().to_string(),
                 Side::Local,
             );
+            let asked = Instant::now();
             let answer = conn
                 .send(&LocalMsg::Attach {
                     version: PROTOCOL_VERSION,
@@ -198,12 +203,30 @@ impl Dial {
                 })
                 .and_then(|()| conn.recv());
             match answer {
-                Ok(LocalMsg::Attached { tiers, .. }) => return Ok((conn, tiers)),
+                Ok(LocalMsg::Attached { tiers, .. }) => {
+                    // Later answers may take long (a save waiting for memory, a restore).
+                    conn.get_ref()
+                        .socket()
+                        .set_read_timeout(None)
+                        .map_err(|e| self.error(format!("clear the read timeout: {e}")))?;
+                    return Ok((conn, tiers));
+                }
                 Ok(LocalMsg::Failed { reason }) => return Err(self.error(reason)),
                 Ok(other) => {
                     return Err(conn
                         .violation(format!("expected attached, got {other:?}"))
                         .into());
+                }
+                Err(_) if asked.elapsed() >= ATTACH_ANSWER && Instant::now() >= deadline => {
+                    return Err(self.error(format!(
+                        "the sidecar accepted the connection but did not answer within {} s: is \
+                         it stopped (SIGSTOP, a debugger) or hung? Restart it (its log may say \
+                         why)",
+                        ATTACH_ANSWER.as_secs()
+                    )));
+                }
+                Err(e) if asked.elapsed() >= ATTACH_ANSWER => {
+                    warn!(socket = %self.socket.display(), error = %e, "the sidecar does not answer; waiting for it");
                 }
                 Err(e) => self.gone_while_restarting(&conn, e, deadline)?,
             }
@@ -697,6 +720,10 @@ pub(crate) struct Restored {
     /// The connection it came on, for an `Upload` of the segment's bytes.
     pub(crate) conn: Conn<FdStream>,
 }
+
+/// How long a sidecar that accepted a connection has to answer its first message: it answers
+/// at once from its accept loop, so one that takes this long is stopped or hung.
+const ATTACH_ANSWER: Duration = Duration::from_secs(10);
 
 /// How many times a filled step is handed to a sidecar again after the one before went away
 /// before it acknowledged the commit.

@@ -284,6 +284,18 @@ impl Persistence {
         Ok(Some(m))
     }
 
+    /// The world size named by this rank's manifest of `step` in `tier`, whatever it is; `None`
+    /// when there is no such manifest of this job, step and rank, or it cannot be parsed.
+    fn own_manifest_world_size(&self, tier: &dyn Tier, step: u64) -> Option<u32> {
+        let key = format::manifest_key(&self.job, step, self.rank);
+        let bytes = tier.get_manifest(&key).ok()??;
+        let location = format!("{key} ({} tier)", tier.kind());
+        Manifest::parse(&bytes, &location)
+            .ok()
+            .filter(|m| m.job == self.job && m.step == step && m.rank == self.rank)
+            .map(|m| m.world_size)
+    }
+
     /// The world size that saved `step` in `tier` when the step is complete there for it
     /// (`crate::index`'s rule, with rank 0's manifest the one read: it names the world size).
     /// `None` when the step is not complete in `tier`.
@@ -420,7 +432,20 @@ impl Persistence {
                 continue;
             }
             let done = if per_rank {
-                self.read_manifest(tier, s).is_ok_and(|m| m.is_some())
+                // A step that another world size saved is a kept step, not a torn one of this
+                // world: this rank's manifest says so whatever world size wrote it, and a step
+                // of a world too small to have this rank, complete on this disk, is one too.
+                match self.own_manifest_world_size(tier, s) {
+                    Some(ws) => {
+                        if ws > self.world_size {
+                            larger.insert(s, ws);
+                        }
+                        true
+                    }
+                    None => self
+                        .saved_world_size(tier, s)?
+                        .is_some_and(|ws| ws <= self.rank),
+                }
             } else if self.is_complete(tier, s)? {
                 true
             } else {
@@ -438,7 +463,9 @@ impl Persistence {
         for s in plan.removed {
             if !busy.contains(&s) {
                 tier.remove_rank(&self.job, s, self.rank)?;
-                if self.rank + 1 == self.world_size
+                // A node's disk holds the files of whichever of its ranks saved them: every
+                // rank there removes those of the ranks this world does not have.
+                if (per_rank || self.rank + 1 == self.world_size)
                     && let Some(&ws) = larger.get(&s)
                 {
                     for r in self.world_size..ws {

@@ -837,3 +837,99 @@ fn a_job_of_another_size_finds_and_reads_the_checkpoint_through_the_sidecars() {
     drop(single);
     drop(sa);
 }
+
+/// The sidecar's disk keeps the newest `keep` steps whatever world size saved each: a job that
+/// shrinks to one rank and grows back to two keeps the one rank's step as one of them, where
+/// that rank's retention once took it for a torn save of its own world; and a step removed
+/// goes whole, with the files of ranks the world saving now does not have.
+#[test]
+fn the_sidecars_disk_keeps_the_newest_steps_of_every_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let disk = dir.path().join("disk");
+    let mut s = settings("solo", "127.0.0.1", 0, &socket);
+    s.disk_dir = Some(disk.clone());
+    s.keep = Some(2);
+    let _sidecar = Running::start(s.resolve().unwrap());
+    let files = |step: u64| -> Vec<String> {
+        let dir = disk.join("elastic").join(format!("step-{step}"));
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .filter(|n| !n.starts_with('.'))
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    };
+    let rank_files = |ranks: std::ops::Range<u32>| -> Vec<String> {
+        ranks
+            .flat_map(|r| {
+                [
+                    format!("rank-{r}.manifest.json"),
+                    format!("rank-{r}.safetensors"),
+                ]
+            })
+            .collect()
+    };
+    let save = |step: u64, world_size: u32| {
+        for rank in 0..world_size {
+            let mut cfg = EngineConfig::new("elastic", rank, world_size).sidecar(&socket);
+            cfg.chunk_size = 256 << 10;
+            let e = Engine::new(cfg).unwrap();
+            let set = sample_tensors(step + rank as u64, 64 << 10);
+            e.save(step, to_tensors(&set), extras(step))
+                .unwrap()
+                .wait_persisted(TierKind::Disk)
+                .unwrap();
+        }
+    };
+    save(100, 2);
+    save(150, 1);
+    save(200, 2);
+    // Step 100 goes (both ranks' retention passes have run once its files are gone)...
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !files(100).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "step 100 was never removed: {:?}",
+            files(100)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // ... and the one rank's step 150 stays, as one of the newest 2.
+    assert_eq!(files(150), rank_files(0..1));
+    assert_eq!(files(200), rank_files(0..2));
+    // Step 250 by the one rank again pushes out 150 (its own) and keeps 200 whole.
+    save(250, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !files(150).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "step 150 was never removed: {:?}",
+            files(150)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(files(200), rank_files(0..2));
+    assert_eq!(files(250), rank_files(0..1));
+}
+
+/// A sidecar that accepts connections and never answers (stopped with SIGSTOP, or hung) is
+/// waited for as long as `sidecar_wait` allows, never forever, and then named as such.
+#[test]
+fn a_sidecar_that_never_answers_is_an_error_in_bounded_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    // Connections queue in the backlog, accepted by the kernel, and nobody reads them.
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let mut cfg = EngineConfig::new("silent", 0, 1).sidecar(&socket);
+    cfg.sidecar_wait = Duration::from_secs(1);
+    match Engine::new(cfg) {
+        Err(Error::Sidecar { reason, .. }) => {
+            assert!(reason.contains("did not answer"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
