@@ -103,8 +103,8 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
     match cmd {
         CkptCommand::Ls { at, job } => {
             let ck = at.open()?;
-            let jobs = match job {
-                Some(j) => vec![j],
+            let jobs = match &job {
+                Some(j) => vec![j.clone()],
                 None => ck.jobs()?,
             };
             // Listed before the header is printed: a store that cannot be read prints the
@@ -113,6 +113,17 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                 .iter()
                 .map(|job| ck.steps(job))
                 .collect::<Result<Vec<_>, _>>()?;
+            if let Some(job) = job.filter(|_| steps.iter().all(|s| s.is_empty())) {
+                return Err(ck.no_steps(&job).into());
+            }
+            if jobs.is_empty() {
+                // An empty table alone would not say whether this is the right place.
+                eprintln!(
+                    "no checkpoints at {}: no job folder there holds a step (if it is a job's \
+                     own folder, give the folder above it, with --job NAME)",
+                    ck.location()
+                );
+            }
             out!(
                 "{:<24} {:>12} {:>7} {:>14}  STATE",
                 "JOB",

@@ -178,10 +178,26 @@ fn ls_show_verify_gc_on_a_disk_tier() {
     // is an error, not "kept 0".
     let all = ok(&["ckpt", "gc", at, "--job", "run-1", "--keep", "0"]);
     assert!(!all.contains("removed"), "{all}");
-    let typo = hotstart(&["ckpt", "gc", at, "--job", "run-11", "--keep", "2"]);
-    let stderr = String::from_utf8_lossy(&typo.stderr);
+    for args in [
+        vec!["ckpt", "gc", at, "--job", "run-11", "--keep", "2"],
+        vec!["ckpt", "ls", at, "--job", "run-11"],
+    ] {
+        let typo = hotstart(&args);
+        let stderr = String::from_utf8_lossy(&typo.stderr);
+        assert!(
+            !typo.status.success()
+                && stderr.contains("job \"run-11\" has no steps")
+                && stderr.contains("ckpt ls"),
+            "{args:?}: {stderr}"
+        );
+    }
+    // A job's own folder given as the location: no jobs there, and the listing says where to
+    // look instead.
+    let inside = root.join("run-1");
+    let out = hotstart(&["ckpt", "ls", inside.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !typo.status.success() && stderr.contains("has no steps") && stderr.contains("ckpt ls"),
+        out.status.success() && stderr.contains("no checkpoints at") && stderr.contains("--job"),
         "{stderr}"
     );
     // A location that is not there says what to pass instead, each cause once.
@@ -243,4 +259,66 @@ fn ls_and_verify_a_store_url() {
     let out = hotstart(&["ckpt", "show", &url, "--job", "run-1", "--step", "8"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("step 8"));
+}
+
+/// A step some rank committed whose files were damaged or lost since is damage, reported and
+/// failed by `verify` without `--step` too, not skipped as a torn save; a torn save still is.
+#[test]
+fn verify_reports_committed_steps_whose_files_were_lost_or_cut() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let root = dir.path();
+    write(|c| c.disk(root), &[10, 20, 30], &[40]);
+    let at = root.to_str().unwrap();
+    let step = |s: u64| root.join(format!("run-1/step-{s}"));
+    // Step 30 rank 1: cut short. Step 20 rank 1: its data file gone. Step 10 rank 0: a
+    // manifest byte flipped.
+    let data = step(30).join("rank-1.safetensors");
+    let len = std::fs::metadata(&data).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
+    std::fs::remove_file(step(20).join("rank-1.safetensors")).unwrap();
+    let manifest = step(10).join("rank-0.manifest.json");
+    let mut bytes = std::fs::read(&manifest).unwrap();
+    bytes[5] ^= 1;
+    std::fs::write(&manifest, bytes).unwrap();
+
+    let out = hotstart(&["ckpt", "verify", at, "--job", "run-1"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "BAD step 30 rank 1: the data file has {} bytes where its manifest says {len}",
+            len - 10
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("BAD step 20 rank 1: no data file, though its manifest is there"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("BAD step 10 rank 0: "), "{stderr}");
+    assert_eq!(stderr.matches("BAD ").count(), 3, "{stderr}");
+    assert!(stderr.contains("verify failed: 3 problem(s)"), "{stderr}");
+    // The whole ranks of the damaged steps are still checked; the torn save is skipped.
+    for (s, r) in [(30, 0), (20, 0), (10, 1)] {
+        assert!(
+            stdout.contains(&format!("checked step {s} rank {r}: ")),
+            "{stdout}"
+        );
+    }
+    assert!(!stdout.contains("checked step 20 rank 1"), "{stdout}");
+    assert!(stdout.contains("skipped step 40: incomplete"), "{stdout}");
+    // Asked for by number, the torn save names the rank that never committed.
+    let torn = hotstart(&["ckpt", "verify", at, "--job", "run-1", "--step", "40"]);
+    let stderr = String::from_utf8_lossy(&torn.stderr);
+    assert!(!torn.status.success());
+    assert!(
+        stderr.contains("BAD step 40 rank 1: no manifest: this rank's save never committed"),
+        "{stderr}"
+    );
 }

@@ -175,8 +175,8 @@ fn missing_s3_credentials_name_the_variables_to_set() {
     assert!(err.contains("127.0.0.1:9/latest/api/token"), "{err}");
 }
 
-/// Output piped into a reader that stops early ends the program as SIGPIPE would (status 141),
-/// without a panic. The listing is larger than a pipe holds, so it cannot all fit before the
+/// Output piped into a reader that stops early ends the program quietly and successfully, as
+/// `hotstart ckpt` does, without a panic. The listing is larger than a pipe holds, so it cannot all fit before the
 /// reader goes away.
 #[test]
 fn a_closed_output_pipe_ends_quietly() {
@@ -194,6 +194,6 @@ fn a_closed_output_pipe_ends_quietly() {
     drop(child.stdout.take());
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }

@@ -121,6 +121,19 @@ impl StepInfo {
     }
 }
 
+impl StepInfo {
+    /// Whether some rank's files were damaged or lost after that rank committed: a manifest
+    /// that cannot be used, or a valid one whose data file is missing or of another length.
+    /// A torn save (ranks without a manifest, the rest whole) is not damaged.
+    pub fn damaged(&self) -> bool {
+        self.ranks.iter().any(|r| match &r.manifest {
+            ManifestState::Invalid(_) => true,
+            ManifestState::Valid(m) => r.data_len != Some(m.file_len),
+            ManifestState::Missing => false,
+        })
+    }
+}
+
 fn rank_committed(r: &RankInfo) -> bool {
     match &r.manifest {
         ManifestState::Valid(m) => r.data_len == Some(m.file_len),
@@ -345,48 +358,56 @@ impl Checkpoints {
                 };
                 vec![info]
             }
+            // Every step but the torn saves: a step some rank committed (its manifest is
+            // written last) whose files were damaged or lost since is damage, not a save that
+            // never finished, and is checked.
             None => {
                 report.skipped_incomplete = steps
                     .iter()
-                    .filter(|s| !s.complete)
+                    .filter(|s| !s.complete && !s.damaged())
                     .map(|s| s.step)
                     .collect();
-                steps.iter().filter(|s| s.complete).collect()
+                steps.iter().filter(|s| s.complete || s.damaged()).collect()
             }
         };
         for info in selected {
-            if let (Some(ws), Some(reason)) = (info.world_size, info.incomplete_reason()) {
-                report.problems.push(Problem {
-                    step: info.step,
-                    rank: 0,
-                    chunk: None,
-                    reason: format!("incomplete step of world size {ws}: {reason}"),
-                });
-            }
+            let problem = |rank: u32, reason: String| Problem {
+                step: info.step,
+                rank,
+                chunk: None,
+                reason,
+            };
             for r in &info.ranks {
-                match &r.manifest {
-                    ManifestState::Valid(m) => {
+                match (&r.manifest, r.data_len) {
+                    (ManifestState::Valid(m), Some(len)) if len == m.file_len => {
                         report
                             .checked
                             .push((info.step, r.rank, m.chunks.len(), m.file_len));
                         report.problems.extend(self.verify_rank(job, m));
                     }
-                    ManifestState::Invalid(why) => report.problems.push(Problem {
-                        step: info.step,
-                        rank: r.rank,
-                        chunk: None,
-                        reason: why.clone(),
-                    }),
-                    ManifestState::Missing if info.world_size.is_none() => {
-                        report.problems.push(Problem {
-                            step: info.step,
-                            rank: r.rank,
-                            chunk: None,
-                            reason: "no manifest".into(),
-                        })
+                    (ManifestState::Valid(_), None) => report.problems.push(problem(
+                        r.rank,
+                        "no data file, though its manifest is there: lost or deleted".into(),
+                    )),
+                    (ManifestState::Valid(m), Some(len)) => report.problems.push(problem(
+                        r.rank,
+                        format!(
+                            "the data file has {len} bytes where its manifest says {}: cut \
+                             short or replaced",
+                            m.file_len
+                        ),
+                    )),
+                    (ManifestState::Invalid(why), _) => {
+                        report.problems.push(problem(r.rank, why.clone()))
                     }
-                    // Already reported as an incomplete step.
-                    ManifestState::Missing => {}
+                    (ManifestState::Missing, _) if info.world_size.is_none_or(|ws| r.rank < ws) => {
+                        report.problems.push(problem(
+                            r.rank,
+                            "no manifest: this rank's save never committed".into(),
+                        ))
+                    }
+                    // Files of a rank the world that saved the step does not have.
+                    (ManifestState::Missing, _) => {}
                 }
             }
         }
@@ -479,17 +500,22 @@ impl Checkpoints {
         Ok(())
     }
 
+    /// The error for a job with no steps here: most likely a misspelt name.
+    pub fn no_steps(&self, job: &str) -> Error {
+        Error::Config {
+            reason: format!(
+                "job {job:?} has no steps at {}; `hotstart ckpt ls {}` lists the jobs there",
+                self.location, self.location
+            ),
+        }
+    }
+
     /// Applies retention to `job` on every rank; see the module docs. `keep` must be at least 1.
     pub fn gc(&self, job: &str, keep: usize) -> Result<GcReport> {
         let steps = self.steps(job)?;
         if steps.is_empty() {
             // A misspelt job name would otherwise read as a job with nothing to collect.
-            return Err(Error::Config {
-                reason: format!(
-                    "job {job:?} has no steps at {}; `hotstart ckpt ls {}` lists the jobs there",
-                    self.location, self.location
-                ),
-            });
+            return Err(self.no_steps(job));
         }
         let present: Vec<(u64, bool)> = steps.iter().map(|s| (s.step, s.complete)).collect();
         let plan = retention::plan(&present, keep);
