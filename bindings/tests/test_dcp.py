@@ -14,7 +14,7 @@ import pytest
 
 import hotstart
 
-from conftest import SeaweedFs, _free_ports, torch_or_fail
+from conftest import SeaweedFs, Sidecar, _free_ports, torch_or_fail
 
 torch = torch_or_fail()
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -72,6 +72,28 @@ def test_round_trip_and_async_save(local_dir: Path) -> None:
     manifest = json.loads((local_dir / "dcp" / "step-10" / "rank-0.manifest.json").read_text())
     assert "hotstart.dcp.metadata" in manifest["extras"]
     assert "model.w" in {t["name"] for t in manifest["tensors"]}
+
+
+def test_a_save_whose_only_peer_is_down_warns_and_is_saved(tmp_path: Path) -> None:
+    """A replica no peer can take (the one peer is down) is a warning, not a failed dcp.save:
+    the step is in the node's memory and disk, and training goes on."""
+    (down,) = _free_ports(1)  # nobody listens there
+    sidecar = Sidecar(tmp_path, node="node-a", peers={"node-b": down})
+    try:
+        s = state(4)
+        with pytest.warns(RuntimeWarning, match="no peer holds a replica") as caught:
+            dcp.save(s, storage_writer=StorageWriter(sidecar=sidecar.socket, job="lonely"),
+                     checkpoint_id=7)
+        ours = [str(w.message) for w in caught if "no peer holds a replica" in str(w.message)]
+        assert len(ours) == 1 and "node-b" in ours[0], ours
+        got = zeros_like(s)
+        dcp.load(got, storage_reader=StorageReader(sidecar=sidecar.socket, job="lonely"))
+        check(got, s)
+        with hotstart.Checkpointer(sidecar=sidecar.socket, job="lonely") as ck:
+            assert ck.steps() == [7]
+    finally:
+        sidecar.stop()
+    assert (tmp_path / "node-a" / "disk" / "lonely" / "step-7" / "rank-0.manifest.json").exists()
 
 
 def test_round_trip_through_seaweedfs(seaweed: SeaweedFs) -> None:

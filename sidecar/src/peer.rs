@@ -1001,6 +1001,7 @@ impl Core {
             .collect();
         let data = &shard.seg.bytes()[..shard.len() as usize];
         let mut holders = Vec::new();
+        let mut refused = Vec::new();
         let mut last = None;
         for id in order {
             if holders.len() >= self.cfg.replicas {
@@ -1017,14 +1018,20 @@ impl Core {
                 Err(e) => {
                     self.metrics.failed(Failure::Replicate);
                     warn!(shard = %shard.key, peer = %id.node, error = %e, "replication to a peer failed");
+                    refused.push(id.node.clone());
                     last = Some(e);
                 }
             }
         }
         if holders.len() < self.cfg.replicas {
             let why = last.map_or_else(|| "not enough peers known".to_string(), |e| e.to_string());
+            // Named by the peers that failed it (none known: no peer was there to ask).
             return Err(Error::Peer {
-                peer: holders.join(","),
+                peer: if refused.is_empty() {
+                    "(none known)".to_string()
+                } else {
+                    refused.join(",")
+                },
                 reason: format!(
                     "{} held by {} of {} peers: {why}",
                     shard.key,

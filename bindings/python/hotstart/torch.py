@@ -47,6 +47,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -72,7 +73,7 @@ from torch.futures import Future
 
 from . import _core, _state
 from ._checkpointer import PathLike, engine_options, integer
-from .errors import ConfigError, CorruptCheckpoint, NoCheckpoint
+from .errors import ConfigError, CorruptCheckpoint, HotstartError, NoCheckpoint
 
 __all__ = ["StorageWriter", "StorageReader", "StoredItem", "empty_optimizer_state", "latest_step", "load"]
 
@@ -418,7 +419,19 @@ class StorageWriter(_StorageWriter):
     def _save(self, specs: List[Any], keep: List[Any], extras: Dict[str, bytes]) -> None:
         assert self._engine is not None and self.step is not None
         handle = self._engine.save(self.step, specs, extras, keep)
-        handle.wait()  # staged and persisted in every tier, or raises
+        # Staged and persisted in every tier, or raises; except that a replica no peer could
+        # take is a warning: the step is in this node's tiers, and training goes on, as it does
+        # through a Checkpointer (docs/SEMANTICS.md, network partitions).
+        handle.wait_staged()
+        for tier in self._engine.tiers:
+            try:
+                handle.wait_persisted(tier)
+            except HotstartError as e:
+                if tier != "peer":
+                    raise
+                warnings.warn(f"step {self.step}: no peer holds a replica of rank {self._rank}'s "
+                              f"shard, which is in this node's other tiers: {e}", RuntimeWarning,
+                              stacklevel=2)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         storage: Dict[MetadataIndex, Any] = {}
