@@ -166,18 +166,24 @@ pub struct LsArgs {
     json: bool,
 }
 
+/// A duration as `--older-than` and `--grace` take it, with an example when it is not one.
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{e}: give a duration such as 30d, 12h or 90s"))
+}
+
 #[derive(Debug, Args)]
 pub struct GcArgs {
     #[command(flatten)]
     store: StoreArg,
     /// Delete snapshots created longer ago than this (e.g. 30d, 12h).
-    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    #[arg(long, value_parser = duration, value_name = "DURATION")]
     older_than: Option<Duration>,
     /// Delete this snapshot (repeatable; a full 64-hex key).
     #[arg(long = "key", value_name = "KEY")]
     keys: Vec<String>,
     /// Keep unreferenced trees and chunks younger than this.
-    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    #[arg(long, default_value = "1h", value_parser = duration, value_name = "DURATION")]
     grace: Duration,
     /// Say what would be deleted; delete nothing.
     #[arg(long)]

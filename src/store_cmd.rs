@@ -180,6 +180,7 @@ async fn ls(url: &str) -> anyhow::Result<()> {
         println!("{:>14}  {base}{}", o.size, o.key);
         total += o.size;
     }
-    eprintln!("{} objects, {total} bytes", objects.len());
+    let plural = if objects.len() == 1 { "" } else { "s" };
+    eprintln!("{} object{plural}, {total} bytes", objects.len());
     Ok(())
 }

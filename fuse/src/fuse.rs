@@ -41,8 +41,8 @@ use std::task::{Context, Waker};
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
-    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    AccessFlags, Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
+    IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
     ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs,
     ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
@@ -743,5 +743,13 @@ impl<F: Filesystem> fuser::Filesystem for FuseAdapter<F> {
         // that check free space proceed.
         let blocks = 1u64 << 40;
         reply.statfs(blocks, blocks, blocks, 1 << 32, 1 << 32, 4096, 1024, 4096);
+    }
+
+    /// Not implemented, on purpose and without the warning the default prints at every mount:
+    /// ENOSYS tells the kernel to stop asking; it then lets `access(2)` through but for what the
+    /// mount's own flags refuse (writes on a read-only mount), the operations themselves still
+    /// checked when they come.
+    fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        reply.error(Errno::ENOSYS);
     }
 }

@@ -106,23 +106,29 @@ impl MountReport {
         }
     }
 
-    /// One line for the log.
+    /// One line for the log. Ratios to what was read are left out when nothing was read.
     pub fn summary(&self) -> String {
+        let (hit_rate, waste) = if self.chunk_bytes_read == 0 {
+            (String::new(), String::new())
+        } else {
+            (
+                format!(", hit rate {:.1}%", self.hit_rate * 100.0),
+                format!(", {:.1}% of read", self.waste_ratio() * 100.0),
+            )
+        };
         format!(
-            "{} chunks read ({} bytes) in {} reads, hit rate {:.1}%, stall {:.3} s, \
-             {} demand fetches, {} prefetched ({} bytes), {} wasted ({} bytes, {:.1}% of read), \
+            "{} chunks read ({} bytes) in {} reads{hit_rate}, stall {:.3} s, \
+             {} demand fetches, {} prefetched ({} bytes), {} wasted ({} bytes{waste}), \
              {} files warmed ({} bytes)",
             self.chunks_read,
             self.chunk_bytes_read,
             self.reads,
-            self.hit_rate * 100.0,
             self.stall_seconds,
             self.demand_fetches,
             self.prefetched_chunks,
             self.prefetched_bytes,
             self.wasted_chunks,
             self.wasted_bytes,
-            self.waste_ratio() * 100.0,
             self.warmed_files,
             self.warmed_bytes,
         )
