@@ -149,7 +149,21 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                     .latest_complete(&job)?
                     .with_context(|| format!("job {job:?} has no complete step"))?,
             };
-            let m = ck.manifest(&job, step, rank)?;
+            let m = match ck.manifest(&job, step, rank) {
+                Err(e) if e.is_not_found() => {
+                    // Say what is there, as a load of a missing step does.
+                    let steps: Vec<u64> = ck.steps(&job)?.iter().map(|s| s.step).collect();
+                    if steps.is_empty() {
+                        return Err(ck.no_steps(&job).into());
+                    }
+                    bail!(
+                        "job {job:?} has no manifest of step {step} rank {rank} at {}; its \
+                         steps: {steps:?} (`hotstart ckpt ls` says which are complete)",
+                        ck.location()
+                    );
+                }
+                res => res?,
+            };
             out!(
                 "job {} step {} rank {} of {}: {} tensors, {} bytes, {} chunks of {} bytes",
                 m.job,

@@ -138,6 +138,15 @@ fn ls_show_verify_gc_on_a_disk_tier() {
     assert_eq!(row("model.w"), "model.w F32 [300, 256] 307200");
     assert_eq!(row("model.b"), "model.b BF16 [3, 4] 24");
     assert_eq!(row("empty"), "empty I64 [0] 0");
+    // A step that is not there names the steps that are.
+    let missing = hotstart(&["ckpt", "show", at, "--job", "run-1", "--step", "7"]);
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        !missing.status.success()
+            && stderr.contains("no manifest of step 7 rank 0")
+            && stderr.contains("[10, 15, 20, 30, 40]"),
+        "{stderr}"
+    );
     // Default: the newest complete step, rank 0.
     assert!(ok(&["ckpt", "show", at, "--job", "run-1"]).contains("step 30 rank 0 of 2"));
 

@@ -284,34 +284,35 @@ impl Persistence {
         Ok(Some(m))
     }
 
-    /// The world size named by this rank's manifest of `step` in `tier`, whatever it is; `None`
-    /// when there is no such manifest of this job, step and rank, or it cannot be parsed.
-    fn own_manifest_world_size(&self, tier: &dyn Tier, step: u64) -> Option<u32> {
-        let key = format::manifest_key(&self.job, step, self.rank);
-        let bytes = tier.get_manifest(&key).ok()??;
+    /// `rank`'s manifest of `step` in `tier`, whatever world size wrote it: `None` when there
+    /// is none of this job, step and rank, or it cannot be parsed (logged).
+    fn manifest_of_any_world(
+        &self,
+        tier: &dyn Tier,
+        step: u64,
+        rank: u32,
+    ) -> Result<Option<Manifest>> {
+        let key = format::manifest_key(&self.job, step, rank);
+        let Some(bytes) = tier.get_manifest(&key)? else {
+            return Ok(None);
+        };
         let location = format!("{key} ({} tier)", tier.kind());
-        Manifest::parse(&bytes, &location)
-            .ok()
-            .filter(|m| m.job == self.job && m.step == step && m.rank == self.rank)
-            .map(|m| m.world_size)
+        match Manifest::parse(&bytes, &location) {
+            Ok(m) if m.job == self.job && m.step == step && m.rank == rank => Ok(Some(m)),
+            Ok(_) => Ok(None),
+            Err(e) => {
+                warn!(step, tier = %tier.kind(), error = %e, "unusable manifest");
+                Ok(None)
+            }
+        }
     }
 
     /// The world size that saved `step` in `tier` when the step is complete there for it
     /// (`crate::index`'s rule, with rank 0's manifest the one read: it names the world size).
     /// `None` when the step is not complete in `tier`.
     pub(crate) fn saved_world_size(&self, tier: &dyn Tier, step: u64) -> Result<Option<u32>> {
-        let key = format::manifest_key(&self.job, step, 0);
-        let Some(bytes) = tier.get_manifest(&key)? else {
+        let Some(m) = self.manifest_of_any_world(tier, step, 0)? else {
             return Ok(None);
-        };
-        let location = format!("{key} ({} tier)", tier.kind());
-        let m = match Manifest::parse(&bytes, &location) {
-            Ok(m) if m.job == self.job && m.step == step && m.rank == 0 => m,
-            Ok(_) => return Ok(None),
-            Err(e) => {
-                warn!(step, tier = %tier.kind(), error = %e, "unusable manifest");
-                return Ok(None);
-            }
         };
         let ws = m.world_size;
         let index = StepIndex::list(tier, &self.job, Some(step))?;
@@ -435,7 +436,10 @@ impl Persistence {
                 // A step that another world size saved is a kept step, not a torn one of this
                 // world: this rank's manifest says so whatever world size wrote it, and a step
                 // of a world too small to have this rank, complete on this disk, is one too.
-                match self.own_manifest_world_size(tier, s) {
+                match self
+                    .manifest_of_any_world(tier, s, self.rank)?
+                    .map(|m| m.world_size)
+                {
                     Some(ws) => {
                         if ws > self.world_size {
                             larger.insert(s, ws);

@@ -885,33 +885,29 @@ fn the_sidecars_disk_keeps_the_newest_steps_of_every_world_size() {
                 .unwrap();
         }
     };
+    // Retention runs after the save is on disk: once a step's files are gone, the passes that
+    // removed them (and looked at every other step) are done.
+    let removed = |step: u64| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !files(step).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "step {step} was never removed: {:?}",
+                files(step)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
     save(100, 2);
     save(150, 1);
     save(200, 2);
-    // Step 100 goes (both ranks' retention passes have run once its files are gone)...
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !files(100).is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "step 100 was never removed: {:?}",
-            files(100)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // ... and the one rank's step 150 stays, as one of the newest 2.
+    // Step 100 goes, and the one rank's step 150 stays, as one of the newest 2.
+    removed(100);
     assert_eq!(files(150), rank_files(0..1));
     assert_eq!(files(200), rank_files(0..2));
     // Step 250 by the one rank again pushes out 150 (its own) and keeps 200 whole.
     save(250, 1);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !files(150).is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "step 150 was never removed: {:?}",
-            files(150)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    removed(150);
     assert_eq!(files(200), rank_files(0..2));
     assert_eq!(files(250), rank_files(0..1));
 }
