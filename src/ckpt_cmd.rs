@@ -229,6 +229,21 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                 report.kept.len(),
                 report.kept
             );
+            // Newer incomplete steps are left alone (a save may still be writing them): say so,
+            // so that the listing after gc holds no surprise.
+            let newest = report.kept.last().copied().unwrap_or(0);
+            let pending: Vec<u64> = ck
+                .steps(&job)?
+                .iter()
+                .filter(|s| !s.complete && s.step > newest)
+                .map(|s| s.step)
+                .collect();
+            if !pending.is_empty() {
+                out!(
+                    "left alone {} newer incomplete step(s) (a save may still be writing them): {pending:?}",
+                    pending.len()
+                );
+            }
             Ok(())
         }
     }

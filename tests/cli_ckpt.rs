@@ -245,6 +245,12 @@ fn ls_show_verify_gc_on_a_disk_tier() {
         "{gc}"
     );
     assert!(gc.contains("kept 2 complete step(s): [20, 30]"), "{gc}");
+    assert!(
+        gc.contains(
+            "left alone 1 newer incomplete step(s) (a save may still be writing them): [40]"
+        ),
+        "{gc}"
+    );
     let mut left: Vec<String> = std::fs::read_dir(root.join("run-1"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
