@@ -102,6 +102,17 @@ def test_in_place_load_writes_the_callers_arrays(local_dir: Path) -> None:
     assert dst["n"] == 5
 
 
+def test_structured_arrays_load_in_place(local_dir: Path) -> None:
+    dt = np.dtype([("a", "<i4"), ("b", "<f8"), ("c", [("x", "u1"), ("y", "<f4", (2,))])])
+    saved = np.zeros(3, dtype=dt)
+    saved["a"], saved["b"], saved["c"]["y"] = [1, 2, 3], [0.5, -1.5, 2.5], [[1, 2], [3, 4], [5, 6]]
+    with hotstart.Checkpointer(local_dir=local_dir, job="structured") as ck:
+        ck.save(1, {"s": saved}).wait()
+        into = np.zeros(3, dtype=dt)
+        ck.load({"s": into})
+    assert into.tobytes() == saved.tobytes()
+
+
 def test_non_contiguous_arrays_are_copied_on_save_and_filled_on_load(local_dir: Path) -> None:
     base = np.arange(200, dtype=np.int32).reshape(10, 20)
     view = base[::2, 3:17:3]  # strided view

@@ -156,6 +156,27 @@ impl Persistence {
         Ok(self.newest_in_own_tiers(complete)?.map(|(step, ())| step))
     }
 
+    /// Whether `step` is complete in one of this rank's tiers (`crate::index`'s rule, for this
+    /// rank's world size): a load of a step asked for by number takes no other, as one of the
+    /// newest does not. A tier that cannot be read is an error unless another has the step
+    /// complete.
+    pub(crate) fn complete_in_own_tiers(&self, step: u64) -> Result<bool> {
+        let mut unreadable = None;
+        for t in &self.tiers {
+            match self.is_complete(t.as_ref(), step) {
+                Ok(true) => return Ok(true),
+                Ok(false) => {}
+                Err(e) => {
+                    unreadable.get_or_insert((t.kind(), e));
+                }
+            }
+        }
+        match unreadable {
+            Some((tier, e)) => Err(Error::unavailable(tier, &self.job, e)),
+            None => Ok(false),
+        }
+    }
+
     /// The newest step of this job in any of this rank's tiers for which `found` says
     /// something, and what it said. Each tier's steps are tried newest first, stopping at the
     /// first found (or at one no newer than what another tier found already).

@@ -594,3 +594,40 @@ fn regions_of_tensors_load_into_caller_buffers() {
         "{e5}"
     );
 }
+
+/// A step asked for by number is loaded only once every rank committed it, as the newest is:
+/// one rank's files of a step another rank never finished are not a checkpoint.
+#[test]
+fn a_step_asked_for_by_number_loads_only_when_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = |rank: u32| {
+        let mut cfg = config("torn").disk(dir.path());
+        (cfg.rank, cfg.world_size) = (rank, 2);
+        engine(cfg)
+    };
+    let sets: Vec<_> = (0..2).map(|r| sample_tensors(20 + r, 4096)).collect();
+    let save = |rank: u32| {
+        open(rank)
+            .save(1, to_tensors(&sets[rank as usize]), extras(rank as u64))
+            .unwrap()
+            .wait()
+            .unwrap();
+    };
+    save(1);
+    for rank in 0..2 {
+        let e = open(rank);
+        assert_eq!(e.latest_complete_step().unwrap(), None);
+        let err = e
+            .load(StepSel::Step(1), Destination::Owned)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(err.is_not_found(), "rank {rank}: {err}");
+    }
+    save(0);
+    for rank in 0..2 {
+        let l = open(rank)
+            .load(StepSel::Step(1), Destination::Owned)
+            .unwrap();
+        assert_loaded(&l, &sets[rank as usize], &extras(rank as u64));
+    }
+}

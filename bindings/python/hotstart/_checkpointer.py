@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _core
 from . import _mapped, _state
-from .errors import ConfigError, HotstartError, NoCheckpoint
+from .errors import ConfigError, HotstartError, NoCheckpoint, SaveSkipped
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -213,20 +213,21 @@ class Checkpointer:
         _sync_cuda(flat.cuda_devices)
         extras = {_state.STATE_KEY: flat.tree}
         handle = self.engine.save(step, flat.tensors, extras, flat.keep)
-        # Forget saves that finished well; failed ones stay for wait() to report.
-        self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
+        # Forget saves that finished well, and those skipped (when_full="skip": their handle
+        # says so); failed ones stay for wait() to report.
+        self._pending = [h for h in self._pending if not h.done() or _failed(h)]
         self._pending.append(handle)
         return handle
 
     def wait(self) -> None:
         """Waits for every save started so far to be staged, persisted in every tier and
-        followed by retention; raises the first failure."""
+        followed by retention; raises the first failure. A save skipped as ``when_full="skip"``
+        asks is no failure: its handle reports it, and nothing here does."""
         pending, self._pending = self._pending, []
         first: Optional[BaseException] = None
         for h in pending:
-            e = h.exception()
-            if e is not None and first is None:
-                first = e
+            if _failed(h) and first is None:
+                first = h.exception()
         self.engine.wait()
         if first is not None:
             raise first
@@ -276,7 +277,9 @@ class Checkpointer:
 
         Raises :class:`NoCheckpoint` when there is none, :class:`TierUnavailable` when a tier
         that may hold it cannot be read (never "none" then), :class:`CorruptCheckpoint` when no
-        tier holds good bytes, :class:`StateDictError` on a mismatch (before anything is read).
+        tier holds good bytes (a ``state`` filled in place then holds what was read, the bad
+        bytes included: re-initialize it or load another step into it), :class:`StateDictError`
+        on a mismatch (before anything is read).
         """
         engine = self.engine
         if step is not None:
@@ -358,3 +361,10 @@ class Checkpointer:
             return "Checkpointer(closed)"
         e = self._engine
         return f"Checkpointer(job={e.job!r}, rank={e.rank}, world_size={e.world_size}, tiers={e.tiers})"
+
+
+def _failed(handle: Any) -> bool:
+    """Whether a finished save failed: it raised something other than the skip that
+    ``when_full="skip"`` asked for."""
+    e = handle.exception()
+    return e is not None and not isinstance(e, SaveSkipped)

@@ -390,7 +390,11 @@ def _leaf_signature(leaf: Dict[str, Any]) -> Tuple[str, List[int]]:
     kind = leaf["kind"]
     if kind == "torch":
         return "torch:" + leaf["dtype"], list(leaf["shape"])
-    return "numpy:" + str(json.loads(leaf["dtype"])), list(leaf["shape"])
+    # Through numpy's own dtype and back, so that a structured dtype (whose fields JSON turned
+    # into lists) reads as the destination's (tuples).
+    np = _numpy()
+    descr = np.lib.format.dtype_to_descr(np.lib.format.descr_to_dtype(json.loads(leaf["dtype"])))
+    return "numpy:" + str(descr), list(leaf["shape"])
 
 
 def _dest_signature(x: Any) -> Tuple[str, List[int]]:

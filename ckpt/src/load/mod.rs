@@ -257,7 +257,17 @@ impl Inner {
                 }
             },
         };
-        inner.load_step(step, dest).map_err(|e| match e {
+        // A step asked for by number is loaded only if complete, as the newest is: a step
+        // some rank never finished is never loaded, whatever this rank wrote.
+        let loaded = match which {
+            StepSel::Step(_) if !inner.core.complete_in_own_tiers(step)? => Err(Error::NotFound {
+                job: inner.core.job.clone(),
+                step: Some(step),
+                rank: inner.core.rank,
+            }),
+            _ => inner.load_step(step, dest),
+        };
+        loaded.map_err(|e| match e {
             Error::NotFound { .. } | Error::Format { .. } => {
                 inner.core.saved_by_another_world(step).unwrap_or(e)
             }
