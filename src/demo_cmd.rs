@@ -22,8 +22,8 @@ use hotstart_sidecar::config::Size;
     AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ALLOW_HTTP=true hotstart demo --store s3://ckpt/demo\n  \
     hotstart demo --chaos 200 --seed 7   # 200 random faults (4 MiB of state, a checkpoint every 10 steps)\n  \
     hotstart demo --elastic               # a node lost for good: the job reshards onto 2 ranks from memory\n\n\
-    Each sidecar may hold up to 6 times --size of shared memory (its own rank's newest\n\
-    checkpoint and the one being saved, and the same for the replicas it holds), so the default\n\
+    Each sidecar may hold up to 6 times --size of shared memory, plus 512 MiB (its own rank's\n\
+    newest checkpoint and the one being saved, and the same for the replicas it holds), so the default\n\
     1 GiB needs about 20 GiB of memory in all; each checkpoint is also written to the disk tier\n\
     and to the store (about 18 GiB of disk for the default; the demo checks both before it starts).")]
 pub struct DemoArgs {
@@ -35,8 +35,10 @@ pub struct DemoArgs {
     /// 1GiB; 4MiB with --chaos].
     #[arg(long)]
     size: Option<Size>,
-    /// Training steps between checkpoints [default: 2000, about 15 s of training here, longer
-    /// than a step takes to persist to every tier, as in a real job; 10 with --chaos].
+    /// Training steps between checkpoints [default: 2000, about 15 s of training here for the
+    /// rust trainers, longer than a step takes to persist to every tier, as in a real job; 10
+    /// with --chaos]. The torch trainers run far fewer steps a second: give them --every 300
+    /// and a small --size (16MiB) on a small machine.
     #[arg(long)]
     every: Option<u64>,
     /// Nodes, one sidecar and one trainer each (at least 3: a node is lost and its peers must

@@ -31,18 +31,21 @@ def test_hierarchy() -> None:
         (dict(local_dir="/tmp/x", job="../escape"), "job name \"../escape\": empty, '.' or '..' path component"),
         (dict(local_dir="/tmp/x", job="j", rank=2, world_size=2), "rank 2 of world size 2"),
         (dict(store="s3://", job="j"), "store \"s3://\""),
-        (dict(local_dir="/tmp/x", job="j", when_full="drop"), "when_full=\"drop\""),
+        (dict(local_dir="/tmp/x", job="j", when_full="drop"), "when_full='drop'"),
         (dict(local_dir="/tmp/x", job="j", keep=-1), "keep -1: expected an integer from 0"),
         (dict(local_dir="/tmp/x", job="j", rank=-1, world_size=2), "rank -1: expected an integer from 0"),
         (dict(local_dir="/tmp/x", job="j", rank=0, world_size=0), "world_size 0: expected an integer from 1"),
         (dict(local_dir="/tmp/x", job="j", max_inflight=0), "max_inflight 0: expected an integer from 1"),
         (dict(local_dir="/tmp/x", job="j", threads="4"), "threads '4': expected an integer"),
+        (dict(local_dir="/tmp/x", job="j", when_full="Skip"), "when_full='Skip': expected \"block\" or \"skip\""),
+        (dict(local_dir="/tmp/x", job="j", when_full=None), "when_full=None"),
+        (dict(local_dir="/tmp/x", job="j", chunk_size=1 << 40), "chunk_size 1099511627776: expected an integer from 1 to 2**31-1"),
     ],
 )
 def test_bad_configuration(kwargs, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("HOTSTART_STORE", "HOTSTART_LOCAL_DIR", "HOTSTART_JOB", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(hotstart.ConfigError) as e:  # a HotstartError, and a ValueError
         hotstart.Checkpointer(**kwargs)
     assert message in str(e.value)
 

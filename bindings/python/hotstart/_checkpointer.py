@@ -82,9 +82,13 @@ def engine_options(
         )
     r, w = resolve_rank(rank, world_size)
     r, w = integer("rank", r, 0, 32), integer("world_size", w, 1, 32)
-    for name, low in (("keep", 0), ("max_inflight", 1), ("chunk_size", 1), ("threads", 0)):
+    for name, low, bits in (
+        ("keep", 0, 64), ("max_inflight", 1, 64), ("chunk_size", 1, 31), ("threads", 0, 64)
+    ):
         if tuning.get(name) is not None:
-            tuning[name] = integer(name, tuning[name], low)
+            tuning[name] = integer(name, tuning[name], low, bits)
+    if "when_full" in tuning and tuning["when_full"] not in ("block", "skip"):
+        raise ConfigError(f'when_full={tuning["when_full"]!r}: expected "block" or "skip"')
     opts: Dict[str, Any] = dict(job=job, rank=r, world_size=w, store=store, **tuning)
     opts["local_dir"] = None if local_dir is None else os.fspath(local_dir)
     opts["sidecar"] = None if sidecar is None else os.fspath(sidecar)
