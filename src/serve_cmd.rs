@@ -194,7 +194,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         for (shard, tiers) in &report.not_persisted {
             let tiers: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
             eprintln!(
-                "hotstart serve: NOT PERSISTED {shard} (tiers: {})",
+                "hotstart serve: NOT PERSISTED {shard} (tiers: {}; the grace period ran out)",
+                tiers.join(", ")
+            );
+        }
+        for (shard, tiers) in &report.failed {
+            let tiers: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
+            eprintln!(
+                "hotstart serve: NOT PERSISTED {shard} (tiers: {}; they failed it, and no newer \
+                 step of its rank reached every tier)",
                 tiers.join(", ")
             );
         }

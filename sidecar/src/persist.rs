@@ -29,10 +29,14 @@ pub(crate) type Events = Arc<Mutex<Conn<FdStream>>>;
 /// What the drain found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DrainReport {
-    /// Shards whose every tier finished before the deadline.
+    /// Shards persisted to every tier.
     pub finished: usize,
     /// Shards still pending at the deadline, with the tiers that never finished.
     pub not_persisted: Vec<(ShardKey, Vec<TierKind>)>,
+    /// Shards a tier failed (a full disk, a store that is down, no peer to hold a replica),
+    /// with those tiers: every one newer than the newest step of its job and rank that
+    /// reached every tier.
+    pub failed: Vec<(ShardKey, Vec<TierKind>)>,
     /// Saves filled by their training process and not yet committed at the deadline.
     pub not_committed: u64,
 }
@@ -40,7 +44,7 @@ pub struct DrainReport {
 impl DrainReport {
     /// Whether everything finished.
     pub fn complete(&self) -> bool {
-        self.not_persisted.is_empty() && self.not_committed == 0
+        self.not_persisted.is_empty() && self.failed.is_empty() && self.not_committed == 0
     }
 }
 
@@ -56,6 +60,9 @@ pub(crate) struct Inflight {
     pending: Mutex<BTreeMap<ShardKey, Pending>>,
     changed: Condvar,
     finished: Mutex<usize>,
+    /// Shards a tier failed, and those tiers, until a newer step of their job and rank
+    /// reaches every tier.
+    failed: Mutex<BTreeMap<ShardKey, BTreeSet<TierKind>>>,
     /// Shards whose persistence to disk and store, retention included, is still running.
     running: AtomicU64,
     /// Saves owed: filled by their training process (which may then reuse its memory) and
@@ -118,15 +125,26 @@ impl Inflight {
         );
     }
 
-    fn done(&self, key: &ShardKey, tier: TierKind) {
+    /// `tier` is done with the shard `key`: it holds it (`ok`), or failed.
+    fn done(&self, key: &ShardKey, tier: TierKind, ok: bool) {
         let mut p = self.lock();
+        let mut failed = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
+        if !ok {
+            failed.entry(key.clone()).or_default().insert(tier);
+        }
         if let Some(e) = p.get_mut(key) {
             e.tiers.remove(&tier);
             if e.tiers.is_empty() {
                 p.remove(key);
-                *self.finished.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+                if !failed.contains_key(key) {
+                    *self.finished.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+                    // Every tier holds this step: older failures of its rank no longer matter.
+                    failed
+                        .retain(|k, _| k.job != key.job || k.rank != key.rank || k.step > key.step);
+                }
             }
         }
+        drop(failed);
         drop(p);
         self.changed.notify_all();
     }
@@ -167,6 +185,13 @@ impl Inflight {
             not_persisted: p
                 .iter()
                 .map(|(k, e)| (k.clone(), e.tiers.iter().copied().collect()))
+                .collect(),
+            failed: self
+                .failed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .map(|(k, tiers)| (k.clone(), tiers.iter().copied().collect()))
                 .collect(),
             not_committed: self.owed.load(Ordering::Acquire),
         }
@@ -235,12 +260,12 @@ impl Core {
                         }
                     };
                     send_event(&ev, TierKind::Peer, &res);
-                    core.inflight.done(&sh.key, TierKind::Peer);
+                    core.inflight.done(&sh.key, TierKind::Peer, res.is_ok());
                 });
             if let Err(e) = spawned {
                 error!(shard = %shard.key, error = %e, "cannot start replication");
                 send_event(&events, TierKind::Peer, &Err(e.to_string()));
-                self.inflight.done(&shard.key, TierKind::Peer);
+                self.inflight.done(&shard.key, TierKind::Peer, false);
             }
         }
         let own: Vec<TierKind> = tiers
@@ -256,7 +281,7 @@ impl Core {
             for &t in &own {
                 self.metrics.failed(Failure::persist(t));
                 send_event(&events, t, &Err(why.clone()));
-                self.inflight.done(&shard.key, t);
+                self.inflight.done(&shard.key, t, false);
             }
         };
         let k = &shard.key;
@@ -292,7 +317,7 @@ impl Core {
                         }
                     };
                     send_event(&events, t, &res);
-                    core.inflight.done(&shard.key, t);
+                    core.inflight.done(&shard.key, t, res.is_ok());
                 }
                 // Retention follows; the shard's persistence runs until it is done.
                 if persisting.join().is_err() {
@@ -318,6 +343,10 @@ impl Core {
         for (key, tiers) in &report.not_persisted {
             let tiers: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
             error!(shard = %key, ?tiers, "not persisted before exit: the grace period ran out");
+        }
+        for (key, tiers) in &report.failed {
+            let tiers: Vec<&str> = tiers.iter().map(|t| t.as_str()).collect();
+            error!(shard = %key, ?tiers, "not persisted before exit: these tiers failed it");
         }
         if report.not_committed > 0 {
             error!(

@@ -95,9 +95,39 @@ pub fn sigterm_reports_what_was_not_persisted() {
     assert!(status.success(), "{log}");
     assert!(log.contains("not persisted before exit"), "{log}");
     assert!(
-        log.contains("NOT PERSISTED run step 1 rank 0 (tiers: store)"),
+        log.contains("NOT PERSISTED run step 1 rank 0 (tiers: store; the grace period ran out)"),
         "{log}"
     );
+}
+
+/// SIGTERM after a tier failed a step (a store that refuses connections: its client gives up
+/// within seconds, well inside the grace period): the step is reported as not persisted, naming
+/// the tier, never as "everything persisted".
+pub fn sigterm_reports_a_step_a_tier_failed() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = closed.local_addr().unwrap();
+    drop(closed);
+    let env = vec![
+        ("AWS_ENDPOINT_URL".to_string(), format!("http://{endpoint}")),
+        ("AWS_ALLOW_HTTP".to_string(), "true".to_string()),
+        ("AWS_REGION".to_string(), "us-east-1".to_string()),
+        ("AWS_ACCESS_KEY_ID".to_string(), "k".to_string()),
+        ("AWS_SECRET_ACCESS_KEY".to_string(), "s".to_string()),
+    ];
+    let mut cluster = Cluster::new(1);
+    cluster.store = Some(("s3://nowhere/ckpt".into(), env));
+    cluster.args = vec!["--grace".into(), "120s".into()];
+    let mut node = cluster.start(0, 0);
+    save_then_kill_trainer(&node, "4");
+    let status = node.sigterm();
+    let log = node.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("NOT PERSISTED run step 1 rank 0 (tiers: store; they failed it"),
+        "{log}"
+    );
+    assert!(!log.contains("everything committed is persisted"), "{log}");
+    assert!(!log.contains("shard(s) persisted"), "{log}");
 }
 
 /// SIGTERM while a node still looks for its peers (none of them runs, and the recovery timeout

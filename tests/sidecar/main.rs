@@ -59,6 +59,10 @@ const TESTS: &[Test] = &[
         drain::sigterm_reports_what_was_not_persisted,
     ),
     (
+        "sigterm_reports_a_step_a_tier_failed",
+        drain::sigterm_reports_a_step_a_tier_failed,
+    ),
+    (
         "sigterm_while_recovering_ends_the_recovery",
         drain::sigterm_while_recovering_ends_the_recovery,
     ),
