@@ -577,12 +577,12 @@ fn hostname() -> Result<String> {
     String::from_utf8(buf[..end].to_vec()).map_err(|_| config("the host name is not UTF-8"))
 }
 
-/// Half of the memory this process may use: the cgroup's limit when there is one, else the
-/// machine's.
+/// Half of the memory this process may use: its memory cgroup's limit when there is one (v2 or
+/// v1), else the machine's.
 fn default_budget() -> u64 {
-    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok());
+        .and_then(|own| cgroup_limit(&own, Path::new("/sys/fs/cgroup")));
     // SAFETY: sysconf only reads system configuration.
     let (pages, page) = unsafe {
         (
@@ -594,9 +594,63 @@ fn default_budget() -> u64 {
     cgroup.unwrap_or(physical).min(physical.max(1)) / 2
 }
 
+/// The memory limit of the cgroup that `/proc/self/cgroup` (`own`) names, under the cgroup
+/// file systems mounted at `root`: `memory.max` (v2) or `memory/memory.limit_in_bytes` (v1),
+/// at the process's own cgroup path or, where that is not visible (a container's own cgroup
+/// namespace), at the root. `None` when unlimited or unreadable.
+fn cgroup_limit(own: &str, root: &Path) -> Option<u64> {
+    let read = |p: PathBuf| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    own.lines()
+        .filter_map(|line| {
+            let mut f = line.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            let path = path.trim_start_matches('/');
+            let (dir, file) = if controllers.is_empty() {
+                (root.to_path_buf(), "memory.max")
+            } else if controllers.split(',').any(|c| c == "memory") {
+                (root.join("memory"), "memory.limit_in_bytes")
+            } else {
+                return None;
+            };
+            read(dir.join(path).join(file)).or_else(|| read(dir.join(file)))
+        })
+        .min()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_memory_limit_comes_from_the_cgroup_of_either_version() {
+        let root = tempfile::tempdir().unwrap();
+        let put = |rel: &str, text: &str| {
+            let p = root.path().join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        // v1, at the process's own path; other controllers are not looked at.
+        put("memory/job/memory.limit_in_bytes", "2147483648\n");
+        put("cpu/job/cpu.shares", "1024\n");
+        let v1 = "9:cpu,cpuacct:/job\n4:memory:/job\n";
+        assert_eq!(cgroup_limit(v1, root.path()), Some(2 << 30));
+        // v2 "max" is no limit; a number is.
+        put("pod/memory.max", "max\n");
+        assert_eq!(cgroup_limit("0::/pod\n", root.path()), None);
+        put("pod/memory.max", "1073741824\n");
+        assert_eq!(cgroup_limit("0::/pod\n", root.path()), Some(1 << 30));
+        // A path not visible here (a container's namespace): the root's file.
+        put("memory.max", "536870912\n");
+        assert_eq!(
+            cgroup_limit("0::/elsewhere\n", root.path()),
+            Some(512 << 20)
+        );
+        assert_eq!(cgroup_limit("", root.path()), None);
+    }
 
     fn base() -> Settings {
         Settings {
