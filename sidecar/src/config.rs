@@ -386,7 +386,14 @@ impl Settings {
             None => default_budget(),
         };
         let token = match (self.token, &self.token_file) {
-            (Some(t), _) => Some(t),
+            // Two tokens, one silently ignored, would read later as a peer that is unreachable.
+            (Some(_), Some(path)) => {
+                return Err(config(format!(
+                    "both {TOKEN_ENV} and token_file ({}) give the cluster token: keep one",
+                    path.display()
+                )));
+            }
+            (Some(t), None) => Some(t),
             (None, Some(path)) => {
                 let bytes =
                     std::fs::read(path).map_err(|e| Error::io("read token file", path, e))?;
@@ -855,6 +862,14 @@ mod tests {
                     ..base()
                 },
                 "memory_budget",
+            ),
+            (
+                Settings {
+                    token: Some(Token::new("t0ken-from-the-environment").unwrap()),
+                    token_file: Some("/etc/hotstart/token".into()),
+                    ..base()
+                },
+                "both HOTSTART_CLUSTER_TOKEN and token_file (/etc/hotstart/token) give the cluster token",
             ),
             (
                 Settings {
