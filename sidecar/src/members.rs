@@ -37,6 +37,8 @@ pub struct Member {
 #[derive(Debug, Default)]
 pub struct Members {
     table: Mutex<BTreeMap<String, Member>>,
+    /// Why each address that failed its last probe failed.
+    failing: Mutex<BTreeMap<String, String>>,
 }
 
 impl Members {
@@ -59,7 +61,23 @@ impl Members {
             .collect();
         Members {
             table: Mutex::new(table),
+            failing: Mutex::default(),
         }
+    }
+
+    /// Notes why a probe of `addr` failed; true when that is news (the address answered last
+    /// time, or failed for another reason), so that a peer that stays unreachable, or a
+    /// misconfiguration (a wrong token or CA), is told once, not at every probe.
+    fn probe_failed(&self, addr: &str, why: String) -> bool {
+        let mut f = self.failing.lock().unwrap_or_else(PoisonError::into_inner);
+        f.insert(addr.to_string(), why.clone()).as_ref() != Some(&why)
+    }
+
+    fn probe_answered(&self, addr: &str) {
+        self.failing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(addr);
     }
 
     /// Every known peer, up ones first.
@@ -159,6 +177,7 @@ impl Core {
                     match res {
                         Ok(c) if c.peer().node == self.me.node => {}
                         Ok(c) => {
+                            self.members.probe_answered(addr);
                             let id = c.peer().clone();
                             answered
                                 .lock()
@@ -171,7 +190,13 @@ impl Core {
                             });
                         }
                         Err(e) => {
-                            tracing::debug!(%addr, error = %e, "peer probe failed");
+                            self.metrics.failed(Failure::Peer);
+                            if self.members.probe_failed(addr, e.to_string()) {
+                                warn!(%addr, peer = expect.as_deref().unwrap_or("?"), error = %e,
+                                    "peer unreachable (said again only when the reason changes)");
+                            } else {
+                                tracing::debug!(%addr, error = %e, "peer probe failed");
+                            }
                             if let Some(id) = expect {
                                 self.members.mark_down(id);
                             } else {

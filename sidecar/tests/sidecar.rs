@@ -929,3 +929,26 @@ fn a_sidecar_that_never_answers_is_an_error_in_bounded_time() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A peer that cannot be reached counts as a peer failure at every probe that finds it so, on
+/// the node that cannot reach it (where the misconfiguration, if it is one, has to be seen).
+#[test]
+fn an_unreachable_peer_counts_as_a_peer_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let closed = hotstart_testkit::free_port().unwrap();
+    let mut s = settings("node-a", "127.0.0.1", 0, &socket);
+    s.peers = Some(vec![format!("node-b=127.0.0.1:{closed}")]);
+    s.recovery_timeout = Some("1s".parse().unwrap());
+    let sidecar = Running::start(s.resolve().unwrap());
+    sidecar.wait_ready();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while metric(sidecar.http, "hotstart_failures_total{kind=\"peer\"}") < 2.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no peer failure counted"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(metric(sidecar.http, "hotstart_peers{state=\"up\"}"), 0.0);
+}
