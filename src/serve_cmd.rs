@@ -70,7 +70,7 @@ pub struct ServeArgs {
     #[arg(long, env = "HOTSTART_CLUSTER_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// Run without a cluster token: only allowed when every address is loopback.
-    #[arg(long, env = "HOTSTART_INSECURE")]
+    #[arg(long, env = "HOTSTART_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     insecure: bool,
     /// Directory of this node's TLS files for encrypted, mutually authenticated peer links:
     /// ca.crt (the cluster's CA), tls.crt and tls.key (`hotstart tls init` makes them).
@@ -103,14 +103,14 @@ pub struct ServeArgs {
     /// Do not share chunks with peers (images, environments, checkpoints restored from the
     /// store): this node's processes that ask (HOTSTART_SHARE) read the store themselves, and
     /// peers that ask are refused.
-    #[arg(long, env = "HOTSTART_NO_SHARE")]
+    #[arg(long, env = "HOTSTART_NO_SHARE", value_parser = clap::builder::BoolishValueParser::new())]
     no_share: bool,
     /// Do not pin the steps held in memory for the GPU. By default, where this build has GPU
     /// support and a driver and devices exist, each step committed here is pinned once, in the
     /// background, and a restore into device tensors is copied by the sidecar itself, with
     /// nothing pinned by the restarted process (it costs the sidecar a CUDA context per device,
     /// and a pinned step's memory is not reused for a later save: each save gets new memory).
-    #[arg(long, env = "HOTSTART_NO_GPU_PIN")]
+    #[arg(long, env = "HOTSTART_NO_GPU_PIN", value_parser = clap::builder::BoolishValueParser::new())]
     no_gpu_pin: bool,
     /// At most this much memory keeps shared pieces, to serve this node's processes and its
     /// peers; it is part of --memory-budget, taken only when free and given back before any
