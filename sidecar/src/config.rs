@@ -515,9 +515,12 @@ impl SidecarConfig {
     }
 }
 
-/// Node ids name replicas on the wire and in logs: 1 to 253 bytes of `[A-Za-z0-9._-]`.
-fn check_node_id(id: &str) -> Result<()> {
+/// Node ids name replicas on the wire and in logs, and directories (`hotstart tls init`): 1 to
+/// 253 bytes of `[A-Za-z0-9._-]`, not `.` or `..`.
+pub(crate) fn check_node_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
+        && id != "."
+        && id != ".."
         && id.len() <= 253
         && id
             .bytes()

@@ -295,6 +295,20 @@ pub fn init(out: &Path, nodes: &[String], days: u32) -> Result<()> {
         KeyPair, KeyUsagePurpose,
     };
     let fail = |file: &str, e: rcgen::Error| bad(out, file, e);
+    // Each node gets a directory named after it, checked before anything is written.
+    for (i, node) in nodes.iter().enumerate() {
+        crate::config::check_node_id(node)?;
+        if nodes[..i].contains(node) {
+            return Err(bad(out, node, format!("node {node:?} is named twice")));
+        }
+    }
+    if days == 0 {
+        return Err(bad(
+            out,
+            CA_FILE,
+            "--days 0 would make certificates that expire at once",
+        ));
+    }
     let ca_key = out.join("ca.key");
     if ca_key.exists() {
         return Err(bad(

@@ -230,3 +230,24 @@ fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(from.join(f), to.join(f)).unwrap();
     }
 }
+
+/// `tls init` checks its input before it writes anything: every node name is a node id (no
+/// path that would put files outside the output directory), none twice, and certificates
+/// valid for at least a day.
+#[test]
+fn tls_init_refuses_bad_input_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tls");
+    for (nodes, days, says) in [
+        (vec![".."], 1, "node id \"..\""),
+        (vec!["a/b"], 1, "node id \"a/b\""),
+        (vec!["n1", "n1"], 1, "named twice"),
+        (vec!["n1"], 0, "--days 0"),
+    ] {
+        let nodes: Vec<String> = nodes.into_iter().map(String::from).collect();
+        let e = tls::init(&out, &nodes, days).unwrap_err().to_string();
+        assert!(e.contains(says), "{nodes:?} {days}: {e}");
+        assert!(!out.exists(), "{nodes:?}: nothing is written");
+        assert!(!dir.path().join("tls.crt").exists());
+    }
+}
