@@ -26,6 +26,20 @@ fn through(env: &[(String, String)], endpoint: SocketAddr) -> Vec<(String, Strin
         .collect()
 }
 
+/// The environment of an S3 store at `endpoint` (plain HTTP, dummy credentials).
+fn s3_at(endpoint: SocketAddr) -> Vec<(String, String)> {
+    [
+        ("AWS_ENDPOINT_URL", format!("http://{endpoint}")),
+        ("AWS_ALLOW_HTTP", "true".into()),
+        ("AWS_REGION", "us-east-1".into()),
+        ("AWS_ACCESS_KEY_ID", "k".into()),
+        ("AWS_SECRET_ACCESS_KEY", "s".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
 /// Saves one step of `mib` MiB on node 0 and kills the trainer once the sidecar holds it.
 fn save_then_kill_trainer(node: &crate::cluster::Node, mib: &str) {
     let mut t = node.trainer(&["save", "--job", "run", "--mib", mib, "--hold"]);
@@ -78,15 +92,8 @@ pub fn sigterm_drains_persistence() {
 
 pub fn sigterm_reports_what_was_not_persisted() {
     let hole = proxy::start(Mode::BlackHole);
-    let env = vec![
-        ("AWS_ENDPOINT_URL".to_string(), format!("http://{hole}")),
-        ("AWS_ALLOW_HTTP".to_string(), "true".to_string()),
-        ("AWS_REGION".to_string(), "us-east-1".to_string()),
-        ("AWS_ACCESS_KEY_ID".to_string(), "k".to_string()),
-        ("AWS_SECRET_ACCESS_KEY".to_string(), "s".to_string()),
-    ];
     let mut cluster = Cluster::new(1);
-    cluster.store = Some(("s3://nowhere/ckpt".into(), env));
+    cluster.store = Some(("s3://nowhere/ckpt".into(), s3_at(hole)));
     cluster.args = vec!["--grace".into(), "2s".into()];
     let mut node = cluster.start(0, 0);
     save_then_kill_trainer(&node, "4");
@@ -107,15 +114,8 @@ pub fn sigterm_reports_a_step_a_tier_failed() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = closed.local_addr().unwrap();
     drop(closed);
-    let env = vec![
-        ("AWS_ENDPOINT_URL".to_string(), format!("http://{endpoint}")),
-        ("AWS_ALLOW_HTTP".to_string(), "true".to_string()),
-        ("AWS_REGION".to_string(), "us-east-1".to_string()),
-        ("AWS_ACCESS_KEY_ID".to_string(), "k".to_string()),
-        ("AWS_SECRET_ACCESS_KEY".to_string(), "s".to_string()),
-    ];
     let mut cluster = Cluster::new(1);
-    cluster.store = Some(("s3://nowhere/ckpt".into(), env));
+    cluster.store = Some(("s3://nowhere/ckpt".into(), s3_at(endpoint)));
     cluster.args = vec!["--grace".into(), "120s".into()];
     let mut node = cluster.start(0, 0);
     save_then_kill_trainer(&node, "4");
