@@ -4,8 +4,6 @@
 //! prints what the library returns. The library is blocking, so the commands run on a blocking
 //! thread of the CLI's runtime.
 
-use std::io::Write;
-
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use hotstart_ckpt::Checkpoints;
@@ -76,27 +74,18 @@ impl Location {
     }
 }
 
-/// `println!` that returns the write's error instead of panicking on it.
+/// A line of output. A reader that went away (`hotstart ckpt ls | head`) ends the program
+/// quietly, as for every command (`main.rs`).
 macro_rules! out {
     ($($arg:tt)*) => {
-        writeln!(std::io::stdout().lock(), $($arg)*)?
+        println!($($arg)*)
     };
 }
 
 pub async fn run(cmd: CkptCommand) -> anyhow::Result<()> {
-    let res = tokio::task::spawn_blocking(move || run_blocking(cmd))
+    tokio::task::spawn_blocking(move || run_blocking(cmd))
         .await
-        .context("ckpt command thread")?;
-    match res {
-        // The reader of the output went away (`hotstart ckpt ls | head`): done, as any filter.
-        Err(e)
-            if e.downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
-        {
-            Ok(())
-        }
-        res => res,
-    }
+        .context("ckpt command thread")?
 }
 
 fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
@@ -229,19 +218,12 @@ fn run_blocking(cmd: CkptCommand) -> anyhow::Result<()> {
                 report.kept.len(),
                 report.kept
             );
-            // Newer incomplete steps are left alone (a save may still be writing them): say so,
-            // so that the listing after gc holds no surprise.
-            let newest = report.kept.last().copied().unwrap_or(0);
-            let pending: Vec<u64> = ck
-                .steps(&job)?
-                .iter()
-                .filter(|s| !s.complete && s.step > newest)
-                .map(|s| s.step)
-                .collect();
-            if !pending.is_empty() {
+            // Said, so that the listing after gc holds no surprise.
+            if !report.pending.is_empty() {
                 out!(
-                    "left alone {} newer incomplete step(s) (a save may still be writing them): {pending:?}",
-                    pending.len()
+                    "left alone {} newer incomplete step(s) (a save may still be writing them): {:?}",
+                    report.pending.len(),
+                    report.pending
                 );
             }
             Ok(())

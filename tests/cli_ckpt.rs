@@ -29,6 +29,14 @@ fn ok(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Runs a command that must fail; its stderr.
+fn fails(args: &[&str]) -> String {
+    let out = hotstart(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} succeeded: {stderr}");
+    stderr
+}
+
 /// Three tensors: 300 KiB of F32 (several chunks), a BF16 matrix and an empty I64.
 fn tensors(step: u64, rank: u32) -> Vec<Tensor> {
     let seed = step * 10 + rank as u64;
@@ -139,12 +147,9 @@ fn ls_show_verify_gc_on_a_disk_tier() {
     assert_eq!(row("model.b"), "model.b BF16 [3, 4] 24");
     assert_eq!(row("empty"), "empty I64 [0] 0");
     // A step that is not there names the steps that are.
-    let missing = hotstart(&["ckpt", "show", at, "--job", "run-1", "--step", "7"]);
-    let stderr = String::from_utf8_lossy(&missing.stderr);
+    let stderr = fails(&["ckpt", "show", at, "--job", "run-1", "--step", "7"]);
     assert!(
-        !missing.status.success()
-            && stderr.contains("no manifest of step 7 rank 0")
-            && stderr.contains("[10, 15, 20, 30, 40]"),
+        stderr.contains("no manifest of step 7 rank 0") && stderr.contains("[10, 15, 20, 30, 40]"),
         "{stderr}"
     );
     // Default: the newest complete step, rank 0.
@@ -191,12 +196,9 @@ fn ls_show_verify_gc_on_a_disk_tier() {
         vec!["ckpt", "gc", at, "--job", "run-11", "--keep", "2"],
         vec!["ckpt", "ls", at, "--job", "run-11"],
     ] {
-        let typo = hotstart(&args);
-        let stderr = String::from_utf8_lossy(&typo.stderr);
+        let stderr = fails(&args);
         assert!(
-            !typo.status.success()
-                && stderr.contains("job \"run-11\" has no steps")
-                && stderr.contains("ckpt ls"),
+            stderr.contains("job \"run-11\" has no steps") && stderr.contains("ckpt ls"),
             "{args:?}: {stderr}"
         );
     }
@@ -329,9 +331,7 @@ fn verify_reports_committed_steps_whose_files_were_lost_or_cut() {
     assert!(!stdout.contains("checked step 20 rank 1"), "{stdout}");
     assert!(stdout.contains("skipped step 40: incomplete"), "{stdout}");
     // Asked for by number, the torn save names the rank that never committed.
-    let torn = hotstart(&["ckpt", "verify", at, "--job", "run-1", "--step", "40"]);
-    let stderr = String::from_utf8_lossy(&torn.stderr);
-    assert!(!torn.status.success());
+    let stderr = fails(&["ckpt", "verify", at, "--job", "run-1", "--step", "40"]);
     assert!(
         stderr.contains("BAD step 40 rank 1: no manifest: this rank's save never committed"),
         "{stderr}"

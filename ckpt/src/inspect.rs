@@ -96,6 +96,15 @@ impl StepInfo {
         self.ranks.iter().filter(|r| rank_committed(r)).count()
     }
 
+    /// Whether some rank's files were damaged or lost after that rank committed: a manifest
+    /// that cannot be used, or a valid one whose data file is missing or of another length.
+    /// A torn save (ranks without a manifest, the rest whole) is not damaged.
+    pub fn damaged(&self) -> bool {
+        self.ranks
+            .iter()
+            .any(|r| !matches!(r.manifest, ManifestState::Missing) && !rank_committed(r))
+    }
+
     /// Why the step is incomplete, or `None` when it is complete.
     pub fn incomplete_reason(&self) -> Option<String> {
         if self.complete {
@@ -118,19 +127,6 @@ impl StepInfo {
             })
             .collect();
         Some(bad.join("; "))
-    }
-}
-
-impl StepInfo {
-    /// Whether some rank's files were damaged or lost after that rank committed: a manifest
-    /// that cannot be used, or a valid one whose data file is missing or of another length.
-    /// A torn save (ranks without a manifest, the rest whole) is not damaged.
-    pub fn damaged(&self) -> bool {
-        self.ranks.iter().any(|r| match &r.manifest {
-            ManifestState::Invalid(_) => true,
-            ManifestState::Valid(m) => r.data_len != Some(m.file_len),
-            ManifestState::Missing => false,
-        })
     }
 }
 
@@ -185,6 +181,9 @@ pub struct GcReport {
     pub removed: Vec<u64>,
     /// Complete steps kept, ascending.
     pub kept: Vec<u64>,
+    /// Incomplete steps newer than the newest kept one, left alone (a save may still be
+    /// writing them), ascending.
+    pub pending: Vec<u64>,
 }
 
 impl Checkpoints {
@@ -524,10 +523,16 @@ impl Checkpoints {
                 self.tier.remove_rank(job, info.step, r.rank)?;
             }
         }
-        let report = GcReport {
+        let newest = plan.kept.last().copied().unwrap_or(0);
+        let pending = present
+            .iter()
+            .filter(|&&(step, complete)| !complete && step > newest)
+            .map(|&(step, _)| step)
+            .collect();
+        Ok(GcReport {
             removed: plan.removed,
             kept: plan.kept,
-        };
-        Ok(report)
+            pending,
+        })
     }
 }

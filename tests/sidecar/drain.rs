@@ -90,16 +90,22 @@ pub fn sigterm_drains_persistence() {
     }
 }
 
-pub fn sigterm_reports_what_was_not_persisted() {
-    let hole = proxy::start(Mode::BlackHole);
+/// One node whose store is S3 at `endpoint`: a step of 4 MiB saved, its trainer killed, then
+/// SIGTERM with `grace`; the node's log, once it exited 0.
+fn drained_with_store_at(endpoint: SocketAddr, grace: &str) -> String {
     let mut cluster = Cluster::new(1);
-    cluster.store = Some(("s3://nowhere/ckpt".into(), s3_at(hole)));
-    cluster.args = vec!["--grace".into(), "2s".into()];
+    cluster.store = Some(("s3://nowhere/ckpt".into(), s3_at(endpoint)));
+    cluster.args = vec!["--grace".into(), grace.into()];
     let mut node = cluster.start(0, 0);
     save_then_kill_trainer(&node, "4");
     let status = node.sigterm();
     let log = node.log();
     assert!(status.success(), "{log}");
+    log
+}
+
+pub fn sigterm_reports_what_was_not_persisted() {
+    let log = drained_with_store_at(proxy::start(Mode::BlackHole), "2s");
     assert!(log.contains("not persisted before exit"), "{log}");
     assert!(
         log.contains("NOT PERSISTED run step 1 rank 0 (tiers: store; the grace period ran out)"),
@@ -114,14 +120,7 @@ pub fn sigterm_reports_a_step_a_tier_failed() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = closed.local_addr().unwrap();
     drop(closed);
-    let mut cluster = Cluster::new(1);
-    cluster.store = Some(("s3://nowhere/ckpt".into(), s3_at(endpoint)));
-    cluster.args = vec!["--grace".into(), "120s".into()];
-    let mut node = cluster.start(0, 0);
-    save_then_kill_trainer(&node, "4");
-    let status = node.sigterm();
-    let log = node.log();
-    assert!(status.success(), "{log}");
+    let log = drained_with_store_at(endpoint, "120s");
     assert!(
         log.contains("NOT PERSISTED run step 1 rank 0 (tiers: store; they failed it"),
         "{log}"
